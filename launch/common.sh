@@ -1,0 +1,271 @@
+# shellcheck shell=bash
+# Shared logic of launch/pretrain_*.sh. Sourced, never executed; each script sets CONFIG's default and
+# its layout overrides, then calls `launch_pretrain LAYOUT_OVERRIDE...`. Documentation: docs/slurm.md.
+#
+# What one attempt (one start of the batch job, first run or requeue) does:
+#   1. resolve settings from the environment (table below), print them with the restart count;
+#   2. `python -m pretrain validate CONFIG OVERRIDES --world-size N` on the batch node: a bad layout
+#      fails the job in seconds, before any rank starts, with the validator's message in the job log;
+#   3. `srun` one task per GPU (or CPU rank) running `python -m pretrain train`, torch's RANK/WORLD_SIZE/
+#      LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT mapped from Slurm's variables; the trainer
+#      resumes from the latest checkpoint in RUN_DIR by itself;
+#   4. a signal (`#SBATCH --signal=B:USR1@T` before the time limit, preemption's SIGTERM, or
+#      `scancel --signal=USR1 --batch JOB`) is forwarded to the ranks, which save a checkpoint, write
+#      RUN_DIR/exit_status.json and exit 0;
+#   5. from exit_status.json: "completed" ends the job; "signal"/"time_limit" requeue it
+#      (`scontrol requeue`, same job id, same RUN_DIR, SLURM_RESTART_COUNT+1); a failure requeues at
+#      most MAX_FAILED_RESTARTS times in a row without progress, then the job fails.
+#
+# Environment (all optional; `sbatch --export=ALL`, the default, passes them from the submitting shell):
+#   CONFIG               trainer YAML (relative: to the submit directory, then to the checkout)
+#   OVERRIDES            space-separated dotted overrides, applied after the script's layout overrides,
+#                        e.g. "train.steps=6 parallel.tensor=2" (values without spaces)
+#   RUN_DIR              run directory: checkpoints, metrics.jsonl, exit_status.json
+#                        (default: <checkout>/runs/<job name>-<job id>; set it to resume an older run)
+#   PYTHON               interpreter (default: <checkout>/.venv/bin/python if present, else `python`;
+#                        `python` inside a container)
+#   CONTAINER_IMAGE      run the ranks (and the validator) in this image via pyxis
+#   CONTAINER_MOUNTS     pyxis mounts (default: the checkout and RUN_DIR at the same paths)
+#   PROJECT_DIR          the checkout (default: found from the submitted script's path)
+#   MAX_FAILED_RESTARTS  requeues after failures without progress in between (default 2)
+#   MAX_RESTARTS         requeues in total, any reason (default 100)
+#   SRUN_ARGS            extra srun arguments, space-separated (e.g. "--label")
+# Node count and ranks per node come from `sbatch --nodes=N --ntasks-per-node=R`.
+
+launch_log() { printf '[launch %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+launch_die() {
+    printf '[launch %s] error: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2
+    exit 1
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Cluster environment for NCCL / Transformer Engine / CUDA. Each is a default: a value already in the
+# environment wins. They do nothing on CPU (gloo) runs.
+# ---------------------------------------------------------------------------------------------------
+launch_export_runtime_env() {
+    # Megatron-Core's TP/SP communication overlap relies on kernels being issued to the GPU in program
+    # order; one hardware work queue per device guarantees that (Megatron asserts it for some overlaps).
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    # Fewer cached-allocator fragments on long runs with changing activation shapes.
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    # Async collectives free their buffers without recordStream: lower peak memory.
+    export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
+    # Leave SMs to the overlapped TP communication kernels while TE's LayerNorm kernels run.
+    export NVTE_FWD_LAYERNORM_SM_MARGIN=${NVTE_FWD_LAYERNORM_SM_MARGIN:-16}
+    export NVTE_BWD_LAYERNORM_SM_MARGIN=${NVTE_BWD_LAYERNORM_SM_MARGIN:-16}
+    # Warnings only; set NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to debug a hang at start.
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    # Site specific, left to the cluster's module/env files: NCCL_SOCKET_IFNAME (bootstrap interface),
+    # NCCL_IB_HCA / NCCL_IB_SL (InfiniBand), NCCL_NET_GDR_LEVEL, and on AWS/GCP their NCCL plugins.
+    # One intra-op thread per rank, as torchrun does; ranks already fill the cores.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # Unbuffered, so the job log shows progress as it happens and the last lines survive a kill.
+    export PYTHONUNBUFFERED=1
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------------
+launch_abs_path() {  # launch_abs_path PATH: relative to the submit directory
+    case $1 in
+        /*) printf '%s\n' "$1" ;;
+        *) printf '%s/%s\n' "${SLURM_SUBMIT_DIR:-$PWD}" "$1" ;;
+    esac
+}
+
+launch_resolve_settings() {
+    [[ -n ${SLURM_JOB_ID:-} ]] || launch_die "not inside a Slurm job: submit with \`sbatch $0\`" \
+        "(or run it inside \`salloc\`)"
+    [[ -n ${PROJECT_DIR:-} && -f $PROJECT_DIR/launch/common.sh ]] ||
+        launch_die "PROJECT_DIR='${PROJECT_DIR:-}' is not a checkout with launch/common.sh"
+
+    [[ -n ${CONFIG:-} ]] || launch_die "CONFIG is empty: set it to a trainer YAML"
+    if [[ $CONFIG != /* ]]; then
+        if [[ -f ${SLURM_SUBMIT_DIR:-$PWD}/$CONFIG ]]; then
+            CONFIG=${SLURM_SUBMIT_DIR:-$PWD}/$CONFIG
+        else
+            CONFIG=$PROJECT_DIR/$CONFIG
+        fi
+    fi
+    [[ -f $CONFIG ]] || launch_die "CONFIG=$CONFIG does not exist"
+
+    RUN_DIR=$(launch_abs_path "${RUN_DIR:-$PROJECT_DIR/runs/${SLURM_JOB_NAME:-pretrain}-$SLURM_JOB_ID}")
+    mkdir -p "$RUN_DIR" || launch_die "cannot create RUN_DIR=$RUN_DIR"
+
+    if [[ -z ${PYTHON:-} ]]; then
+        if [[ -z ${CONTAINER_IMAGE:-} && -x $PROJECT_DIR/.venv/bin/python ]]; then
+            PYTHON=$PROJECT_DIR/.venv/bin/python
+        else
+            PYTHON=python
+        fi
+    fi
+    if [[ -z ${CONTAINER_IMAGE:-} ]]; then
+        command -v "$PYTHON" >/dev/null || launch_die "PYTHON=$PYTHON not found on $(hostname)"
+    fi
+
+    read -r -a LAUNCH_USER_OVERRIDES <<<"${OVERRIDES:-}"
+    local o
+    for o in "${LAUNCH_USER_OVERRIDES[@]}"; do
+        [[ $o == *=* ]] || launch_die "OVERRIDES item '$o' is not key=value"
+        [[ $o != run.dir=* ]] || launch_die "set RUN_DIR instead of run.dir in OVERRIDES" \
+            "(the batch script reads RUN_DIR/exit_status.json)"
+    done
+
+    LAUNCH_WORLD_SIZE=${SLURM_NTASKS:-}
+    [[ $LAUNCH_WORLD_SIZE =~ ^[0-9]+$ ]] ||
+        launch_die "SLURM_NTASKS is unset: submit with --nodes and --ntasks-per-node"
+    LAUNCH_TASKS_PER_NODE=${SLURM_NTASKS_PER_NODE:-$((LAUNCH_WORLD_SIZE / ${SLURM_JOB_NUM_NODES:-1}))}
+
+    # Rendezvous: TCPStore on the job's first node, on a port derived from the job id (distinct for
+    # jobs sharing a node, the same across requeues of one job).
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+    [[ -n $MASTER_ADDR ]] || launch_die "cannot expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST"
+    if ! getent hosts "$MASTER_ADDR" >/dev/null; then
+        # Node names that do not resolve (NodeName != host name): use Slurm's NodeAddr instead.
+        local addr
+        addr=$(scontrol show node "$MASTER_ADDR" -o | sed -n 's/.* NodeAddr=\([^ ]*\) .*/\1/p')
+        [[ -n $addr ]] || launch_die "first node $MASTER_ADDR does not resolve and has no NodeAddr"
+        MASTER_ADDR=$addr
+    fi
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    export MASTER_ADDR MASTER_PORT
+
+    MAX_FAILED_RESTARTS=${MAX_FAILED_RESTARTS:-2}
+    MAX_RESTARTS=${MAX_RESTARTS:-100}
+    [[ $MAX_FAILED_RESTARTS =~ ^[0-9]+$ && $MAX_RESTARTS =~ ^[0-9]+$ ]] ||
+        launch_die "MAX_FAILED_RESTARTS and MAX_RESTARTS must be non-negative integers"
+
+    LAUNCH_CONTAINER_ARGS=()
+    if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+        local mounts=$PROJECT_DIR:$PROJECT_DIR
+        [[ $RUN_DIR == "$PROJECT_DIR"/* ]] || mounts+=,$RUN_DIR:$RUN_DIR
+        LAUNCH_CONTAINER_ARGS=(--container-image="$CONTAINER_IMAGE"
+            --container-mounts="${CONTAINER_MOUNTS:-$mounts}" --container-workdir="$PROJECT_DIR")
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------------
+launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout is rejected
+    local cmd=("$PYTHON" -m pretrain validate "$CONFIG" "$@" --world-size "$LAUNCH_WORLD_SIZE") rc=0
+    launch_log "validate: ${cmd[*]}"
+    if ((${#LAUNCH_CONTAINER_ARGS[@]})); then
+        # The host may have no Python environment: validate in one container task on the first node.
+        srun --nodes=1 --ntasks=1 "${LAUNCH_CONTAINER_ARGS[@]}" "${cmd[@]}" || rc=$?
+    else
+        "${cmd[@]}" || rc=$?
+    fi
+    if ((rc == 2)); then
+        launch_log "layout rejected by the validator for world size $LAUNCH_WORLD_SIZE" \
+            "($SLURM_JOB_NUM_NODES nodes x $LAUNCH_TASKS_PER_NODE tasks); not starting training, not requeueing"
+        exit 2
+    elif ((rc != 0)); then
+        launch_log "validator failed with exit code $rc (not a layout verdict); not starting training"
+        exit "$rc"
+    fi
+}
+
+# The one signal the ranks get from us. SIGUSR1 arrives in the batch shell only (`--signal=B:...`):
+# forward it. SIGTERM (scancel, preemption) reaches the ranks from Slurm directly: just note it.
+launch_on_signal() {
+    LAUNCH_SIGNAL=$1
+    if [[ $1 == USR1 && -n ${LAUNCH_SRUN_PID:-} ]]; then
+        launch_log "received SIG$1: forwarding to the ranks (they save a checkpoint and exit)"
+        kill -USR1 "$LAUNCH_SRUN_PID" 2>/dev/null || true
+    else
+        launch_log "received SIG$1"
+    fi
+}
+
+launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
+    local srun_args extra
+    read -r -a extra <<<"${SRUN_ARGS:-}"
+    srun_args=(--kill-on-bad-exit=1 --ntasks="$LAUNCH_WORLD_SIZE"
+        --ntasks-per-node="$LAUNCH_TASKS_PER_NODE" "${LAUNCH_CONTAINER_ARGS[@]}" "${extra[@]}")
+    # torch.distributed's environment from Slurm's, per task (evaluated in the task, hence the quotes).
+    # shellcheck disable=SC2016
+    local rank_env='export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
+        LOCAL_WORLD_SIZE=$LAUNCH_TASKS_PER_NODE GROUP_RANK=$SLURM_NODEID; exec "$@"'
+    export LAUNCH_TASKS_PER_NODE
+    local cmd=("$PYTHON" -m pretrain train "$CONFIG" "$@" "run.dir=$RUN_DIR")
+    launch_log "train: srun ${srun_args[*]} ${cmd[*]}"
+
+    rm -f "$RUN_DIR/exit_status.json"  # written afresh by rank 0 of this attempt
+    LAUNCH_SIGNAL=
+    trap 'launch_on_signal USR1' USR1
+    trap 'launch_on_signal TERM' TERM
+    srun "${srun_args[@]}" bash -c "$rank_env" rank-env "${cmd[@]}" &
+    LAUNCH_SRUN_PID=$!
+    # `wait` returns early when a trapped signal arrives; wait again until srun itself has exited.
+    while :; do
+        LAUNCH_SRUN_RC=0
+        wait "$LAUNCH_SRUN_PID" || LAUNCH_SRUN_RC=$?
+        kill -0 "$LAUNCH_SRUN_PID" 2>/dev/null || break
+    done
+    trap - USR1 TERM
+    launch_log "srun exited with code $LAUNCH_SRUN_RC${LAUNCH_SIGNAL:+ after SIG$LAUNCH_SIGNAL}"
+}
+
+launch_requeue() {  # launch_requeue WHY
+    launch_log "requeueing job $SLURM_JOB_ID ($1); it resumes from the latest checkpoint in $RUN_DIR"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        exit 0
+    fi
+    launch_log "scontrol requeue failed (job cancelled, or requeue not permitted); not requeued"
+    exit 1
+}
+
+launch_finish() {  # decide from exit_status.json and srun's exit code
+    local status_file=$RUN_DIR/exit_status.json reason="" step="?" failures_file=$RUN_DIR/.launch_failures
+    local failures=0 restarts=${SLURM_RESTART_COUNT:-0}
+    if [[ -f $status_file ]]; then
+        reason=$(sed -n 's/.*"reason": *"\([a-z_]*\)".*/\1/p' "$status_file")
+        step=$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$status_file")
+        launch_log "exit status: $(tr -d '\n' <"$status_file")"
+    else
+        launch_log "no $status_file: the trainer did not finish cleanly"
+    fi
+    [[ -f $failures_file ]] && failures=$(<"$failures_file")
+
+    if [[ $reason == completed && $LAUNCH_SRUN_RC == 0 ]]; then
+        rm -f "$failures_file"
+        launch_log "training completed at step $step after $restarts restart(s)"
+        exit 0
+    fi
+    if [[ ($reason == signal || $reason == time_limit) && $LAUNCH_SRUN_RC == 0 ]]; then
+        rm -f "$failures_file"  # a checkpoint was saved: progress, the failure streak ends
+        ((restarts < MAX_RESTARTS)) || {
+            launch_log "checkpoint saved at step $step, but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
+            exit 3
+        }
+        launch_requeue "trainer saved at step $step after ${reason/_/ }"
+    fi
+    failures=$((failures + 1))
+    echo "$failures" >"$failures_file"
+    if ((failures > MAX_FAILED_RESTARTS || restarts >= MAX_RESTARTS)); then
+        launch_log "training failed (srun exit $LAUNCH_SRUN_RC, reason '${reason:-none}'); $failures failure(s)" \
+            "in a row, MAX_FAILED_RESTARTS=$MAX_FAILED_RESTARTS: giving up"
+        exit "$((LAUNCH_SRUN_RC == 0 ? 1 : LAUNCH_SRUN_RC))"
+    fi
+    launch_requeue "failure $failures of at most $MAX_FAILED_RESTARTS in a row (srun exit $LAUNCH_SRUN_RC)"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Entry point: launch_pretrain LAYOUT_OVERRIDE... (the script's own overrides; OVERRIDES come after
+# them, so the user's win).
+# ---------------------------------------------------------------------------------------------------
+launch_pretrain() {
+    set -euo pipefail
+    launch_resolve_settings
+    launch_export_runtime_env
+    local overrides=("$@" "${LAUNCH_USER_OVERRIDES[@]}")
+    launch_log "job ${SLURM_JOB_ID} (${SLURM_JOB_NAME:-?}) restart ${SLURM_RESTART_COUNT:-0}:" \
+        "${SLURM_JOB_NUM_NODES:-?} node(s) [${SLURM_JOB_NODELIST}] x $LAUNCH_TASKS_PER_NODE task(s)" \
+        "= world size $LAUNCH_WORLD_SIZE; master $MASTER_ADDR:$MASTER_PORT"
+    launch_log "CONFIG=$CONFIG RUN_DIR=$RUN_DIR PYTHON=$PYTHON${CONTAINER_IMAGE:+ CONTAINER_IMAGE=$CONTAINER_IMAGE}"
+    cd "$PROJECT_DIR"  # `python -m pretrain` from the checkout, whatever the submit directory
+    launch_validate "${overrides[@]}"
+    launch_train "${overrides[@]}"
+    launch_finish
+}
