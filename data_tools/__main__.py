@@ -1,0 +1,141 @@
+"""``python -m data_tools {preprocess,inspect,verify,merge,convert} ...`` (imports are lazy)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from data_tools.tokenizers import TOKENIZER_TYPES
+
+
+def _add_tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--tokenizer-type", required=required, metavar="TYPE", help=f"one of: {', '.join(TOKENIZER_TYPES)}"
+    )
+    p.add_argument(
+        "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its dir), tiktoken .json"
+    )
+    p.add_argument("--vocab-file", help="vocab.json of a BPE vocab/merges pair (GPT2BPETokenizer)")
+    p.add_argument("--merge-file", help="merges.txt of a BPE vocab/merges pair")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_tools", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("preprocess", help="tokenize a corpus into Megatron .bin/.idx files")
+    p.add_argument("--input", nargs="+", required=True, help="JSONL (.gz/.zst) or Parquet files, dirs, globs")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    _add_tokenizer_args(p, required=True)
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON keys / Parquet columns (default: text)"
+    )
+    p.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer threads (default 1)")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
+    p.add_argument(
+        "--keep-empty", action="store_true", help="write empty documents as Megatron-LM does (default: skip)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run with the same arguments"
+    )
+    p.add_argument("--encoder", choices=["auto", "gigatoken", "reference"], default="auto")
+    p.add_argument("--batch-mb", type=float, default=8.0, help="input MB per batch (default 8)")
+    p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("inspect", help="counts, dtype, length histogram, sample documents")
+    p.add_argument("prefix")
+    _add_tokenizer_args(p, required=False)
+    p.add_argument("--samples", type=int, default=2, help="documents to decode (needs a tokenizer)")
+    p.add_argument("--chars", type=int, default=300, help="characters shown per sample")
+
+    p = sub.add_parser("verify", help="check a .bin/.idx pair for consistency")
+    p.add_argument("prefix")
+    _add_tokenizer_args(p, required=False)
+
+    p = sub.add_parser("merge", help="concatenate datasets with the same dtype")
+    p.add_argument("--inputs", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)")
+    p.add_argument("--output-prefix", required=True)
+
+    sub.add_parser("convert", help="checkpoint conversion (see data_tools.convert)", add_help=False)
+    return parser
+
+
+def _tokenizer_from(args: argparse.Namespace) -> object | None:
+    if not args.tokenizer_type:
+        return None
+    from data_tools.tokenizers import load_tokenizer
+
+    return load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "preprocess":
+        from data_tools.preprocess import preprocess
+
+        summary = preprocess(
+            args.input,
+            args.output_prefix,
+            args.tokenizer_type,
+            args.tokenizer_model,
+            args.vocab_file,
+            args.merge_file,
+            json_keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            strict=args.strict,
+            keep_empty=args.keep_empty,
+            resume=args.resume,
+            encoder=args.encoder,
+            batch_bytes=int(args.batch_mb * (1 << 20)),
+            progress=False if args.no_progress else None,
+        )
+        print(summary.format())
+        return 0
+    if args.command == "inspect":
+        from data_tools.inspect_cmd import inspect_dataset
+
+        print(inspect_dataset(args.prefix, _tokenizer_from(args), samples=args.samples, chars=args.chars))
+        return 0
+    if args.command == "verify":
+        from data_tools.verify import verify
+
+        print(verify(args.prefix, _tokenizer_from(args)))
+        return 0
+    if args.command == "merge":
+        from data_tools.merge import merge
+
+        print(merge(args.inputs, args.output_prefix))
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "convert":
+        try:
+            from data_tools.convert import main as convert_main
+        except ImportError as e:
+            print(f"error: the convert subcommand is not available ({e})", file=sys.stderr)
+            return 2
+        return int(convert_main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    # SIGTERM (e.g. a scheduler's kill) interrupts like Ctrl-C, so an interrupted run can --resume.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    from data_tools.inputs import InputError
+    from data_tools.tokenizers import TokenizerError
+
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; re-run with --resume to continue", file=sys.stderr)
+        return 130
+    except (InputError, TokenizerError, OSError, RuntimeError, ValueError) as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

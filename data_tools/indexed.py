@@ -1,0 +1,294 @@
+"""Megatron-Core indexed dataset (``.bin``/``.idx``) format, written and read with numpy only.
+
+The layout is the one ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` writes
+(tests check byte equality against it)::
+
+    b"MMIDIDX\\x00\\x00" | <Q version=1 | <B dtype code | <Q sequence count S | <Q document count D
+    | int32[S] sequence lengths | int64[S] byte pointers | int64[D] document indices (first is 0)
+
+Keeping this module free of torch/megatron imports keeps ``preprocess`` start-up fast.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+# Megatron-Core's DType enum codes.
+DTYPE_CODES: dict[int, type[np.number]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+_FIXED_HEADER = len(INDEX_HEADER) + 8 + 1 + 8 + 8
+_COPY_CHUNK = 1 << 22
+
+
+class IndexedFormatError(ValueError):
+    """A ``.bin``/``.idx`` pair that is truncated, corrupt or inconsistent."""
+
+
+def optimal_dtype(vocab_size: int | None) -> type[np.number]:
+    """The token dtype Megatron uses for a vocabulary: uint16 below 65,500 ids, else int32."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def bin_path(prefix: str | os.PathLike) -> Path:
+    """``PREFIX.bin``."""
+    return Path(f"{os.fspath(prefix)}.bin")
+
+
+def idx_path(prefix: str | os.PathLike) -> Path:
+    """``PREFIX.idx``."""
+    return Path(f"{os.fspath(prefix)}.idx")
+
+
+def _header_bytes(dtype: np.dtype, sequence_count: int, document_count: int) -> bytes:
+    return (
+        INDEX_HEADER
+        + struct.pack("<Q", INDEX_VERSION)
+        + struct.pack("<B", CODE_OF_DTYPE[np.dtype(dtype)])
+        + struct.pack("<Q", sequence_count)
+        + struct.pack("<Q", document_count)
+    )
+
+
+def _copy_file(src: Path, dst: BinaryIO) -> None:
+    with open(src, "rb") as f:
+        while chunk := f.read(_COPY_CHUNK):
+            dst.write(chunk)
+
+
+def write_index_streaming(
+    path: Path,
+    dtype: np.dtype,
+    lengths_file: Path,
+    doc_indices_file: Path,
+    chunk_items: int = 1 << 20,
+) -> None:
+    """Write an ``.idx`` from spilled int32 lengths and int64 document indices, in bounded memory.
+
+    ``doc_indices_file`` holds the document indices *after* the leading 0.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    n_seq = lengths_file.stat().st_size // 4
+    n_doc = doc_indices_file.stat().st_size // 8 + 1
+    with open(path, "wb") as out:
+        out.write(_header_bytes(dtype, n_seq, n_doc))
+        _copy_file(lengths_file, out)
+        pointer = np.int64(0)
+        with open(lengths_file, "rb") as f:
+            while True:
+                lengths = np.fromfile(f, dtype=np.int32, count=chunk_items)
+                if lengths.size == 0:
+                    break
+                ends = np.cumsum(lengths.astype(np.int64) * itemsize) + pointer
+                starts = np.empty_like(ends)
+                starts[0] = pointer
+                starts[1:] = ends[:-1]
+                out.write(starts.tobytes())
+                pointer = ends[-1]
+        out.write(np.zeros(1, dtype=np.int64).tobytes())
+        _copy_file(doc_indices_file, out)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+@dataclass
+class IndexInfo:
+    """The parsed ``.idx`` of a dataset (arrays are memory-mapped)."""
+
+    dtype: np.dtype
+    sequence_lengths: np.ndarray
+    sequence_pointers: np.ndarray
+    document_indices: np.ndarray
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.sequence_lengths.size)
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.document_indices.size) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+def read_index(prefix: str | os.PathLike) -> IndexInfo:
+    """Parse and sanity-check ``PREFIX.idx``; raise :class:`IndexedFormatError` naming the file."""
+    path = idx_path(prefix)
+    if not path.is_file():
+        raise IndexedFormatError(f"{path}: index file not found")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_FIXED_HEADER)
+    if len(head) < len(INDEX_HEADER) or head[: len(INDEX_HEADER)] != INDEX_HEADER:
+        raise IndexedFormatError(f"{path}: not a Megatron indexed dataset index (bad magic header)")
+    if len(head) < _FIXED_HEADER:
+        raise IndexedFormatError(f"{path}: truncated header ({size} bytes)")
+    (version,) = struct.unpack("<Q", head[9:17])
+    if version != INDEX_VERSION:
+        raise IndexedFormatError(f"{path}: unsupported index version {version}")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise IndexedFormatError(f"{path}: unknown dtype code {code}")
+    (n_seq,) = struct.unpack("<Q", head[18:26])
+    (n_doc,) = struct.unpack("<Q", head[26:34])
+    expected = _FIXED_HEADER + n_seq * (4 + 8) + n_doc * 8
+    if n_doc < 1 or size < expected:
+        raise IndexedFormatError(
+            f"{path}: truncated or corrupt: header says {n_seq} sequences and {n_doc - 1} documents "
+            f"({expected} bytes) but the file has {size} bytes"
+        )
+    if size != expected:
+        raise IndexedFormatError(f"{path}: {size - expected} unexpected trailing bytes after the index")
+    mm = np.memmap(path, mode="r", dtype=np.uint8)
+    offset = _FIXED_HEADER
+    lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=offset)
+    offset += 4 * n_seq
+    pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=offset)
+    offset += 8 * n_seq
+    docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=offset)
+    return IndexInfo(np.dtype(DTYPE_CODES[code]), lengths, pointers, docs)
+
+
+def check_consistency(prefix: str | os.PathLike, info: IndexInfo | None = None) -> IndexInfo:
+    """Check the index's lengths, pointers and document indices against each other and the ``.bin`` size."""
+    info = info or read_index(prefix)
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    if not bpath.is_file():
+        raise IndexedFormatError(f"{bpath}: data file not found (index {ipath} exists)")
+    itemsize = info.dtype.itemsize
+    lengths = info.sequence_lengths
+    if lengths.size and int(lengths.min()) < 0:
+        raise IndexedFormatError(f"{ipath}: negative sequence length at sequence {int(np.argmin(lengths))}")
+    expected_ptr = np.zeros(lengths.size, dtype=np.int64)
+    if lengths.size:
+        np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=expected_ptr[1:])
+    bad = np.flatnonzero(expected_ptr != info.sequence_pointers)
+    if bad.size:
+        raise IndexedFormatError(
+            f"{ipath}: sequence pointer {int(bad[0])} is {int(info.sequence_pointers[bad[0]])}, "
+            f"expected {int(expected_ptr[bad[0]])} from the lengths"
+        )
+    docs = info.document_indices
+    if docs[0] != 0:
+        raise IndexedFormatError(f"{ipath}: first document index is {int(docs[0])}, expected 0")
+    if docs.size > 1 and (np.any(np.diff(docs) < 0) or docs[-1] != lengths.size):
+        raise IndexedFormatError(
+            f"{ipath}: document indices are not non-decreasing up to the sequence count {lengths.size}"
+        )
+    data_bytes = info.num_tokens * itemsize
+    actual = bpath.stat().st_size
+    if actual != data_bytes:
+        raise IndexedFormatError(
+            f"{bpath}: {actual} bytes but the index describes {info.num_tokens} tokens of "
+            f"{info.dtype.name} = {data_bytes} bytes ({'truncated' if actual < data_bytes else 'extra data'})"
+        )
+    return info
+
+
+def read_tokens(prefix: str | os.PathLike) -> np.ndarray:
+    """Memory-map the whole ``.bin`` of ``prefix`` with its index dtype."""
+    info = read_index(prefix)
+    path = bin_path(prefix)
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=info.dtype)
+    return np.memmap(path, mode="r", dtype=info.dtype)
+
+
+class IndexedWriter:
+    """Streams token batches to ``PREFIX.bin`` and spills the index arrays to side files.
+
+    All files are temporaries next to the output; :meth:`finalize` writes the ``.idx`` and renames
+    ``.bin`` then ``.idx`` into place, so a final ``.idx`` only ever appears for a complete dataset.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: type[np.number], resume_sizes: dict | None = None):
+        self.prefix = os.fspath(prefix)
+        self.dtype = np.dtype(dtype)
+        self.tmp_bin = Path(f"{self.prefix}.bin.tmp")
+        self.tmp_lengths = Path(f"{self.prefix}.lengths.tmp")
+        self.tmp_docs = Path(f"{self.prefix}.docs.tmp")
+        files = (self.tmp_bin, self.tmp_lengths, self.tmp_docs)
+        if resume_sizes is None:
+            self._handles = [open(p, "wb") for p in files]
+            self.num_tokens = self.num_sequences = self.num_documents = 0
+        else:
+            self._handles = []
+            for p, key in zip(files, ("bin", "lengths", "docs")):
+                want = int(resume_sizes[key])
+                if not p.is_file() or p.stat().st_size < want:
+                    raise IndexedFormatError(
+                        f"{p}: shorter than the resume state records; re-run without --resume"
+                    )
+                h = open(p, "r+b")
+                h.truncate(want)
+                h.seek(want)
+                self._handles.append(h)
+            self.num_tokens = int(resume_sizes["bin"]) // self.dtype.itemsize
+            self.num_sequences = int(resume_sizes["lengths"]) // 4
+            self.num_documents = int(resume_sizes["docs"]) // 8
+
+    def add_batch(
+        self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_doc: np.ndarray
+    ) -> None:
+        """Append documents: flat ``tokens``, the length of each sequence, the sequence count of each doc."""
+        bin_f, len_f, doc_f = self._handles
+        bin_f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        len_f.write(np.ascontiguousarray(sequence_lengths, dtype=np.int32).tobytes())
+        doc_ends = np.cumsum(sequences_per_doc, dtype=np.int64) + self.num_sequences
+        doc_f.write(doc_ends.tobytes())
+        self.num_tokens += int(tokens.size)
+        self.num_sequences += int(sequence_lengths.size)
+        self.num_documents += int(sequences_per_doc.size)
+
+    def flush(self) -> dict[str, int]:
+        """Flush the temporaries; return their sizes (the resume point)."""
+        for h in self._handles:
+            h.flush()
+        return {
+            "bin": self._handles[0].tell(),
+            "lengths": self._handles[1].tell(),
+            "docs": self._handles[2].tell(),
+        }
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.close()
+
+    def finalize(self) -> None:
+        """Write the ``.idx`` and move both files into place (``.idx`` last)."""
+        bin_f = self._handles[0]
+        self.flush()
+        os.fsync(bin_f.fileno())
+        self.close()
+        tmp_idx = Path(f"{self.prefix}.idx.tmp")
+        write_index_streaming(tmp_idx, self.dtype, self.tmp_lengths, self.tmp_docs)
+        final_idx, final_bin = idx_path(self.prefix), bin_path(self.prefix)
+        final_idx.unlink(missing_ok=True)  # never leave an old index next to a new .bin
+        os.replace(self.tmp_bin, final_bin)
+        os.replace(tmp_idx, final_idx)
+        self.tmp_lengths.unlink(missing_ok=True)
+        self.tmp_docs.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Close and delete every temporary."""
+        self.close()
+        for p in (self.tmp_bin, self.tmp_lengths, self.tmp_docs, Path(f"{self.prefix}.idx.tmp")):
+            p.unlink(missing_ok=True)

@@ -1,0 +1,365 @@
+"""``preprocess``: corpus -> ``PREFIX_{key}_document.{bin,idx}`` in Megatron-Core's indexed format.
+
+Output is byte-identical to Megatron-LM's ``tools/preprocess_data.py`` (one sequence per
+document, EOD appended with ``--append-eod``, uint16 below 65,500 ids) for clean input. Memory is
+bounded: batches stream from the reader to the encoder to temporaries next to the output, and the
+index arrays are spilled to disk. A state file records the last complete batch so ``--resume``
+continues an interrupted run; final files appear (``.bin`` then ``.idx``) only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from data_tools.indexed import IndexedWriter, optimal_dtype
+from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
+from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
+
+STATE_SUFFIX = ".preprocess-state.json"
+_MAX_REPORTED = 10  # skipped lines printed per reason
+
+
+class PreprocessError(RuntimeError):
+    """A run that cannot complete; the message names the cause."""
+
+
+@dataclass
+class Summary:
+    """What a run did."""
+
+    outputs: dict[str, str]
+    documents: int = 0
+    tokens: int = 0
+    input_bytes: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    encoder: str = ""
+    dtype: str = ""
+    resumed: bool = False
+
+    def format(self) -> str:
+        mb = self.input_bytes / 1e6
+        rate = mb / self.seconds if self.seconds else 0.0
+        lines = [
+            f"documents: {self.documents:,}",
+            f"tokens:    {self.tokens:,} ({self.dtype})",
+            f"input:     {mb:,.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s, encoder {self.encoder})",
+        ]
+        if self.skipped:
+            lines.append("skipped:   " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())))
+        else:
+            lines.append("skipped:   none")
+        lines += [f"output:    {p}.bin/.idx" for p in self.outputs.values()]
+        return "\n".join(lines)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _reason_class(reason: str) -> str:
+    return reason.split(" (")[0]
+
+
+class _Progress:
+    def __init__(self, total_bytes: int, stream: TextIO, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total_bytes, stream, enabled
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def update(self, done_bytes: int, docs: int, text_bytes: int, tokens: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 0.5):
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        frac = min(1.0, done_bytes / self.total) if self.total else 1.0
+        eta = (dt / frac - dt) if frac > 0 else float("inf")
+        bar = "#" * int(frac * 24)
+        self.stream.write(
+            f"\r[{bar:<24}] {frac * 100:5.1f}% {docs / dt:,.0f} docs/s {text_bytes / dt / 1e6:,.1f} MB/s "
+            f"{tokens / dt / 1e6:,.2f} Mtok/s ETA {eta:,.0f}s "
+        )
+        if final:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _fingerprint(
+    files: list[Path], spec: TokenizerSpec, keys: list[str], append_eod: bool, keep_empty: bool
+) -> str:
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(json.dumps([asdict(spec), keys, append_eod, keep_empty]).encode())
+    return h.hexdigest()
+
+
+def assemble(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    seqs_per_doc: list[int] | None,
+    eod: int | None,
+    keep_empty: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Megatron-LM's per-document layout for a batch of encoded sequences.
+
+    Empty sequences are dropped, EOD (if given) is appended to the last sequence of each non-empty
+    document. Returns ``(tokens, sequence_lengths, sequences_per_doc, empty_doc_mask)``; empty
+    documents are kept as zero-sequence documents only when ``keep_empty`` (Megatron-LM does that).
+    """
+    n_seq = offsets.size - 1
+    seq_len = np.diff(offsets)
+    n_doc = n_seq if seqs_per_doc is None else len(seqs_per_doc)
+    doc_of_seq = np.arange(n_seq) if seqs_per_doc is None else np.repeat(np.arange(n_doc), seqs_per_doc)
+    kept = np.flatnonzero(seq_len > 0)
+    kept_doc = doc_of_seq[kept]
+    per_doc = np.bincount(kept_doc, minlength=n_doc)
+    empty = per_doc == 0
+    lengths = seq_len[kept].astype(np.int64)
+    if eod is not None and kept.size:
+        last = np.ones(kept.size, dtype=bool)
+        last[:-1] = kept_doc[1:] != kept_doc[:-1]
+        tokens = np.insert(np.asarray(tokens), offsets[kept[last] + 1], eod)
+        lengths[last] += 1
+    if not keep_empty:
+        per_doc = per_doc[~empty]
+    return tokens, lengths, per_doc, empty
+
+
+def preprocess(
+    inputs: list[str],
+    output_prefix: str,
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    json_keys: list[str] | None = None,
+    append_eod: bool = False,
+    workers: int = 1,
+    strict: bool = False,
+    keep_empty: bool = False,
+    resume: bool = False,
+    encoder: str = "auto",
+    batch_bytes: int = 8 << 20,
+    progress: bool | None = None,
+    log: TextIO | None = None,
+    memory_budget_bytes: int = 640 << 20,
+) -> Summary:
+    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}``; return a :class:`Summary`.
+
+    Bad lines are skipped and counted (``strict=True``: the first raises :class:`InputError`).
+    Raises :class:`InputError`, ``TokenizerError`` or :class:`PreprocessError` with a clear cause.
+    """
+    t0 = time.monotonic()
+    log = log or sys.stderr
+    keys = json_keys or ["text"]
+    workers = max(1, int(workers))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
+    spec = resolve_spec(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    files = expand_inputs(inputs)
+    if not files:
+        raise InputError("no input files given")
+    out_dir = Path(output_prefix).parent
+    if not out_dir.is_dir():
+        raise PreprocessError(f"output directory does not exist: {out_dir}")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PreprocessError(f"output directory is not writable: {out_dir}")
+
+    enc: BatchEncoder = build_batch_encoder(spec, workers, encoder, log=lambda m: print(m, file=log))
+    if append_eod and enc.eod is None:
+        raise PreprocessError(
+            f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token"
+        )
+    dtype = optimal_dtype(enc.vocab_size)
+    prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
+    state_path = Path(f"{output_prefix}{STATE_SUFFIX}")
+    fingerprint = _fingerprint(files, spec, keys, append_eod, keep_empty)
+
+    summary = Summary(outputs=prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
+    skipped: Counter[str] = Counter()
+    reported: Counter[str] = Counter()
+    start = (0, 0, 0)
+    state: dict[str, Any] | None = None
+    if resume and state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+        except ValueError:
+            state = None
+        if state is None or state.get("fingerprint") != fingerprint:
+            print(f"note: {state_path} is from different inputs or options; starting over", file=log)
+            state = None
+    if state is not None:
+        start = tuple(state["position"])  # type: ignore[assignment]
+        summary.documents, summary.tokens, summary.input_bytes = (
+            state["documents"],
+            state["tokens"],
+            state["bytes"],
+        )
+        skipped.update(state["skipped"])
+        summary.resumed = True
+        print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
+    try:
+        writers = {
+            k: IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None)
+            for k, p in prefixes.items()
+        }
+    except OSError as e:
+        raise PreprocessError(f"cannot create output files at {output_prefix}: {e.strerror}") from e
+
+    def on_bad(path: Path, line: int, reason: str) -> None:
+        if strict:
+            raise InputError(f"{path}:{line}: {reason}")
+
+    total_disk = sum(p.stat().st_size for p in files)
+    done_disk = sum(p.stat().st_size for p in files[: start[0]])
+    show = progress if progress is not None else log.isatty()
+    bar = _Progress(total_disk, log, show)
+    rss_base = _rss_bytes()
+
+    batches: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for b in read_batches(files, keys, batch_bytes, start, on_bad):
+                while not stop.is_set():
+                    try:
+                        batches.put(b, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            batches.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            batches.put(e)
+
+    reader = threading.Thread(target=produce, name="data_tools-reader", daemon=True)
+    reader.start()
+    ok = False
+    try:
+        current_file, base_disk = start[0], done_disk
+        while True:
+            item = batches.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            batch: Batch = item
+            if batch.file_index != current_file:
+                base_disk += sum(p.stat().st_size for p in files[current_file : batch.file_index])
+                current_file = batch.file_index
+            for line, reason in batch.skipped:
+                cls = _reason_class(reason)
+                skipped[cls] += 1
+                reported[cls] += 1
+                if reported[cls] <= _MAX_REPORTED:
+                    print(f"\rskipped {files[batch.file_index]}:{line}: {reason}", file=log)
+            n_docs_batch = 0
+            for k in keys:
+                texts = batch.texts[k]
+                if texts:
+                    tokens, offsets = enc.encode(texts)
+                else:
+                    tokens, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
+                out_t, lengths, per_doc, empty = assemble(
+                    tokens, offsets, batch.seqs_per_doc[k], enc.eod if append_eod else None, keep_empty
+                )
+                if empty.any():
+                    for j in np.flatnonzero(empty):
+                        if strict and not keep_empty:
+                            raise InputError(
+                                f"{files[batch.file_index]}:{batch.lines[j]}: empty document ({k!r})"
+                            )
+                        reported["empty document"] += 1
+                        if reported["empty document"] <= _MAX_REPORTED and not keep_empty:
+                            print(
+                                f"\rskipped {files[batch.file_index]}:{batch.lines[j]}: empty document",
+                                file=log,
+                            )
+                    if not keep_empty:
+                        skipped["empty document"] += int(empty.sum())
+                if out_t.size and int(out_t.max()) >= enc.vocab_size:
+                    raise PreprocessError(f"token id {int(out_t.max())} >= vocab size {enc.vocab_size}")
+                try:
+                    writers[k].add_batch(out_t, lengths, per_doc)
+                except OSError as e:
+                    raise PreprocessError(f"writing {writers[k].tmp_bin} failed: {e.strerror}") from e
+                summary.tokens += int(out_t.size)
+                n_docs_batch = max(n_docs_batch, int(per_doc.size))
+            summary.documents += n_docs_batch
+            summary.input_bytes += batch.text_bytes
+            try:
+                sizes = {k: w.flush() for k, w in writers.items()}
+                _write_state(
+                    state_path,
+                    {
+                        "fingerprint": fingerprint,
+                        "position": [batch.file_index, batch.records_done, batch.byte_offset],
+                        "sizes": sizes,
+                        "documents": summary.documents,
+                        "tokens": summary.tokens,
+                        "bytes": summary.input_bytes,
+                        "skipped": dict(skipped),
+                    },
+                )
+            except OSError as e:
+                raise PreprocessError(f"writing output at {output_prefix} failed: {e.strerror}") from e
+            if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
+                enc.reset()  # gigatoken's pretoken caches grow with vocabulary seen
+            bar.update(
+                base_disk + batch.progress_bytes, summary.documents, summary.input_bytes, summary.tokens
+            )
+        bar.update(total_disk, summary.documents, summary.input_bytes, summary.tokens, final=True)
+        if summary.documents == 0:
+            raise InputError(
+                "no documents in the input"
+                + (f" ({', '.join(f'{n} {w}' for w, n in skipped.items())} skipped)" if skipped else "")
+                + ": "
+                + ", ".join(map(str, files))
+            )
+        try:
+            for w in writers.values():
+                w.finalize()
+        except OSError as e:
+            raise PreprocessError(f"finalizing output at {output_prefix} failed: {e.strerror}") from e
+        state_path.unlink(missing_ok=True)
+        ok = True
+    finally:
+        stop.set()
+        if not ok:
+            for w in writers.values():
+                w.close()
+            # Keep temporaries + state only when a resume is possible (interrupted, not rejected input).
+            exc = sys.exc_info()[1]
+            if not isinstance(exc, KeyboardInterrupt):
+                for w in writers.values():
+                    w.discard()
+                state_path.unlink(missing_ok=True)
+    summary.skipped = dict(skipped)
+    summary.seconds = time.monotonic() - t0
+    return summary
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
