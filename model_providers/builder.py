@@ -1,0 +1,246 @@
+"""Build Megatron-Core `GPTModel` chunks from the run config, with layout-invariant initialisation.
+
+`build_model(cfg, vocab_size)` returns one `GPTModel` per virtual pipeline stage held by this rank
+(a list of one without interleaving). Weights are drawn by `initialize_layout_invariant`: each
+parameter on its full (unsharded) shape from a generator seeded by (train.seed, global parameter
+name), then sliced to this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model_providers.specs import decoder_block_spec, transformer_engine_available
+
+# Transformer Engine recipe names accepted for model.fp8.
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Vocabulary rounded up to a multiple of divisible_by × TP (Megatron's convention)."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """`auto` is bf16 on GPU and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if on_gpu else "fp32"
+    return precision
+
+
+def use_transformer_engine(cfg) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "local":
+        return False
+    if impl == "transformer_engine":
+        return True
+    return transformer_engine_available()
+
+
+def transformer_config(cfg, *, on_gpu: bool | None = None) -> TransformerConfig:
+    """Megatron-Core `TransformerConfig` for the run's model, layout and numerics."""
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    m, p = cfg.model, cfg.parallel
+    precision = resolve_precision(cfg.train.precision, on_gpu)
+    dtype = params_dtype(precision)
+    use_te = use_transformer_engine(cfg)
+    batch_p2p = p.batch_p2p_comm
+    if batch_p2p is None:
+        # gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently.
+        batch_p2p = on_gpu
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        kv_channels=m.kv_channels,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        context_parallel_size=p.context,
+        sequence_parallel=p.sequence_parallel,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=m.gated_linear_unit,
+        activation_func=F.silu if m.activation == "silu" else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        apply_residual_connection_post_layernorm=m.apply_residual_connection_post_layernorm,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        # Weights are drawn by initialize_layout_invariant, not by Megatron's per-rank init.
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        batch_p2p_comm=batch_p2p,
+        batch_p2p_sync=on_gpu,
+        variable_seq_lengths=False,
+        deallocate_pipeline_outputs=True,
+        # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
+        bias_activation_fusion=on_gpu and not m.gated_linear_unit and m.add_bias_linear is True,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=on_gpu and use_te,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=on_gpu,
+        tp_comm_overlap=p.tp_comm_overlap,
+        transformer_impl="transformer_engine" if use_te else "local",
+        # Loss = sum over tokens; finalize_model_grads divides by the global token count.
+        calculate_per_token_loss=True,
+    )
+    if m.fp8:
+        kwargs.update(fp8="hybrid", fp8_recipe=m.fp8, fp8_param=m.fp8_param_gather)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(cfg, vocab_size: int, *, on_gpu: bool | None = None) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly."""
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    config = transformer_config(cfg, on_gpu=on_gpu)
+    use_te = use_transformer_engine(cfg)
+    m = cfg.model
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
+    vp = cfg.parallel.virtual_pipeline
+    chunks = []
+    for vp_stage in range(vp or 1):
+        stage = vp_stage if vp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, use_te, vp_stage=stage),
+            vocab_size=padded,
+            max_sequence_length=m.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=int(m.rotary_base),
+            rope_scaling=m.rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
+            vp_stage=stage,
+        )
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    initialize_layout_invariant(chunks, cfg, vocab_size, padded)
+    return chunks
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout-invariant initialisation
+# --------------------------------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
+    """Map a chunk's local parameter names to layout-independent global names.
+
+    Local layer indices are replaced by the layer's global index; the output layer of a model with
+    tied embeddings is the embedding matrix.
+    """
+    local_to_global = {}
+    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+    for i, layer in enumerate(layers):
+        local_to_global[str(i)] = str(layer.layer_number - 1)
+    names = {}
+    for name, _ in chunk.named_parameters():
+        gname = _LAYER_RE.sub(lambda mo: f"decoder.layers.{local_to_global[mo.group(1)]}.", name)
+        if gname == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+            gname = "embedding.word_embeddings.weight"
+        names[name] = gname
+    return names
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _full_shape(param: torch.Tensor) -> tuple[list[int], int | None, int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        dim = param.partition_dim
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        shape[dim] *= tp
+        return shape, dim, parallel_state.get_tensor_model_parallel_rank()
+    return shape, None, 0
+
+
+def _std_for(gname: str, cfg) -> float:
+    std = cfg.model.init_method_std
+    if gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight"):
+        return std / math.sqrt(2.0 * cfg.model.num_layers)  # Megatron's scaled output init
+    return std
+
+
+def _is_glu_fc1(gname: str, cfg) -> bool:
+    return cfg.model.gated_linear_unit and ".linear_fc1." in gname
+
+
+def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> torch.Tensor:
+    """This TP rank's shard. A gated fc1 is [gate; up] on every rank, so shard each half."""
+    if not glu:
+        return full.narrow(dim, rank * size, size)
+    gate, up = full.chunk(2, dim=dim)
+    half = size // 2
+    return torch.cat([gate.narrow(dim, rank * half, half), up.narrow(dim, rank * half, half)], dim=dim)
+
+
+@torch.no_grad()
+def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, padded_vocab: int) -> None:
+    """Draw every parameter on its full shape from (seed, global name), then keep this rank's slice.
+
+    Matrices ~ N(0, std) (output projections scaled by 1/sqrt(2·layers)), norm weights 1, biases 0.
+    Embedding rows past the real vocabulary (TP padding) are zero, so padding never changes values.
+    """
+    seed = cfg.train.seed
+    for chunk in chunks:
+        names = global_parameter_names(chunk)
+        for local, param in chunk.named_parameters():
+            gname = names[local]
+            full_shape, dim, rank = _full_shape(param)
+            is_norm = param.dim() == 1 and ("layernorm" in gname or "layer_norm" in gname)
+            if gname.endswith("bias"):
+                param.zero_()
+                continue
+            if is_norm:
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(_seed_for(seed, gname))
+            if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                rows = torch.empty([vocab_size, *full_shape[1:]], dtype=torch.float32, device=param.device)
+                rows.normal_(0.0, _std_for(gname, cfg), generator=gen)
+                full = torch.zeros(full_shape, dtype=torch.float32, device=param.device)
+                full[:vocab_size] = rows
+            else:
+                full = torch.empty(full_shape, dtype=torch.float32, device=param.device)
+                full.normal_(0.0, _std_for(gname, cfg), generator=gen)
+            if dim is not None:
+                full = _tp_slice(full, dim, rank, param.shape[dim], glu=_is_glu_fc1(gname, cfg))
+            param.copy_(full.to(param.dtype))

@@ -1,0 +1,69 @@
+"""Layer specs, chosen in one place: Transformer Engine on CUDA when importable, else Megatron-Core's
+local spec with a norm that supports sequence parallelism (torch's own norms refuse it without apex)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_available() -> bool:
+    """True when CUDA is present and Transformer Engine's torch extension imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a partial TE install raises RuntimeError, not ImportError
+        return False
+    return True
+
+
+class SequenceParallelNorm:
+    """torch RMSNorm/LayerNorm whose parameters are marked for sequence-parallel grad all-reduce.
+
+    With sequence parallelism each TP rank normalises a slice of the sequence, so the norm's weight
+    gradients are partial sums that Megatron's DDP all-reduces across TP when the parameter carries
+    `sequence_parallel = True`. (Megatron-Core's own torch wrapper asserts SP is off without apex.)
+    Constructed like a spec module; returns the plain torch norm, so parameter names are unchanged.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"normalization '{config.normalization}' is not supported by the local spec")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
+    """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+    if use_te:
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        norm = None  # TransformerBlock picks TENorm itself
+    else:
+        layer = get_gpt_layer_local_spec(normalization=config.normalization)
+        layer.submodules.input_layernorm = SequenceParallelNorm
+        layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        norm = SequenceParallelNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if norm is None:
+        return layer
+    submodules = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
+    return ModuleSpec(module=TransformerBlock, submodules=submodules)

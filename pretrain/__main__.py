@@ -1,0 +1,73 @@
+"""`python -m pretrain {train,validate,plan,report} ...`"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+# On machines without Transformer Engine / apex, Megatron-Core warns at import that it uses its local
+# implementations; that is the expected configuration there, not something the user must act on.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config (a path, or a name from pretrain/configs/ like tiny_llama)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides parsed as YAML, e.g. parallel.tensor=2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train (or resume) a model; use torchrun for several processes")
+    _config_args(p)
+    p = sub.add_parser("validate", help="check a config and layout before launching (exit 2 on problems)")
+    _config_args(p)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes of the job (default: $WORLD_SIZE, else tensor×pipeline×context)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    p = sub.add_parser("plan", help="memory and throughput plan for a config and cluster", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("report", help="plot and summarise runs (PNG)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command in ("plan", "report"):
+        import importlib
+
+        module = importlib.import_module(f"pretrain.{args.command}")
+        return module.main(args.rest)
+
+    from pretrain.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.command == "validate":
+        from pretrain.runtime import env_world_size
+        from pretrain.validate import validate
+
+        p = cfg.parallel
+        world = args.world_size
+        if world is None:
+            world = env_world_size() if "WORLD_SIZE" in __import__("os").environ else p.tensor * p.pipeline * p.context
+        report = validate(cfg, world)
+        if args.print_config:
+            print(cfg.to_yaml())
+        print(report.text(), file=sys.stdout if report.ok else sys.stderr)
+        return 0 if report.ok else 2
+
+    from pretrain.train import main as train_main
+
+    return train_main(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

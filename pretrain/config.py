@@ -1,0 +1,333 @@
+"""One typed config tree for a pretraining run: YAML file + dotted command-line overrides.
+
+    cfg = load_config("pretrain/configs/tiny_llama.yaml", ["parallel.tensor=2", "train.steps=10"])
+
+Override values are parsed as YAML (`data.blend=[1.0,/data/x_text_document]`). Unknown keys and values of
+the wrong type are rejected with one message naming the key. Model presets (`model.preset`) fill every
+model field the file and the overrides leave unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be turned into a `Config`."""
+
+
+@dataclass
+class ModelConfig:
+    """Model shape and numerics. Field names follow Megatron-Core's `TransformerConfig` where one exists."""
+
+    preset: str | None = None
+    family: str = "llama"  # "llama" | "gpt": selects the provider in model_providers/
+    num_layers: int = 4
+    hidden_size: int = 256
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    num_attention_heads: int = 8
+    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
+    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
+    seq_length: int = 256
+    vocab_size: int | None = None  # None: taken from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    gated_linear_unit: bool = True  # SwiGLU when activation is "silu"
+    activation: str = "silu"  # "silu" | "gelu"
+    position_embedding_type: str = "rope"  # "rope" | "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False  # Llama-3.1 frequency scaling
+    rope_scaling_factor: float = 8.0
+    share_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    apply_residual_connection_post_layernorm: bool = False
+    # Recompute: None | "selective" | "full"; method "uniform" | "block" for full.
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    # Transformer Engine / FP8 (GPU only; validated).
+    transformer_impl: str = "auto"  # "auto" | "transformer_engine" | "local"
+    fp8: str | None = None  # None | "tensorwise" | "delayed" | "mxfp8" | "blockwise"
+    fp8_param_gather: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Data parallelism is what is left of the world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None  # None: not interleaved
+    context: int = 1
+    sequence_parallel: bool = False
+    tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
+    # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).
+    batch_p2p_comm: bool | None = None
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron indexed datasets (blends) or synthetic tokens."""
+
+    mock: bool = False
+    blend: list | None = None  # [weight, prefix, weight, prefix, ...] or [prefix, ...]
+    train_blend: list | None = None  # per-split blends (instead of blend + split)
+    valid_blend: list | None = None
+    test_blend: list | None = None
+    split: str = "969,30,1"
+    tokenizer_type: str = "sentencepiece"
+    tokenizer_model: str | None = None  # None: the embedded Mistral-7B SentencePiece model
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    num_workers: int = 0
+    cache_dir: str | None = None  # None: run.dir/data_cache
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam(W) and the learning-rate schedule (Megatron-Core `OptimizerParamScheduler`)."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = False  # Megatron distributed optimizer (ZeRO-1 over data parallel)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    warmup_steps: int = 0
+    decay_style: str = "cosine"  # "cosine" | "linear" | "constant" | "WSD" | "inverse-square-root"
+    decay_steps: int | None = None  # None: train.steps
+    wsd_decay_steps: int | None = None
+    lr_wsd_decay_style: str = "linear"
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length, seeding and numerics of the run."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    steps: int = 100
+    seed: int = 1234
+    precision: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU) | "bf16" | "fp16" | "fp32"
+    eval_interval: int | None = None
+    eval_iters: int = 2
+    exit_duration_in_mins: float | None = None  # save and stop after this wall-clock duration
+    nan_policy: str = "stop"  # "stop" | "skip": what a NaN/Inf loss or grad norm does
+    exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron-Core distributed checkpoints (`torch_dist`)."""
+
+    interval: int | None = None  # None: only at the end (and on signals)
+    dir: str | None = None  # None: run.dir/checkpoints
+    keep_last: int | None = None  # None: keep all
+    async_save: bool = False
+    pretrained: str | None = None  # weights-only start when run.dir has no checkpoint yet
+    save_optimizer: bool = True
+    load_optimizer: bool = True
+    save_at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """Where scalars go."""
+
+    log_interval: int = 1
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The run's home: metrics, TensorBoard, checkpoints and caches live under `dir`."""
+
+    dir: str = "runs/default"
+    name: str | None = None
+
+
+@dataclass
+class Config:
+    """The whole run, passed explicitly to every part of the program."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the tree from plain dicts
+# --------------------------------------------------------------------------------------------------
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list or annotation is list:
+        return isinstance(value, list)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown config key '{dotted}'{hint}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{dotted}' must be a mapping, got {value!r}")
+            kwargs[key] = _build(annotation, value, dotted + ".")
+            continue
+        if annotation is float or (float in typing.get_args(annotation)):
+            if isinstance(value, str):  # YAML reads "3e-4" as a string
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+        if not _type_ok(value, annotation):
+            raise ConfigError(
+                f"'{dotted}' must be of type {_type_name(annotation)}, got {value!r} ({type(value).__name__})"
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and annotation is float:
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split `a.b=value` and parse the value as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from exc
+    return key, value
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config path as given, or a bare name (`tiny_llama`) looked up in pretrain/configs/."""
+    p = Path(path)
+    if p.exists():
+        return p
+    for candidate in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"config file '{path}' not found (shipped configs: {_shipped_names()})")
+
+
+def _shipped_names() -> str:
+    return ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.yaml")))
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Build a `Config` from a nested dict, applying the model preset under explicit model keys."""
+    tree = dict(tree)
+    model = dict(tree.get("model") or {})
+    preset = model.get("preset")
+    if preset is not None:
+        from model_providers import get_preset
+
+        try:
+            base = get_preset(preset)
+        except KeyError as exc:
+            raise ConfigError(str(exc.args[0])) from None
+        model = {**base, **model}
+    tree["model"] = model
+    return _build(Config, tree, "")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load YAML (or start from defaults when `path` is None) and apply dotted overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = resolve_config_path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+        tree = loaded
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return config_from_dict(tree)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (what a run actually used)."""
+    Path(path).write_text(cfg.to_yaml())

@@ -1,0 +1,95 @@
+"""Run Megatron-Core 0.16.1 on CPU (gloo): the CUDA assumptions it makes, worked around in one place.
+
+`apply_cpu_shims()` is called by the runtime only when `torch.cuda.is_available()` is False. It edits
+nothing on disk; every change is a run-time substitution listed below (facts measured in
+shared/docs/megatron_on_cpu.md):
+
+- `torch.cuda.current_device()` returns "cpu" (RoPE, global memory buffer, SP mappings).
+- Torch factory functions map a CUDA `device=` argument to CPU; `Tensor.cuda()` is the identity
+  (hard-coded `device="cuda"` in schedules, optimizer and grad clipping).
+- `Tensor.type()` reports `torch.cuda.*Tensor` for CPU floating tensors (optimizer type checks).
+- The CUDA RNG used by Megatron's RNG tracker and activation recompute is the CPU generator.
+- `torch.cuda.synchronize()` is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+_APPLIED = False
+
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace",
+)  # fmt: skip
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def cpu_shims_applied() -> bool:
+    return _APPLIED
+
+
+def apply_cpu_shims() -> None:
+    """Patch the CUDA assumptions of megatron-core 0.16.1 so it trains on CPU. Idempotent."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+    for name in _FACTORIES:
+        setattr(torch, name, _cpu_factory(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    original_type = torch.Tensor.type
+
+    def _type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        if dtype is None:
+            return original_type(self, **kwargs)
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = dtype.replace("torch.cuda.", "torch.")
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = _type
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # On CPU the tracker's "GPU" generator is the CPU one; its "CPU state changed" warning is noise.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    _APPLIED = True

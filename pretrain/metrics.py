@@ -1,0 +1,77 @@
+"""Per-step metrics: one JSON line per step in `run.dir/metrics.jsonl`, TensorBoard scalars, a log line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+# One line per step, these keys first (external tools read them).
+METRICS_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples")
+
+
+class MetricsWriter:
+    """Appends metrics lines and TensorBoard scalars. Create it only on the rank that has the loss."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            except Exception as exc:  # tensorboard missing or broken: metrics.jsonl still written
+                print(f"[metrics] TensorBoard disabled: {exc}", flush=True)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines for steps > `step` (written after the checkpoint a resumed run restarts from)."""
+        self._file.close()
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from a killed run
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        ordered = {k: record[k] for k in METRICS_KEYS if k in record}
+        ordered.update({k: v for k, v in record.items() if k not in ordered})
+        self._file.write(json.dumps(ordered) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in ordered.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_step_line(record: dict[str, Any], total_steps: int) -> str:
+    """A readable one-line summary of a step for the rank-0 log."""
+    parts = [
+        f"step {record['step']:>6}/{total_steps}",
+        f"loss {record['loss']:.6f}",
+        f"lr {record['lr']:.3e}",
+        f"grad_norm {record['grad_norm']:.4f}",
+        f"{record['tokens_per_s']:,.0f} tok/s",
+        f"{record['step_time_s'] * 1000:.0f} ms",
+    ]
+    if "mfu" in record:
+        parts.append(f"MFU {record['mfu'] * 100:.1f}%")
+    if "mem_gib" in record:
+        parts.append(f"mem {record['mem_gib']:.1f} GiB")
+    return " | ".join(parts)

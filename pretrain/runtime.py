@@ -1,0 +1,95 @@
+"""Process groups and devices: NCCL on GPU, gloo on CPU (with the CPU shims applied in one call)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    """Where this process runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    on_gpu: bool
+    backend: str
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.on_gpu else torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_world_size() -> int:
+    """World size announced by the launcher (torchrun / our Slurm scripts), 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> Runtime:
+    """Join (or create) the default process group from torchrun-style environment variables."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        from pretrain.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    else:
+        # Don't oversubscribe the cores with several ranks per host.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return Runtime(rank, world_size, local_rank, local_world_size, on_gpu, backend)
+
+
+def init_model_parallel(cfg) -> None:
+    """Megatron-Core process groups for the config's layout, and its model-parallel RNG seeds."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    p = cfg.parallel
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
+        context_parallel_size=p.context,
+    )
+    model_parallel_cuda_manual_seed(cfg.train.seed, force_reset_rng=True)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

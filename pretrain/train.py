@@ -1,0 +1,458 @@
+"""The training loop on Megatron-Core, top to bottom.
+
+    python -m pretrain train CONFIG [overrides]              # one process
+    torchrun --nproc-per-node N -m pretrain train CONFIG ... # several
+
+validate → process groups → tokenizer → model chunks (layout-invariant init) → DDP → optimizer and LR
+schedule → resume or pretrained weights → datasets → steps (forward/backward schedule, optimizer step,
+metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import Config
+from pretrain.validate import ValidationFailed, validate
+
+EXIT_STATUS_FILE = "exit_status.json"
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def wrap_with_ddp(cfg: Config, chunks, transformer_config):
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
+        overlap_param_gather=cfg.optimizer.overlap_param_gather,
+        use_distributed_optimizer=cfg.optimizer.distributed,
+        check_for_nan_in_grad=False,
+        average_in_collective=False,
+    )
+    return [
+        DistributedDataParallel(
+            config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(cfg: Config, model, precision: str):
+    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optimizer
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32),
+        use_distributed_optimizer=o.distributed,
+        overlap_param_gather_with_optimizer_step=False,
+    )
+    return get_megatron_optimizer(opt_config, model)
+
+
+def build_scheduler(cfg: Config, optimizer):
+    """Warmup then cosine / linear / WSD / constant decay, stepped once per training step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    decay_steps = o.decay_steps or cfg.train.steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(decay_steps, o.warmup_steps + 1),
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=o.wsd_decay_steps,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )
+
+
+def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) -> None:
+    """What Megatron-Core's schedules call back into: grad scaling, grad sync/finalise, param sync."""
+    from megatron.core.distributed import finalize_model_grads
+
+    transformer_config.grad_scale_func = optimizer.scale_loss
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if cfg.optimizer.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model]
+        transformer_config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    if cfg.optimizer.overlap_param_gather and cfg.optimizer.distributed:
+        sync = [chunk.start_param_sync for chunk in model]
+        transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
+
+
+def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of per-token losses under the mask, the token count, and both for logging."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm_loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch through one model chunk (Megatron-Core schedule callback)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = get_batch_on_this_cp_rank(next(data_iterator))
+    unwrapped = model.module if hasattr(model, "module") else model
+    pre, post = unwrapped.pre_process, unwrapped.post_process
+    output = model(
+        batch["tokens"] if pre else None,
+        batch["position_ids"] if pre else None,
+        None,
+        labels=batch["labels"] if post else None,
+    )
+    return output, partial(lm_loss, batch["loss_mask"])
+
+
+def reduce_loss(losses_reduced: list[dict]) -> float:
+    """Per-token loss over the whole global batch (summed over microbatches, DP and CP)."""
+    from megatron.core import parallel_state
+
+    if not losses_reduced:
+        return float("nan")
+    total = torch.stack([x["lm_loss"] for x in losses_reduced]).sum(dim=0).double()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def grads_are_finite(model) -> bool:
+    """True when every local gradient in the DDP grad buffers is finite."""
+    ok = all(bool(torch.isfinite(b.grad_data).all()) for chunk in model for b in chunk.buffers)
+    flag = torch.tensor([0.0 if ok else 1.0])
+    if torch.cuda.is_available():
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+class StopRequests:
+    """SIGTERM/SIGUSR1 (Slurm's warning before preemption or the time limit) and the wall-clock limit.
+
+    Ranks agree every step with one MAX all-reduce, so all of them save and exit together.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, enabled: bool, exit_duration_in_mins: float | None):
+        self.received: int | None = None
+        self.start = time.monotonic()
+        self.limit_s = exit_duration_in_mins * 60.0 if exit_duration_in_mins else None
+        if enabled:
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def agreed_reason(self, device: torch.device) -> tuple[str | None, str | None]:
+        """("signal", name) / ("time_limit", None) / (None, None), the same on every rank."""
+        local_signal = self.received or 0
+        timed_out = 1 if (self.limit_s is not None and time.monotonic() - self.start >= self.limit_s) else 0
+        flags = torch.tensor([float(local_signal), float(timed_out)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() > 0:
+            return "signal", signal.Signals(int(flags[0].item())).name
+        if flags[1].item() > 0:
+            return "time_limit", None
+        return None, None
+
+
+def write_exit_status(cfg: Config, reason: str, step: int, signal_name: str | None = None,
+                      message: str | None = None) -> None:
+    """run.dir/exit_status.json: why the trainer stopped (read by launch/ to decide on requeue)."""
+    path = Path(cfg.run.dir) / EXIT_STATUS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"reason": reason, "step": step, "signal": signal_name, "message": message}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def log0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def holds_the_loss() -> bool:
+    """The one rank that writes metrics: last pipeline stage, first TP/CP/DP rank."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+    )
+
+
+def broadcast_from_last_stage(value: float, device: torch.device) -> float:
+    """Make the loss known on every rank (PP stages other than the last have none)."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.tensor([value if ps.is_pipeline_last_stage(ignore_virtual=True) else 0.0],
+                     dtype=torch.float64, device=device)
+    last = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(t, src=last, group=ps.get_pipeline_model_parallel_group())
+    return t.item()
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) training as configured. Returns a summary on every rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import (
+        get_num_microbatches,
+        init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from model_providers.builder import build_model, padded_vocab_size, resolve_precision
+    from pretrain import checkpointing
+    from pretrain.data import build_datasets, build_tokenizer, microbatches
+    from pretrain.flops import flops_per_token, gpu_peak_tflops
+    from pretrain.metrics import MetricsWriter, format_step_line
+    from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
+
+    # 1. Pre-flight: every layout rule, before any process group exists.
+    problems = validate(cfg, world_size=env_world_size())
+    if problems.errors:
+        raise ValidationFailed(problems)
+
+    rt = init_distributed()
+    init_model_parallel(cfg)
+    precision = resolve_precision(cfg.train.precision, rt.on_gpu)
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    t, tr = cfg.train, cfg.train
+    unset_num_microbatches_calculator()
+    init_num_microbatches_calculator(rt.rank, None, tr.global_batch_size, tr.micro_batch_size, dp_size)
+    num_microbatches = get_num_microbatches()
+    run_dir = Path(cfg.run.dir)
+    if rt.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = TP{cfg.parallel.tensor} × PP{cfg.parallel.pipeline}"
+         f"{f' × VP{cfg.parallel.virtual_pipeline}' if cfg.parallel.virtual_pipeline else ''}"
+         f" × CP{cfg.parallel.context} × DP{dp_size}; {num_microbatches} microbatches of {tr.micro_batch_size};"
+         f" precision {precision}")
+
+    # 2. Tokenizer, model, optimizer, schedule.
+    tokenizer = build_tokenizer(cfg.data)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    chunks = build_model(cfg, vocab_size, on_gpu=rt.on_gpu)
+    tconfig = chunks[0].config
+    model = wrap_with_ddp(cfg, chunks, tconfig)
+    optimizer = build_optimizer(cfg, model, precision)
+    scheduler = build_scheduler(cfg, optimizer)
+    connect_schedule_hooks(tconfig, model, optimizer, cfg)
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
+
+    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
+    step, consumed = 0, 0
+    root = checkpointing.checkpoint_root(cfg)
+    latest = checkpointing.latest_iteration(root)
+    if latest is not None:
+        step, consumed = checkpointing.load_checkpoint(
+            cfg, model, optimizer, scheduler, checkpointing.iteration_dir(root, latest))
+        log0(f"[pretrain] resumed from {checkpointing.iteration_dir(root, latest)} at step {step}")
+    elif cfg.checkpoint.pretrained:
+        checkpointing.load_checkpoint(cfg, model, optimizer, scheduler,
+                                      checkpointing.resolve_pretrained(cfg.checkpoint.pretrained),
+                                      weights_only=True)
+        # Distributed optimizer: main params are copies of the model params made at construction.
+        optimizer.reload_model_params()
+        log0(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
+
+    # 4. Data.
+    eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
+    train_ds, valid_ds = build_datasets(cfg, tokenizer, t.steps * t.global_batch_size,
+                                        eval_steps * t.global_batch_size)
+    is_writer = holds_the_loss()
+    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard) if is_writer else None
+    if writer is not None:
+        writer.truncate_after(step)
+
+    forward_backward = get_forward_backward_func()
+    seq = cfg.model.seq_length
+    tokens_per_step = t.global_batch_size * seq
+    flops_tok = flops_per_token(cfg.model, padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
+                                                             cfg.parallel.tensor))
+    peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
+    stops = StopRequests(t.exit_signal_handler, t.exit_duration_in_mins)
+    reason, signal_name, message = "completed", None, None
+    last_saved = step if latest is not None else None
+
+    def save(at_step: int) -> None:
+        nonlocal last_saved
+        if last_saved == at_step:
+            return
+        t0 = time.perf_counter()
+        path = checkpointing.save_checkpoint(cfg, model, optimizer, scheduler, step=at_step,
+                                             consumed_samples=consumed)
+        last_saved = at_step
+        log0(f"[pretrain] saved {path} in {time.perf_counter() - t0:.2f} s")
+
+    def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
+        batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
+                               micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                               device=rt.device)
+        iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+        return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
+                                num_microbatches=num_microbatches, seq_length=seq,
+                                micro_batch_size=t.micro_batch_size, forward_only=forward_only)
+
+    # 5. Steps.
+    try:
+        while step < t.steps:
+            started = time.perf_counter()
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = run_microbatches(consumed, False, train_ds)
+            loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
+            if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
+                what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
+                if t.nan_policy == "stop":
+                    raise TrainingStopped(
+                        f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last checkpoint "
+                        f"is intact; lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
+                log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
+                consumed += t.global_batch_size
+                step += 1
+                continue
+            ok, grad_norm, _ = optimizer.step()
+            if ok:
+                scheduler.step(increment=1)
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            if not math.isfinite(grad_norm) and t.nan_policy == "stop":
+                raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
+                                      "(train.nan_policy=stop). The last checkpoint is intact.")
+            step += 1
+            consumed += t.global_batch_size
+            step_time = time.perf_counter() - started
+            if writer is not None:
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / step_time,
+                    "step_time_s": step_time,
+                    "consumed_samples": consumed,
+                }
+                record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / rt.world_size
+                record["tflops_per_gpu"] = flops_tok * record["tokens_per_s_per_gpu"] / 1e12
+                if peak:
+                    record["mfu"] = record["tflops_per_gpu"] / peak
+                if rt.on_gpu:
+                    record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                writer.write(record)
+                if step % cfg.logging.log_interval == 0 or step == t.steps:
+                    print("[pretrain] " + format_step_line(record, t.steps), flush=True)
+            if t.eval_interval and step % t.eval_interval == 0 and valid_ds is not None:
+                evaluate(cfg, run_microbatches, valid_ds, step, writer, rt.device)
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                save(step)
+            why, signal_name = stops.agreed_reason(rt.device)
+            if why is not None:
+                reason = why
+                log0(f"[pretrain] {why}{f' ({signal_name})' if signal_name else ''} at step {step}: "
+                     "saving and exiting")
+                break
+        if cfg.checkpoint.save_at_end or reason != "completed":
+            save(step)
+    except TrainingStopped as exc:
+        reason, message = "failed", str(exc)
+        if rt.rank == 0:
+            write_exit_status(cfg, reason, step, None, message)
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+    if rt.rank == 0:
+        write_exit_status(cfg, reason, step, signal_name, message)
+    log0(f"[pretrain] {reason} at step {step}; run dir {run_dir.resolve()}")
+    return {"reason": reason, "step": step, "consumed_samples": consumed}
+
+
+def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device) -> float:
+    """Mean per-token validation loss over train.eval_iters global batches."""
+    from megatron.core import parallel_state as ps
+
+    t = cfg.train
+    eval_index = step // t.eval_interval - 1
+    total = 0.0
+    with torch.no_grad():
+        for i in range(t.eval_iters):
+            start = (eval_index * t.eval_iters + i) * t.global_batch_size
+            losses = run_microbatches(start, True, valid_ds)
+            total += broadcast_from_last_stage(reduce_loss(losses) if losses else 0.0, device)
+    value = total / t.eval_iters
+    if writer is not None:
+        writer.write({"step": step, "valid_loss": value})
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        log0(f"[pretrain] step {step}: validation loss {value:.6f}")
+    return value
+
+
+def main(cfg: Config) -> int:
+    """CLI entry: train, turning expected failures into one clear message and a non-zero exit."""
+    from pretrain.runtime import shutdown
+
+    try:
+        train(cfg)
+        return 0
+    except ValidationFailed as exc:
+        print(exc.report(), file=sys.stderr, flush=True)
+        return 2
+    except TrainingStopped as exc:
+        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        shutdown()

@@ -1,0 +1,311 @@
+"""Pre-flight validation: every layout and config rule, checked before any process group exists.
+
+All violations are reported at once, each naming the keys involved and a fix. The trainer runs the
+same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone
+(exit 2 on errors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pretrain.config import Config
+
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD", "inverse-square-root")
+
+
+@dataclass
+class Problem:
+    keys: tuple[str, ...]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{', '.join(self.keys)}] {self.message}. Fix: {self.fix}"
+
+
+@dataclass
+class Report:
+    world_size: int
+    errors: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def error(self, keys: tuple[str, ...] | str, message: str, fix: str) -> None:
+        self.errors.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), message, fix))
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def text(self) -> str:
+        lines = []
+        if self.errors:
+            lines.append(f"config check failed: {len(self.errors)} problem(s) (world size {self.world_size})")
+            lines += [f"  {i}. {p}" for i, p in enumerate(self.errors, 1)]
+        else:
+            lines.append(f"config OK (world size {self.world_size})")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+class ValidationFailed(ValueError):
+    """Raised by the trainer when the config fails pre-flight validation."""
+
+    def __init__(self, report: Report):
+        super().__init__(report.text())
+        self.report_obj = report
+
+    def report(self) -> str:
+        return self.report_obj.text()
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _te_on_gpu() -> bool:
+    from model_providers.specs import transformer_engine_available
+
+    return transformer_engine_available()
+
+
+def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
+             cuda_available: bool | None = None) -> Report:
+    """Check `cfg` for a job of `world_size` processes. Never raises for config problems."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if te_on_gpu is None:
+        te_on_gpu = _te_on_gpu() if cuda_available else False
+    r = Report(world_size)
+    m, p, t, o, d, c = cfg.model, cfg.parallel, cfg.train, cfg.optimizer, cfg.data, cfg.checkpoint
+
+    # Sizes must be positive before any arithmetic below.
+    positive = {
+        "parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "parallel.context": p.context,
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_attention_heads": m.num_attention_heads, "model.seq_length": m.seq_length,
+        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+        "train.steps": t.steps, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+    }  # fmt: skip
+    bad = [k for k, v in positive.items() if v < 1]
+    for key in bad:
+        r.error(key, f"{key}={positive[key]} must be at least 1", f"set {key} to a positive integer")
+    if world_size < 1:
+        r.error("world_size", f"world size {world_size} must be at least 1", "launch at least one process")
+    if bad or world_size < 1:
+        return r
+    groups = m.num_query_groups or m.num_attention_heads
+    vp = p.virtual_pipeline
+
+    # Layout: world = TP × PP × CP × DP.
+    model_parallel = p.tensor * p.pipeline * p.context
+    dp = world_size // model_parallel if world_size % model_parallel == 0 else None
+    if dp is None:
+        r.error(("parallel.tensor", "parallel.pipeline", "parallel.context"),
+                f"world size {world_size} is not divisible by tensor×pipeline×context = "
+                f"{p.tensor}×{p.pipeline}×{p.context} = {model_parallel}",
+                f"launch a multiple of {model_parallel} processes, or choose sizes whose product divides "
+                f"{world_size}")
+
+    # Layers across pipeline stages (Megatron-LM silently trains fewer layers otherwise).
+    if vp is not None:
+        if vp < 2:
+            r.error("parallel.virtual_pipeline", f"parallel.virtual_pipeline={vp} must be at least 2",
+                    "set parallel.virtual_pipeline=null for no interleaving")
+        elif p.pipeline < 2:
+            r.error(("parallel.virtual_pipeline", "parallel.pipeline"),
+                    f"interleaving (parallel.virtual_pipeline={vp}) needs parallel.pipeline > 1",
+                    "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
+    stages = p.pipeline * (vp if vp and vp >= 2 else 1)
+    if m.num_layers % stages != 0:
+        keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
+        r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
+                f"{p.pipeline}{f'×{vp}' if vp else ''} = {stages}",
+                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)})")
+
+    # Attention heads and groups across tensor parallel ranks.
+    if m.num_attention_heads % p.tensor != 0:
+        r.error(("model.num_attention_heads", "parallel.tensor"),
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(m.num_attention_heads)}")
+    if groups % p.tensor != 0:
+        r.error(("model.num_query_groups", "parallel.tensor"),
+                f"model.num_query_groups={groups} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(groups)}")
+    if m.num_attention_heads % groups != 0:
+        r.error(("model.num_attention_heads", "model.num_query_groups"),
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={groups}", f"choose num_query_groups from {_divisors(m.num_attention_heads)}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
+        r.error(("model.hidden_size", "model.num_attention_heads"),
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                f"{m.num_attention_heads}", "set model.kv_channels or change the head count")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % p.tensor != 0:
+        r.error(("model.ffn_hidden_size", "parallel.tensor"),
+                f"model.ffn_hidden_size={ffn} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(ffn)}")
+
+    # Sequence and context parallelism.
+    if p.sequence_parallel and p.tensor < 2:
+        r.error(("parallel.sequence_parallel", "parallel.tensor"),
+                "parallel.sequence_parallel=true needs parallel.tensor > 1",
+                "set parallel.sequence_parallel=false or parallel.tensor >= 2")
+    if p.sequence_parallel and m.seq_length % p.tensor != 0:
+        r.error(("model.seq_length", "parallel.tensor", "parallel.sequence_parallel"),
+                f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor} "
+                "(sequence parallel splits the sequence across TP ranks)",
+                f"use a sequence length that is a multiple of {p.tensor}")
+    if p.context > 1:
+        if m.seq_length % (2 * p.context) != 0:
+            r.error(("model.seq_length", "parallel.context"),
+                    f"model.seq_length={m.seq_length} is not divisible by 2×parallel.context = {2 * p.context}",
+                    f"use a sequence length that is a multiple of {2 * p.context}")
+        if not te_on_gpu:
+            r.error("parallel.context", f"parallel.context={p.context} needs Transformer Engine on a GPU "
+                    "(Megatron-Core implements context parallelism only in TE attention)",
+                    "set parallel.context=1 here, or run on a CUDA machine with transformer-engine installed")
+        elif m.transformer_impl == "local":
+            r.error(("parallel.context", "model.transformer_impl"),
+                    "context parallelism needs the Transformer Engine spec", "set model.transformer_impl=auto")
+
+    # Batch sizes and microbatches.
+    if dp is not None:
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step != 0:
+            r.error(("train.global_batch_size", "train.micro_batch_size"),
+                    f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                    f"micro_batch_size×data_parallel = {t.micro_batch_size}×{dp} = {per_step}",
+                    f"use a global batch that is a multiple of {per_step}")
+        else:
+            num_mb = t.global_batch_size // per_step
+            if vp and vp >= 2 and p.pipeline > 1 and num_mb % p.pipeline != 0:
+                r.error(("train.global_batch_size", "parallel.pipeline", "parallel.virtual_pipeline"),
+                        f"interleaved pipelining needs the number of microbatches ({num_mb}) to be divisible "
+                        f"by parallel.pipeline={p.pipeline}",
+                        f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
+
+    # Precision, FP8 and Transformer Engine.
+    if t.precision not in ("auto", "bf16", "fp16", "fp32"):
+        r.error("train.precision", f"train.precision='{t.precision}' is not one of auto, bf16, fp16, fp32",
+                "pick one of those")
+    if m.transformer_impl not in ("auto", "transformer_engine", "local"):
+        r.error("model.transformer_impl", f"model.transformer_impl='{m.transformer_impl}' is not one of "
+                "auto, transformer_engine, local", "pick one of those")
+    elif m.transformer_impl == "transformer_engine" and not te_on_gpu:
+        r.error("model.transformer_impl", "model.transformer_impl=transformer_engine but Transformer Engine "
+                "is not usable here (needs CUDA and transformer-engine installed)",
+                "set model.transformer_impl=auto (local spec) or install transformer-engine on a GPU machine")
+    if m.fp8 is not None:
+        if m.fp8 not in FP8_RECIPES:
+            r.error("model.fp8", f"model.fp8='{m.fp8}' is not one of {', '.join(FP8_RECIPES)}",
+                    "pick a recipe or set model.fp8=null")
+        if not te_on_gpu:
+            r.error("model.fp8", "FP8 needs Transformer Engine on a GPU", "set model.fp8=null on this machine")
+        if t.precision not in ("auto", "bf16"):
+            r.error(("model.fp8", "train.precision"), "FP8 training runs on top of bf16",
+                    "set train.precision=bf16 (or auto)")
+    if m.fp8_param_gather and m.fp8 is None:
+        r.error(("model.fp8_param_gather", "model.fp8"), "model.fp8_param_gather=true needs model.fp8",
+                "set model.fp8 to a recipe or model.fp8_param_gather=false")
+    if p.tp_comm_overlap:
+        if not te_on_gpu:
+            r.error("parallel.tp_comm_overlap", "TP communication overlap needs Transformer Engine on a GPU",
+                    "set parallel.tp_comm_overlap=false")
+        if not p.sequence_parallel:
+            r.error(("parallel.tp_comm_overlap", "parallel.sequence_parallel"),
+                    "TP communication overlap needs sequence parallelism", "set parallel.sequence_parallel=true")
+
+    # Model options Megatron-Core asserts on later.
+    if m.family not in ("llama", "gpt"):
+        r.error("model.family", f"model.family='{m.family}' is not one of llama, gpt", "pick one of those")
+    if m.normalization not in ("RMSNorm", "LayerNorm"):
+        r.error("model.normalization", f"model.normalization='{m.normalization}' is not RMSNorm or LayerNorm",
+                "pick one of those")
+    if m.activation not in ("silu", "gelu"):
+        r.error("model.activation", f"model.activation='{m.activation}' is not silu or gelu", "pick one of those")
+    if m.position_embedding_type not in ("rope", "learned_absolute"):
+        r.error("model.position_embedding_type", f"model.position_embedding_type='{m.position_embedding_type}'"
+                " is not rope or learned_absolute", "pick one of those")
+    if m.recompute_granularity not in (None, "selective", "full"):
+        r.error("model.recompute_granularity", f"model.recompute_granularity='{m.recompute_granularity}' is "
+                "not null, selective or full", "pick one of those")
+    if m.recompute_granularity == "full":
+        if m.recompute_method not in ("uniform", "block"):
+            r.error(("model.recompute_granularity", "model.recompute_method"),
+                    "full recompute needs model.recompute_method uniform or block",
+                    "set model.recompute_method=uniform (and model.recompute_num_layers)")
+        if not m.recompute_num_layers:
+            r.error(("model.recompute_granularity", "model.recompute_num_layers"),
+                    "full recompute needs model.recompute_num_layers", "set model.recompute_num_layers=1")
+    elif m.recompute_method is not None:
+        r.error(("model.recompute_method", "model.recompute_granularity"),
+                "model.recompute_method is only used with model.recompute_granularity=full",
+                "set model.recompute_granularity=full or model.recompute_method=null")
+    if m.vocab_size is not None:
+        padded = -(-m.vocab_size // (m.make_vocab_size_divisible_by * p.tensor)) * (
+            m.make_vocab_size_divisible_by * p.tensor)
+        if padded != m.vocab_size:
+            r.notes.append(f"vocabulary {m.vocab_size} is padded to {padded} (multiple of "
+                           f"model.make_vocab_size_divisible_by×parallel.tensor = "
+                           f"{m.make_vocab_size_divisible_by}×{p.tensor}); padding rows are zero and dropped on "
+                           "HF export")
+
+    # Optimizer and schedule.
+    if o.overlap_param_gather and not o.distributed:
+        r.error(("optimizer.overlap_param_gather", "optimizer.distributed"),
+                "optimizer.overlap_param_gather needs the distributed optimizer", "set optimizer.distributed=true")
+    if o.overlap_param_gather and not o.overlap_grad_reduce:
+        r.error(("optimizer.overlap_param_gather", "optimizer.overlap_grad_reduce"),
+                "optimizer.overlap_param_gather needs optimizer.overlap_grad_reduce",
+                "set optimizer.overlap_grad_reduce=true")
+    if o.min_lr > o.lr:
+        r.error(("optimizer.min_lr", "optimizer.lr"), f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}",
+                "set min_lr <= lr")
+    if o.decay_style not in DECAY_STYLES:
+        r.error("optimizer.decay_style", f"optimizer.decay_style='{o.decay_style}' is not one of "
+                f"{', '.join(DECAY_STYLES)}", "pick one of those")
+    if o.decay_style == "WSD" and not o.wsd_decay_steps:
+        r.error(("optimizer.decay_style", "optimizer.wsd_decay_steps"), "WSD decay needs optimizer.wsd_decay_steps",
+                "set optimizer.wsd_decay_steps (e.g. 10% of train.steps)")
+    if o.warmup_steps < 0:
+        r.error("optimizer.warmup_steps", f"optimizer.warmup_steps={o.warmup_steps} is negative",
+                "set optimizer.warmup_steps >= 0")
+    elif o.warmup_steps >= (o.decay_steps or t.steps):
+        r.notes.append(f"optimizer.warmup_steps={o.warmup_steps} >= decay steps {o.decay_steps or t.steps}: "
+                       "the learning rate never reaches its peak")
+
+    # Training run.
+    if t.nan_policy not in ("stop", "skip"):
+        r.error("train.nan_policy", f"train.nan_policy='{t.nan_policy}' is not stop or skip", "pick one of those")
+    if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
+        r.error(("train.eval_interval", "train.eval_iters"), "evaluation needs eval_interval >= 1 and eval_iters >= 1",
+                "set train.eval_interval=null to disable evaluation")
+    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
+        r.error("train.exit_duration_in_mins", "train.exit_duration_in_mins must be positive",
+                "set a positive number of minutes or null")
+    if c.interval is not None and c.interval < 1:
+        r.error("checkpoint.interval", f"checkpoint.interval={c.interval} must be at least 1",
+                "set checkpoint.interval=null to save only at the end")
+    if c.keep_last is not None and c.keep_last < 1:
+        r.error("checkpoint.keep_last", f"checkpoint.keep_last={c.keep_last} must be at least 1",
+                "set checkpoint.keep_last=null to keep every checkpoint")
+
+    # Data.
+    if not d.mock and not d.blend and not d.train_blend:
+        r.error(("data.blend", "data.mock"), "no training data: data.blend and data.train_blend are empty and "
+                "data.mock is false", "set data.blend=[PREFIX] (from `python -m data_tools preprocess`) or "
+                "data.mock=true")
+    for key, blend in (("data.blend", d.blend), ("data.train_blend", d.train_blend),
+                       ("data.valid_blend", d.valid_blend), ("data.test_blend", d.test_blend)):
+        if blend and len(blend) > 1 and all(isinstance(x, (int, float)) for x in blend[0::2]):
+            if len(blend) % 2 != 0:
+                r.error(key, f"{key} alternates weight, prefix but has an odd number of items ({len(blend)})",
+                        "give a prefix after every weight")
+    if d.train_blend and d.blend:
+        r.error(("data.blend", "data.train_blend"), "set either data.blend (with data.split) or per-split blends "
+                "(data.train_blend, ...), not both", "remove one of them")
+    return r
