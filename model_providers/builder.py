@@ -88,8 +88,9 @@ def transformer_config(cfg, *, on_gpu: bool | None = None) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        # Weights are drawn by initialize_layout_invariant, not by Megatron's per-rank init.
-        perform_initialization=False,
+        # Megatron's init also sets the tensor-parallel attributes (partition_dim, ...) that DDP, grad
+        # clipping and our own init rely on; initialize_layout_invariant then redraws every weight.
+        perform_initialization=True,
         use_cpu_initialization=not on_gpu,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
