@@ -10,12 +10,8 @@ from data_tools.tokenizers import TOKENIZER_TYPES
 
 
 def _add_tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument(
-        "--tokenizer-type", required=required, metavar="TYPE", help=f"one of: {', '.join(TOKENIZER_TYPES)}"
-    )
-    p.add_argument(
-        "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its dir), tiktoken .json"
-    )
+    p.add_argument("--tokenizer-type", required=required, metavar="TYPE", help=f"one of: {', '.join(TOKENIZER_TYPES)}")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its dir), tiktoken .json")
     p.add_argument("--vocab-file", help="vocab.json of a BPE vocab/merges pair (GPT2BPETokenizer)")
     p.add_argument("--merge-file", help="merges.txt of a BPE vocab/merges pair")
 
@@ -28,18 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="JSONL (.gz/.zst) or Parquet files, dirs, globs")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     _add_tokenizer_args(p, required=True)
-    p.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="JSON keys / Parquet columns (default: text)"
-    )
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys / Parquet columns (default: text)")
     p.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer threads (default 1)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
     p.add_argument(
         "--keep-empty", action="store_true", help="write empty documents as Megatron-LM does (default: skip)"
     )
-    p.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run with the same arguments"
-    )
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run with the same arguments")
     p.add_argument("--encoder", choices=["auto", "gigatoken", "reference"], default="auto")
     p.add_argument("--batch-mb", type=float, default=8.0, help="input MB per batch (default 8)")
     p.add_argument("--no-progress", action="store_true")

@@ -234,9 +234,7 @@ class IndexedWriter:
             for p, key in zip(files, ("bin", "lengths", "docs")):
                 want = int(resume_sizes[key])
                 if not p.is_file() or p.stat().st_size < want:
-                    raise IndexedFormatError(
-                        f"{p}: shorter than the resume state records; re-run without --resume"
-                    )
+                    raise IndexedFormatError(f"{p}: shorter than the resume state records; re-run without --resume")
                 h = open(p, "r+b")
                 h.truncate(want)
                 h.seek(want)
@@ -245,9 +243,7 @@ class IndexedWriter:
             self.num_sequences = int(resume_sizes["lengths"]) // 4
             self.num_documents = int(resume_sizes["docs"]) // 8
 
-    def add_batch(
-        self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_doc: np.ndarray
-    ) -> None:
+    def add_batch(self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_doc: np.ndarray) -> None:
         """Append documents: flat ``tokens``, the length of each sequence, the sequence count of each doc."""
         bin_f, len_f, doc_f = self._handles
         bin_f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())

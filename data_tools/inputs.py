@@ -63,9 +63,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
             raise InputError(f"{spec}: input not found")
         for p in found:
             if not _supported(p):
-                raise InputError(
-                    f"{p}: unsupported input type (use .jsonl, .json, .jsonl.gz, .jsonl.zst or .parquet)"
-                )
+                raise InputError(f"{p}: unsupported input type (use .jsonl, .json, .jsonl.gz, .jsonl.zst or .parquet)")
             if not os.access(p, os.R_OK):
                 raise InputError(f"{p}: not readable")
             key = p.resolve()
@@ -319,9 +317,7 @@ def _parquet_batches(
         if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
             raise InputError(f"{path}: column {k!r} is {t}, expected a string column")
     meta = pf.metadata
-    avg = max(
-        1, (meta.serialized_size + sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
-    )
+    avg = max(1, (meta.serialized_size + sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))))
     rows_per_batch = max(1, int(batch_bytes * max(1, meta.num_rows) / avg))
     row = 0
     size = path.stat().st_size

@@ -70,9 +70,7 @@ class DataToolsTokenizer(MegatronTokenizerText):
         self.spec = spec
         path = spec.model or spec.vocab_file
         kwargs = {"vocab_file": spec.vocab_file, "merges_file": spec.merge_file} if spec.vocab_file else {}
-        super().__init__(
-            path, {"library": spec.library, "model_type": "gpt", "chat_template": None}, **kwargs
-        )
+        super().__init__(path, {"library": spec.library, "model_type": "gpt", "chat_template": None}, **kwargs)
 
     def _restore_model(self, **kwargs: Any) -> Any:
         if self.spec.kind == "sentencepiece":

@@ -101,9 +101,7 @@ class _Progress:
         self.stream.flush()
 
 
-def _fingerprint(
-    files: list[Path], spec: TokenizerSpec, keys: list[str], append_eod: bool, keep_empty: bool
-) -> str:
+def _fingerprint(files: list[Path], spec: TokenizerSpec, keys: list[str], append_eod: bool, keep_empty: bool) -> str:
     h = hashlib.sha256()
     for p in files:
         st = p.stat()
@@ -185,9 +183,7 @@ def preprocess(
 
     enc: BatchEncoder = build_batch_encoder(spec, workers, encoder, log=lambda m: print(m, file=log))
     if append_eod and enc.eod is None:
-        raise PreprocessError(
-            f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token"
-        )
+        raise PreprocessError(f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token")
     dtype = optimal_dtype(enc.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
     state_path = Path(f"{output_prefix}{STATE_SUFFIX}")
@@ -218,8 +214,7 @@ def preprocess(
         print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
     try:
         writers = {
-            k: IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None)
-            for k, p in prefixes.items()
+            k: IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None) for k, p in prefixes.items()
         }
     except OSError as e:
         raise PreprocessError(f"cannot create output files at {output_prefix}: {e.strerror}") from e
@@ -286,9 +281,7 @@ def preprocess(
                 if empty.any():
                     for j in np.flatnonzero(empty):
                         if strict and not keep_empty:
-                            raise InputError(
-                                f"{files[batch.file_index]}:{batch.lines[j]}: empty document ({k!r})"
-                            )
+                            raise InputError(f"{files[batch.file_index]}:{batch.lines[j]}: empty document ({k!r})")
                         reported["empty document"] += 1
                         if reported["empty document"] <= _MAX_REPORTED and not keep_empty:
                             print(
@@ -325,9 +318,7 @@ def preprocess(
                 raise PreprocessError(f"writing output at {output_prefix} failed: {e.strerror}") from e
             if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
                 enc.reset()  # gigatoken's pretoken caches grow with vocabulary seen
-            bar.update(
-                base_disk + batch.progress_bytes, summary.documents, summary.input_bytes, summary.tokens
-            )
+            bar.update(base_disk + batch.progress_bytes, summary.documents, summary.input_bytes, summary.tokens)
         bar.update(total_disk, summary.documents, summary.input_bytes, summary.tokens, final=True)
         if summary.documents == 0:
             raise InputError(

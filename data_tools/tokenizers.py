@@ -119,17 +119,11 @@ def resolve_spec(
     """Validate user arguments (types and files) and return a :class:`TokenizerSpec`."""
     kind = _TYPE_ALIASES.get(str(tokenizer_type).lower())
     if kind is None:
-        raise TokenizerError(
-            f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
-        )
+        raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     if kind == "sentencepiece":
-        return TokenizerSpec(
-            "sentencepiece", model=_need_file(tokenizer_model, "SentencePiece --tokenizer-model")
-        )
+        return TokenizerSpec("sentencepiece", model=_need_file(tokenizer_model, "SentencePiece --tokenizer-model"))
     if kind == "tiktoken":
-        return TokenizerSpec(
-            "tiktoken", model=_need_file(tokenizer_model, "tiktoken --tokenizer-model (.json)")
-        )
+        return TokenizerSpec("tiktoken", model=_need_file(tokenizer_model, "tiktoken --tokenizer-model (.json)"))
     if kind == "gpt2bpe" or (tokenizer_model is None and vocab_file is not None):
         return TokenizerSpec(
             "bpe-pair",
@@ -137,18 +131,14 @@ def resolve_spec(
             merge_file=_need_file(merge_file, "--merge-file (merges.txt)"),
         )
     if tokenizer_model is None:
-        raise TokenizerError(
-            "huggingface tokenizer needs --tokenizer-model (tokenizer.json or its directory)"
-        )
+        raise TokenizerError("huggingface tokenizer needs --tokenizer-model (tokenizer.json or its directory)")
     model = Path(tokenizer_model)
     if model.is_dir():
         model = model / "tokenizer.json"
         if not model.is_file():
             raise TokenizerError(f"{tokenizer_model}: directory holds no tokenizer.json")
     model_path = _need_file(model, "HuggingFace --tokenizer-model")
-    return TokenizerSpec(
-        "hf-json", model=model_path, eos_token=_eos_from_config(model.parent), add_special_tokens=True
-    )
+    return TokenizerSpec("hf-json", model=model_path, eos_token=_eos_from_config(model.parent), add_special_tokens=True)
 
 
 # --------------------------------------------------------------------------- reference libraries
@@ -173,9 +163,7 @@ def _load_hf(spec: TokenizerSpec) -> Any:
         try:
             tok = Tokenizer(BPE.from_file(spec.vocab_file, spec.merge_file))
         except Exception as e:  # the Rust loader raises plain Exception
-            raise TokenizerError(
-                f"{spec.vocab_file} / {spec.merge_file}: not a BPE vocab/merges pair ({e})"
-            ) from e
+            raise TokenizerError(f"{spec.vocab_file} / {spec.merge_file}: not a BPE vocab/merges pair ({e})") from e
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
     else:
@@ -332,9 +320,7 @@ class _HFEncoder(BatchEncoder):
         self.prefix, self.suffix = info.prefix, info.suffix
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        flat, offsets = _flatten(
-            [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
-        )
+        flat, offsets = _flatten([e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)])
         return _wrap(flat, offsets, self.prefix, self.suffix)
 
 
@@ -344,14 +330,25 @@ class _TiktokenEncoder(BatchEncoder):
     def __init__(self, spec: TokenizerSpec, workers: int) -> None:
         self.lib = _load_tiktoken(spec)
         self.workers = workers
-        self.vocab_size = (
-            self.lib.vocab_size if isinstance(self.lib.vocab_size, int) else self.lib._vocab_size
-        )
+        self.vocab_size = self.lib.vocab_size if isinstance(self.lib.vocab_size, int) else self.lib._vocab_size
         self.eod = self.lib.eos_id
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         out = self.lib.tokenizer.encode_batch(list(texts), num_threads=self.workers, allowed_special="all")
         return _flatten(out)
+
+
+def _gigatoken_sentencepiece(gigatoken: Any, model: str) -> Any:
+    """gigatoken for a SentencePiece model, with control pieces (``<s>``, ``</s>``) matched as plain
+    text the way ``SentencePieceProcessor.encode`` does; the probe set checks this."""
+    try:
+        from gigatoken._load.sentencepiece import sentencepiece_to_tokenizer_json
+
+        config = json.loads(sentencepiece_to_tokenizer_json(Path(model).read_bytes()))
+        config["added_tokens"] = []
+        return gigatoken.Tokenizer.from_json(json.dumps(config))
+    except ImportError:  # layout changed: its own loader, with the risky-document re-routing
+        return gigatoken.Tokenizer.from_sentencepiece(model)
 
 
 class _GigatokenEncoder(BatchEncoder):
@@ -365,7 +362,7 @@ class _GigatokenEncoder(BatchEncoder):
         self.prefix = getattr(reference, "prefix", [])
         self.suffix = getattr(reference, "suffix", [])
         if spec.kind == "sentencepiece":
-            self._make = lambda: gigatoken.Tokenizer.from_sentencepiece(spec.model)
+            self._make = lambda: _gigatoken_sentencepiece(gigatoken, spec.model)
         elif spec.kind == "bpe-pair":
             hf = reference.tok  # type: ignore[attr-defined]
             self._make = lambda: gigatoken.Tokenizer(hf)
@@ -397,6 +394,7 @@ PROBE_TEXTS = [
     "tabs\tand\nnewlines\r\n\n\nmultiple   spaces",
     "Ünïcödé ñ ß 中文字符 日本語 한국어 العربية emoji 🤖🚀 ́combining",
     "<|endoftext|> </s> <s> [INST] special-looking text [/INST]",
+    "<unk> <pad> <mask> <s>x</s>",
     "numbers 1234567890 3.14159 1e-9 0x1F",
     "code: def f(x):\n    return x**2  # comment\n",
     "\u200b zero\u00a0width\u2028separators\ufeff",
@@ -477,9 +475,7 @@ class CheckedEncoder(BatchEncoder):
             rows = [i for i, t in enumerate(texts) if any(r in t for r in self.risky)]
             if rows:
                 self.rerouted += len(rows)
-                tokens, offsets = _splice(
-                    tokens, offsets, rows, self.reference.encode([texts[i] for i in rows])
-                )
+                tokens, offsets = _splice(tokens, offsets, rows, self.reference.encode([texts[i] for i in rows]))
         i = (self._batches * 7919) % len(texts)
         self._batches += 1
         # Spot-check (a bounded prefix of) one document.
@@ -500,9 +496,7 @@ class CheckedEncoder(BatchEncoder):
         return self.fast.encode([text])[0]  # type: ignore[union-attr]
 
 
-def build_batch_encoder(
-    spec: TokenizerSpec, workers: int = 1, engine: str = "auto", log: Any = None
-) -> BatchEncoder:
+def build_batch_encoder(spec: TokenizerSpec, workers: int = 1, engine: str = "auto", log: Any = None) -> BatchEncoder:
     """The fastest encoder giving the reference ids: ``engine`` is ``auto``, ``gigatoken`` or ``reference``."""
     if engine not in ("auto", "gigatoken", "reference"):
         raise ValueError(f"unknown encoder engine {engine!r}")
@@ -519,9 +513,7 @@ def build_batch_encoder(
         fast = _GigatokenEncoder(spec, reference)
     except ImportError:
         if engine == "gigatoken":
-            raise TokenizerError(
-                "--encoder gigatoken requested but the gigatoken package is not installed"
-            ) from None
+            raise TokenizerError("--encoder gigatoken requested but the gigatoken package is not installed") from None
         return reference
     except Exception as e:  # an unsupported model layout: use the reference library
         if engine == "gigatoken":
