@@ -61,24 +61,28 @@ nodes_idle() {
 }
 
 start() {
-    local dir=$1 host hw base ctld_port
+    local dir=$1 host hw base ctld_port munge_dir
     need
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
     [[ ! -e $dir/slurm.conf ]] || die "$dir already holds a cluster; stop it first or use a new DIR"
-    mkdir -p "$dir"/{state,run,log,spool/n1,spool/n2,munge}
+    mkdir -p "$dir"/{state,run,log,spool/n1,spool/n2}
     host=$(hostname -s)
     # "CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=24105"
     hw=$(slurmd -C | head -n1 | sed -e 's/^NodeName=[^ ]* //')
     base=$(pick_ports)
     ctld_port=$base
 
-    # munged of our own: private socket, same key as the system one (/etc/munge/munge.key).
-    chown munge:munge "$dir/munge"
-    chmod 0755 "$dir/munge"  # munged insists clients can reach the socket
-    runuser -u munge -- munged --socket="$dir/munge/munge.socket" --pid-file="$dir/munge/munged.pid" \
-        --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/munged.seed" \
-        || die "munged did not start; see $dir/munge/munged.log"
+    # munged of our own: private socket, same key as the system one (/etc/munge/munge.key). Its files
+    # live outside DIR: munged (running as user munge) must reach them, and DIR may sit in a private
+    # directory such as pytest's tmp_path (mode 0700).
+    munge_dir=$(mktemp -d /tmp/local_slurm_munge.XXXXXX)
+    echo "$munge_dir" >"$dir/munge_dir"
+    chown munge:munge "$munge_dir"
+    chmod 0755 "$munge_dir"  # munged insists that clients can reach the socket
+    runuser -u munge -- munged --socket="$munge_dir/munge.socket" --pid-file="$munge_dir/munged.pid" \
+        --log-file="$munge_dir/munged.log" --seed-file="$munge_dir/munged.seed" \
+        || die "munged did not start; see $munge_dir/munged.log"
 
     cat >"$dir/slurm.conf" <<EOF
 # Written by tests/launch/local_slurm.sh for a throw-away local cluster.
@@ -88,7 +92,7 @@ SlurmctldPort=$ctld_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$munge_dir/munge.socket
 CredType=cred/munge
 MpiDefault=none
 MailProg=/bin/true
@@ -145,7 +149,7 @@ stop_pidfile() {  # stop_pidfile FILE: TERM, wait up to 10 s, then KILL; by PID 
 }
 
 stop() {
-    local dir=$1 tag node
+    local dir=$1 tag node munge_dir
     [[ -d $dir ]] || die "no such cluster directory: $dir"
     dir=$(cd "$dir" && pwd)
     tag=$(hosts_tag "$dir")
@@ -160,7 +164,11 @@ stop() {
         stop_pidfile "$dir/run/slurmd-$node.pid"
     done
     stop_pidfile "$dir/run/slurmctld.pid"
-    stop_pidfile "$dir/munge/munged.pid"
+    if [[ -s $dir/munge_dir ]]; then
+        munge_dir=$(<"$dir/munge_dir")
+        stop_pidfile "$munge_dir/munged.pid"
+        [[ $munge_dir == /tmp/local_slurm_munge.* ]] && rm -rf "$munge_dir"
+    fi
     if grep -qF "$tag" /etc/hosts; then
         # In place (not a rename): /etc/hosts may be a bind mount in containers.
         local kept

@@ -1,0 +1,245 @@
+"""launch/pretrain_tiny.sh on a real Slurm cluster started on this machine (no mocks).
+
+The session fixture installs Debian's slurmctld/slurmd/slurm-client/munge when missing (apt-get), starts
+a cluster of two emulated nodes (two slurmd on this host) with tests/launch/local_slurm.sh, and stops
+its daemons by PID afterwards (also restoring /etc/hosts). It skips, saying why, when not root or when
+Slurm is missing and apt-get cannot install it.
+
+Run: `.venv/bin/python -m pytest -m slurm tests/launch -v` (as root; ~2-3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_SLURM = Path(__file__).with_name("local_slurm.sh")
+TINY = REPO / "launch" / "pretrain_tiny.sh"
+CONFIG = "pretrain/configs/tiny_llama.yaml"
+PYTHON = sys.executable
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+DAEMONS = ["slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "munged"]
+
+# One run, launched three ways (plain torchrun, sbatch, sbatch + preemption): 2 nodes x 2 ranks. Enough
+# steps that the preemption test can signal well before the end; a checkpoint at the interval too.
+STEPS = 12
+RUN_OVERRIDES = f"data.mock=true train.steps={STEPS} checkpoint.interval=5"
+WORLD = 4
+# Fields that measure wall-clock speed: they differ between any two runs.
+TIMING_KEYS = {"tokens_per_s", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "mem_gib"}
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------------------------------
+def _ensure_slurm_installed() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm tests need root: they start slurmctld/slurmd and add node names to /etc/hosts")
+    if all(shutil.which(c) for c in DAEMONS):
+        return
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"Slurm is not installed and apt-get is unavailable to install {' '.join(PACKAGES)}")
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    done = subprocess.run(install, env=env, capture_output=True, text=True)
+    if done.returncode != 0:  # stale or empty package lists: refresh once
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True)
+        done = subprocess.run(install, env=env, capture_output=True, text=True)
+    missing = [c for c in DAEMONS if not shutil.which(c)]
+    if done.returncode != 0 or missing:
+        pytest.skip(f"could not install {' '.join(PACKAGES)} with apt-get (exit {done.returncode}, "
+                    f"missing {missing}): {done.stderr.strip()[-500:]}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A running two-node cluster; SLURM_CONF points at it for the whole session."""
+    _ensure_slurm_installed()
+    cluster_dir = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster_dir)], capture_output=True,
+                             text=True, timeout=120)
+    previous = os.environ.get("SLURM_CONF")
+    try:
+        assert started.returncode == 0, f"cluster did not start:\n{started.stdout}\n{started.stderr}"
+        os.environ["SLURM_CONF"] = str(cluster_dir / "slurm.conf")
+        yield cluster_dir
+    finally:
+        stopped = subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster_dir)], capture_output=True,
+                                 text=True, timeout=120)
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous
+        assert stopped.returncode == 0, f"cluster did not stop cleanly:\n{stopped.stdout}\n{stopped.stderr}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------------------
+def job_env(**settings: str) -> dict[str, str]:
+    """The submitting shell's environment: ours without Slurm job variables, plus the launch settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(PYTHON=PYTHON, **settings)
+    return env
+
+
+def sbatch(log_dir: Path, *args: str, wait: bool = False, timeout: float = 240, **settings: str):
+    """Submit launch/pretrain_tiny.sh from the checkout; returns (job id, log path, CompletedProcess)."""
+    cmd = ["sbatch", "--parsable", f"--output={log_dir}/%x-%j.log", *args, str(TINY)]
+    if wait:
+        cmd.insert(1, "--wait")
+    done = subprocess.run(cmd, cwd=REPO, env=job_env(**settings), capture_output=True, text=True,
+                          timeout=timeout)
+    match = re.match(r"(\d+)", done.stdout.strip())
+    assert match, f"sbatch printed no job id (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    job_id = match.group(1)
+    return job_id, log_dir / f"pretrain-tiny-{job_id}.log", done
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_for_job(job_id: str, log: Path, timeout: float = 180) -> dict[str, str]:
+    """Poll until the job ends. A requeued job is held ~2 min (Reason=BeginTime): release it at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job_id)
+        state = info.get("JobState", "")
+        if state in TERMINAL:
+            return info
+        if state == "PENDING" and info.get("Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--full", job_id])
+    pytest.fail(f"job {job_id} did not finish in {timeout:.0f} s; log:\n{read(log)}")
+
+
+def read(path: Path) -> str:
+    return path.read_text() if path.exists() else f"<{path} missing>"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock fields."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def exit_status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "exit_status.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference: the same run under plain torchrun (4 processes, one machine, no Slurm)
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def torchrun_metrics(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("torchrun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           "-m", "pretrain", "train", CONFIG, *RUN_OVERRIDES.split(), f"run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun reference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------------
+def test_sbatch_two_nodes_matches_torchrun(slurm_cluster, torchrun_metrics, tmp_path):
+    """`sbatch --wait` with 2 nodes x 2 tasks trains, checkpoints, and logs the torchrun run's metrics."""
+    run_dir = tmp_path / "run"
+    job_id, log, done = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=2", wait=True,
+                               CONFIG=CONFIG, OVERRIDES=RUN_OVERRIDES, RUN_DIR=str(run_dir))
+    text = read(log)
+    assert done.returncode == 0, f"sbatch --wait exit {done.returncode}: {done.stderr}\n{text}"
+    info = job_info(job_id)
+    assert info["JobState"] == "COMPLETED", text
+    assert "world size 4" in text and "[n[1-2]]" in text, text  # really two nodes
+    assert exit_status(run_dir)["reason"] == "completed"
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+    assert metrics(run_dir) == torchrun_metrics
+
+
+def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, torchrun_metrics, tmp_path):
+    """USR1 to the batch shell (what `#SBATCH --signal=B:USR1@T` sends before the time limit) mid-run:
+    the ranks save and exit, the job requeues itself, resumes from that checkpoint and ends with the
+    uninterrupted run's metrics."""
+    run_dir = tmp_path / "run"
+    job_id, log, _ = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=2",
+                            CONFIG=CONFIG, OVERRIDES=RUN_OVERRIDES, RUN_DIR=str(run_dir))
+    metrics_file = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, f"no training steps within 120 s; log:\n{read(log)}"
+        assert job_info(job_id).get("JobState") in {"PENDING", "RUNNING"}, read(log)
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+
+    info = wait_for_job(job_id, log)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED", text
+    assert info["Restarts"] == "1", text
+    assert "received SIGUSR1" in text, text
+    saved = re.search(r"exit status: (\{.*\"reason\": \"signal\".*\})", text)
+    assert saved, f"first attempt did not stop on the signal:\n{text}"
+    saved_step = json.loads(saved.group(1))["step"]
+    assert 1 <= saved_step < STEPS, f"signal arrived too late to test resume (step {saved_step}):\n{text}"
+    assert "restart 1:" in text, text  # SLURM_RESTART_COUNT=1 in the second attempt
+    assert re.search(rf"resumed from \S*iter_0*{saved_step}\b.* at step {saved_step}", text), text
+    assert exit_status(run_dir)["reason"] == "completed"
+    assert metrics(run_dir) == torchrun_metrics
+
+
+def test_bad_layout_fails_fast_with_validator_message(slurm_cluster, tmp_path):
+    """A layout the world size cannot hold: the job fails before srun, the validator's words in its log."""
+    overrides = "data.mock=true train.steps=2 parallel.tensor=3"
+    expected = subprocess.run([PYTHON, "-m", "pretrain", "validate", CONFIG, *overrides.split(),
+                               "--world-size", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert expected.returncode == 2, f"validator accepted the bad layout:\n{expected.stdout}{expected.stderr}"
+    problems = [line.strip() for line in (expected.stdout + expected.stderr).splitlines() if line.strip()]
+
+    run_dir = tmp_path / "run"
+    job_id, log, _ = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=2",
+                            CONFIG=CONFIG, OVERRIDES=overrides, RUN_DIR=str(run_dir))
+    info = wait_for_job(job_id, log, timeout=120)
+    text = read(log)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", text
+    assert info["Restarts"] == "0", text
+    assert "layout rejected by the validator" in text, text
+    for line in problems:
+        assert line in text, f"validator line {line!r} missing from the job log:\n{text}"
+    assert "train: srun" not in text and not (run_dir / "metrics.jsonl").exists(), text
+
+
+def test_hard_failure_requeues_a_bounded_number_of_times(slurm_cluster, tmp_path):
+    """A run that fails (NaN loss with train.nan_policy=stop) is retried MAX_FAILED_RESTARTS times, then
+    the job fails for good instead of requeueing forever."""
+    run_dir = tmp_path / "run"
+    overrides = "data.mock=true train.steps=5 optimizer.lr=1e30 train.nan_policy=stop"
+    job_id, log, _ = sbatch(tmp_path, "--nodes=1", "--ntasks-per-node=2", CONFIG=CONFIG,
+                            OVERRIDES=overrides, RUN_DIR=str(run_dir), MAX_FAILED_RESTARTS="1")
+    info = wait_for_job(job_id, log)
+    text = read(log)
+    assert info["JobState"] == "FAILED", text
+    assert info["Restarts"] == "1", text
+    assert text.count("requeueing job") == 1 and "giving up" in text, text
+    assert exit_status(run_dir)["reason"] == "failed", text
