@@ -158,7 +158,7 @@ launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout i
     fi
     if ((rc == 2)); then
         launch_log "layout rejected by the validator for world size $LAUNCH_WORLD_SIZE" \
-            "($SLURM_JOB_NUM_NODES nodes x $LAUNCH_TASKS_PER_NODE tasks); not starting training, not requeueing"
+            "($SLURM_JOB_NUM_NODES node(s) x $LAUNCH_TASKS_PER_NODE task(s)); not starting training, not requeueing"
         exit 2
     elif ((rc != 0)); then
         launch_log "validator failed with exit code $rc (not a layout verdict); not starting training"
@@ -166,8 +166,9 @@ launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout i
     fi
 }
 
-# The one signal the ranks get from us. SIGUSR1 arrives in the batch shell only (`--signal=B:...`):
-# forward it. SIGTERM (scancel, preemption) reaches the ranks from Slurm directly: just note it.
+# Signals. SIGUSR1 arrives in the batch shell only (`--signal=B:...`): forward it to the ranks through
+# srun. SIGTERM (scancel, preemption) reaches the ranks from Slurm directly: just note it. A signal that
+# arrives before srun has started (during validation) is remembered: training is then not started.
 launch_on_signal() {
     LAUNCH_SIGNAL=$1
     if [[ $1 == USR1 && -n ${LAUNCH_SRUN_PID:-} ]]; then
@@ -176,6 +177,13 @@ launch_on_signal() {
     else
         launch_log "received SIG$1"
     fi
+}
+
+launch_trap_signals() {
+    LAUNCH_SIGNAL=
+    LAUNCH_SRUN_PID=
+    trap 'launch_on_signal USR1' USR1
+    trap 'launch_on_signal TERM' TERM
 }
 
 launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
@@ -192,18 +200,21 @@ launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
     launch_log "train: srun ${srun_args[*]} ${cmd[*]}"
 
     rm -f "$RUN_DIR/exit_status.json"  # written afresh by rank 0 of this attempt
-    LAUNCH_SIGNAL=
-    trap 'launch_on_signal USR1' USR1
-    trap 'launch_on_signal TERM' TERM
+    if [[ -n $LAUNCH_SIGNAL ]]; then
+        launch_requeue "SIG$LAUNCH_SIGNAL arrived before training started"
+    fi
     srun "${srun_args[@]}" bash -c "$rank_env" rank-env "${cmd[@]}" &
     LAUNCH_SRUN_PID=$!
+    if [[ $LAUNCH_SIGNAL == USR1 ]]; then  # arrived between the check above and srun's start
+        launch_on_signal USR1
+    fi
     # `wait` returns early when a trapped signal arrives; wait again until srun itself has exited.
     while :; do
         LAUNCH_SRUN_RC=0
         wait "$LAUNCH_SRUN_PID" || LAUNCH_SRUN_RC=$?
         kill -0 "$LAUNCH_SRUN_PID" 2>/dev/null || break
     done
-    trap - USR1 TERM
+    LAUNCH_SRUN_PID=
     launch_log "srun exited with code $LAUNCH_SRUN_RC${LAUNCH_SIGNAL:+ after SIG$LAUNCH_SIGNAL}"
 }
 
@@ -241,6 +252,15 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
         }
         launch_requeue "trainer saved at step $step after ${reason/_/ }"
     fi
+    if [[ -n $LAUNCH_SIGNAL && ! -f $status_file ]]; then
+        # E.g. USR1 while the ranks were still starting, before their handlers were installed: they died
+        # without saving, but nothing was lost since the last checkpoint and the time limit is near.
+        ((restarts < MAX_RESTARTS)) || {
+            launch_log "ranks ended after SIG$LAUNCH_SIGNAL without saving; MAX_RESTARTS=$MAX_RESTARTS reached"
+            exit 3
+        }
+        launch_requeue "ranks ended after SIG$LAUNCH_SIGNAL without saving (srun exit $LAUNCH_SRUN_RC)"
+    fi
     failures=$((failures + 1))
     echo "$failures" >"$failures_file"
     if ((failures > MAX_FAILED_RESTARTS || restarts >= MAX_RESTARTS)); then
@@ -257,6 +277,7 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
 # ---------------------------------------------------------------------------------------------------
 launch_pretrain() {
     set -euo pipefail
+    launch_trap_signals
     launch_resolve_settings
     launch_export_runtime_env
     local overrides=("$@" "${LAUNCH_USER_OVERRIDES[@]}")
