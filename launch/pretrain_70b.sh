@@ -14,8 +14,9 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.log
-# --signal: USR1 to this shell 10 minutes before the time limit (Slurm may send it up to ~1 minute
-# early); the ranks save a checkpoint (distributed, ~2-4 minutes for 70B) and the job requeues itself.
+# --signal: USR1 to this shell 10 minutes before the time limit (Slurm may send it up to ~30 s
+# early); the ranks save a checkpoint (70B with optimizer state is ~1 TB:
+# allow minutes on a parallel file system) and the job requeues itself.
 
 # Slurm runs a copy of this file from its spool directory: find the checkout it was submitted from.
 if [[ -z ${PROJECT_DIR:-} && -n ${SLURM_JOB_ID:-} ]]; then
