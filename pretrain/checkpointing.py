@@ -1,17 +1,28 @@
 """Megatron-Core distributed checkpoints (`torch_dist`) under `run.dir/checkpoints/`.
 
 Layout (Megatron's convention): `iter_0000010/` per checkpoint and `latest_checkpointed_iteration.txt`
-naming the newest complete one. The pointer is written (atomically, by rank 0) only after every rank
-finished writing, so a crash mid-save leaves the previous checkpoint selected. The model and
-optimizer are saved as sharded tensors keyed by global names, so a checkpoint loads at any layout.
+naming the newest complete one. The tracker is written atomically by rank 0 only after every rank finished
+writing (for an asynchronous save: when the save is finalised), so a crash mid-save leaves the previous
+checkpoint selected. Model and optimizer (the distributed optimizer in the `fully_reshardable` format) are
+sharded tensors keyed by global names, so a checkpoint loads at any TP/PP/VP/DP layout. The LR schedule,
+step, consumed samples, config and per-rank RNG states (Python, NumPy, torch, Megatron's RNG tracker) make
+a same-layout resume exact.
+
+Loading never unpickles untrusted data: `common.pt` and the checkpoint's byte objects go through torch's
+weights-only loader, `.metadata` through an allow-list unpickler, and every file the index refers to is
+checked to exist and be long enough before any rank starts loading.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,10 +31,18 @@ import yaml
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = "fully_reshardable"
+COMMON_FILE = "common.pt"
+INDEX_FILE = ".metadata"
+FORMAT_FILE = "metadata.json"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the file and the reason."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths and the tracker
+# --------------------------------------------------------------------------------------------------
 
 
 def checkpoint_root(cfg) -> Path:
@@ -41,9 +60,12 @@ def latest_iteration(root: Path) -> int | None:
         return None
     text = tracker.read_text().strip()
     try:
-        return int(text)
+        step = int(text)
     except ValueError:
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text[:40]!r}") from None
+    if not iteration_dir(root, step).is_dir():
+        raise CheckpointError(f"{tracker}: names iteration {step} but {iteration_dir(root, step)} does not exist")
+    return step
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -53,6 +75,16 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a checkpoint holds
+# --------------------------------------------------------------------------------------------------
 
 
 def _unwrap(chunk):
@@ -67,12 +99,36 @@ def _model_state(model) -> dict:
 
 
 def _rng_state() -> dict:
+    """This rank's RNG states as tensors and plain values (loadable by the weights-only unpickler)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    np_state = np.random.get_state(legacy=False)
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
     }
+
+
+def _set_rng_state(rng: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = rng["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if rng.get("tracker"):
+        get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
 def _layout_key(cfg) -> tuple:
@@ -84,6 +140,9 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
                    with_optimizer: bool, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    from pretrain.megatron_patches import apply_megatron_patches
+
+    apply_megatron_patches()
     state = _model_state(model)
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -101,10 +160,83 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
     return state
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int) -> Path:
-    """Save a complete checkpoint for `step` and point the tracker at it (all ranks call this)."""
+# --------------------------------------------------------------------------------------------------
+# Saving (synchronous or asynchronous) and the atomic commit
+# --------------------------------------------------------------------------------------------------
+
+
+def _save_strategy(async_save: bool):
+    """torch_dist, with the writes of replicated tensors spread over the data-parallel ranks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, ps.get_data_parallel_group(with_context_parallel=True), do_cache_distribution=False)
+    return strategy
+
+
+def _commit(cfg, root: Path, path: Path, step: int) -> None:
+    """Point the tracker at `path` once every rank has finished writing it (collective)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / "run_config.yaml").write_text(cfg.to_yaml())
+        _write_atomic(root / TRACKER, f"{step}\n")
+        _prune(root, cfg.checkpoint.keep_last, current=step)
+    dist.barrier()
+
+
+def _prune(root: Path, keep_last: int | None, current: int) -> None:
+    """Delete checkpoints beyond the newest `keep_last` and stale partial ones newer than `current`."""
+    iters = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
+    stale = [it for it in iters if it > current]  # uncommitted leftovers of a crashed run
+    kept = [it for it in iters if it <= current]
+    old = kept[:-keep_last] if keep_last else []
+    for it in stale + old:
+        shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+class AsyncSaves:
+    """Megatron-Core's queue of asynchronous `torch_dist` saves, committed when every rank is done.
+
+    At most one save is in flight: scheduling a new one first finalises the previous one.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+        self.pending: int | None = None
+
+    def schedule(self, request) -> None:
+        self.queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool = False) -> list[int]:
+        """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""
+        done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        if done:
+            self.pending = None
+        return done
+
+    def abort(self) -> None:
+        """Stop waiting on the writer (after an error): the checkpoint stays uncommitted."""
+        self.queue.close(abort=True)
+        self.pending = None
+
+
+def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
+                    async_saves: AsyncSaves | None = None) -> Path:
+    """Save a checkpoint for `step` (all ranks call this); the tracker moves once it is complete.
+
+    With `async_saves` the tensors are written by a background process and the checkpoint is committed
+    by a later `async_saves.finalize()`; otherwise it is committed before this returns.
+    """
     from megatron.core import dist_checkpointing
 
+    if async_saves is not None and async_saves.pending is not None:
+        async_saves.finalize(blocking=True)
     root = checkpoint_root(cfg)
     path = iteration_dir(root, step)
     if dist.get_rank() == 0:
@@ -115,58 +247,257 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     dist.barrier()
     state = _sharded_state(cfg, model, optimizer, scheduler, step=step, consumed_samples=consumed_samples,
                            with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / "run_config.yaml").write_text(cfg.to_yaml())
-        _write_atomic(root / TRACKER, f"{step}\n")
-        _prune(root, cfg.checkpoint.keep_last, keep=step)
-    dist.barrier()
+    if async_saves is None:
+        dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(False))
+        _commit(cfg, root, path, step)
+    else:
+        request = dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(True),
+                                          async_sharded_save=True)
+        request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
+        async_saves.schedule(request)
+        async_saves.pending = step
     return path
 
 
-def _prune(root: Path, keep_last: int | None, keep: int) -> None:
-    if not keep_last:
-        return
-    iters = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
-    for it in iters[:-keep_last]:
-        if it != keep:
-            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+# --------------------------------------------------------------------------------------------------
+# Checking a checkpoint before loading it (no untrusted unpickling)
+# --------------------------------------------------------------------------------------------------
+
+_INDEX_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a torch_dist `.metadata` index, refusing every global outside the index's own classes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _INDEX_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a checkpoint index")
+
+
+def _reason(exc: BaseException) -> str:
+    """The informative line of an exception (torch's weights-only errors bury it)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if "Unsupported global" in ln or "not allowed" in ln:
+            return ln
+    return lines[0] if lines else type(exc).__name__
+
+
+def read_common(path: Path) -> dict:
+    """`common.pt` through torch's weights-only loader (a pickle of arbitrary objects is refused)."""
+    f = path / COMMON_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing (incomplete checkpoint)")
+    try:
+        common = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{f}: refused by the weights-only loader, untrusted pickles are never loaded "
+                              f"({_reason(exc)})") from None
+    except Exception as exc:
+        raise CheckpointError(f"{f}: unreadable, truncated or not a torch file ({_reason(exc)})") from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{f}: expected a dict of common state, found {type(common).__name__}")
+    return common
+
+
+def read_index(path: Path):
+    """The torch_dist `.metadata` index, unpickled with an allow-list."""
+    f = path / INDEX_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing (incomplete checkpoint)")
+    try:
+        with open(f, "rb") as fh:
+            return _IndexUnpickler(fh).load()
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{f}: refused, not a torch_dist checkpoint index ({_reason(exc)})") from None
+    except Exception as exc:
+        raise CheckpointError(f"{f}: unreadable or truncated checkpoint index ({_reason(exc)})") from None
+
+
+def _check_format(path: Path) -> None:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    fmt = path / FORMAT_FILE
+    if not fmt.is_file():
+        legacy = " (a legacy Megatron-LM torch checkpoint; only torch_dist is supported)" if any(
+            path.glob("mp_rank_*")) else ""
+        raise CheckpointError(f"{path}: not a Megatron-Core distributed checkpoint, {FORMAT_FILE} missing{legacy}")
+    try:
+        info = json.loads(fmt.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{fmt}: not valid JSON ({exc})") from None
+    backend = info.get("sharded_backend") if isinstance(info, dict) else None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{fmt}: sharded_backend is {backend!r}, this trainer reads 'torch_dist'")
+
+
+def _check_files(path: Path, index) -> None:
+    """Every data file the index refers to exists and holds the bytes the index expects."""
+    need: dict[str, int] = {}
+    for info in index.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing, the checkpoint index refers to it")
+        have = f.stat().st_size
+        if have < size:
+            raise CheckpointError(f"{f}: truncated, {have} bytes but the checkpoint index needs {size}")
+
+
+def _model_config_diff(cfg, common: dict) -> str:
+    saved = (common.get("config") or {}).get("model") or {}
+    ours = cfg.to_dict()["model"]
+    diffs = [f"{k} {saved[k]!r} → {ours[k]!r}" for k in ours if k in saved and saved[k] != ours[k]]
+    return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
+
+
+def _read_object_bytes(path: Path, index, unique_key: str) -> bytes | None:
+    for key, info in index.storage_data.items():
+        if key.fqn == unique_key and not getattr(info, "transform_descriptors", None):
+            with open(path / info.relative_path, "rb") as fh:
+                fh.seek(info.offset)
+                return fh.read(info.length)
+    return None
+
+
+def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
+    """What this rank will load exists in the checkpoint with the right shape and safe contents."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    meta = index.state_dict_metadata
+    for item in nested_values(state):
+        if isinstance(item, ShardedTensor):
+            found = meta.get(item.key)
+            what = "optimizer state" if item.key.startswith("optimizer") else "tensor"
+            if found is None:
+                raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint"
+                                      f"{_model_config_diff(cfg, common)}")
+            if not isinstance(found, TensorStorageMetadata):
+                raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
+                                      "expected a tensor")
+            if tuple(found.size) != tuple(item.global_shape):
+                raise CheckpointError(
+                    f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
+                    f"{list(item.global_shape)} in this model{_model_config_diff(cfg, common)}")
+        elif isinstance(item, ShardedObject):
+            found = meta.get(item.unique_key)
+            if found is None:
+                raise CheckpointError(f"{path}: object '{item.unique_key}' is not in the checkpoint")
+            if not isinstance(found, BytesStorageMetadata):
+                raise CheckpointError(f"{path}: '{item.unique_key}' is a tensor in the checkpoint, expected an object")
+            data = _read_object_bytes(path, index, item.unique_key)
+            if data is not None:
+                try:
+                    torch.load(io.BytesIO(data), weights_only=True)
+                except Exception as exc:
+                    raise CheckpointError(f"{path}: object '{item.unique_key}' refused by the weights-only "
+                                          f"loader, untrusted pickles are never loaded ({_reason(exc)})") from None
+
+
+def _agree(error: CheckpointError | None) -> None:
+    """Raise on every rank when the check failed on any rank (so none is left waiting in a collective)."""
+    flag = torch.tensor([1.0 if error is not None else 0.0])
+    if torch.cuda.is_available():
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item() > 0:
+        raise CheckpointError("checkpoint check failed on another rank (see its error)")
+
+
+def inspect_checkpoint(path: str | Path) -> tuple[dict, Any]:
+    """Format, `common.pt` and index of a checkpoint directory, checked without untrusted unpickling."""
+    path = Path(path)
+    _check_format(path)
+    common = read_common(path)
+    index = read_index(path)
+    _check_files(path, index)
+    return common, index
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _safe_common_strategy():
+    """Megatron's torch common-load strategy, reading `common.pt` with the weights-only loader."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return read_common(Path(checkpoint_dir))
+
+    return SafeCommonLoadStrategy()
 
 
 def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
-    """Load model (and unless `weights_only`, optimizer, schedule, RNG) from `path`.
+    """Load model (and unless `weights_only`, optimizer, schedule, RNG) from `path` (all ranks call this).
 
-    Returns (step, consumed_samples); (0, 0) for a weights-only load.
+    Returns (step, consumed_samples); (0, 0) for a weights-only load. Raises CheckpointError naming the
+    file and the mismatch for missing, truncated, foreign, unsafe or incompatible checkpoints.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    if not path.is_dir() or not (path / "metadata.json").exists():
-        raise CheckpointError(f"{path}: not a Megatron distributed checkpoint (no metadata.json)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
-    with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-    same_layout = list(common.get("layout", [])) == list(_layout_key(cfg))
-    state = _sharded_state(cfg, model, optimizer, scheduler, step=0, consumed_samples=0,
-                           with_optimizer=with_optimizer, is_loading=True)
-    if weights_only or not same_layout:
-        state.pop("rng_state")
-    if not with_optimizer:
-        state.pop("optimizer", None)
-        state.pop("opt_param_scheduler", None)
-    loaded = dist_checkpointing.load(state, str(path))
+    path = Path(path)
+    error, common, state = None, {}, {}
+    try:
+        common, index = inspect_checkpoint(path)
+        with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
+        same_layout = list(common.get("layout", [])) == list(_layout_key(cfg))
+        state = _sharded_state(cfg, model, optimizer, scheduler, step=0, consumed_samples=0,
+                               with_optimizer=with_optimizer, is_loading=True)
+        if weights_only or not same_layout:
+            state.pop("rng_state")
+        if not with_optimizer:
+            state.pop("optimizer", None)
+            state.pop("opt_param_scheduler", None)
+        _check_requested(cfg, path, index, common, state)
+    except CheckpointError as exc:
+        error = exc
+    _agree(error)
+
+    try:
+        loaded = dist_checkpointing.load(state, str(path), sharded_strategy=get_default_load_sharded_strategy(
+            str(path)), common_strategy=_safe_common_strategy())
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{path}: loading failed ({_reason(exc)})") from exc
     for key in [k for k in loaded if k.startswith("model")]:
-        index = 0 if key == "model" else int(key[5:])
-        _unwrap(model[index]).load_state_dict(loaded[key], strict=True)
+        index_ = 0 if key == "model" else int(key[5:])
+        try:
+            _unwrap(model[index_]).load_state_dict(loaded[key], strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path}: model weights do not fit this model ({_reason(exc)})") from None
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except AssertionError as exc:
+            raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
     if "rng_state" in loaded:
-        rng = loaded["rng_state"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        _set_rng_state(loaded["rng_state"])
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
@@ -177,7 +508,7 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")
-    if (p / "metadata.json").exists():
+    if (p / FORMAT_FILE).exists():
         return p
     for root in (p, p / "checkpoints"):
         if iteration is not None and iteration_dir(root, iteration).exists():
@@ -198,3 +529,4 @@ def read_saved_config(path: Path) -> dict:
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no run_config.yaml beside the checkpoint")
     return yaml.safe_load(cfg_file.read_text())
+

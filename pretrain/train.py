@@ -327,6 +327,7 @@ def train(cfg: Config) -> dict:
     stops = StopRequests(t.exit_signal_handler, t.exit_duration_in_mins)
     reason, signal_name, message = "completed", None, None
     last_saved = step if latest is not None else None
+    async_saves = checkpointing.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def save(at_step: int) -> None:
         nonlocal last_saved
@@ -334,9 +335,24 @@ def train(cfg: Config) -> dict:
             return
         t0 = time.perf_counter()
         path = checkpointing.save_checkpoint(cfg, model, optimizer, scheduler, step=at_step,
-                                             consumed_samples=consumed)
+                                             consumed_samples=consumed, async_saves=async_saves)
         last_saved = at_step
-        log0(f"[pretrain] saved {path} in {time.perf_counter() - t0:.2f} s")
+        how = "started async save of" if async_saves is not None else "saved"
+        log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
+
+    def save_or_stop() -> bool:
+        """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
+        nonlocal reason, signal_name
+        if async_saves is not None:
+            async_saves.finalize(blocking=False)
+        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+            save(step)
+        why, signal_name = stops.agreed_reason(rt.device)
+        if why is not None:
+            reason = why
+            log0(f"[pretrain] {why}{f' ({signal_name})' if signal_name else ''} at step {step}: "
+                 "saving and exiting")
+        return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
         batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
@@ -365,6 +381,8 @@ def train(cfg: Config) -> dict:
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
                 consumed += t.global_batch_size
                 step += 1
+                if save_or_stop():
+                    break
                 continue
             ok, grad_norm, _ = optimizer.step()
             if ok:
@@ -397,20 +415,22 @@ def train(cfg: Config) -> dict:
                     print("[pretrain] " + format_step_line(record, t.steps), flush=True)
             if t.eval_interval and step % t.eval_interval == 0 and valid_ds is not None:
                 evaluate(cfg, run_microbatches, valid_ds, step, writer, rt.device)
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                save(step)
-            why, signal_name = stops.agreed_reason(rt.device)
-            if why is not None:
-                reason = why
-                log0(f"[pretrain] {why}{f' ({signal_name})' if signal_name else ''} at step {step}: "
-                     "saving and exiting")
+            if save_or_stop():
                 break
         if cfg.checkpoint.save_at_end or reason != "completed":
             save(step)
+        if async_saves is not None:
+            async_saves.finalize(blocking=True)
     except TrainingStopped as exc:
         reason, message = "failed", str(exc)
+        if async_saves is not None:  # all ranks stop together here: commit the save in flight
+            async_saves.finalize(blocking=True)
         if rt.rank == 0:
             write_exit_status(cfg, reason, step, None, message)
+        raise
+    except BaseException:
+        if async_saves is not None:  # a save in flight stays uncommitted; the previous one is used
+            async_saves.abort()
         raise
     finally:
         if writer is not None:

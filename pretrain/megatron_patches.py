@@ -1,0 +1,149 @@
+"""Narrow, version-pinned run-time fixes to Megatron-Core 0.16.1 checkpoint loading.
+
+Nothing on disk is edited; `apply_megatron_patches()` wraps a few methods, once per process.
+
+Distributed optimizer over torch's Adam/AdamW (what Megatron-Core uses when neither Transformer Engine nor
+apex is installed: CPU, and GPUs without them) — three problems of `megatron/core/optimizer/
+distrib_optimizer.py`, measured in shared/docs/megatron_on_cpu.md:
+
+1. `DistributedOptimizer.state_dict()` (line 642) asserts that the inner state holds exactly one `step`;
+   a fresh optimizer (every load, before the first step) has none, so loading fails.
+   Fix: with no per-parameter state yet, the step is 0.
+2. `_set_main_param_and_optimizer_states()` (line 940) copies every key of the live state, `step`
+   included, from the loaded shard, which (`fully_reshardable`) has no `step`: `KeyError: 'step'`.
+   Fix: the live `step` (already set from the checkpoint's param groups) is passed through unchanged.
+3. `load_state_dict()` (line 825) gives every parameter the same `step` tensor; torch's Adam increments
+   it once per parameter, so after a load the bias correction runs ahead (a TP2→TP1 load moved the
+   next loss by 6.4e-3). Fix: every parameter gets its own copy after the load.
+
+Safe loading (any optimizer): torch's `DefaultLoadPlanner.load_bytes`, which Megatron's `MCoreLoadPlanner`
+inherits, unpickles the byte items of a `torch_dist` checkpoint (`ShardedObject`s such as the RNG state and
+`_extra_state`) with `weights_only=False`. Fix: `weights_only=True` (Megatron-Core registers the
+few non-tensor classes it writes as torch safe globals at import).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+_APPLIED: set[str] = set()
+
+
+class UnsafeCheckpointObject(RuntimeError):
+    """A pickled object in a checkpoint that the weights-only unpickler refuses."""
+
+
+def megatron_core_version() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+def needs_distrib_optimizer_fixes() -> bool:
+    """True when Megatron's distributed optimizer wraps torch's Adam/AdamW (no TE / apex)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _check_version() -> None:
+    found = megatron_core_version()
+    if found != MEGATRON_CORE_VERSION:
+        raise RuntimeError(
+            f"pretrain/megatron_patches.py targets megatron-core {MEGATRON_CORE_VERSION}, found {found}: "
+            "re-check the distributed-optimizer and load_bytes fixes against this version, then update the pin"
+        )
+
+
+def _fresh_state_dict(self) -> dict:
+    """`DistributedOptimizer.state_dict()` for an inner optimizer that has not stepped yet (step 0)."""
+    inner = self.optimizer.state_dict()
+    groups = []
+    for group in inner["param_groups"]:
+        group = {k: v for k, v in group.items() if k != "params"}
+        group["step"] = 0
+        groups.append(group)
+    state_dict = {"optimizer": {"param_groups": groups}}
+    if self.grad_scaler:
+        state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+    return state_dict
+
+
+def _patch_distrib_optimizer() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_state_dict = DistributedOptimizer.state_dict
+    original_set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    original_load_state_dict = DistributedOptimizer.load_state_dict
+
+    def state_dict(self):
+        if self.ddp_config.use_megatron_fsdp:
+            return original_state_dict(self)
+        if not any("step" in s for s in self.optimizer.state.values()):  # problem 1
+            return _fresh_state_dict(self)
+        return original_state_dict(self)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:  # problem 2: keep the step loaded from the param groups
+                tensors = {**tensors, "step": step}
+        return original_set_states(self, model_param, tensors)
+
+    def load_state_dict(self, state_dict):
+        original_load_state_dict(self, state_dict)
+        seen: set[int] = set()
+        for state in self.optimizer.state.values():  # problem 3: one step tensor per parameter
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                seen.add(id(step))
+
+    DistributedOptimizer.state_dict = state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _patch_load_bytes() -> None:
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:  # UnpicklingError and friends: never fall back to full unpickling
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafeCheckpointObject(f"checkpoint object '{fqn}' refused by the weights-only loader: "
+                                         f"{reason}") from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    MCoreLoadPlanner.load_bytes = load_bytes
+
+
+def apply_megatron_patches() -> None:
+    """Apply the fixes this machine needs (idempotent). Raises on another megatron-core version."""
+    if "load_bytes" not in _APPLIED:
+        _check_version()
+        _patch_load_bytes()
+        _APPLIED.add("load_bytes")
+    if "distrib_optimizer" not in _APPLIED and needs_distrib_optimizer_fixes():
+        _check_version()
+        _patch_distrib_optimizer()
+        _APPLIED.add("distrib_optimizer")
+
+
+def applied_patches() -> frozenset[str]:
+    return frozenset(_APPLIED)
