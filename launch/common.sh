@@ -127,7 +127,7 @@ launch_resolve_settings() {
         [[ -n $addr ]] || launch_die "first node $MASTER_ADDR does not resolve and has no NodeAddr"
         MASTER_ADDR=$addr
     fi
-    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # not inherited: a stale one would collide
     export MASTER_ADDR MASTER_PORT
 
     MAX_FAILED_RESTARTS=${MAX_FAILED_RESTARTS:-2}

@@ -108,6 +108,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 ReturnToService=2
+# Job ids (and so the launcher's MASTER_PORT, derived from them) differ between clusters on one host.
+FirstJobId=$((1000 + RANDOM % 18000))
 KillWait=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
