@@ -1,0 +1,171 @@
+"""The planner: CLI contract, FLOP formula, search, and predicted bytes vs what real Megatron ranks hold."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain import plan
+from pretrain.config import load_config
+from pretrain.flops import PEAK_TFLOPS, flops_per_token, gpu_peak_tflops
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+def run_plan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "pretrain", "plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_flops_per_token_matches_a_gemm_by_gemm_count():
+    """The closed formula equals summing every GEMM of a layer (×3 for fwd+bwd, causal scores halved)."""
+    cfg = load_config("llama3_8b")
+    m = cfg.model
+    h, a, g, d, f, s, L, V = 4096, 32, 8, 128, 14336, 8192, 32, 128256
+    per_layer = 2 * (h * a * d + 2 * h * g * d + a * d * h + 3 * h * f) + 2 * 2 * a * d * s / 2
+    expected = 3 * (L * per_layer + 2 * h * V)
+    assert flops_per_token(m, V) == pytest.approx(expected, rel=1e-12)
+
+
+def test_peak_table_has_the_anchor_figures():
+    assert PEAK_TFLOPS["h100"] == {"bf16": 989.0, "fp8": 1979.0}
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3", fp8=True) == 1979.0
+    assert gpu_peak_tflops("NVIDIA H200", fp8=False) == 989.0
+    assert gpu_peak_tflops("Some Other GPU", fp8=False) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Static memory from first principles (no processes)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bytes_per_parameter_follow_the_textbook_rule():
+    """bf16 + fp32 grads + Adam: 18 bytes/param replicated, 6 + 12/DP with the distributed optimizer."""
+    cfg = load_config("llama3_8b", ["parallel.context=1"])
+    vocab = plan.padded_vocab_for(cfg)
+    for distributed, dp in ((False, 8), (True, 8)):
+        lay = plan.Layout(world=dp, tp=1, pp=1, vp=1, cp=1, dp=dp, sp=False, mbs=1, gbs=128, precision="bf16",
+                          distributed=distributed, use_te=True)  # fmt: skip
+        st = plan.static_memory(cfg, lay, vocab, 0)
+        per_param = (st.weights + st.gradients + st.optimizer) / st.params
+        assert per_param == pytest.approx(6 + 12 / dp if distributed else 18, rel=1e-4)
+
+
+def test_interleaving_keeps_more_microbatches_in_flight():
+    """First stage: PP microbatches under 1F1B; interleaved: L·(1 + (P−1)/(P·V)) layer-microbatches."""
+    cfg = load_config("llama3_70b")
+    lay = plan.layout_of(cfg, 64)
+    flights = plan.in_flight(lay, 0)
+    layer_mbs = sum(flights.values()) * cfg.model.num_layers // (lay.pp * lay.vp)
+    assert layer_mbs == cfg.model.num_layers * (1 + (lay.pp - 1) / (lay.pp * lay.vp))
+    lay.vp = 1
+    assert plan.in_flight(lay, 0) == {0: lay.pp}
+    assert plan.in_flight(lay, lay.pp - 1) == {0: 1}
+
+
+def test_recompute_and_sequence_parallel_shrink_activations():
+    base = load_config("llama3_8b", ["parallel.context=1", "parallel.tensor=2"])
+    vocab = plan.padded_vocab_for(base)
+
+    def act(overrides: list[str]) -> int:
+        cfg = load_config("llama3_8b", ["parallel.context=1", "parallel.tensor=2", *overrides])
+        return plan.activation_memory(cfg, plan.layout_of(cfg, 8), vocab, 0).saved
+
+    none, sp = act([]), act(["parallel.sequence_parallel=true"])
+    selective = act(["parallel.sequence_parallel=true", "model.recompute_granularity=selective"])
+    full = act(["parallel.sequence_parallel=true", "model.recompute_granularity=full",
+                "model.recompute_method=uniform", "model.recompute_num_layers=1"])  # fmt: skip
+    assert none > sp > selective > full > 0
+    # Full recompute keeps one bf16 s·b·h/t input per layer, the token ids, and (PP=1: also the last stage)
+    # the final norm and output-layer inputs and the cross entropy's fp32 softmax over V/t.
+    m = base.model
+    s, hs = m.seq_length, m.seq_length * m.hidden_size // 2
+    assert full == m.num_layers * hs * 2 + 8 * s + 2 * hs * 2 + 4 * s * vocab // 2 + 9 * s
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def test_plan_json_has_the_contract_keys():
+    out = run_plan("llama3_70b", "--nodes", "8", "--gpus-per-node", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["num_parameters"] == pytest.approx(70.55e9, rel=0.01)
+    assert p["flops_per_token"] > 6 * p["num_parameters"]
+    mem = p["memory_gib"]
+    parts = ("weights", "gradients", "optimizer", "activations", "fp8", "buffers")
+    assert math.isclose(mem["total"], sum(mem[k] for k in parts), abs_tol=0.01)
+    # TP4 PP8: ~1/32 of the weights in bf16 on a rank; the distributed optimizer shards over DP=2.
+    assert mem["weights"] == pytest.approx(p["most_loaded_rank"]["parameters"] * 2 / 2**30, rel=0.01)
+    assert mem["optimizer"] == pytest.approx(p["most_loaded_rank"]["parameters"] * 12 / 2 / 2**30, rel=0.01)
+    thr = p["throughput"]
+    assert thr["tokens_per_s_per_gpu"] == pytest.approx(thr["mfu"] * 989e12 / p["flops_per_token"])
+
+
+def test_plan_text_and_bad_layout_errors():
+    out = run_plan("tiny_llama", "--nodes", "1", "--gpus-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    assert "memory per GPU" in out.stdout and "tokens/s/GPU" in out.stdout
+    bad = run_plan("tiny_llama", "parallel.tensor=3", "--nodes", "1", "--gpus-per-node", "6")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("plan error:") and "parallel.tensor" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    unknown = run_plan("no_such_config", "--nodes", "1")
+    assert unknown.returncode == 2 and "not found" in unknown.stderr
+
+
+def test_search_lists_only_valid_layouts_that_fit():
+    cfg = load_config("llama3_8b")
+    found = plan.search(cfg, 1, 8, "h100", top=0)
+    assert found, "no layout found for Llama-3 8B on 8 H100"
+    assert [r["step_s"] for r in found] == sorted(r["step_s"] for r in found)
+    for r in found[:20]:
+        c = load_config("llama3_8b", r["overrides"].split())
+        assert plan.check_layout(c, 8, use_te=True) == []
+        assert r["memory_gib"] <= plan.HEADROOM * plan.GPU_MEMORY_GIB["h100"]
+        assert r["tensor"] * r["pipeline"] * r["context"] * r["data"] == 8
+    out = run_plan("llama3_8b", "--nodes", "1", "--gpus-per-node", "8", "--search", "--top", "3")
+    assert out.returncode == 0, out.stderr
+    rows = [x for x in out.stdout.splitlines() if x.startswith("  ") and x.split()[0].isdigit()]
+    assert "best:" in out.stdout and len(rows) == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# Predicted bytes vs what real Megatron ranks hold (torchrun, CPU)
+# --------------------------------------------------------------------------------------------------
+
+
+def _launch(world: int, out: Path) -> list[dict]:
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(ROOT / "tests/pretrain/plan_worker.py"), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_predicted_bytes_equal_what_ranks_hold(tmp_path):
+    records = _launch(2, tmp_path / "w2.json") + _launch(4, tmp_path / "w4.json")
+    assert len({r["layout"] for r in records}) == 11
+    lines = [f"{'layout':<38}{'rank':>5} {'kind':<10}{'predicted':>14}{'actual':>14}{'diff':>8}"]
+    for r in records:
+        assert r["names_match"], f"{r['layout']} rank {r['rank']}: parameter list differs from the model's"
+        for kind in ("weights", "gradients", "optimizer"):
+            pred, actual = r["predicted"][kind], r["measured"][kind]
+            diff = (pred - actual) / actual
+            lines.append(f"{r['layout']:<38}{r['rank']:>5} {kind:<10}{pred:>14,}{actual:>14,}{diff:>8.2%}")
+            assert abs(diff) <= 0.01, lines[-1]
+    print("\n".join(lines))
