@@ -189,8 +189,11 @@ launch_trap_signals() {
 launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
     local srun_args extra
     read -r -a extra <<<"${SRUN_ARGS:-}"
-    srun_args=(--kill-on-bad-exit=1 --ntasks="$LAUNCH_WORLD_SIZE"
-        --ntasks-per-node="$LAUNCH_TASKS_PER_NODE" "${LAUNCH_CONTAINER_ARGS[@]}" "${extra[@]}")
+    srun_args=(--kill-on-bad-exit=1 --ntasks="$LAUNCH_WORLD_SIZE" --ntasks-per-node="$LAUNCH_TASKS_PER_NODE")
+    # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each rank is bound to
+    # a single core where Slurm binds tasks to CPUs.
+    [[ -z ${SLURM_CPUS_PER_TASK:-} ]] || srun_args+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    srun_args+=("${LAUNCH_CONTAINER_ARGS[@]}" "${extra[@]}")
     # torch.distributed's environment from Slurm's, per task (evaluated in the task, hence the quotes).
     # shellcheck disable=SC2016
     local rank_env='export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
