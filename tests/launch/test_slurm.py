@@ -183,34 +183,58 @@ def test_sbatch_two_nodes_matches_torchrun(slurm_cluster, torchrun_metrics, tmp_
     assert metrics(run_dir) == torchrun_metrics
 
 
-def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, torchrun_metrics, tmp_path):
-    """USR1 to the batch shell (what `#SBATCH --signal=B:USR1@T` sends before the time limit) mid-run:
-    the ranks save and exit, the job requeues itself, resumes from that checkpoint and ends with the
-    uninterrupted run's metrics."""
+def preempt_and_resume(tmp_path: Path, overrides: str, signal_after_steps: int, torchrun_metrics) -> None:
+    """Submit a 2 x 2 run, send USR1 to the batch shell once `signal_after_steps` steps are logged (what
+    `#SBATCH --signal=B:USR1@T` sends before the time limit), then check: the ranks saved and exited, the
+    job requeued itself (Restarts=1), resumed from that checkpoint and ended with the uninterrupted run's
+    metrics."""
     run_dir = tmp_path / "run"
     job_id, log, _ = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=2",
-                            CONFIG=CONFIG, OVERRIDES=PREEMPT_OVERRIDES, RUN_DIR=str(run_dir))
-    metrics_file = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, f"no training steps within 120 s; log:\n{read(log)}"
-        assert job_info(job_id).get("JobState") in {"PENDING", "RUNNING"}, read(log)
-        time.sleep(0.1)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+                            CONFIG=CONFIG, OVERRIDES=overrides, RUN_DIR=str(run_dir))
+    try:
+        metrics_file = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 150
+        while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= signal_after_steps):
+            assert time.monotonic() < deadline, f"no training steps within 150 s; log:\n{read(log)}"
+            assert job_info(job_id).get("JobState") in {"PENDING", "RUNNING"}, read(log)
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
 
-    info = wait_for_job(job_id, log)
+        # The first attempt's verdict, as soon as it is logged.
+        deadline = time.monotonic() + 120
+        while not (first := re.search(r"\] (exit status: .*|no \S+exit_status.json.*)", read(log))):
+            assert time.monotonic() < deadline, f"first attempt did not end within 120 s:\n{read(log)}"
+            time.sleep(0.2)
+        assert "received SIGUSR1" in read(log), read(log)
+        assert '"reason": "signal"' in first.group(1), f"the ranks did not save on the signal:\n{read(log)}"
+        saved_step = json.loads(first.group(1).removeprefix("exit status: "))["step"]
+        assert signal_after_steps <= saved_step < STEPS, f"signal too late to test resume:\n{read(log)}"
+
+        info = wait_for_job(job_id, log)
+    finally:
+        subprocess.run(["scancel", "--full", job_id], capture_output=True)  # no-op once it has ended
     text = read(log)
     assert info["JobState"] == "COMPLETED", text
     assert info["Restarts"] == "1", text
-    assert "received SIGUSR1" in text, text
-    saved = re.search(r"exit status: (\{.*\"reason\": \"signal\".*\})", text)
-    assert saved, f"first attempt did not stop on the signal:\n{text}"
-    saved_step = json.loads(saved.group(1))["step"]
-    assert 1 <= saved_step < STEPS, f"signal arrived too late to test resume (step {saved_step}):\n{text}"
     assert "restart 1:" in text, text  # SLURM_RESTART_COUNT=1 in the second attempt
-    assert re.search(rf"resumed from \S*iter_0*{saved_step}\b.* at step {saved_step}", text), text
+    assert re.search(rf"resumed from \S*iter_0*{saved_step} at step {saved_step}", text), text
     assert exit_status(run_dir)["reason"] == "completed"
     assert metrics(run_dir) == torchrun_metrics
+
+
+def test_preempted_job_saves_requeues_and_resumes(slurm_cluster, torchrun_metrics, tmp_path):
+    preempt_and_resume(tmp_path, PREEMPT_OVERRIDES, 2, torchrun_metrics)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "trainer: megatron's torch_dist writer keeps a multiprocessing Manager process (spawned at the first "
+    "save, filesystem_async._get_write_results_queue); Slurm signals every process of the step, USR1 "
+    "kills that Manager, and the signal-triggered save then fails with EOFError. Fix in pretrain/: spawn "
+    "helper processes with SIGUSR1/SIGTERM blocked (signal.pthread_sigmask), then remove this marker."))
+def test_preempted_after_a_periodic_checkpoint(slurm_cluster, torchrun_metrics, tmp_path):
+    """The usual case on a real cluster: periodic checkpoints, then the time-limit signal."""
+    preempt_and_resume(tmp_path, f"data.mock=true train.steps={STEPS} checkpoint.interval=2", 3,
+                       torchrun_metrics)
 
 
 def test_bad_layout_fails_fast_with_validator_message(slurm_cluster, tmp_path):
