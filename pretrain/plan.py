@@ -325,7 +325,8 @@ def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: b
     Q/K/V (`_qkv_saved_units`); the attention output that feeds the output projection (s·b·a·d/t·p); local
     attention's probabilities (fp32 softmax output plus its p-byte copy: (4 + p)·b·a·s²/t, or 4·b·a·s²/t
     in fp32) or flash attention's fp32 log-sum-exp (4·s·b·a/t); the MLP: fc1 output, activation output
-    and fc2 input (SwiGLU: 4·s·b·f/t·p; GELU: 2·s·b·f/t·p).
+    and fc2 input (SwiGLU: 4·s·b·f/t·p; GELU: 2·s·b·f/t·p). With FP8 (TE) the four GEMM inputs are kept as
+    1-byte copies instead (the attention output also stays in p bytes for flash attention's backward).
     """
     m = cfg.model
     p = lay.bytes_per_value
@@ -346,6 +347,11 @@ def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: b
         scores = 4 * s * b * (a // t)
     else:
         scores = 0
+    if m.fp8 and lay.use_te:
+        # Transformer Engine keeps the GEMM inputs (QKV, fc1, output projection, fc2) as FP8 copies.
+        gemm_in = 2 * hs + s * b * a * d // t + s * b * f // t
+        mlp = (3 if m.gated_linear_unit else 1) * s * b * f // t * p
+        return 2 * hs * p + qkv + attn_out + scores + mlp + gemm_in
     mlp = (4 if m.gated_linear_unit else 2) * s * b * f // t * p
     return 4 * hs * p + qkv + attn_out + scores + mlp
 
