@@ -146,7 +146,7 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
     state = _model_state(model)
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
-            {k: v for d in state.values() for k, v in d.items()},
+            dict(state),
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
         )
@@ -278,6 +278,10 @@ _INDEX_CLASSES = {
 }
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    """A global outside the allow-list of a checkpoint index."""
+
+
 class _IndexUnpickler(pickle.Unpickler):
     """Unpickles a torch_dist `.metadata` index, refusing every global outside the index's own classes."""
 
@@ -286,16 +290,13 @@ class _IndexUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a checkpoint index")
+        raise _RefusedGlobal(f"global '{module}.{name}' is not allowed in a checkpoint index")
 
 
 def _reason(exc: BaseException) -> str:
-    """The informative line of an exception (torch's weights-only errors bury it)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for ln in lines:
-        if "Unsupported global" in ln or "not allowed" in ln:
-            return ln
-    return lines[0] if lines else type(exc).__name__
+    from pretrain.megatron_patches import informative_line
+
+    return informative_line(exc)
 
 
 def read_common(path: Path) -> dict:
@@ -323,7 +324,7 @@ def read_index(path: Path):
     try:
         with open(f, "rb") as fh:
             return _IndexUnpickler(fh).load()
-    except pickle.UnpicklingError as exc:
+    except _RefusedGlobal as exc:
         raise CheckpointError(f"{f}: refused, not a torch_dist checkpoint index ({_reason(exc)})") from None
     except Exception as exc:
         raise CheckpointError(f"{f}: unreadable or truncated checkpoint index ({_reason(exc)})") from None
@@ -458,6 +459,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     error, common, state = None, {}, {}
@@ -482,7 +484,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             str(path)), common_strategy=_safe_common_strategy())
     except CheckpointError:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
         raise CheckpointError(f"{path}: loading failed ({_reason(exc)})") from exc
     for key in [k for k in loaded if k.startswith("model")]:
         index_ = 0 if key == "model" else int(key[5:])

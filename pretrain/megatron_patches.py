@@ -37,6 +37,21 @@ class UnsafeCheckpointObject(RuntimeError):
     """A pickled object in a checkpoint that the weights-only unpickler refuses."""
 
 
+def informative_line(exc: BaseException) -> str:
+    """The line of an exception that says what went wrong (torch's weights-only errors bury it)."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.CheckpointException
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return informative_line(inner)
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if "Unsupported global" in ln or "not allowed" in ln:
+            return ln
+    return lines[0] if lines else type(exc).__name__
+
+
 def megatron_core_version() -> str:
     import megatron.core
 
@@ -120,9 +135,8 @@ def _patch_load_bytes() -> None:
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:  # UnpicklingError and friends: never fall back to full unpickling
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsafeCheckpointObject(f"checkpoint object '{fqn}' refused by the weights-only loader: "
-                                         f"{reason}") from None
+                                         f"{informative_line(exc)}") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 

@@ -1,0 +1,124 @@
+"""Launching real training processes for the checkpoint tests: timeouts, process groups, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+# Fields of a metrics line that do not depend on wall-clock time: compared exactly across runs.
+DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "consumed_samples")
+
+# A CPU-sized run: 1.8 M parameters (vocabulary 4096 covers the mock dataset's token ids), fp32.
+SMALL = ["model.seq_length=128", "model.vocab_size=4096", "train.global_batch_size=8",
+         "train.micro_batch_size=2", "logging.tensorboard=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(overrides: list[str], nproc: int = 1, module: str = "pretrain", args: list[str] | None = None) -> list[str]:
+    """`python -m pretrain train tiny_llama ...` (or torchrun for nproc > 1), or a worker module."""
+    tail = ["-m", module] + (args if args is not None else ["train", "tiny_llama", *overrides])
+    if nproc == 1:
+        return [PYTHON, *tail]
+    return [TORCHRUN, f"--nproc-per-node={nproc}", f"--master-port={free_port()}", *tail]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start in a new session (so the whole tree — ranks, checkpoint writers — can be ended at once)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log, "ab")
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int:
+    """Wait for the launcher; on timeout end its process group and fail. Leftovers are always ended."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        proc.wait()
+        raise AssertionError(f"process {proc.args[:6]} timed out after {timeout} s") from None
+    kill_group(proc)  # orphaned checkpoint-writer / Manager processes
+    return rc
+
+
+def run(cmd: list[str], log: Path, timeout: float = 240) -> int:
+    return finish(start(cmd, log), timeout)
+
+
+def metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def deterministic(run_dir: str | Path) -> list[tuple]:
+    return [tuple(rec[k] for k in DETERMINISTIC) for rec in metrics(run_dir) if "loss" in rec]
+
+
+def wait_until(predicate: Callable[[], bool], proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll `predicate` until true; False when the process ended first. Fails on timeout."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return predicate()
+        time.sleep(0.05)
+    kill_group(proc)
+    raise AssertionError(f"condition not reached within {timeout} s")
+
+
+def worker_ranks(proc: subprocess.Popen) -> dict[int, int]:
+    """{RANK: pid} of the torchrun workers under the launcher `proc` (from /proc)."""
+    import psutil
+
+    ranks = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "RANK" in env and "LOCAL_RANK" in env and child.ppid() == proc.pid:
+            ranks[int(env["RANK"])] = child.pid
+    return ranks
+
+
+def log_text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

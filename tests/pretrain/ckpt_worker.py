@@ -1,0 +1,159 @@
+"""Runs several training cases in one process group (one torchrun launch): `ckpt_worker.py PLAN.json`.
+
+PLAN.json: {"results": path, "cases": [case, ...]}. A case:
+    name         label in the results file
+    overrides    dotted config overrides (tiny_llama base)
+    copy_from    [run_dir, step]: start from that run's checkpoint at `step` (copied with its tracker)
+    crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
+    evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
+    load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
+    mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
+                 delete, evil_pickle (arg: marker file), write (arg: text)
+Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | None}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+class Evil:
+    """Unpickling this runs code (creates a marker file); safe loaders must refuse it."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+def _copy_checkpoint(src_run: str, step: int, dst_run: str) -> None:
+    from pretrain.checkpointing import TRACKER, iteration_dir
+
+    src, dst = Path(src_run) / "checkpoints", Path(dst_run) / "checkpoints"
+    shutil.rmtree(dst_run, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shutil.copytree(iteration_dir(src, step), iteration_dir(dst, step))
+    (dst / TRACKER).write_text(f"{step}\n")
+    lines = [ln for ln in (Path(src_run) / "metrics.jsonl").read_text().splitlines()
+             if json.loads(ln).get("step", 0) <= step]
+    (Path(dst_run) / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines))
+
+
+def _mutate(run_dir: str, ops: list) -> None:
+    import pickle
+
+    for op, rel, *arg in ops:
+        f = Path(run_dir) / rel
+        if op == "truncate":
+            data = f.read_bytes()
+            f.write_bytes(data[: int(len(data) * arg[0])])
+        elif op == "delete":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+        elif op == "evil_pickle":
+            f.write_bytes(pickle.dumps(Evil(arg[0])))
+        elif op == "write":
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(arg[0])
+        else:
+            raise ValueError(f"unknown mutation {op!r}")
+
+
+def _install_crash(step: int) -> None:
+    """SIGKILL the trainer from inside a checkpoint writer process, after its first item of `step`."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain import checkpointing
+
+    trainer = os.getpid()
+    original_write_item = filesystem_async._write_item
+    original_save = checkpointing.save_checkpoint
+
+    def write_item(*args, **kwargs):
+        result = original_write_item(*args, **kwargs)
+        if os.environ.get("CKPT_CRASH_ARMED") == "1":
+            os.kill(trainer, signal.SIGKILL)
+            os._exit(1)
+        return result
+
+    def save_checkpoint(*args, **kwargs):
+        if kwargs.get("step") == step:
+            os.environ["CKPT_CRASH_ARMED"] = "1"  # inherited by the forked writers
+        return original_save(*args, **kwargs)
+
+    filesystem_async._write_item = write_item
+    checkpointing.save_checkpoint = save_checkpoint
+
+
+def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from pretrain.megatron_patches import apply_megatron_patches
+
+    apply_megatron_patches()
+    state = {key: ShardedObject(key, None, (world,), (rank,), replica_id=0)}
+    dist_checkpointing.load(state, checkpoint)
+
+
+def run_case(case: dict, results: dict) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pretrain import checkpointing
+    from pretrain.config import load_config
+    from pretrain.train import train
+
+    name = case["name"]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cfg = load_config("tiny_llama", case.get("overrides", []))
+    if case.get("copy_from") and rank == 0:
+        _copy_checkpoint(case["copy_from"][0], case["copy_from"][1], cfg.run.dir)
+    if case.get("mutate") and rank == 0:
+        _mutate(cfg.run.dir, case["mutate"])
+    if dist.is_initialized():
+        dist.barrier()
+    original_rng = checkpointing._rng_state
+    if case.get("evil_rng"):
+        checkpointing._rng_state = lambda: {"python": Evil(case["evil_rng"])}
+    if case.get("crash_in_save"):
+        _install_crash(int(case["crash_in_save"]))
+    try:
+        if case.get("load_object"):
+            _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
+            summary = None
+        else:
+            summary = train(cfg)
+        results[name] = {"ok": True, "error": None, "summary": summary}
+    except (Exception, CheckpointException) as exc:  # recorded for the test to assert on
+        results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "summary": None,
+                         "traceback": traceback.format_exc()}
+    finally:
+        checkpointing._rng_state = original_rng
+
+
+def main(plan_path: str) -> int:
+    from pretrain.runtime import init_distributed, shutdown
+
+    plan = json.loads(Path(plan_path).read_text())
+    init_distributed()
+    results: dict = {}
+    try:
+        for case in plan["cases"]:
+            run_case(case, results)
+            if dist.get_rank() == 0:
+                Path(plan["results"]).write_text(json.dumps(results, indent=1))
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # the async checkpoint writer re-imports __main__
+    sys.exit(main(sys.argv[1]))

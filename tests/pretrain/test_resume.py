@@ -1,0 +1,140 @@
+"""Exact resume: `kill -9` at random steps, a crash in the middle of a save, SIGUSR1 to one rank.
+
+Every interrupted run is restarted with the same command until it completes; its metrics.jsonl must then
+hold the same deterministic fields (step, loss, lr, grad_norm, consumed_samples — the same floats) as an
+uninterrupted run, one line per step: no sample repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pretrain.ckpt_helpers import (
+    SMALL,
+    command,
+    deterministic,
+    finish,
+    kill_group,
+    log_text,
+    metrics,
+    run,
+    start,
+    wait_until,
+    worker_ranks,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+ONE_RANK = SMALL + [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=2",
+                    "optimizer.distributed=true"]
+# Data parallel over 2 ranks, distributed optimizer, asynchronous saves every step.
+TWO_RANKS = SMALL + ["train.steps=6", "checkpoint.interval=1", "checkpoint.keep_last=2", "checkpoint.async_save=true",
+                     "optimizer.distributed=true"]
+SEED = int(os.environ.get("RESUME_TEST_SEED", random.SystemRandom().randrange(10**6)))
+
+
+def _tracker(run_dir: Path) -> int | None:
+    f = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    return int(f.read_text()) if f.exists() else None
+
+
+def _assert_same_run(run_dir: Path, reference: Path, steps: int) -> None:
+    got, want = deterministic(run_dir), deterministic(reference)
+    assert [g[0] for g in got] == list(range(1, steps + 1)), "a step is missing or repeated"
+    assert [g[-1] for g in got] == [8 * s for s in range(1, steps + 1)], "a sample was repeated or skipped"
+    assert got == want  # exact floats
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref1")
+    rc = run(command(ONE_RANK + [f"run.dir={root}"]), root / "log", timeout=240)
+    assert rc == 0, log_text(root / "log")[-3000:]
+    assert len(deterministic(root)) == STEPS
+    return root
+
+
+def test_kill9_at_random_steps_resumes_identically(one_rank_reference, tmp_path):
+    rng = random.Random(SEED)
+    kill_steps = sorted(rng.sample(range(1, STEPS), 3))
+    cmd = command(ONE_RANK + [f"run.dir={tmp_path}"])
+    resumed_from = []
+    for k in kill_steps:
+        proc = start(cmd, tmp_path / "log")
+        reached = wait_until(lambda k=k: len(metrics(tmp_path)) >= k, proc, timeout=240)
+        if proc.poll() is None:
+            time.sleep(rng.uniform(0.0, 0.6))  # anywhere in the step or the save after it
+            kill_group(proc)
+        finish(proc, timeout=60)
+        resumed_from.append(_tracker(tmp_path))
+        assert reached
+    rc = run(cmd, tmp_path / "log", timeout=240)
+    assert rc == 0, log_text(tmp_path / "log")[-3000:]
+    print(f"seed {SEED}: killed at steps {kill_steps}; trackers after each kill {resumed_from}")
+    _assert_same_run(tmp_path, one_rank_reference, STEPS)
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(one_rank_reference, tmp_path):
+    run_dir = tmp_path / "run"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"results": str(tmp_path / "results.json"), "cases": [
+        {"name": "crash", "overrides": ONE_RANK + [f"run.dir={run_dir}"], "crash_in_save": 4}]}))
+    rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), tmp_path / "log", timeout=240)
+    assert rc == -signal.SIGKILL, log_text(tmp_path / "log")[-3000:]
+    partial = run_dir / "checkpoints" / "iter_0000004"
+    assert partial.is_dir() and not (partial / "metadata.json").exists()  # killed mid-write
+    assert _tracker(run_dir) == 2
+    assert len(metrics(run_dir)) == 4
+    rc = run(command(ONE_RANK + [f"run.dir={run_dir}"]), tmp_path / "log", timeout=240)
+    assert rc == 0, log_text(tmp_path / "log")[-3000:]
+    assert "resumed from" in log_text(tmp_path / "log") and "iter_0000002 at step 2" in log_text(tmp_path / "log")
+    _assert_same_run(run_dir, one_rank_reference, STEPS)
+    assert _tracker(run_dir) == STEPS
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_0000006", "iter_0000008"]
+
+
+def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
+    """DP2 + async save: SIGUSR1 to rank 1 only → all ranks save and exit 0; then kill -9 rank 0; resume."""
+    ref = tmp_path / "ref"
+    rc = run(command(TWO_RANKS + [f"run.dir={ref}"], nproc=2), ref / "log", timeout=300)
+    assert rc == 0, log_text(ref / "log")[-3000:]
+
+    work = tmp_path / "run"
+    cmd = command(TWO_RANKS + [f"run.dir={work}"], nproc=2)
+    proc = start(cmd, work / "log")
+    wait_until(lambda: len(metrics(work)) >= 2, proc, timeout=300)
+    ranks = worker_ranks(proc)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGUSR1)
+    rc = finish(proc, timeout=120)
+    assert rc == 0, log_text(work / "log")[-3000:]
+    status = json.loads((work / "exit_status.json").read_text())
+    assert status["reason"] == "signal" and status["signal"] == "SIGUSR1", status
+    assert 2 <= status["step"] < 6
+    assert _tracker(work) == status["step"]  # saved (async save committed) before exiting
+    assert len(metrics(work)) == status["step"]
+
+    rng = random.Random(SEED)
+    kill_at = rng.randrange(status["step"] + 1, 6)
+    proc = start(cmd, work / "log")
+    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.4))
+        os.kill(worker_ranks(proc).get(0, proc.pid), signal.SIGKILL)
+    rc = finish(proc, timeout=120)
+    print(f"seed {SEED}: SIGUSR1 stop at step {status['step']}, kill -9 of rank 0 after step {kill_at}, "
+          f"tracker then {_tracker(work)}")
+
+    rc = run(cmd, work / "log", timeout=300)
+    assert rc == 0, log_text(work / "log")[-3000:]
+    got, want = deterministic(work), deterministic(ref)
+    assert [g[0] for g in got] == list(range(1, 7))
+    assert got == want
