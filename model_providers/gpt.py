@@ -57,3 +57,30 @@ PRESETS: dict[str, dict] = {
         "vocab_size": 50257,
     },
 }
+
+# HuggingFace mapping to GPT2LMHeadModel (see llama.py for the row format). GPT-2's Conv1D stores
+# weights as [in, out], hence `transpose`; its fused c_attn is [q; k; v] over all heads, while
+# Megatron's linear_qkv is [q; k; v] per head: `fused_qkv` / `fused_qkv_bias` regroup and transpose.
+_H = "transformer.h.{i}."
+_M = "decoder.layers."
+HF_MAPPING: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
+    ("embedding.word_embeddings.weight", "transformer.wte.weight", "vocab"),
+    ("embedding.position_embeddings.weight", "transformer.wpe.weight", "copy"),
+    (_M + "self_attention.linear_qkv.layer_norm_weight", _H + "ln_1.weight", "copy"),
+    (_M + "self_attention.linear_qkv.layer_norm_bias", _H + "ln_1.bias", "copy"),
+    (_M + "self_attention.linear_qkv.weight", _H + "attn.c_attn.weight", "fused_qkv"),
+    (_M + "self_attention.linear_qkv.bias", _H + "attn.c_attn.bias", "fused_qkv_bias"),
+    (_M + "self_attention.linear_proj.weight", _H + "attn.c_proj.weight", "transpose"),
+    (_M + "self_attention.linear_proj.bias", _H + "attn.c_proj.bias", "copy"),
+    (_M + "mlp.linear_fc1.layer_norm_weight", _H + "ln_2.weight", "copy"),
+    (_M + "mlp.linear_fc1.layer_norm_bias", _H + "ln_2.bias", "copy"),
+    (_M + "mlp.linear_fc1.weight", _H + "mlp.c_fc.weight", "transpose"),
+    (_M + "mlp.linear_fc1.bias", _H + "mlp.c_fc.bias", "copy"),
+    (_M + "mlp.linear_fc2.weight", _H + "mlp.c_proj.weight", "transpose"),
+    (_M + "mlp.linear_fc2.bias", _H + "mlp.c_proj.bias", "copy"),
+    ("decoder.final_layernorm.weight", "transformer.ln_f.weight", "copy"),
+    ("decoder.final_layernorm.bias", "transformer.ln_f.bias", "copy"),
+    ("output_layer.weight", "lm_head.weight", "vocab"),
+)
+# Causal-mask buffers older GPT-2 checkpoints carry; skipped on import.
+HF_IGNORED: tuple[str, ...] = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)

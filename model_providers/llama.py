@@ -102,3 +102,28 @@ PRESETS: dict[str, dict] = {
     },
 }
 PRESETS["llama3_405b"] = PRESETS["llama31_405b"]  # Llama-3 405B was only released as 3.1
+
+# HuggingFace mapping, shared by export (data_tools convert to-hf) and import (from-hf); the rules are
+# implemented in model_providers/hf.py. Each row: Megatron global parameter name (names under
+# "decoder.layers." are stacked on dim 0, one slice per layer) → HF name(s) ({i} = layer) → rule.
+#   copy: same tensor | vocab: rows = vocabulary (TP padding removed on export, added on import)
+#   split_qkv: fused per-query-group [q heads; k; v] ↔ q_proj, k_proj, v_proj
+#   split_gate_up: fc1 = [gate; up] ↔ gate_proj, up_proj
+_L = "model.layers.{i}."
+HF_MAPPING: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
+    ("embedding.word_embeddings.weight", "model.embed_tokens.weight", "vocab"),
+    ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", _L + "input_layernorm.weight", "copy"),
+    (
+        "decoder.layers.self_attention.linear_qkv.weight",
+        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+        "split_qkv",
+    ),
+    ("decoder.layers.self_attention.linear_proj.weight", _L + "self_attn.o_proj.weight", "copy"),
+    ("decoder.layers.mlp.linear_fc1.layer_norm_weight", _L + "post_attention_layernorm.weight", "copy"),
+    ("decoder.layers.mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "split_gate_up"),
+    ("decoder.layers.mlp.linear_fc2.weight", _L + "mlp.down_proj.weight", "copy"),
+    ("decoder.final_layernorm.weight", "model.norm.weight", "copy"),
+    ("output_layer.weight", "lm_head.weight", "vocab"),
+)
+# HF tensors that carry no weights (buffers some checkpoints include); skipped on import.
+HF_IGNORED: tuple[str, ...] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)

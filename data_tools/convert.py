@@ -1,0 +1,752 @@
+"""HuggingFace bridge: Megatron `torch_dist` checkpoints ↔ transformers safetensors, streaming.
+
+    python -m data_tools convert to-hf --checkpoint RUN_DIR_or_CKPT_DIR [--iteration N] --output HF_DIR
+        [--dtype bf16|fp16|fp32] [--tokenizer PATH] [--overwrite] [--max-shard-gb G]
+    python -m data_tools convert from-hf --hf HF_DIR --output CKPT_DIR [--config CONFIG] [--dtype ...]
+
+to-hf recovers the model config from the checkpoint's run_config.yaml, so a checkpoint saved at any
+TP/PP/VP layout converts the same way: storage keys are layout-independent global names. Each
+parameter is read one layer slice at a time through torch.distributed.checkpoint's FileSystemReader
+(tensor payloads with `torch.load(weights_only=True)`, the `.metadata` index through the trainer's
+allow-list unpickler),
+regrouped by the family's HF_MAPPING rules and appended to safetensors shards written by a streaming
+writer whose headers are planned up front. from-hf reads one HF tensor at a time with safetensors and
+writes the checkpoint with torch.distributed.checkpoint's FileSystemWriter and a planner that produces
+each layer slice only when the writer asks for it. Output goes to a staging directory that is renamed
+into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from model_providers.hf import ConversionError, Dims, Rule
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+# Megatron linear modules whose (empty) `_extra_state` the trainer's sharded state dict expects.
+_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress, memory, output directories
+# --------------------------------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Progress:
+    """One status line on stderr: tensors done, tensors/s and GB/s."""
+
+    def __init__(self, total: int, total_bytes: int, label: str, enabled: bool = True):
+        self.total, self.total_bytes, self.label, self.enabled = total, total_bytes, label, enabled
+        self.done = self.bytes = 0
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes += nbytes
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > (0.2 if self.tty else 5.0) or self.done == self.total):
+            self.last = now
+            end = "\n" if (self.done == self.total or not self.tty) else ""
+            print(f"\r{self.line()}", end=end, file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        el = max(time.perf_counter() - self.start, 1e-9)
+        return (f"[convert] {self.label} {self.done}/{self.total} tensors {self.bytes / 1e9:.2f}/"
+                f"{self.total_bytes / 1e9:.2f} GB | {self.done / el:.1f} tensors/s | {self.bytes / 1e9 / el:.3f} GB/s")
+
+
+def _staging(output: Path, overwrite: bool) -> Path:
+    """A fresh staging directory beside `output` (refusing a non-empty `output` without overwrite)."""
+    if output.exists():
+        if not output.is_dir():
+            raise ConversionError(f"{output}: exists and is not a directory")
+        if any(output.iterdir()) and not overwrite:
+            raise ConversionError(f"{output}: directory is not empty (pass --overwrite to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    return staging
+
+
+def _commit(staging: Path, output: Path) -> None:
+    """Move the complete staging directory into place (replacing `output`)."""
+    old = None
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{os.getpid()}")
+        os.replace(output, old)
+    os.replace(staging, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading torch_dist checkpoints
+# --------------------------------------------------------------------------------------------------
+
+class CheckpointReader:
+    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint."""
+
+    def __init__(self, path: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from pretrain.checkpointing import inspect_checkpoint
+
+        self.path = path
+        _, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        self.reader = FileSystemReader(str(path))
+        self.reader.set_up_storage_reader(self.metadata, True)
+        self.tensors = {
+            k: v for k, v in self.metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.") and "_extra_state" not in k
+        }
+
+    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+        """The whole tensor `key`, or its slice `layer` along dim 0."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.tensors[key]
+        size = list(md.size)
+        offsets = [0] * len(size)
+        if layer is not None:
+            offsets[0], size[0] = layer, 1
+        dest = torch.empty(size, dtype=md.properties.dtype)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        covered = sum(torch.Size(i.lengths).numel() for i in items)
+        if covered != dest.numel():
+            raise ConversionError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint "
+                                  f"({covered} of {dest.numel()} elements stored)")
+        self.reader.read_data(LoadPlan(items), _IntoTensor(dest)).wait()
+        return dest[0] if layer is not None else dest
+
+
+class _IntoTensor:
+    """Minimal load planner for FileSystemReader.read_data: every read lands in one tensor."""
+
+    def __init__(self, dest: torch.Tensor):
+        self.dest = dest
+
+    def resolve_tensor(self, req) -> torch.Tensor:
+        t = self.dest
+        for dim, (off, length) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(dim, off, length)
+        return t
+
+    def commit_tensor(self, req, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, req, value) -> None:
+        raise ConversionError(f"unexpected byte item {req.storage_index.fqn}")
+
+
+def load_run_config(ckpt: Path):
+    """The `Config` the checkpoint was saved with (run_config.yaml beside it)."""
+    from pretrain.checkpointing import read_saved_config
+    from pretrain.config import config_from_dict
+
+    return config_from_dict(read_saved_config(ckpt))
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors, in a fixed planned order, into `model-0000i-of-0000n.safetensors` shards.
+
+    Headers are computed from the plan before any data arrives, so each tensor is written as soon as
+    it is produced and then dropped. `close()` writes model.safetensors.index.json.
+    """
+
+    def __init__(self, directory: Path, entries: list[_Entry], max_shard_bytes: int):
+        self.dir, self.entries = directory, entries
+        shards: list[list[_Entry]] = [[]]
+        size = 0
+        for e in entries:
+            if shards[-1] and size + e.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += e.nbytes
+        n = len(shards)
+        self.shards = [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s) for i, s in enumerate(shards)]
+        self.order = [e.name for e in entries]
+        self.position = 0
+        self.shard_index = -1
+        self.file = None
+        self.remaining: list[str] = []
+
+    def _open_next(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.shard_index += 1
+        fname, entries = self.shards[self.shard_index]
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for e in entries:
+            header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.file = open(self.dir / fname, "wb")
+        self.file.write(len(blob).to_bytes(8, "little"))
+        self.file.write(blob)
+        self.remaining = [e.name for e in entries]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self.entries[self.position]
+        if name != entry.name or tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+            raise ConversionError(f"internal: tensor '{name}' {tuple(tensor.shape)} {tensor.dtype} does not match "
+                                  f"the plan ('{entry.name}' {entry.shape} {entry.dtype})")
+        if not self.remaining:
+            self._open_next()
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.file.write(memoryview(data))
+        self.remaining.pop(0)
+        self.position += 1
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.position != len(self.entries):
+            raise ConversionError(f"internal: {len(self.entries) - self.position} planned tensors were not written")
+        total = sum(e.nbytes for e in self.entries)
+        weight_map = {e.name: fname for fname, entries in self.shards for e in entries}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------------
+
+
+def hf_tokenizer(data_cfg, override: str | None = None):
+    """A transformers tokenizer equal to the run's tokenizer (or the one at `override`)."""
+    from transformers import AutoTokenizer, GPT2Tokenizer, LlamaTokenizer, PreTrainedTokenizerFast
+
+    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+
+    def from_sentencepiece(model: Path):
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(model, Path(tmp) / "tokenizer.model")
+            return LlamaTokenizer.from_pretrained(tmp)
+
+    def from_path(p: Path):
+        if p.is_dir():
+            return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        if p.suffix == ".model":
+            return from_sentencepiece(p)
+        if p.suffix == ".json":
+            return PreTrainedTokenizerFast(tokenizer_file=str(p))
+        raise ConversionError(f"--tokenizer {p}: expected a tokenizer directory, tokenizer.json or tokenizer.model")
+
+    if override is not None:
+        p = Path(override)
+        if not p.exists():
+            raise ConversionError(f"--tokenizer {p}: no such file or directory")
+        return from_path(p)
+    ttype = data_cfg.tokenizer_type.lower()
+    if ttype in ("sentencepiece", "gptsentencepiecetokenizer", "sentencepiecetokenizer"):
+        return from_sentencepiece(Path(data_cfg.tokenizer_model or MISTRAL_TOKENIZER))
+    if ttype == "gpt2bpetokenizer" or (ttype in ("huggingface", "huggingfacetokenizer") and data_cfg.vocab_file):
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(data_cfg.vocab_file or GPT2_VOCAB, Path(tmp) / "vocab.json")
+            shutil.copy(data_cfg.merge_file or GPT2_MERGES, Path(tmp) / "merges.txt")
+            return GPT2Tokenizer.from_pretrained(tmp)
+    if ttype in ("huggingface", "huggingfacetokenizer") and data_cfg.tokenizer_model:
+        return from_path(Path(data_cfg.tokenizer_model))
+    raise ConversionError(f"tokenizer type '{data_cfg.tokenizer_type}' has no transformers equivalent here; "
+                          "pass --tokenizer HF_TOKENIZER_DIR")
+
+
+# --------------------------------------------------------------------------------------------------
+# Export: torch_dist → HF
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One read: a Megatron tensor (or layer slice) and the HF tensors the rule makes of it."""
+
+    rule: Rule
+    layer: int | None
+    entries: list[_Entry]
+
+
+def _meta_to_hf(rule: Rule, shape: tuple[int, ...], d: Dims, what: str) -> list[torch.Tensor]:
+    try:
+        return hf_rules().to_hf(rule.op, torch.empty(shape, device="meta"), d)
+    except (RuntimeError, ConversionError) as exc:
+        raise ConversionError(f"{what}: shape {list(shape)} does not fit rule '{rule.op}' ({exc})") from None
+
+
+def hf_rules():
+    import model_providers.hf as hf
+
+    return hf
+
+
+def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: dict[str, tuple],
+                dtype: torch.dtype) -> list[_Unit]:
+    """Which reads produce which HF tensors; every name and shape checked against the HF model."""
+    hf = hf_rules()
+    units: list[_Unit] = []
+    used: set[str] = set()
+    produced: set[str] = set()
+    for rule in hf.rules(family):
+        md = tensors.get(rule.megatron)
+        if md is None:
+            continue
+        used.add(rule.megatron)
+        shape = tuple(md.size)
+        layers: list[int | None] = [None]
+        if rule.stacked:
+            if shape[0] != num_layers:
+                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[0]} layers, "
+                                      f"model.num_layers is {num_layers}")
+            shape, layers = shape[1:], list(range(num_layers))
+        for layer in layers:
+            outs = _meta_to_hf(rule, shape, d, f"checkpoint tensor '{rule.megatron}'")
+            entries = []
+            for name, out in zip(rule.hf_names(layer), outs):
+                if name not in expected:
+                    raise ConversionError(f"checkpoint tensor '{rule.megatron}' maps to '{name}', which the "
+                                          f"transformers model does not have")
+                if tuple(out.shape) != tuple(expected[name]):
+                    raise ConversionError(f"checkpoint tensor '{rule.megatron}' gives '{name}' of shape "
+                                          f"{list(out.shape)}; the transformers model expects {list(expected[name])}")
+                entries.append(_Entry(name, tuple(out.shape), dtype))
+                produced.add(name)
+            units.append(_Unit(rule, layer, entries))
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise ConversionError(f"checkpoint tensor '{unknown[0]}' is not in the {family} HF mapping"
+                              + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = sorted(set(expected) - produced)
+    if missing:
+        raise ConversionError(f"HF tensor '{missing[0]}' has no source tensor in the checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return units
+
+
+def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
+                 dtype: str | None = None, tokenizer: str | None = None, overwrite: bool = False,
+                 max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> dict:
+    """Convert a torch_dist checkpoint (any layout) to a transformers model directory. Returns a summary."""
+    from transformers import GenerationConfig
+
+    from model_providers.builder import padded_vocab_size
+    from pretrain.checkpointing import resolve_checkpoint
+    from pretrain.data import build_tokenizer
+
+    hf = hf_rules()
+    started = time.perf_counter()
+    output = Path(output)
+    ckpt = resolve_checkpoint(checkpoint, iteration)
+    cfg = load_run_config(ckpt)
+    m = cfg.model
+    reader = CheckpointReader(ckpt)
+    if "embedding.word_embeddings.weight" not in reader.tensors:
+        raise ConversionError(f"{ckpt}: no 'embedding.word_embeddings.weight' (checkpoint without model weights?)")
+    stored_dtype = reader.tensors["embedding.word_embeddings.weight"].properties.dtype
+    out_dtype = DTYPES[dtype] if dtype else stored_dtype
+    tok = hf_tokenizer(cfg.data, tokenizer)
+    vocab = m.vocab_size
+    if vocab is None:
+        try:
+            vocab = build_tokenizer(cfg.data).vocab_size
+        except Exception as exc:  # the run's tokenizer files may be gone; the HF one then decides
+            if tokenizer is None:
+                raise ConversionError(f"cannot load the run's tokenizer ({exc}); pass --tokenizer") from None
+            vocab = len(tok)
+    rows = reader.tensors["embedding.word_embeddings.weight"].size[0]
+    if rows < vocab:
+        raise ConversionError(f"checkpoint tensor 'embedding.word_embeddings.weight' has {rows} rows, fewer than "
+                              f"the vocabulary ({vocab})")
+    if len(tok) > vocab:
+        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
+    d = hf.dims(m, vocab, rows)
+    hf_cfg = hf.hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype)
+    expected = hf.hf_parameter_shapes(hf_cfg)
+    units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
+    entries = [e for u in units for e in u.entries]
+
+    staging = _staging(output, overwrite)
+    try:
+        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+        bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
+        for unit in units:
+            source = reader.read(unit.rule.megatron, unit.layer)
+            outs = hf.to_hf(unit.rule.op, source, d)
+            for entry, tensor in zip(unit.entries, outs):
+                writer.write(entry.name, tensor.to(out_dtype))
+                bar.update(entry.nbytes)
+            del source, outs
+        writer.close()
+        (staging / "config.json").write_text(json.dumps(hf.config_json(hf_cfg), indent=2, sort_keys=True) + "\n")
+        GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(staging)
+        tok.save_pretrained(str(staging))
+        _commit(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    elapsed = time.perf_counter() - started
+    return {"output": str(output), "checkpoint": str(ckpt), "tensors": len(entries), "bytes": bar.bytes,
+            "shards": len(writer.shards), "seconds": elapsed, "peak_rss_bytes": peak_rss_bytes(),
+            "vocab_size": vocab, "padded_vocab_size": rows,
+            "padded_for": padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Import: HF → torch_dist
+# --------------------------------------------------------------------------------------------------
+
+
+class HFReader:
+    """Reads single tensors from a safetensors model directory (opening the file per read: no lingering mmap)."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self.dir = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in directory.glob("*.bin"))
+                hint = f" (found {bins[0]}; only safetensors are read: pickled .bin files can run code)" if bins else ""
+                raise ConversionError(f"{directory}: no *.safetensors weights{hint}")
+            weight_map = {}
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    weight_map.update({k: f.name for k in st.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self.info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for fname in sorted(set(weight_map.values())):
+            path = directory / fname
+            if not path.exists():
+                raise ConversionError(f"{path}: listed in the index but missing")
+            with safe_open(str(path), "pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    self.info[k] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), k))
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.weight_map[name]), "pt") as st:
+            return st.get_tensor(name)
+
+
+def _st_dtype(code: str, name: str) -> torch.dtype:
+    for dt, c in SAFETENSORS_DTYPES.items():
+        if c == code:
+            return dt
+    raise ConversionError(f"HF tensor '{name}': unsupported safetensors dtype {code}")
+
+
+class _StreamingSavePlanner:
+    """A torch.distributed.checkpoint SavePlanner over planned write items whose data is made on demand."""
+
+    def __init__(self, items: list, resolve: Callable):
+        self.items, self.resolve = items, resolve
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        return SavePlan(self.items)
+
+    def create_global_plan(self, all_plans):
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan):
+        return new_plan
+
+    def resolve_data(self, write_item):
+        return self.resolve(write_item)
+
+
+def _writer_class():
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Writer(FileSystemWriter):
+        """FileSystemWriter recording the final directory (a str: no pathlib objects in the index)."""
+
+        final_id = ""
+
+        def storage_meta(self) -> StorageMeta:
+            return StorageMeta(checkpoint_id=self.final_id, save_id=self.save_id)
+
+    return Writer
+
+
+def _hf_names_in(rule: Rule, layer: int | None, hf_info: dict) -> list[str] | None:
+    names = rule.hf_names(layer)
+    present = [n in hf_info for n in names]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = names[present.index(False)]
+        raise ConversionError(f"HF tensor '{missing}' is missing (needed with {names[present.index(True)]})")
+    return names
+
+
+_SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "normalization", "gated_linear_unit", "activation", "position_embedding_type",
+                 "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "rotary_base",
+                 "rope_scaling")
+
+
+def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path):
+    """The run config to store beside the imported weights (the --config file with the HF model's shape)."""
+    from pretrain.config import config_from_dict, load_config
+
+    base = load_config(config) if config else load_config(None)
+    tree = base.to_dict()
+    model = dict(tree["model"])
+    if config:
+        norm = {**model, "num_query_groups": model["num_query_groups"] or model["num_attention_heads"],
+                "kv_channels": model["kv_channels"]}
+        want = {**fields, "num_query_groups": fields["num_query_groups"] or fields["num_attention_heads"]}
+        for key in _SHAPE_FIELDS:
+            if key in want and norm.get(key) != want[key]:
+                if key == "kv_channels" and (norm.get(key) or model["hidden_size"] // model["num_attention_heads"]) \
+                        == (want[key] or want["hidden_size"] // want["num_attention_heads"]):
+                    continue
+                raise ConversionError(f"{config}: model.{key}={norm.get(key)!r} but the HF model has {want[key]!r}")
+        if fields["family"] == "llama":
+            fields = {**fields, "seq_length": model["seq_length"]}
+    else:
+        if (hf_dir / "tokenizer.json").exists():
+            tree["data"].update(tokenizer_type="huggingface", tokenizer_model=str(hf_dir.resolve()),
+                                vocab_file=None, merge_file=None)
+        elif (hf_dir / "tokenizer.model").exists():
+            tree["data"].update(tokenizer_type="sentencepiece", tokenizer_model=str((hf_dir / "tokenizer.model")
+                                                                                  .resolve()))
+    tree["model"] = {**model, **fields, "preset": None}
+    return config_from_dict(tree)
+
+
+def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None = None, dtype: str | None = None,
+                   overwrite: bool = False, progress: bool = True) -> dict:
+    """Convert a transformers safetensors model to a torch_dist checkpoint our trainer loads at any layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from transformers import AutoConfig
+
+    from model_providers.builder import padded_vocab_size
+
+    hf = hf_rules()
+    started = time.perf_counter()
+    hf_dir, output = Path(hf_dir), Path(output)
+    if not (hf_dir / "config.json").exists():
+        raise ConversionError(f"{hf_dir}: no config.json (not a transformers model directory)")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ConversionError(f"{hf_dir / 'config.json'}: {exc}") from None
+    fields = hf.model_fields_from_hf(hf_cfg)
+    if fields["family"] == "gpt" and getattr(hf_cfg, "activation_function", "gelu") != "gelu":
+        print(f"[convert] warning: HF activation_function={hf_cfg.activation_function!r}; Megatron uses exact GELU, "
+              "so outputs will differ slightly", file=sys.stderr)
+    cfg = _run_config_for(hf_cfg, fields, config, hf_dir)
+    m = cfg.model
+    vocab = fields["vocab_size"]
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
+    d = hf.dims(m, vocab, padded)
+    reader = HFReader(hf_dir)
+    expected = hf.hf_parameter_shapes(hf_cfg)
+    ignored = hf.ignored_patterns(m.family)
+    for name, (shape, _) in reader.info.items():
+        if name in expected:
+            if tuple(shape) != tuple(expected[name]):
+                raise ConversionError(f"HF tensor '{name}' has shape {list(shape)}; config.json implies "
+                                      f"{list(expected[name])}")
+        elif not (any(p.fullmatch(name) for p in ignored)
+                  or (name == "lm_head.weight" and m.share_embeddings_and_output_weights)):
+            raise ConversionError(f"HF tensor '{name}' is not in the {m.family} HF mapping")
+    for name in expected:
+        if name not in reader.info:
+            raise ConversionError(f"HF tensor '{name}' is missing from {hf_dir}")
+
+    # Plan: one write item per layer slice (and per non-stacked tensor), plus the linears' empty extra state.
+    items, sources = [], {}
+    for rule in hf.rules(m.family):
+        layers: list[int | None] = list(range(m.num_layers)) if rule.stacked else [None]
+        names0 = _hf_names_in(rule, layers[0], reader.info)
+        if names0 is None:
+            continue
+        if rule.megatron == "output_layer.weight" and m.share_embeddings_and_output_weights:
+            continue
+        metas = [torch.empty(reader.info[n][0], device="meta") for n in names0]
+        try:
+            slice_shape = tuple(hf.from_hf(rule.op, metas, d).shape)
+        except (RuntimeError, ConversionError) as exc:
+            raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
+        tdtype = DTYPES[dtype] if dtype else reader.info[names0[0]][1]
+        global_shape = (len(layers), *slice_shape) if rule.stacked else slice_shape
+        props = TensorProperties(dtype=tdtype)
+        for layer in layers:
+            names = _hf_names_in(rule, layer, reader.info)
+            if names is None:
+                raise ConversionError(f"HF tensor '{rule.hf_names(layer)[0]}' is missing")
+            offsets = (layer, *[0] * len(slice_shape)) if rule.stacked else (0,) * len(slice_shape)
+            sizes = (1, *slice_shape) if rule.stacked else slice_shape
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            index = MetadataIndex(rule.megatron, torch.Size(offsets))
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                               size=torch.Size(global_shape))))
+            sources[(rule.megatron, tuple(offsets))] = (rule, names, sizes, tdtype)
+    extra = io.BytesIO()
+    torch.save([None], extra)
+    for module in _EXTRA_STATE_MODULES:
+        for layer in range(m.num_layers):
+            key = f"decoder.layers.{module}._extra_state/shard_{layer}_{m.num_layers}"
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()
+                      for s in sources.values())
+    bar = Progress(len(sources), total_bytes, "from-hf", progress)
+
+    def resolve(item):
+        if item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(extra.getvalue())
+        rule, names, sizes, tdtype = sources[(item.index.fqn, tuple(item.index.offset))]
+        tensor = hf.from_hf(rule.op, [reader.read(n) for n in names], d).to(tdtype).reshape(sizes).contiguous()
+        bar.update(tensor.nbytes)
+        return tensor
+
+    staging = _staging(output, overwrite)
+    try:
+        writer = _writer_class()(str(staging), single_file_per_rank=True, thread_count=1, sync_files=True)
+        writer.final_id = str(output.resolve())
+        dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+        common = {"iteration": 0, "consumed_samples": 0, "layout": [0, 0, 0, 0, 0], "config": cfg.to_dict()}
+        torch.save(common, staging / "common.pt")
+        (staging / "metadata.json").write_text(json.dumps(METADATA_JSON))
+        (staging / "run_config.yaml").write_text(cfg.to_yaml())
+        _commit(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
+            "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
+            "padded_vocab_size": padded, "family": m.family}
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_tools convert",
+                                     description="Megatron torch_dist checkpoints <-> HuggingFace transformers.")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    p = sub.add_parser("to-hf", help="export a torch_dist checkpoint (any TP/PP/VP layout) to transformers")
+    p.add_argument("--checkpoint", required=True, help="run dir, checkpoints dir or iter_NNNNNNN dir")
+    p.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
+    p.add_argument("--output", required=True, help="HF model directory to create")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
+    p.add_argument("--tokenizer", help="HF tokenizer dir / tokenizer.json / tokenizer.model (default: the run's)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (default 5 GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("from-hf", help="import transformers safetensors weights as a torch_dist checkpoint")
+    p.add_argument("--hf", required=True, help="transformers model directory (config.json + *.safetensors)")
+    p.add_argument("--output", required=True, help="checkpoint directory to create (use as checkpoint.pretrained)")
+    p.add_argument("--config", help="the training config to check the shape against (its parallel.tensor sets "
+                                    "the vocabulary padding)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="stored dtype (default: as in the HF files)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _report(summary: dict, what: str) -> None:
+    gb = summary["bytes"] / 1e9
+    print(f"[convert] {what}: {summary['tensors']} tensors, {gb:.3f} GB in {summary['seconds']:.1f} s "
+          f"({gb / max(summary['seconds'], 1e-9):.3f} GB/s), peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB "
+          f"-> {summary['output']}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m data_tools convert ...`; returns the exit status."""
+    from pretrain.checkpointing import CheckpointError
+    from pretrain.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "to-hf":
+            summary = export_to_hf(args.checkpoint, args.output, iteration=args.iteration, dtype=args.dtype,
+                                   tokenizer=args.tokenizer, overwrite=args.overwrite,
+                                   max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress)
+            _report(summary, "to-hf")
+        else:
+            summary = import_from_hf(args.hf, args.output, config=args.config, dtype=args.dtype,
+                                     overwrite=args.overwrite, progress=not args.no_progress)
+            _report(summary, "from-hf")
+            print(f"[convert] train from it with: checkpoint.pretrained={summary['output']} "
+                  f"(vocabulary padded to {summary['padded_vocab_size']})")
+        return 0
+    except KeyboardInterrupt:
+        print("\n[convert] interrupted; no output written", file=sys.stderr)
+        return 130
+    except (ConversionError, CheckpointError, ConfigError, OSError) as exc:
+        print(f"[convert] error: {exc}", file=sys.stderr)
+        return 1
+

@@ -1,0 +1,55 @@
+"""Megatron side of the HF bridge tests, in its own 1-rank gloo process:
+
+    python convert_worker.py logits CKPT_DIR TOKENS.pt OUT.pt
+
+builds the checkpoint's model at TP1/PP1 from its run_config.yaml, loads the weights with the trainer's
+`load_checkpoint(weights_only=True)` and saves the logits (true vocabulary columns only) on TOKENS
+([batch, seq] int64) to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
+    from data_tools.convert import CheckpointReader
+    from model_providers.builder import build_model
+    from pretrain import checkpointing
+    from pretrain.config import config_from_dict
+    from pretrain.data import build_tokenizer
+    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+
+    path = checkpointing.resolve_checkpoint(ckpt_dir)
+    tree = checkpointing.read_saved_config(path)
+    tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False)
+    rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
+    tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
+    cfg = config_from_dict(tree)
+    vocab = cfg.model.vocab_size or build_tokenizer(cfg.data).vocab_size
+    init_distributed()
+    try:
+        init_model_parallel(cfg)
+        model = build_model(cfg, vocab, on_gpu=False)
+        checkpointing.load_checkpoint(cfg, model, None, None, path, weights_only=True)
+        tokens = torch.load(tokens_file, weights_only=True)
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        model[0].eval()
+        with torch.no_grad():
+            logits = model[0](tokens, positions, None)
+        torch.save(logits[..., :vocab].float().contiguous(), out_file)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "logits":
+        megatron_logits(*sys.argv[2:5])
+    else:
+        raise SystemExit(f"unknown command {sys.argv[1]}")
