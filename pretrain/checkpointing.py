@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,38 @@ def _save_strategy(async_save: bool):
     return strategy
 
 
+HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_WRITER_MANAGER = None
+
+
+def _ignore_stop_signals() -> None:
+    for sig in HELPER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def start_writer_helper() -> None:
+    """Start Megatron's checkpoint-writer results Manager so that it ignores SIGTERM/SIGUSR1 (idempotent).
+
+    The `torch_dist` writer reports through a multiprocessing Manager that megatron-core 0.16.1 spawns at the
+    first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
+    time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
+    fails (EOFError). Here the same Manager is started with an initializer that ignores those signals (the
+    trainer keeps its own handlers: it saves and exits on them).
+    """
+    global _WRITER_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals)
+    _WRITER_MANAGER = manager
+    filesystem_async._results_queue = manager.Queue()
+
+
 def _commit(cfg, root: Path, path: Path, step: int) -> None:
     """Point the tracker at `path` once every rank has finished writing it (collective)."""
     dist.barrier()
@@ -237,6 +270,7 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
 
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
+    start_writer_helper()
     root = checkpoint_root(cfg)
     path = iteration_dir(root, step)
     if dist.get_rank() == 0:

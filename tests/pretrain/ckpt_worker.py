@@ -14,6 +14,7 @@ Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | Non
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -77,6 +78,7 @@ def _install_crash(step: int) -> None:
     original_write_item = filesystem_async._write_item
     original_save = checkpointing.save_checkpoint
 
+    @functools.wraps(original_write_item)  # Megatron inspects its signature
     def write_item(*args, **kwargs):
         result = original_write_item(*args, **kwargs)
         if os.environ.get("CKPT_CRASH_ARMED") == "1":

@@ -7,6 +7,7 @@ uninterrupted run, one line per step: no sample repeated or skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.pretrain.ckpt_helpers import (
@@ -102,7 +104,7 @@ def test_crash_while_saving_keeps_previous_checkpoint(one_rank_reference, tmp_pa
 
 
 def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
-    """DP2 + async save: SIGUSR1 to rank 1 only → all ranks save and exit 0; then kill -9 rank 0; resume."""
+    """DP2 + async save: SIGUSR1 to rank 1 and the helpers → all ranks save and exit 0; kill -9 rank 0; resume."""
     ref = tmp_path / "ref"
     rc = run(command(TWO_RANKS + [f"run.dir={ref}"], nproc=2), ref / "log", timeout=300)
     assert rc == 0, log_text(ref / "log")[-3000:]
@@ -113,7 +115,13 @@ def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
     wait_until(lambda: len(metrics(work)) >= 2, proc, timeout=300)
     ranks = worker_ranks(proc)
     assert sorted(ranks) == [0, 1], ranks
-    os.kill(ranks[1], signal.SIGUSR1)
+    # Like Slurm's step-wide signal, to rank 1 and every helper process (checkpoint writers, their
+    # multiprocessing Manager) — not to rank 0, which learns of it from the other rank.
+    helpers = [p.pid for p in psutil.Process(proc.pid).children(recursive=True) if p.pid not in ranks.values()]
+    assert helpers, "no checkpoint helper processes found"
+    for pid in [ranks[1], *helpers]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
     rc = finish(proc, timeout=120)
     assert rc == 0, log_text(work / "log")[-3000:]
     status = json.loads((work / "exit_status.json").read_text())
