@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -674,7 +675,9 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     try:
         writer = _writer_class()(str(staging), single_file_per_rank=True, thread_count=1, sync_files=True)
         writer.final_id = str(output.resolve())
-        dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
         common = {"iteration": 0, "consumed_samples": 0, "layout": [0, 0, 0, 0, 0], "config": cfg.to_dict()}
         torch.save(common, staging / "common.pt")
         (staging / "metadata.json").write_text(json.dumps(METADATA_JSON))
@@ -686,6 +689,29 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
             "padded_vocab_size": padded, "family": m.family}
+
+
+def write_random_hf(directory: str | Path, hf_cfg, *, seed: int = 0, std: float = 0.02,
+                    max_shard_bytes: int = 5 * 10**9) -> int:
+    """A randomly initialised transformers model written tensor by tensor (tests, benchmarks). Returns bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(hf_cfg, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    shapes = hf_rules().hf_parameter_shapes(hf_cfg)
+    entries = [_Entry(name, tuple(shape), dtype) for name, shape in shapes.items()]
+    writer = ShardedSafetensorsWriter(directory, entries, max_shard_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    for e in entries:
+        if len(e.shape) == 1:  # norms around 1, biases around 0
+            base = 1.0 if e.name.endswith("weight") else 0.0
+            t = base + 0.1 * torch.randn(e.shape, generator=gen)
+        else:
+            t = std * torch.randn(e.shape, generator=gen)
+        writer.write(e.name, t.to(dtype))
+    writer.close()
+    (directory / "config.json").write_text(json.dumps(hf_rules().config_json(hf_cfg), indent=2, sort_keys=True))
+    return sum(e.nbytes for e in entries)
 
 
 # --------------------------------------------------------------------------------------------------

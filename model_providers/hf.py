@@ -209,7 +209,7 @@ def hf_config(m, vocab: int, *, bos: int | None, eos: int | None, dtype: torch.d
 
 def config_json(cfg) -> dict:
     """config.json content: the transformers config plus the pre-v5 `rope_theta`/`rope_scaling` keys."""
-    out = cfg.to_dict()
+    out = cfg.to_diff_dict()
     rope = out.get("rope_parameters")
     if cfg.model_type == "llama" and isinstance(rope, dict):
         out["rope_theta"] = rope["rope_theta"]

@@ -1,10 +1,12 @@
 """Megatron side of the HF bridge tests, in its own 1-rank gloo process:
 
     python convert_worker.py logits CKPT_DIR TOKENS.pt OUT.pt
+    python convert_worker.py memory SMALL_HF BIG_HF WORK_DIR
 
-builds the checkpoint's model at TP1/PP1 from its run_config.yaml, loads the weights with the trainer's
-`load_checkpoint(weights_only=True)` and saves the logits (true vocabulary columns only) on TOKENS
-([batch, seq] int64) to OUT.pt.
+`logits` builds the checkpoint's model at TP1/PP1 from its run_config.yaml, loads the weights with the
+trainer's `load_checkpoint(weights_only=True)` and saves the logits (true vocabulary columns only) on
+TOKENS ([batch, seq] int64) to OUT.pt. `memory` converts SMALL_HF both ways (warm-up: imports, tokenizer,
+allocator), then BIG_HF, and prints JSON with the peak-RSS growth of each big conversion.
 """
 
 from __future__ import annotations
@@ -48,8 +50,26 @@ def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
         shutdown()
 
 
+def memory(small_hf: str, big_hf: str, work: str) -> None:
+    import json
+
+    from data_tools.convert import export_to_hf, import_from_hf, peak_rss_bytes
+
+    out = {}
+    for name, hf in (("small", small_hf), ("big", big_hf)):
+        before = peak_rss_bytes()
+        import_from_hf(hf, f"{work}/{name}_ckpt", progress=False)
+        grown_import = peak_rss_bytes() - before
+        before = peak_rss_bytes()
+        export_to_hf(f"{work}/{name}_ckpt", f"{work}/{name}_back", tokenizer=hf, progress=False)
+        out[name] = {"from_hf": grown_import, "to_hf": peak_rss_bytes() - before, "peak": peak_rss_bytes()}
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "logits":
         megatron_logits(*sys.argv[2:5])
+    elif sys.argv[1] == "memory":
+        memory(*sys.argv[2:5])
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")

@@ -1,0 +1,338 @@
+"""HF bridge (`python -m data_tools convert`): exact logits both ways, bit-identical round trip, bounded
+memory, refusals. Megatron logits come from a 1-rank gloo process (convert_worker.py); the layout tests
+train with torchrun and are marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tools.convert import (
+    ConversionError,
+    export_to_hf,
+    hf_tokenizer,
+    import_from_hf,
+    main,
+    plan_export,
+    write_random_hf,
+)
+from model_providers import hf
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("convert_worker.py")
+PY = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=32000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return LlamaConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The embedded Mistral tokenizer as a transformers tokenizer directory (built once)."""
+    from pretrain.config import DataConfig
+
+    d = tmp_path_factory.mktemp("tok")
+    hf_tokenizer(DataConfig()).save_pretrained(str(d))
+    return d
+
+
+def random_llama(directory: Path, tokenizer_dir: Path, **kw) -> Path:
+    write_random_hf(directory, llama_config(**kw), seed=1, std=0.05)
+    for f in tokenizer_dir.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    return directory
+
+
+def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def megatron_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
+    torch.save(tokens, tmp / "tokens.pt")
+    run([PY, str(WORKER), "logits", str(ckpt), str(tmp / "tokens.pt"), str(tmp / "logits.pt")])
+    return torch.load(tmp / "logits.pt", weights_only=True)
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules and configs
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op,shapes", [
+    ("split_qkv", [(32, 16), (16, 16), (16, 16)]),  # 8 heads of 4, 4 groups
+    ("split_gate_up", [(24, 16), (24, 16)]),
+    ("fused_qkv", [(16, 48)]),
+    ("fused_qkv_bias", [(48,)]),
+    ("transpose", [(16, 24)]),
+    ("vocab", [(100, 16)]),
+])
+def test_rules_are_inverse(op, shapes):
+    d = hf.Dims(num_heads=8 if op == "split_qkv" else 4, num_groups=4, head_dim=4, hidden=16, vocab=100,
+                padded_vocab=128)
+    ts = [torch.randn(s) for s in shapes]
+    meg = hf.from_hf(op, ts, d)
+    back = hf.to_hf(op, meg, d)
+    assert len(back) == len(ts) and all(torch.equal(a, b) for a, b in zip(ts, back))
+    if op == "vocab":
+        assert meg.shape[0] == 128 and torch.count_nonzero(meg[100:]) == 0
+
+
+def test_split_qkv_groups_heads_with_their_kv():
+    # 4 query heads in 2 groups, head_dim 1, hidden 1: Megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
+    d = hf.Dims(num_heads=4, num_groups=2, head_dim=1, hidden=1, vocab=1, padded_vocab=1)
+    fused = torch.tensor([[0.0], [1], [10], [20], [2], [3], [11], [21]])
+    q, k, v = hf.to_hf("split_qkv", fused, d)
+    assert q.flatten().tolist() == [0, 1, 2, 3]
+    assert k.flatten().tolist() == [10, 11] and v.flatten().tolist() == [20, 21]
+
+
+def test_llama31_config_has_llama3_rope_scaling(tmp_path):
+    from transformers import AutoConfig
+
+    from pretrain.config import load_config
+
+    m = load_config(None, ["model.preset=llama31_8b"]).model
+    cfg = hf.hf_config(m, 128256, bos=128000, eos=128001, dtype=torch.bfloat16)
+    text = hf.config_json(cfg)
+    assert text["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert text["rope_theta"] == 500000.0 and text["num_key_value_heads"] == 8 and text["architectures"] == [
+        "LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    loaded = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.rope_parameters["factor"] == 8.0
+    fields = hf.model_fields_from_hf(loaded)
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "rotary_base", "rope_scaling", "rope_scaling_factor"):
+        assert fields[key] == getattr(m, key), key
+
+
+def test_unsupported_model_config_names_the_field():
+    from pretrain.config import load_config
+
+    m = load_config(None, ["model.preset=tiny_llama", "model.add_qkv_bias=true"]).model
+    with pytest.raises(ConversionError, match="add_qkv_bias"):
+        hf.hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
+
+
+def test_export_plan_rejects_unknown_and_misshapen_tensors():
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    from pretrain.config import load_config
+
+    m = load_config(None, ["model.preset=tiny_llama"]).model
+    d = hf.dims(m, 32000, 32000)
+    cfg = hf.hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
+    expected = hf.hf_parameter_shapes(cfg)
+
+    def md(*shape):
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [])
+
+    tensors = {
+        "embedding.word_embeddings.weight": md(32000, 128), "output_layer.weight": md(32000, 128),
+        "decoder.final_layernorm.weight": md(128),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": md(4, 128),
+        "decoder.layers.self_attention.linear_qkv.weight": md(4, 256, 128),
+        "decoder.layers.self_attention.linear_proj.weight": md(4, 128, 128),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": md(4, 128),
+        "decoder.layers.mlp.linear_fc1.weight": md(4, 704, 128),
+        "decoder.layers.mlp.linear_fc2.weight": md(4, 128, 352),
+    }
+    units = plan_export("llama", tensors, d, 4, expected, torch.float32)
+    assert sum(len(u.entries) for u in units) == len(expected) == 2 + 1 + 4 * 9
+    with pytest.raises(ConversionError, match="'decoder.layers.self_attention.q_layernorm.weight' is not in"):
+        plan_export("llama", {**tensors, "decoder.layers.self_attention.q_layernorm.weight": md(4, 32)}, d, 4,
+                    expected, torch.float32)
+    with pytest.raises(ConversionError, match="'decoder.layers.mlp.linear_fc2.weight'.*expects"):
+        plan_export("llama", {**tensors, "decoder.layers.mlp.linear_fc2.weight": md(4, 128, 350)}, d, 4, expected,
+                    torch.float32)
+    with pytest.raises(ConversionError, match="'lm_head.weight' has no source"):
+        plan_export("llama", {k: v for k, v in tensors.items() if k != "output_layer.weight"}, d, 4, expected,
+                    torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# HF → Megatron → HF
+# --------------------------------------------------------------------------------------------------
+
+
+def test_import_matches_hf_logits_and_export_is_bit_identical(tmp_path, tokenizer_dir):
+    src = random_llama(tmp_path / "hf", tokenizer_dir)
+    ckpt = tmp_path / "ckpt"
+    summary = import_from_hf(src, ckpt, progress=False)
+    assert summary["padded_vocab_size"] == 32000 and (ckpt / "run_config.yaml").exists()
+    tokens = torch.randint(0, 32000, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(src, tokens)
+    got = megatron_logits(ckpt, tokens, tmp_path)
+    assert got.shape == ref.shape
+    diff = (got - ref).abs().max().item()
+    print(f"HF → Megatron logits max abs diff {diff:.3g}")
+    assert diff <= 1e-4
+
+    back = tmp_path / "back"
+    export_to_hf(ckpt, back, max_shard_bytes=3_000_000, progress=False)
+    assert len(list(back.glob("model-*-of-*.safetensors"))) > 1
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    original, exported = safetensors_dir(src), safetensors_dir(back)
+    assert set(index["weight_map"]) == set(exported) == set(original)
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    assert torch.equal(hf_logits(back, tokens), ref)
+
+    half = tmp_path / "bf16"
+    export_to_hf(ckpt, half, dtype="bf16", tokenizer=str(tokenizer_dir), progress=False)
+    for name, t in safetensors_dir(half).items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16)), name
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_refusals_name_the_cause(tmp_path, tokenizer_dir, capsys):
+    src = random_llama(tmp_path / "hf", tokenizer_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main(["from-hf", "--hf", str(src), "--output", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not empty (pass --overwrite" in err[0]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    # An unknown tensor in the HF files is named; nothing (not even a staging dir) is left behind.
+    from safetensors.torch import load_file, save_file
+
+    f = next(src.glob("*.safetensors"))
+    weights = load_file(str(f))
+    save_file({**weights, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}, str(f))
+    with pytest.raises(ConversionError, match="'model.layers.0.self_attn.q_norm.weight' is not in the llama"):
+        import_from_hf(src, tmp_path / "ckpt", progress=False)
+    save_file({**weights, "model.layers.1.mlp.up_proj.weight": torch.ones(95, 64)}, str(f))
+    with pytest.raises(ConversionError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \[95, 64\]"):
+        import_from_hf(src, tmp_path / "ckpt", progress=False)
+    save_file({k: v for k, v in weights.items() if k != "model.norm.weight"}, str(f))
+    with pytest.raises(ConversionError, match="'model.norm.weight' is missing"):
+        import_from_hf(src, tmp_path / "ckpt", progress=False)
+    (src / "model.safetensors.index.json").unlink()
+    for g in src.glob("*.safetensors"):
+        g.rename(g.with_suffix(".bin"))
+    with pytest.raises(ConversionError, match="only safetensors"):
+        import_from_hf(src, tmp_path / "ckpt", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+    assert main(["to-hf", "--checkpoint", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 1
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_memory_is_bounded_by_the_largest_tensor(tmp_path, tokenizer_dir):
+    """~320 MB of fp32 weights (largest tensor: the 65.5 MB embedding) convert both ways in bounded memory."""
+    small = random_llama(tmp_path / "small", tokenizer_dir)
+    big = random_llama(tmp_path / "big", tokenizer_dir, hidden_size=512, intermediate_size=1536,
+                       num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=4)
+    model_bytes = sum(t.numel() * 4 for t in safetensors_dir(big).values())
+    largest = 32000 * 512 * 4
+    assert model_bytes > 300e6
+    r = run([PY, str(WORKER), "memory", str(small), str(big), str(tmp_path)])
+    rss = json.loads(r.stdout.strip().splitlines()[-1])
+    growth = max(rss["big"]["from_hf"], rss["big"]["to_hf"])
+    print(f"model {model_bytes / 1e6:.0f} MB, largest tensor {largest / 1e6:.1f} MB, peak RSS growth over a tiny "
+          f"model: from-hf {rss['big']['from_hf'] / 1e6:.0f} MB, to-hf {rss['big']['to_hf'] / 1e6:.0f} MB")
+    assert growth <= 3 * largest < model_bytes
+    assert torch.equal(safetensors_dir(tmp_path / "big_back")["model.embed_tokens.weight"],
+                       safetensors_dir(big)["model.embed_tokens.weight"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Trained at TP2 × PP2 (× VP2) → transformers; HF → continued pretraining at TP2
+# --------------------------------------------------------------------------------------------------
+
+
+def torchrun(nproc: int, config: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return run([PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain",
+                "train", config, f"run.dir={run_dir}", "train.steps=2", "checkpoint.interval=2",
+                "logging.tensorboard=false", *overrides])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,layout", [
+    ("tiny_llama", ["parallel.tensor=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"]),
+    ("tiny_gpt", ["parallel.tensor=2", "parallel.pipeline=2"]),
+])
+def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, layout):
+    run_dir = tmp_path / "run"
+    torchrun(4, preset, run_dir, *layout)
+    out = tmp_path / "hf"
+    r = run([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
+             "--no-progress"])
+    assert "to-hf:" in r.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [{"tiny_llama": "LlamaForCausalLM", "tiny_gpt": "GPT2LMHeadModel"}[preset]]
+    vocab = config["vocab_size"]
+    assert vocab == {"tiny_llama": 32000, "tiny_gpt": 50257}[preset]  # GPT at TP2 was padded to 50432
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref = megatron_logits(run_dir, tokens, tmp_path)
+    got = hf_logits(out, tokens)
+    diff = (got - ref).abs().max().item()
+    print(f"{preset} {' '.join(layout)}: Megatron vs transformers logits max abs diff {diff:.3g}")
+    assert got.shape == ref.shape and diff <= 1e-4
+
+
+@pytest.mark.slow
+def test_from_hf_continues_pretraining_at_tp2(tmp_path, tokenizer_dir):
+    from torch.nn.functional import cross_entropy
+
+    from pretrain.config import load_config
+    from pretrain.data import build_datasets, build_tokenizer
+
+    src = random_llama(tmp_path / "hf", tokenizer_dir, max_position_embeddings=64)
+    ckpt = tmp_path / "ckpt"
+    import_from_hf(src, ckpt, progress=False)
+    run_dir = tmp_path / "run"
+    overrides = [f"checkpoint.pretrained={ckpt}", "data.mock=true", "train.global_batch_size=4",
+                 "train.micro_batch_size=2", "optimizer.warmup_steps=0"]
+    torchrun(2, str(ckpt / "run_config.yaml"), run_dir, "parallel.tensor=2", *overrides)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loss = next(x["loss"] for x in metrics if x.get("step") == 1 and "loss" in x)
+
+    cfg = load_config(ckpt / "run_config.yaml", [f"run.dir={run_dir}", *overrides])
+    train, _ = build_datasets(cfg, build_tokenizer(cfg.data), 2 * 4)
+    samples = [train[i] for i in range(4)]
+    tokens = torch.stack([s["tokens"] for s in samples])
+    labels = torch.stack([s["labels"] for s in samples])
+    mask = torch.stack([s["loss_mask"] for s in samples]).float()
+    logits = hf_logits(src, tokens)
+    per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    hf_loss = (per_token * mask.reshape(-1)).sum().item() / mask.sum().item()
+    print(f"step-1 loss at TP2 {loss:.6f}, HF loss on the same batch {hf_loss:.6f}")
+    assert abs(loss - hf_loss) <= 1e-4 * abs(hf_loss)
+    # Once the run has its own checkpoint it resumes from it, not from the pretrained weights.
+    r = torchrun(2, str(ckpt / "run_config.yaml"), run_dir, "parallel.tensor=2", *overrides, "train.steps=3")
+    assert "resumed from" in r.stdout and "loaded pretrained" not in r.stdout
