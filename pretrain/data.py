@@ -68,7 +68,8 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
         mmap_bin_files=True,
     )
     cls = MockGPTDataset if d.mock else GPTDataset
-    sizes = [num_train_samples, num_eval_samples, 0]
+    # None: a split we never read (Megatron loops forever sizing a split that holds no documents).
+    sizes = [num_train_samples, num_eval_samples or None, None]
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, ds_config).build()
     return train, valid
 

@@ -1,0 +1,27 @@
+# Set-up commands (see README):  make quickstart   |   make test
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install quickstart test test-quick test-slurm lint clean-runs
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV)
+
+## Preprocess the embedded corpus, train tiny_llama on 2 CPU processes, export to HF, generate.
+quickstart: install
+	$(PY) scripts/quickstart.py
+
+## The whole test suite (CPU; GPU tests skip without CUDA; Slurm tests start a local cluster as root).
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## Fast subset: no multi-process or Slurm tests.
+test-quick: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
