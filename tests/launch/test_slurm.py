@@ -40,6 +40,7 @@ PREEMPT_OVERRIDES = f"data.mock=true train.steps={STEPS} checkpoint.interval=3"
 WORLD = 4
 # Fields that measure wall-clock speed: they differ between any two runs.
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "mem_gib"}
+RELEASE_AFTER_S = 3
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED"}
 
@@ -117,15 +118,22 @@ def job_info(job_id: str) -> dict[str, str]:
 
 
 def wait_for_job(job_id: str, log: Path, timeout: float = 180) -> dict[str, str]:
-    """Poll until the job ends. A requeued job is held ~2 min (Reason=BeginTime): release it at once."""
+    """Poll until the job ends. A requeued job is held ~2 min (Reason=BeginTime): release it after
+    RELEASE_AFTER_S. Released within the second of the requeue, slurmd refuses to start it ("Job
+    credential revoked": the revocation of the previous run's credential has a 1 s resolution) and the
+    job ends FAILED."""
     deadline = time.monotonic() + timeout
+    held_since = None
     while time.monotonic() < deadline:
         info = job_info(job_id)
         state = info.get("JobState", "")
         if state in TERMINAL:
             return info
         if state == "PENDING" and info.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+            held_since = held_since or time.monotonic()
+            if time.monotonic() - held_since >= RELEASE_AFTER_S:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+                held_since = None
         time.sleep(0.5)
     subprocess.run(["scancel", "--full", job_id])
     pytest.fail(f"job {job_id} did not finish in {timeout:.0f} s; log:\n{read(log)}")
