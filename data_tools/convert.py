@@ -551,11 +551,11 @@ _SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_
                  "rope_scaling")
 
 
-def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path):
+def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, overrides: list[str]):
     """The run config to store beside the imported weights (the --config file with the HF model's shape)."""
     from pretrain.config import config_from_dict, load_config
 
-    base = load_config(config) if config else load_config(None)
+    base = load_config(config, overrides)
     tree = base.to_dict()
     model = dict(tree["model"])
     if config:
@@ -582,7 +582,7 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path):
 
 
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None = None, dtype: str | None = None,
-                   overwrite: bool = False, progress: bool = True) -> dict:
+                   overrides: list[str] | tuple[str, ...] = (), overwrite: bool = False, progress: bool = True) -> dict:
     """Convert a transformers safetensors model to a torch_dist checkpoint our trainer loads at any layout."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -604,7 +604,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     if fields["family"] == "gpt" and getattr(hf_cfg, "activation_function", "gelu") != "gelu":
         print(f"[convert] warning: HF activation_function={hf_cfg.activation_function!r}; Megatron uses exact GELU, "
               "so outputs will differ slightly", file=sys.stderr)
-    cfg = _run_config_for(hf_cfg, fields, config, hf_dir)
+    cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides))
     m = cfg.model
     vocab = fields["vocab_size"]
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
@@ -740,6 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), help="stored dtype (default: as in the HF files)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of --config "
+                                                                       "(e.g. parallel.tensor=2)")
     return parser
 
 
@@ -764,7 +766,8 @@ def main(argv: list[str]) -> int:
             _report(summary, "to-hf")
         else:
             summary = import_from_hf(args.hf, args.output, config=args.config, dtype=args.dtype,
-                                     overwrite=args.overwrite, progress=not args.no_progress)
+                                     overrides=args.overrides, overwrite=args.overwrite,
+                                     progress=not args.no_progress)
             _report(summary, "from-hf")
             print(f"[convert] train from it with: checkpoint.pretrained={summary['output']} "
                   f"(vocabulary padded to {summary['padded_vocab_size']})")
