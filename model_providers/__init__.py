@@ -5,9 +5,12 @@ Importing this package is cheap (no torch): the family modules hold data; `build
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 from model_providers import gpt, llama
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt": gpt}
 

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
-
-# On machines without Transformer Engine / apex, Megatron-Core warns at import that it uses its local
-# implementations; that is the expected configuration there, not something the user must act on.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

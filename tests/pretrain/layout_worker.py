@@ -1,0 +1,33 @@
+"""Run several training cases inside one torchrun launch (start-up dominates on CPU).
+
+    torchrun --nproc-per-node N -m tests.pretrain.layout_worker CASES.json
+
+CASES.json: [{"config": "tiny_llama", "overrides": ["parallel.tensor=2", ...]}, ...]. Each case is a full
+`pretrain.train.train(cfg)`; model-parallel groups are rebuilt per case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+
+
+def main() -> int:
+    from pretrain.config import load_config
+    from pretrain.runtime import shutdown
+    from pretrain.train import train
+
+    cases = json.loads(open(sys.argv[1]).read())
+    try:
+        for case in cases:
+            train(load_config(case["config"], case["overrides"]))
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Pre-flight validation: each rule's exact message, all problems at once, exit code 2 from the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.config import CONFIG_DIR, load_config
+from pretrain.validate import validate
+
+REPO = CONFIG_DIR.parent.parent
+
+
+def problems(overrides: list[str], world: int, config: str = "tiny_llama", **kw) -> list[str]:
+    report = validate(load_config(config, overrides), world, **kw)
+    return [str(p) for p in report.errors]
+
+
+CASES = [
+    (["parallel.tensor=2"], 3,
+     "[parallel.tensor, parallel.pipeline, parallel.context] world size 3 is not divisible by tensor×pipeline×context "
+     "= 2×1×1 = 2. Fix: launch a multiple of 2 processes, or choose sizes whose product divides 3"),
+    (["parallel.pipeline=3"], 3,
+     "[model.num_layers, parallel.pipeline] model.num_layers=4 is not divisible by pipeline stages 3 = 3. "
+     "Fix: choose a stage count dividing 4 (1, 2, 4)"),
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=4"], 2,
+     "[model.num_layers, parallel.pipeline, parallel.virtual_pipeline] model.num_layers=4 is not divisible by "
+     "pipeline stages 2×4 = 8. Fix: choose a stage count dividing 4 (1, 2, 4)"),
+    (["parallel.virtual_pipeline=2"], 1,
+     "[parallel.virtual_pipeline, parallel.pipeline] interleaving (parallel.virtual_pipeline=2) needs "
+     "parallel.pipeline > 1. Fix: set parallel.pipeline >= 2 or parallel.virtual_pipeline=null"),
+    (["model.num_query_groups=2", "parallel.tensor=4"], 4,
+     "[model.num_query_groups, parallel.tensor] model.num_query_groups=2 is not divisible by parallel.tensor=4. "
+     "Fix: choose parallel.tensor from 1, 2"),
+    (["model.num_attention_heads=6", "model.num_query_groups=3", "model.hidden_size=132", "parallel.tensor=4"], 4,
+     "[model.num_attention_heads, parallel.tensor] model.num_attention_heads=6 is not divisible by "
+     "parallel.tensor=4. Fix: choose parallel.tensor from 1, 2, 3, 6"),
+    (["model.num_query_groups=3"], 1,
+     "[model.num_attention_heads, model.num_query_groups] model.num_attention_heads=8 is not divisible by "
+     "model.num_query_groups=3. Fix: choose num_query_groups from 1, 2, 4, 8"),
+    (["parallel.sequence_parallel=true"], 1,
+     "[parallel.sequence_parallel, parallel.tensor] parallel.sequence_parallel=true needs parallel.tensor > 1. "
+     "Fix: set parallel.sequence_parallel=false or parallel.tensor >= 2"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.seq_length=127"], 2,
+     "[model.seq_length, parallel.tensor, parallel.sequence_parallel] model.seq_length=127 is not divisible by "
+     "parallel.tensor=2 (sequence parallel splits the sequence across TP ranks). Fix: use a sequence length that "
+     "is a multiple of 2"),
+    (["train.global_batch_size=6"], 2,
+     "[train.global_batch_size, train.micro_batch_size] train.global_batch_size=6 is not divisible by "
+     "micro_batch_size×data_parallel = 2×2 = 4. Fix: use a global batch that is a multiple of 4"),
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=2", "train.global_batch_size=6"], 2,
+     "[train.global_batch_size, parallel.pipeline, parallel.virtual_pipeline] interleaved pipelining needs the "
+     "number of microbatches (3) to be divisible by parallel.pipeline=2. Fix: use train.global_batch_size a "
+     "multiple of 4"),
+    (["model.fp8=tensorwise"], 1,
+     "[model.fp8] FP8 needs Transformer Engine on a GPU. Fix: set model.fp8=null on this machine"),
+    (["model.fp8=fp4"], 1,
+     "[model.fp8] model.fp8='fp4' is not one of tensorwise, delayed, mxfp8, blockwise. Fix: pick a recipe or set "
+     "model.fp8=null"),
+    (["optimizer.overlap_param_gather=true", "optimizer.overlap_grad_reduce=true"], 1,
+     "[optimizer.overlap_param_gather, optimizer.distributed] optimizer.overlap_param_gather needs the distributed "
+     "optimizer. Fix: set optimizer.distributed=true"),
+    (["data.mock=false"], 1,
+     "[data.blend, data.mock] no training data: data.blend and data.train_blend are empty and data.mock is false. "
+     "Fix: set data.blend=[PREFIX] (from `python -m data_tools preprocess`) or data.mock=true"),
+    (["model.recompute_granularity=full"], 1,
+     "[model.recompute_granularity, model.recompute_method] full recompute needs model.recompute_method uniform "
+     "or block. Fix: set model.recompute_method=uniform (and model.recompute_num_layers)"),
+    (["optimizer.decay_style=WSD"], 1,
+     "[optimizer.decay_style, optimizer.wsd_decay_steps] WSD decay needs optimizer.wsd_decay_steps. Fix: set "
+     "optimizer.wsd_decay_steps (e.g. 10% of train.steps)"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", CASES, ids=[";".join(c[0]) for c in CASES])
+def test_each_rule_reports_exact_message(overrides, world, message):
+    got = problems(overrides, world)
+    assert message in got, got
+
+
+def test_context_parallel_needs_transformer_engine_on_gpu():
+    msg = ("[parallel.context] parallel.context=2 needs Transformer Engine on a GPU (Megatron-Core implements "
+           "context parallelism only in TE attention). Fix: set parallel.context=1 here, or run on a CUDA machine "
+           "with transformer-engine installed")
+    assert msg in problems(["parallel.context=2"], 2, te_on_gpu=False, cuda_available=False)
+    # The same layout is accepted where TE runs on a GPU.
+    assert problems(["parallel.context=2"], 2, te_on_gpu=True, cuda_available=True) == []
+    assert problems(["model.fp8=tensorwise", "train.precision=bf16"], 1, te_on_gpu=True, cuda_available=True) == []
+
+
+def test_all_problems_reported_at_once():
+    got = problems(["parallel.tensor=3", "parallel.pipeline=3", "parallel.sequence_parallel=true",
+                    "model.seq_length=100", "train.global_batch_size=7", "model.fp8=tensorwise"], 8)
+    assert len(got) == 7, got
+    assert got[0].startswith("[parallel.tensor, parallel.pipeline, parallel.context] world size 8")
+    assert any(p.startswith("[model.num_layers, parallel.pipeline]") for p in got)
+    assert any(p.startswith("[model.num_attention_heads, parallel.tensor]") for p in got)
+    assert any(p.startswith("[model.num_query_groups, parallel.tensor]") for p in got)
+    assert any(p.startswith("[model.ffn_hidden_size, parallel.tensor]") for p in got)
+    assert any(p.startswith("[model.seq_length, parallel.tensor, parallel.sequence_parallel]") for p in got)
+    assert any(p.startswith("[model.fp8]") for p in got)
+
+
+def test_shipped_production_layouts_are_valid_on_their_clusters():
+    gpu = {"te_on_gpu": True, "cuda_available": True}
+    blend = ["data.blend=[/data/x_text_document]"]
+    assert problems(blend, 64, config="llama3_70b", **gpu) == []
+    assert problems(blend + ["model.fp8=tensorwise", "model.fp8_param_gather=true"], 64, "llama3_70b", **gpu) == []
+    assert problems(blend, 8, config="llama3_8b", **gpu) == []
+    assert problems([], 1) == [] and problems([], 2, config="tiny_gpt") == []
+
+
+def test_vocab_padding_is_reported_as_a_note():
+    report = validate(load_config("llama3_70b", ["data.blend=[/d]"]), 64, te_on_gpu=True, cuda_available=True)
+    assert any("vocabulary 128256 is padded to 128512" in n for n in report.notes)
+
+
+def test_cli_exit_codes_and_all_messages():
+    ok = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "parallel.tensor=2",
+                         "--world-size", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "config OK (world size 4)" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "parallel.pipeline=3",
+                          "train.global_batch_size=5", "--world-size", "3"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "config check failed: 2 problem(s) (world size 3)" in bad.stderr
+    assert "model.num_layers=4 is not divisible by pipeline stages 3 = 3" in bad.stderr
+    assert "train.global_batch_size=5 is not divisible by micro_batch_size×data_parallel = 2×1 = 2" in bad.stderr
+
+
+def test_trainer_refuses_invalid_config_before_starting(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pretrain", "train", "tiny_llama", "parallel.sequence_parallel=true",
+                           f"run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "parallel.sequence_parallel=true needs parallel.tensor > 1" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing written
