@@ -1,0 +1,29 @@
+"""Quickstart smoke test: the embedded corpus is preprocessed, 2 CPU ranks train, loss falls, HF export runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_quickstart_end_to_end(tmp_path):
+    run_dir = tmp_path / "qs"
+    proc = subprocess.run([sys.executable, "scripts/quickstart.py", "--steps", "12", "--run-dir", str(run_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== quickstart done" in proc.stdout
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 13))
+    assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
+    assert lines[-1]["consumed_samples"] == 12 * 8
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
+    assert (run_dir / "data" / "python_docs_text_document.idx").exists()
+    assert json.loads((run_dir / "exit_status.json").read_text())["reason"] == "completed"
+    assert (run_dir / "hf" / "config.json").exists()
