@@ -428,7 +428,7 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
             if not isinstance(found, TensorStorageMetadata):
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
-            if tuple(found.size) != tuple(item.global_shape):
+            if tuple(found.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
                 raise CheckpointError(
                     f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
                     f"{list(item.global_shape)} in this model{_model_config_diff(cfg, common)}")

@@ -46,10 +46,11 @@ def informative_line(exc: BaseException) -> str:
         if isinstance(inner, BaseException):
             return informative_line(inner)
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for ln in lines:
-        if "Unsupported global" in ln or "not allowed" in ln:
-            return ln
-    return lines[0] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    # The weights-only unpickler's actual reason, else the first line; its first sentence when long.
+    line = next((ln for ln in lines if "Unsupported" in ln or "not allowed" in ln), lines[0])
+    return line.split(". ")[0] if len(line) > 120 else line
 
 
 def megatron_core_version() -> str:
