@@ -381,7 +381,6 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     """Convert a torch_dist checkpoint (any layout) to a transformers model directory. Returns a summary."""
     from transformers import GenerationConfig
 
-    from model_providers.builder import padded_vocab_size
     from pretrain.checkpointing import resolve_checkpoint
     from pretrain.data import build_tokenizer
 
@@ -439,8 +438,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     elapsed = time.perf_counter() - started
     return {"output": str(output), "checkpoint": str(ckpt), "tensors": len(entries), "bytes": bar.bytes,
             "shards": len(writer.shards), "seconds": elapsed, "peak_rss_bytes": peak_rss_bytes(),
-            "vocab_size": vocab, "padded_vocab_size": rows,
-            "padded_for": padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)}
+            "vocab_size": vocab, "padded_vocab_size": rows}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -333,6 +333,3 @@ def test_from_hf_continues_pretraining_at_tp2(tmp_path, tokenizer_dir):
     hf_loss = (per_token * mask.reshape(-1)).sum().item() / mask.sum().item()
     print(f"step-1 loss at TP2 {loss:.6f}, HF loss on the same batch {hf_loss:.6f}")
     assert abs(loss - hf_loss) <= 1e-4 * abs(hf_loss)
-    # Once the run has its own checkpoint it resumes from it, not from the pretrained weights.
-    r = torchrun(2, str(ckpt / "run_config.yaml"), run_dir, "parallel.tensor=2", *overrides, "train.steps=3")
-    assert "resumed from" in r.stdout and "loaded pretrained" not in r.stdout
