@@ -146,9 +146,36 @@ def build_model(cfg, vocab_size: int, *, on_gpu: bool | None = None) -> list[GPT
         )
         if on_gpu:
             model.cuda(torch.cuda.current_device())
+        if model.post_process and padded > vocab_size:
+            mask_padded_logits(model, vocab_size, padded)
         chunks.append(model)
     initialize_layout_invariant(chunks, cfg, vocab_size, padded)
     return chunks
+
+
+def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:
+    """Give the TP-padding columns of the logits the lowest value, so they carry no probability.
+
+    Padding depends on TP (multiple of make_vocab_size_divisible_by × TP); with plain zero logits the extra
+    columns would change the softmax, hence the loss, from one layout to another (and from the HF model).
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    part = padded // tp
+    columns = torch.arange(rank * part, (rank + 1) * part)
+    padding = columns >= vocab_size
+    if not bool(padding.any()):
+        return
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def hook(_module, _inputs, output):
+        logits, bias = output
+        mask = on_device.get(logits.device)
+        if mask is None:
+            mask = on_device[logits.device] = padding.to(logits.device)
+        return logits.masked_fill(mask, torch.finfo(logits.dtype).min), bias
+
+    model.output_layer.register_forward_hook(hook)
 
 
 # --------------------------------------------------------------------------------------------------
