@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.runtime import init_distributed, shutdown
 
     rt = init_distributed()
+    from pretrain.checkpointing import start_writer_helper
+
+    start_writer_helper()  # a one-time start (a spawned process), outside both measurements
     base = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", "checkpoint.keep_last=2",
             "logging.tensorboard=false", "logging.log_interval=1000", *args.overrides]
     results = {}

@@ -15,6 +15,7 @@ checked to exist and be long enough before any rank starts loading.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -179,13 +180,8 @@ def _save_strategy(async_save: bool):
     return strategy
 
 
-HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+HELPER_BLOCKED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _WRITER_MANAGER = None
-
-
-def _ignore_stop_signals() -> None:
-    for sig in HELPER_IGNORED_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def start_writer_helper() -> None:
@@ -194,8 +190,9 @@ def start_writer_helper() -> None:
     The `torch_dist` writer reports through a multiprocessing Manager that megatron-core 0.16.1 spawns at the
     first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
     time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
-    fails (EOFError). Here the same Manager is started with an initializer that ignores those signals (the
-    trainer keeps its own handlers: it saves and exits on them).
+    fails (EOFError). Here the same Manager is started with those signals blocked in its server process
+    (its initializer runs before the server starts threads; it imports nothing of ours). The trainer keeps
+    its own handlers: it saves and exits on them.
     """
     global _WRITER_MANAGER
     import multiprocessing as mp
@@ -206,7 +203,7 @@ def start_writer_helper() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_ignore_stop_signals)
+    manager.start(initializer=functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, HELPER_BLOCKED_SIGNALS))
     _WRITER_MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
 
