@@ -119,6 +119,17 @@ def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) ->
         transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
+def initialize_tp_comm_overlap(cfg: Config) -> None:
+    """Transformer Engine userbuffers for TP communication overlap (GPU + TE only; the validator checks).
+
+    Buffers are sized for one microbatch's sequence-parallel activations: [seq·mbs/CP, hidden].
+    """
+    from transformer_engine.pytorch import module as te_module
+
+    shape = [cfg.model.seq_length * cfg.train.micro_batch_size // cfg.parallel.context, cfg.model.hidden_size]
+    te_module.base.initialize_ub(shape=shape, tp_size=cfg.parallel.tensor, use_fp8=cfg.model.fp8 is not None)
+
+
 def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of per-token losses under the mask, the token count, and both for logging."""
     losses = output_tensor.float().view(-1)
@@ -284,6 +295,8 @@ def train(cfg: Config) -> dict:
     # 2. Tokenizer, model, optimizer, schedule.
     tokenizer = build_tokenizer(cfg.data)
     vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if cfg.parallel.tp_comm_overlap:
+        initialize_tp_comm_overlap(cfg)
     chunks = build_model(cfg, vocab_size, on_gpu=rt.on_gpu)
     tconfig = chunks[0].config
     model = wrap_with_ddp(cfg, chunks, tconfig)
