@@ -279,9 +279,9 @@ def train(cfg: Config) -> dict:
     init_model_parallel(cfg)
     precision = resolve_precision(cfg.train.precision, rt.on_gpu)
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    t, tr = cfg.train, cfg.train
+    t = cfg.train
     unset_num_microbatches_calculator()
-    init_num_microbatches_calculator(rt.rank, None, tr.global_batch_size, tr.micro_batch_size, dp_size)
+    init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, dp_size)
     num_microbatches = get_num_microbatches()
     run_dir = Path(cfg.run.dir)
     if rt.rank == 0:
@@ -289,7 +289,7 @@ def train(cfg: Config) -> dict:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = TP{cfg.parallel.tensor} × PP{cfg.parallel.pipeline}"
          f"{f' × VP{cfg.parallel.virtual_pipeline}' if cfg.parallel.virtual_pipeline else ''}"
-         f" × CP{cfg.parallel.context} × DP{dp_size}; {num_microbatches} microbatches of {tr.micro_batch_size};"
+         f" × CP{cfg.parallel.context} × DP{dp_size}; {num_microbatches} microbatches of {t.micro_batch_size};"
          f" precision {precision}")
 
     # 2. Tokenizer, model, optimizer, schedule.
