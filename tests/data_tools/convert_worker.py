@@ -1,12 +1,12 @@
 """Megatron side of the HF bridge tests, in its own 1-rank gloo process:
 
     python convert_worker.py logits CKPT_DIR TOKENS.pt OUT.pt
-    python convert_worker.py memory SMALL_HF BIG_HF WORK_DIR
+    python convert_worker.py memory HF_DIR WORK_DIR
 
 `logits` builds the checkpoint's model at TP1/PP1 from its run_config.yaml, loads the weights with the
 trainer's `load_checkpoint(weights_only=True)` and saves the logits (true vocabulary columns only) on
-TOKENS ([batch, seq] int64) to OUT.pt. `memory` converts SMALL_HF both ways (warm-up: imports, tokenizer,
-allocator), then BIG_HF, and prints JSON with the peak-RSS growth of each big conversion.
+TOKENS ([batch, seq] int64) to OUT.pt. `memory` imports HF_DIR to WORK_DIR/ckpt and exports it back to
+WORK_DIR/back, printing the process's peak RSS after each as JSON.
 """
 
 from __future__ import annotations
@@ -50,26 +50,21 @@ def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
         shutdown()
 
 
-def memory(small_hf: str, big_hf: str, work: str) -> None:
+def memory(hf_dir: str, work: str) -> None:
     import json
 
     from data_tools.convert import export_to_hf, import_from_hf, peak_rss_bytes
 
-    out = {}
-    for name, hf in (("small", small_hf), ("big", big_hf)):
-        before = peak_rss_bytes()
-        import_from_hf(hf, f"{work}/{name}_ckpt", progress=False)
-        grown_import = peak_rss_bytes() - before
-        before = peak_rss_bytes()
-        export_to_hf(f"{work}/{name}_ckpt", f"{work}/{name}_back", tokenizer=hf, progress=False)
-        out[name] = {"from_hf": grown_import, "to_hf": peak_rss_bytes() - before, "peak": peak_rss_bytes()}
-    print(json.dumps(out))
+    import_from_hf(hf_dir, f"{work}/ckpt", progress=False)
+    after_import = peak_rss_bytes()
+    export_to_hf(f"{work}/ckpt", f"{work}/back", tokenizer=hf_dir, progress=False)
+    print(json.dumps({"from_hf": after_import, "both": peak_rss_bytes()}))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "logits":
         megatron_logits(*sys.argv[2:5])
     elif sys.argv[1] == "memory":
-        memory(*sys.argv[2:5])
+        memory(*sys.argv[2:4])
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")
