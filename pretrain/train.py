@@ -275,6 +275,8 @@ def train(cfg: Config) -> dict:
     if problems.errors:
         raise ValidationFailed(problems)
 
+    # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
+    stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     rt = init_distributed()
     init_model_parallel(cfg)
     precision = resolve_precision(cfg.train.precision, rt.on_gpu)
@@ -337,7 +339,6 @@ def train(cfg: Config) -> dict:
     flops_tok = flops_per_token(cfg.model, padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                                                              cfg.parallel.tensor))
     peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
-    stops = StopRequests(t.exit_signal_handler, t.exit_duration_in_mins)
     reason, signal_name, message = "completed", None, None
     last_saved = step if latest is not None else None
     async_saves = checkpointing.AsyncSaves() if cfg.checkpoint.async_save else None
