@@ -23,5 +23,10 @@ test: install
 test-quick: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+## Only the real-Slurm tests (root: installs Debian's slurm packages and starts a local 2-node cluster).
+test-slurm: install
+	$(PY) -m pytest -m slurm tests/launch -v --durations=0
+
 lint: install
 	$(PY) -m ruff check .
+	shellcheck -x launch/*.sh tests/launch/local_slurm.sh
