@@ -82,8 +82,11 @@ class Progress:
                 f"{self.total_bytes / 1e9:.2f} GB | {self.done / el:.1f} tensors/s | {self.bytes / 1e9 / el:.3f} GB/s")
 
 
-def _staging(output: Path, overwrite: bool) -> Path:
+def _staging(output: Path, overwrite: bool, source: Path) -> Path:
     """A fresh staging directory beside `output` (refusing a non-empty `output` without overwrite)."""
+    out, src = output.resolve(), source.resolve()
+    if out == src or out in src.parents:
+        raise ConversionError(f"{output}: the output would replace the input {source}; choose another directory")
     if output.exists():
         if not output.is_dir():
             raise ConversionError(f"{output}: exists and is not a directory")
@@ -111,6 +114,7 @@ def _commit(staging: Path, output: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 # Reading torch_dist checkpoints
 # --------------------------------------------------------------------------------------------------
+
 
 class CheckpointReader:
     """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint."""
@@ -416,7 +420,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
     entries = [e for u in units for e in u.entries]
 
-    staging = _staging(output, overwrite)
+    staging = _staging(output, overwrite, ckpt)
     try:
         writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
         bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
@@ -669,7 +673,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         bar.update(tensor.nbytes)
         return tensor
 
-    staging = _staging(output, overwrite)
+    staging = _staging(output, overwrite, hf_dir)
     try:
         writer = _writer_class()(str(staging), single_file_per_rank=True, thread_count=1, sync_files=True)
         writer.final_id = str(output.resolve())

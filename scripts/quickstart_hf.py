@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     new = out[0, inputs["input_ids"].shape[1]:]
     print(f"[quickstart_hf] {type(model).__name__} greedy continuation of {args.prompt!r} ({len(new)} tokens):")
     print(f"  ids:  {new.tolist()}")
-    print(f"  text: {tokenizer.decode(out[0], skip_special_tokens=True)}")
+    print(f"  text: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
     print(f"[quickstart_hf] done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

@@ -226,6 +226,8 @@ def test_refusals_name_the_cause(tmp_path, tokenizer_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not empty (pass --overwrite" in err[0]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    with pytest.raises(ConversionError, match="would replace the input"):
+        import_from_hf(src, tmp_path, overwrite=True, progress=False)
 
     # An unknown tensor in the HF files is named; nothing (not even a staging dir) is left behind.
     from safetensors.torch import load_file, save_file
