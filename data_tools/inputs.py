@@ -2,7 +2,9 @@
 
 JSONL chunks are parsed with pyarrow's multi-threaded JSON reader; a chunk it rejects (or one
 with blank lines or missing values) is re-parsed line by line with ``json`` so every bad line is
-reported with its file and line number.
+reported with its file and line number. pyarrow's parser rejects invalid surrogate escapes (a lone
+``\\ud800``) itself, so such chunks take the exact path too. Texts of a clean chunk stay in Arrow
+memory (:class:`TextColumn`): the fast encoder reads them without building Python strings.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
 PARQUET_SUFFIXES = (".parquet",)
 
@@ -24,12 +28,66 @@ class InputError(ValueError):
     """Unusable input: the message names the file (and line, where there is one)."""
 
 
+class TextColumn:
+    """The strings of one JSON key in a batch, kept in Arrow memory (a ``large_string`` array).
+
+    Behaves as a read-only sequence of ``str``; :meth:`awkward` is a zero-copy view that
+    gigatoken encodes directly, :meth:`to_list` materialises Python strings (reference encoders).
+    """
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, i: int) -> str:
+        return self.array[i].as_py()
+
+    def to_list(self) -> list[str]:
+        return self.array.to_pylist()
+
+    def awkward(self) -> Any:
+        import awkward as ak
+
+        arr = self.array
+        _, off, data = arr.buffers()
+        offsets = np.frombuffer(off, dtype=np.int64, count=len(arr) + 1, offset=arr.offset * 8)
+        content = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+        layout = ak.contents.ListOffsetArray(
+            ak.index.Index64(offsets),
+            ak.contents.NumpyArray(content, parameters={"__array__": "char"}),
+            parameters={"__array__": "string"},
+        )
+        return ak.Array(layout)
+
+    def rows_containing(self, needles: tuple[str, ...]) -> list[int]:
+        """Indices of the strings that contain any of ``needles``."""
+        import pyarrow.compute as pc
+
+        if not needles or not len(self.array):
+            return []
+        hit = pc.match_substring_regex(self.array, "|".join(_re_escape(n) for n in needles))
+        return np.flatnonzero(hit.to_numpy(zero_copy_only=False)).tolist()
+
+
+def _re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def as_text_list(texts: Any) -> list[str]:
+    """``texts`` (a list of ``str`` or a :class:`TextColumn`) as a list of ``str``."""
+    return texts.to_list() if isinstance(texts, TextColumn) else list(texts)
+
+
 @dataclass
 class Batch:
     """Documents read from one file: per JSON key, flat texts and the sequence count per document."""
 
     file_index: int
-    texts: dict[str, list[str]]
+    texts: dict[str, Any]  # per key: list[str] or TextColumn (a sequence of str)
     seqs_per_doc: dict[str, list[int] | None]
     lines: list[int]  # line (or row) number of each document, 1-based
     records_done: int  # lines/rows of this file consumed after this batch
@@ -147,19 +205,20 @@ class _Parser:
         return out, None
 
 
-def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, list[str]] | None:
-    """Fast path: the chunk's per-key strings if every line is a clean object with string keys."""
+def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, TextColumn] | None:
+    """Fast path: the chunk's per-key strings if every line is a clean object with string keys.
+
+    pyarrow rejects lone surrogate escapes and invalid UTF-8 (the chunk then takes the exact path).
+    """
     import pyarrow as pa
     import pyarrow.json as pj
 
-    if b"\\ud8" in chunk or b"\\ud9" in chunk or b"\\uda" in chunk or b"\\udb" in chunk:
-        return None  # surrogate escapes: let the exact path validate them
     try:
         table = pj.read_json(
             io.BytesIO(chunk),
             read_options=pj.ReadOptions(use_threads=True, block_size=4 << 20),
             parse_options=pj.ParseOptions(
-                explicit_schema=pa.schema([(k, pa.string()) for k in keys]),
+                explicit_schema=pa.schema([(k, pa.large_string()) for k in keys]),
                 unexpected_field_behavior="ignore",
             ),
         )
@@ -172,7 +231,7 @@ def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, list[
         col = table.column(k)
         if col.null_count:
             return None
-        cols[k] = col.to_pylist()
+        cols[k] = TextColumn(col.combine_chunks())
     return cols
 
 
@@ -248,7 +307,7 @@ def _jsonl_batches(
                     continue
                 chunk, carry = buf[: cut + 1], buf[cut + 1 :]
             n_lines = chunk.count(b"\n")
-            texts: dict[str, list[str]] = {k: [] for k in keys}
+            texts: dict[str, Any] = {k: [] for k in keys}
             seqs: dict[str, list[int] | None] = {k: None for k in keys}
             lines: list[int] = []
             skipped: list[tuple[int, str]] = []

@@ -44,18 +44,21 @@ class Summary:
     tokens: int = 0
     input_bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the call to the end (start-up + processing)
+    startup_seconds: float = 0.0  # argument checks, tokenizer load and probe, output files created
+    processing_seconds: float = 0.0  # tokenizer ready -> outputs in place (reading starts earlier)
     encoder: str = ""
     dtype: str = ""
     resumed: bool = False
 
     def format(self) -> str:
         mb = self.input_bytes / 1e6
-        rate = mb / self.seconds if self.seconds else 0.0
+        rate = mb / self.processing_seconds if self.processing_seconds else 0.0
         lines = [
             f"documents: {self.documents:,}",
             f"tokens:    {self.tokens:,} ({self.dtype})",
-            f"input:     {mb:,.1f} MB in {self.seconds:.1f} s ({rate:.1f} MB/s, encoder {self.encoder})",
+            f"input:     {mb:,.1f} MB in {self.seconds:.2f} s = start-up {self.startup_seconds:.2f} s + "
+            f"processing {self.processing_seconds:.2f} s ({rate:.1f} MB/s, encoder {self.encoder})",
         ]
         if self.skipped:
             lines.append("skipped:   " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())))
@@ -116,13 +119,16 @@ def assemble(
     seqs_per_doc: list[int] | None,
     eod: int | None,
     keep_empty: bool,
+    dtype: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Megatron-LM's per-document layout for a batch of encoded sequences.
 
     Empty sequences are dropped, EOD (if given) is appended to the last sequence of each non-empty
     document. Returns ``(tokens, sequence_lengths, sequences_per_doc, empty_doc_mask)``; empty
     documents are kept as zero-sequence documents only when ``keep_empty`` (Megatron-LM does that).
+    ``dtype``: the output token dtype (ids must already be known to fit it).
     """
+    tokens = np.asarray(tokens) if dtype is None else np.asarray(tokens).astype(dtype, copy=False)
     n_seq = offsets.size - 1
     seq_len = np.diff(offsets)
     n_doc = n_seq if seqs_per_doc is None else len(seqs_per_doc)
@@ -135,7 +141,7 @@ def assemble(
     if eod is not None and kept.size:
         last = np.ones(kept.size, dtype=bool)
         last[:-1] = kept_doc[1:] != kept_doc[:-1]
-        tokens = np.insert(np.asarray(tokens), offsets[kept[last] + 1], eod)
+        tokens = np.insert(tokens, offsets[kept[last] + 1], eod)
         lengths[last] += 1
     if not keep_empty:
         per_doc = per_doc[~empty]
@@ -163,12 +169,18 @@ def preprocess(
 ) -> Summary:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}``; return a :class:`Summary`.
 
+    Three stages overlap: a reader thread parses batches (it starts while the tokenizer loads),
+    an encoder thread tokenizes them, and this thread assembles and writes them. Queues between
+    the stages hold at most two batches each, so memory does not grow with the input.
+
     Bad lines are skipped and counted (``strict=True``: the first raises :class:`InputError`).
     Raises :class:`InputError`, ``TokenizerError`` or :class:`PreprocessError` with a clear cause.
     """
     t0 = time.monotonic()
     log = log or sys.stderr
-    keys = json_keys or ["text"]
+    keys = list(json_keys or ["text"])
+    if len(set(keys)) != len(keys):
+        raise PreprocessError(f"--json-keys lists a key twice: {' '.join(keys)}")
     workers = max(1, int(workers))
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
     spec = resolve_spec(tokenizer_type, tokenizer_model, vocab_file, merge_file)
@@ -176,20 +188,16 @@ def preprocess(
     if not files:
         raise InputError("no input files given")
     out_dir = Path(output_prefix).parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PreprocessError(f"output directory is not a directory: {out_dir}")
     if not out_dir.is_dir():
         raise PreprocessError(f"output directory does not exist: {out_dir}")
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PreprocessError(f"output directory is not writable: {out_dir}")
 
-    enc: BatchEncoder = build_batch_encoder(spec, workers, encoder, log=lambda m: print(m, file=log))
-    if append_eod and enc.eod is None:
-        raise PreprocessError(f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token")
-    dtype = optimal_dtype(enc.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
     state_path = Path(f"{output_prefix}{STATE_SUFFIX}")
     fingerprint = _fingerprint(files, spec, keys, append_eod, keep_empty)
-
-    summary = Summary(outputs=prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
     skipped: Counter[str] = Counter()
     reported: Counter[str] = Counter()
     start = (0, 0, 0)
@@ -204,61 +212,103 @@ def preprocess(
             state = None
     if state is not None:
         start = tuple(state["position"])  # type: ignore[assignment]
-        summary.documents, summary.tokens, summary.input_bytes = (
-            state["documents"],
-            state["tokens"],
-            state["bytes"],
-        )
-        skipped.update(state["skipped"])
-        summary.resumed = True
-        print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
-    try:
-        writers = {
-            k: IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None) for k, p in prefixes.items()
-        }
-    except OSError as e:
-        raise PreprocessError(f"cannot create output files at {output_prefix}: {e.strerror}") from e
 
     def on_bad(path: Path, line: int, reason: str) -> None:
         if strict:
             raise InputError(f"{path}:{line}: {reason}")
 
-    total_disk = sum(p.stat().st_size for p in files)
-    done_disk = sum(p.stat().st_size for p in files[: start[0]])
-    show = progress if progress is not None else log.isatty()
-    bar = _Progress(total_disk, log, show)
-    rss_base = _rss_bytes()
-
-    batches: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
+    read_q: queue.Queue = queue.Queue(maxsize=2)
+    enc_q: queue.Queue = queue.Queue(maxsize=2)
 
-    def produce() -> None:
+    def put(q: queue.Queue, item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(q: queue.Queue) -> Any:
+        while not stop.is_set():
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        return None
+
+    def read_stage() -> None:
         try:
             for b in read_batches(files, keys, batch_bytes, start, on_bad):
-                while not stop.is_set():
-                    try:
-                        batches.put(b, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(read_q, b):
                     return
-            batches.put(None)
+            put(read_q, None)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            batches.put(e)
+            put(read_q, e)
 
-    reader = threading.Thread(target=produce, name="data_tools-reader", daemon=True)
-    reader.start()
+    threads = [threading.Thread(target=read_stage, name="data_tools-reader", daemon=True)]
+    threads[0].start()  # reading and parsing overlap the tokenizer's start-up
+    writers: dict[str, IndexedWriter] = {}
     ok = False
     try:
+        enc: BatchEncoder = build_batch_encoder(spec, workers, encoder, log=lambda m: print(m, file=log))
+        if append_eod and enc.eod is None:
+            raise PreprocessError(f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token")
+        dtype = optimal_dtype(enc.vocab_size)
+        summary = Summary(outputs=prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
+        if state is not None:
+            summary.documents, summary.tokens, summary.input_bytes = (
+                state["documents"],
+                state["tokens"],
+                state["bytes"],
+            )
+            skipped.update(state["skipped"])
+            summary.resumed = True
+            print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
+        for k, p in prefixes.items():
+            try:
+                writers[k] = IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None)
+            except OSError as e:
+                raise PreprocessError(f"cannot create output file {e.filename or p}: {e.strerror}") from e
+
+        total_disk = sum(p.stat().st_size for p in files)
+        done_disk = sum(p.stat().st_size for p in files[: start[0]])
+        show = progress if progress is not None else log.isatty()
+        rss_base = _rss_bytes()
+        t_ready = time.monotonic()
+        summary.startup_seconds = t_ready - t0
+        bar = _Progress(total_disk, log, show)
+
+        def encode_stage() -> None:
+            try:
+                while True:
+                    item = get(read_q)
+                    if item is None or isinstance(item, BaseException):
+                        put(enc_q, item)
+                        return
+                    encoded = {}
+                    for k in keys:
+                        texts = item.texts[k]
+                        encoded[k] = enc.encode(texts) if len(texts) else (np.zeros(0, np.int64), np.zeros(1, np.int64))
+                    if not put(enc_q, (item, encoded)):
+                        return
+                    if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
+                        enc.reset()  # gigatoken's pretoken caches grow with the vocabulary seen
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                put(enc_q, e)
+
+        threads.append(threading.Thread(target=encode_stage, name="data_tools-encoder", daemon=True))
+        threads[1].start()
+
         current_file, base_disk = start[0], done_disk
         while True:
-            item = batches.get()
+            item = get(enc_q)
             if item is None:
                 break
             if isinstance(item, BaseException):
                 raise item
-            batch: Batch = item
+            batch: Batch = item[0]
             if batch.file_index != current_file:
                 base_disk += sum(p.stat().st_size for p in files[current_file : batch.file_index])
                 current_file = batch.file_index
@@ -270,28 +320,23 @@ def preprocess(
                     print(f"\rskipped {files[batch.file_index]}:{line}: {reason}", file=log)
             n_docs_batch = 0
             for k in keys:
-                texts = batch.texts[k]
-                if texts:
-                    tokens, offsets = enc.encode(texts)
-                else:
-                    tokens, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
+                tokens, offsets = item[1][k]
+                if tokens.size and int(tokens.max()) >= enc.vocab_size:
+                    raise PreprocessError(f"token id {int(tokens.max())} >= vocab size {enc.vocab_size}")
                 out_t, lengths, per_doc, empty = assemble(
-                    tokens, offsets, batch.seqs_per_doc[k], enc.eod if append_eod else None, keep_empty
+                    tokens, offsets, batch.seqs_per_doc[k], enc.eod if append_eod else None, keep_empty, dtype
                 )
                 if empty.any():
                     for j in np.flatnonzero(empty):
+                        where = f"{files[batch.file_index]}:{batch.lines[j]}"
                         if strict and not keep_empty:
-                            raise InputError(f"{files[batch.file_index]}:{batch.lines[j]}: empty document ({k!r})")
+                            raise InputError(f"{where}: empty document ({k!r})")
                         reported["empty document"] += 1
                         if reported["empty document"] <= _MAX_REPORTED and not keep_empty:
-                            print(
-                                f"\rskipped {files[batch.file_index]}:{batch.lines[j]}: empty document",
-                                file=log,
-                            )
+                            what = f" ({k!r})" if len(keys) > 1 else ""
+                            print(f"\rskipped {where}: empty document{what}", file=log)
                     if not keep_empty:
                         skipped["empty document"] += int(empty.sum())
-                if out_t.size and int(out_t.max()) >= enc.vocab_size:
-                    raise PreprocessError(f"token id {int(out_t.max())} >= vocab size {enc.vocab_size}")
                 try:
                     writers[k].add_batch(out_t, lengths, per_doc)
                 except OSError as e:
@@ -315,9 +360,9 @@ def preprocess(
                     },
                 )
             except OSError as e:
-                raise PreprocessError(f"writing output at {output_prefix} failed: {e.strerror}") from e
-            if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
-                enc.reset()  # gigatoken's pretoken caches grow with vocabulary seen
+                raise PreprocessError(
+                    f"writing output {e.filename or output_prefix + '_*'} failed: {e.strerror}"
+                ) from e
             bar.update(base_disk + batch.progress_bytes, summary.documents, summary.input_bytes, summary.tokens)
         bar.update(total_disk, summary.documents, summary.input_bytes, summary.tokens, final=True)
         if summary.documents == 0:
@@ -327,15 +372,17 @@ def preprocess(
                 + ": "
                 + ", ".join(map(str, files))
             )
-        try:
-            for w in writers.values():
+        for k, w in writers.items():
+            try:
                 w.finalize()
-        except OSError as e:
-            raise PreprocessError(f"finalizing output at {output_prefix} failed: {e.strerror}") from e
+            except OSError as e:
+                raise PreprocessError(f"finalizing {e.filename or prefixes[k]} failed: {e.strerror}") from e
         state_path.unlink(missing_ok=True)
         ok = True
     finally:
         stop.set()
+        for t in threads:
+            t.join(timeout=60)
         if not ok:
             for w in writers.values():
                 w.close()
@@ -345,8 +392,11 @@ def preprocess(
                 for w in writers.values():
                     w.discard()
                 state_path.unlink(missing_ok=True)
+                state_path.with_name(state_path.name + ".tmp").unlink(missing_ok=True)
     summary.skipped = dict(skipped)
-    summary.seconds = time.monotonic() - t0
+    t_end = time.monotonic()
+    summary.seconds = t_end - t0
+    summary.processing_seconds = t_end - t_ready
     return summary
 
 

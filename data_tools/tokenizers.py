@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from data_tools.inputs import TextColumn, as_text_list
+
 _TYPE_ALIASES = {
     "sentencepiece": "sentencepiece",
     "gptsentencepiecetokenizer": "sentencepiece",
@@ -308,7 +310,7 @@ class _SentencePieceEncoder(BatchEncoder):
         self.eod = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        return _flatten(self.sp.encode(list(texts), num_threads=self.workers))
+        return _flatten(self.sp.encode(as_text_list(texts), num_threads=self.workers))
 
 
 class _HFEncoder(BatchEncoder):
@@ -320,7 +322,8 @@ class _HFEncoder(BatchEncoder):
         self.prefix, self.suffix = info.prefix, info.suffix
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        flat, offsets = _flatten([e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)])
+        encs = self.tok.encode_batch_fast(as_text_list(texts), add_special_tokens=False)
+        flat, offsets = _flatten([e.ids for e in encs])
         return _wrap(flat, offsets, self.prefix, self.suffix)
 
 
@@ -334,7 +337,7 @@ class _TiktokenEncoder(BatchEncoder):
         self.eod = self.lib.eos_id
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        out = self.lib.tokenizer.encode_batch(list(texts), num_threads=self.workers, allowed_special="all")
+        out = self.lib.tokenizer.encode_batch(as_text_list(texts), num_threads=self.workers, allowed_special="all")
         return _flatten(out)
 
 
@@ -379,7 +382,8 @@ class _GigatokenEncoder(BatchEncoder):
         self.tok = self._make()
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        arr = self.tok.encode_batch(list(texts), parallel=True)
+        # Arrow-backed texts go in as a zero-copy awkward string array (no Python str objects).
+        arr = self.tok.encode_batch(texts.awkward() if isinstance(texts, TextColumn) else list(texts), parallel=True)
         layout = arr.layout
         offsets = np.asarray(layout.offsets.data, dtype=np.int64)
         tokens = np.asarray(layout.content.data)
@@ -472,7 +476,10 @@ class CheckedEncoder(BatchEncoder):
             return self.reference.encode(texts)
         tokens, offsets = self.fast.encode(texts)
         if self.risky:
-            rows = [i for i, t in enumerate(texts) if any(r in t for r in self.risky)]
+            if isinstance(texts, TextColumn):
+                rows = texts.rows_containing(self.risky)
+            else:
+                rows = [i for i, t in enumerate(texts) if any(r in t for r in self.risky)]
             if rows:
                 self.rerouted += len(rows)
                 tokens, offsets = _splice(tokens, offsets, rows, self.reference.encode([texts[i] for i in rows]))
