@@ -246,10 +246,10 @@ class IndexedWriter:
     def add_batch(self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_doc: np.ndarray) -> None:
         """Append documents: flat ``tokens``, the length of each sequence, the sequence count of each doc."""
         bin_f, len_f, doc_f = self._handles
-        bin_f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        len_f.write(np.ascontiguousarray(sequence_lengths, dtype=np.int32).tobytes())
+        bin_f.write(memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B"))
+        len_f.write(memoryview(np.ascontiguousarray(sequence_lengths, dtype=np.int32)).cast("B"))
         doc_ends = np.cumsum(sequences_per_doc, dtype=np.int64) + self.num_sequences
-        doc_f.write(doc_ends.tobytes())
+        doc_f.write(memoryview(doc_ends).cast("B"))
         self.num_tokens += int(tokens.size)
         self.num_sequences += int(sequence_lengths.size)
         self.num_documents += int(sequences_per_doc.size)

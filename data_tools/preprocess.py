@@ -47,6 +47,7 @@ class Summary:
     seconds: float = 0.0  # from the call to the end (start-up + processing)
     startup_seconds: float = 0.0  # argument checks, tokenizer load and probe, output files created
     processing_seconds: float = 0.0  # tokenizer ready -> outputs in place (reading starts earlier)
+    processing_cpu_seconds: float = 0.0  # CPU time of all threads during processing
     encoder: str = ""
     dtype: str = ""
     resumed: bool = False
@@ -58,7 +59,8 @@ class Summary:
             f"documents: {self.documents:,}",
             f"tokens:    {self.tokens:,} ({self.dtype})",
             f"input:     {mb:,.1f} MB in {self.seconds:.2f} s = start-up {self.startup_seconds:.2f} s + "
-            f"processing {self.processing_seconds:.2f} s ({rate:.1f} MB/s, encoder {self.encoder})",
+            f"processing {self.processing_seconds:.2f} s ({rate:.1f} MB/s, {self.processing_cpu_seconds:.2f} CPU-s, "
+            f"encoder {self.encoder})",
         ]
         if self.skipped:
             lines.append("skipped:   " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())))
@@ -276,7 +278,7 @@ def preprocess(
         done_disk = sum(p.stat().st_size for p in files[: start[0]])
         show = progress if progress is not None else log.isatty()
         rss_base = _rss_bytes()
-        t_ready = time.monotonic()
+        t_ready, cpu_ready = time.monotonic(), time.process_time()
         summary.startup_seconds = t_ready - t0
         bar = _Progress(total_disk, log, show)
 
@@ -397,6 +399,7 @@ def preprocess(
     t_end = time.monotonic()
     summary.seconds = t_end - t0
     summary.processing_seconds = t_end - t_ready
+    summary.processing_cpu_seconds = time.process_time() - cpu_ready
     return summary
 
 

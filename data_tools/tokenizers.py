@@ -407,6 +407,9 @@ PROBE_TEXTS = [
 ]
 
 
+_PROBE_DOC_CHARS = 4000  # corpus documents are cut: the reference library is slow on long ones
+
+
 def _probe_texts() -> list[str]:
     texts = list(PROBE_TEXTS)
     try:
@@ -417,7 +420,7 @@ def _probe_texts() -> list[str]:
                 line = f.readline()
                 if not line:
                     break
-                texts.append(json.loads(line)["text"])
+                texts.append(json.loads(line)["text"][:_PROBE_DOC_CHARS])
     except (OSError, ValueError, KeyError):
         pass
     return texts
