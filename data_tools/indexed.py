@@ -265,8 +265,14 @@ class IndexedWriter:
         }
 
     def close(self) -> None:
+        """Close the temporaries. Errors are ignored: this runs on failure paths (e.g. a full disk,
+        where flushing the last buffer fails again) and must not mask the original error;
+        :meth:`finalize` flushes and syncs explicitly before it closes."""
         for h in self._handles:
-            h.close()
+            try:
+                h.close()
+            except OSError:
+                pass
 
     def finalize(self) -> None:
         """Write the ``.idx`` and move both files into place (``.idx`` last)."""

@@ -49,6 +49,7 @@ class Summary:
     processing_seconds: float = 0.0  # tokenizer ready -> outputs in place (reading starts earlier)
     processing_cpu_seconds: float = 0.0  # CPU time of all threads during processing
     encoder: str = ""
+    encoder_resets: int = 0  # times the encoder's caches were dropped to bound memory
     dtype: str = ""
     resumed: bool = False
 
@@ -66,6 +67,8 @@ class Summary:
             lines.append("skipped:   " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())))
         else:
             lines.append("skipped:   none")
+        if self.encoder_resets:
+            lines.append(f"memory:    encoder caches dropped {self.encoder_resets} times to bound RSS")
         lines += [f"output:    {p}.bin/.idx" for p in self.outputs.values()]
         return "\n".join(lines)
 
@@ -167,13 +170,16 @@ def preprocess(
     batch_bytes: int = 8 << 20,
     progress: bool | None = None,
     log: TextIO | None = None,
-    memory_budget_bytes: int = 640 << 20,
+    memory_budget_bytes: int = 320 << 20,
 ) -> Summary:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}``; return a :class:`Summary`.
 
     Three stages overlap: a reader thread parses batches (it starts while the tokenizer loads),
     an encoder thread tokenizes them, and this thread assembles and writes them. Queues between
     the stages hold at most two batches each, so memory does not grow with the input.
+
+    ``memory_budget_bytes``: when the RSS has grown by more than this since processing began, the
+    gigatoken encoder is rebuilt (its caches dropped; the ids do not change).
 
     Bad lines are skipped and counted (``strict=True``: the first raises :class:`InputError`).
     Raises :class:`InputError`, ``TokenizerError`` or :class:`PreprocessError` with a clear cause.
@@ -296,7 +302,10 @@ def preprocess(
                     if not put(enc_q, (item, encoded)):
                         return
                     if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
-                        enc.reset()  # gigatoken's pretoken caches grow with the vocabulary seen
+                        # gigatoken's pretoken caches grow with the vocabulary seen (hash tables
+                        # that double, so the budget leaves room for one doubling under 1 GiB).
+                        enc.reset()
+                        summary.encoder_resets += 1
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 put(enc_q, e)
 
