@@ -93,11 +93,26 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def _model_state(model) -> dict:
+# Vocabulary-sized tensors: their rows are padded to a multiple of make_vocab_size_divisible_by × TP, so a
+# checkpoint written at another TP may hold more or fewer (all-zero) padding rows. Loading reads the rows both
+# have; `_check_requested` still insists on the real vocabulary and equal other dimensions.
+VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _model_state(model, is_loading: bool = False) -> dict:
     """Sharded state of the (DDP-unwrapped) chunks: storage keys are the model's global names."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        state = {"model": _unwrap(model[0]).sharded_state_dict()}
+    else:
+        state = {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+    if is_loading:
+        for item in nested_values(state):
+            if isinstance(item, ShardedTensor) and item.key in VOCAB_PADDED_KEYS:
+                item.allow_shape_mismatch = True
+    return state
 
 
 def _rng_state() -> dict:
@@ -145,7 +160,7 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
     from pretrain.megatron_patches import apply_megatron_patches
 
     apply_megatron_patches()
-    state = _model_state(model)
+    state = _model_state(model, is_loading=is_loading)
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
             dict(state),
@@ -408,6 +423,15 @@ def _read_object_bytes(path: Path, index, unique_key: str) -> bytes | None:
     return None
 
 
+def _true_vocab_size(cfg) -> int:
+    """The unpadded vocabulary: model.vocab_size, else the tokenizer's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    from pretrain.data import build_tokenizer
+
+    return build_tokenizer(cfg.data).vocab_size
+
+
 def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
     """What this rank will load exists in the checkpoint with the right shape and safe contents."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -425,7 +449,14 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
             if not isinstance(found, TensorStorageMetadata):
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
-            if tuple(found.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
+            if item.allow_shape_mismatch and item.key.endswith(VOCAB_PADDED_KEYS):
+                vocab = _true_vocab_size(cfg)
+                if tuple(found.size[1:]) != tuple(item.global_shape[1:]) or found.size[0] < vocab:
+                    raise CheckpointError(
+                        f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint; this model "
+                        f"needs at least {vocab} rows of {list(item.global_shape[1:])}"
+                        f"{_model_config_diff(cfg, common)}")
+            elif tuple(found.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
                 raise CheckpointError(
                     f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
                     f"{list(item.global_shape)} in this model{_model_config_diff(cfg, common)}")
