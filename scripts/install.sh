@@ -34,7 +34,7 @@ fi
 
 echo "[install] installing the project (megatron-core==0.16.1 and friends)"
 "${PIP[@]}" -e ".[dev]"
-"$PY" - <<'PY'
+"$PY" -W ignore - <<'PY'
 import megatron.core, torch
 print(f"[install] ready: torch {torch.__version__} (cuda={torch.cuda.is_available()}), megatron-core {megatron.core.__version__}")
 PY
