@@ -453,9 +453,9 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
                 vocab = _true_vocab_size(cfg)
                 if tuple(found.size[1:]) != tuple(item.global_shape[1:]) or found.size[0] < vocab:
                     raise CheckpointError(
-                        f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint; this model "
-                        f"needs at least {vocab} rows of {list(item.global_shape[1:])}"
-                        f"{_model_config_diff(cfg, common)}")
+                        f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
+                        f"{list(item.global_shape)} in this model (rows may differ by TP vocabulary padding, down to "
+                        f"{vocab}; other dimensions must match){_model_config_diff(cfg, common)}")
             elif tuple(found.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
                 raise CheckpointError(
                     f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
