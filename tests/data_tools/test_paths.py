@@ -141,3 +141,30 @@ def test_encoder_cache_resets_keep_ids(tmp_path: Path, args: dict) -> None:
         assert (tmp_path / f"a_text_document.{ext}").read_bytes() == (tmp_path / f"b_text_document.{ext}").read_bytes()
     tok = load_tokenizer(**args)
     assert _docs(tmp_path / "a_text_document") == [tok.tokenize(t) + [tok.eod] for t in corpus_texts(30, 2000)]
+
+
+def test_arrow_text_column() -> None:
+    import pyarrow as pa
+
+    from data_tools.inputs import TextColumn
+    from data_tools.tokenizers import CheckedEncoder
+
+    texts = ["plain", "has </s> inside", "", "ünï <s>", "tail"]
+    arr = pa.array(["skip"] + texts, type=pa.large_string()).slice(1)  # a non-zero Arrow offset
+    col = TextColumn(arr)
+    assert len(col) == 5 and col[1] == texts[1] and col.to_list() == texts
+    assert col.awkward().to_list() == texts
+    assert col.rows_containing(("</s>", "<s>")) == [1, 3] and col.rows_containing(("a.c",)) == []
+    pytest.importorskip("gigatoken")
+    # The checked encoder gives the reference ids for Arrow and list input, re-routing the risky rows.
+    from data_tools.tokenizers import build_batch_encoder, resolve_spec
+
+    spec = resolve_spec(**SP_ARGS)
+    enc = build_batch_encoder(spec, 1, "auto")
+    ref = build_batch_encoder(spec, 1, "reference")
+    assert isinstance(enc, CheckedEncoder)
+    enc.risky = ("</s>", "<s>")
+    for t, o in (enc.encode(col), enc.encode(texts)):
+        rt, ro = ref.encode(texts)
+        assert o.tolist() == ro.tolist() and t.tolist() == rt.tolist()
+    assert enc.rerouted == 4 and enc.mismatches == 0
