@@ -131,16 +131,16 @@ def test_surrogate_escapes(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize("args", [SP_ARGS, GPT2_ARGS], ids=["sentencepiece", "gpt2-bpe"])
 def test_encoder_cache_resets_keep_ids(tmp_path: Path, args: dict) -> None:
     pytest.importorskip("gigatoken")
-    corpus = write_jsonl(tmp_path / "c.jsonl", corpus_texts(30, 2000))
-    a = preprocess([str(corpus)], str(tmp_path / "a"), append_eod=True, batch_bytes=8 << 10, **args)
+    corpus = write_jsonl(tmp_path / "c.jsonl", corpus_texts(12, 2000))
+    a = preprocess([str(corpus)], str(tmp_path / "a"), append_eod=True, batch_bytes=6 << 10, **args)
     b = preprocess(
-        [str(corpus)], str(tmp_path / "b"), append_eod=True, batch_bytes=8 << 10, memory_budget_bytes=-1, **args
+        [str(corpus)], str(tmp_path / "b"), append_eod=True, batch_bytes=6 << 10, memory_budget_bytes=-1, **args
     )
     assert a.encoder == b.encoder == "gigatoken" and a.encoder_resets == 0 and b.encoder_resets >= 3, (a, b)
     for ext in ("bin", "idx"):
         assert (tmp_path / f"a_text_document.{ext}").read_bytes() == (tmp_path / f"b_text_document.{ext}").read_bytes()
     tok = load_tokenizer(**args)
-    assert _docs(tmp_path / "a_text_document") == [tok.tokenize(t) + [tok.eod] for t in corpus_texts(30, 2000)]
+    assert _docs(tmp_path / "a_text_document") == [tok.tokenize(t) + [tok.eod] for t in corpus_texts(12, 2000)]
 
 
 def test_arrow_text_column() -> None:
