@@ -276,16 +276,23 @@ class IndexedWriter:
 
     def finalize(self) -> None:
         """Write the ``.idx`` and move both files into place (``.idx`` last)."""
+        self.prepare()
+        self.commit()
+
+    def prepare(self) -> None:
+        """Sync the ``.bin`` temporary and write the ``.idx`` temporary (the step that can fail)."""
         bin_f = self._handles[0]
         self.flush()
         os.fsync(bin_f.fileno())
         self.close()
-        tmp_idx = Path(f"{self.prefix}.idx.tmp")
-        write_index_streaming(tmp_idx, self.dtype, self.tmp_lengths, self.tmp_docs)
+        write_index_streaming(Path(f"{self.prefix}.idx.tmp"), self.dtype, self.tmp_lengths, self.tmp_docs)
+
+    def commit(self) -> None:
+        """Rename the prepared temporaries into place (``.bin`` then ``.idx``)."""
         final_idx, final_bin = idx_path(self.prefix), bin_path(self.prefix)
         final_idx.unlink(missing_ok=True)  # never leave an old index next to a new .bin
         os.replace(self.tmp_bin, final_bin)
-        os.replace(tmp_idx, final_idx)
+        os.replace(Path(f"{self.prefix}.idx.tmp"), final_idx)
         self.tmp_lengths.unlink(missing_ok=True)
         self.tmp_docs.unlink(missing_ok=True)
 

@@ -383,11 +383,18 @@ def preprocess(
                 + ": "
                 + ", ".join(map(str, files))
             )
+        # Every key's index is written before any dataset is renamed into place: a failure (disk
+        # full) leaves no key's dataset behind.
         for k, w in writers.items():
             try:
-                w.finalize()
+                w.prepare()
             except OSError as e:
                 raise PreprocessError(f"finalizing {e.filename or prefixes[k]} failed: {e.strerror}") from e
+        for k, w in writers.items():
+            try:
+                w.commit()
+            except OSError as e:
+                raise PreprocessError(f"renaming {prefixes[k]} into place failed: {e.strerror}") from e
         state_path.unlink(missing_ok=True)
         ok = True
     finally:

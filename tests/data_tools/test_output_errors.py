@@ -117,3 +117,30 @@ def test_disk_full_mid_run_leaves_nothing(tmpfs, tmp_path: Path, capsys) -> None
     line = _one_error_line(capsys.readouterr().err)
     assert str(full / "o_text_document") in line and line.endswith("No space left on device")
     assert list(full.iterdir()) == []
+
+
+def test_failure_while_writing_the_last_index_leaves_no_dataset(tmp_path: Path, monkeypatch) -> None:
+    # Fault injection: the disk fills up while the second key's .idx is written. The first key's
+    # dataset must not have been renamed into place either.
+    import errno
+
+    import data_tools.indexed as indexed
+
+    real, calls = indexed.write_index_streaming, []
+
+    def fill_up_on_second(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(indexed, "write_index_streaming", fill_up_on_second)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"text": "doc {i}", "title": "title {i}"}}\n' for i in range(5)))
+    out = tmp_path / "out"
+    out.mkdir()
+    msg = f"finalizing {out}/o_title_document.idx.tmp failed: No space left on device"
+    with pytest.raises(PreprocessError, match=f"^{msg}$"):
+        preprocess([str(corpus)], str(out / "o"), json_keys=["text", "title"], **SP_ARGS)
+    assert list(out.iterdir()) == []
