@@ -193,8 +193,9 @@ def _load_tiktoken(spec: TokenizerSpec) -> Any:
     """Megatron-Core's TikTokenTokenizer (default special tokens, pattern v2)."""
     from megatron.core.tokenizers.text.libraries import TikTokenTokenizer
 
+    vocab_size = _tiktoken_vocab_size(spec.model)  # its own clear TokenizerError
     try:
-        return TikTokenTokenizer(spec.model, vocab_size=_tiktoken_vocab_size(spec.model))
+        return TikTokenTokenizer(spec.model, vocab_size=vocab_size)
     except (AssertionError, KeyError, ValueError) as e:
         raise TokenizerError(f"{spec.model}: not a Megatron tiktoken JSON vocabulary ({e!r})") from e
 

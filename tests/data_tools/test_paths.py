@@ -70,11 +70,24 @@ def test_tiktoken_matches_megatron_core(tmp_path: Path, capsys) -> None:
         ).read_bytes()
 
 
-def test_tiktoken_bad_vocabulary(tmp_path: Path, small_corpus: Path) -> None:
+def _cli_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 1
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_tiktoken_bad_vocabulary(tmp_path: Path, small_corpus: Path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match=f"{bad}: expected a JSON list"):
         preprocess([str(small_corpus)], str(tmp_path / "o"), tokenizer_type="tiktoken", tokenizer_model=str(bad))
+    line = _cli_error(
+        capsys,
+        ["preprocess", "--input", str(small_corpus), "--output-prefix", str(tmp_path / "o")]
+        + ["--tokenizer-type", "tiktoken", "--tokenizer-model", str(bad), "--no-progress"],
+    )
+    assert line.startswith(f"error: {bad}: expected a JSON list")
     assert not list(tmp_path.glob("o*"))
 
 
@@ -103,11 +116,18 @@ def test_several_json_keys(tmp_path: Path, capsys) -> None:
         assert (tmp_path / f"s_text_document.{ext}").read_bytes() == (tmp_path / f"m_text_document.{ext}").read_bytes()
 
 
-def test_json_keys_errors(tmp_path: Path, small_corpus: Path) -> None:
+def test_json_keys_errors(tmp_path: Path, small_corpus: Path, capsys) -> None:
     with pytest.raises(PreprocessError, match="--json-keys lists a key twice: text text"):
         preprocess([str(small_corpus)], str(tmp_path / "o"), json_keys=["text", "text"], **SP_ARGS)
     with pytest.raises(InputError, match=r"corpus.jsonl:1: missing key 'body'"):
         preprocess([str(small_corpus)], str(tmp_path / "o"), json_keys=["text", "body"], strict=True, **SP_ARGS)
+    base = ["preprocess", "--input", str(small_corpus), "--output-prefix", str(tmp_path / "o"), "--no-progress"]
+    base += ["--tokenizer-type", "sentencepiece", "--tokenizer-model", SP_ARGS["tokenizer_model"]]
+    assert _cli_error(capsys, [*base, "--json-keys", "text", "text"]) == (
+        "error: --json-keys lists a key twice: text text"
+    )
+    line = _cli_error(capsys, [*base, "--json-keys", "text", "body", "--strict"])
+    assert line.endswith("corpus.jsonl:1: missing key 'body'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
 
 
@@ -134,7 +154,7 @@ def test_encoder_cache_resets_keep_ids(tmp_path: Path, args: dict) -> None:
     corpus = write_jsonl(tmp_path / "c.jsonl", corpus_texts(12, 2000))
     a = preprocess([str(corpus)], str(tmp_path / "a"), append_eod=True, batch_bytes=6 << 10, **args)
     b = preprocess(
-        [str(corpus)], str(tmp_path / "b"), append_eod=True, batch_bytes=6 << 10, memory_budget_bytes=-1, **args
+        [str(corpus)], str(tmp_path / "b"), append_eod=True, batch_bytes=6 << 10, memory_budget_bytes=-(1 << 40), **args
     )
     assert a.encoder == b.encoder == "gigatoken" and a.encoder_resets == 0 and b.encoder_resets >= 3, (a, b)
     for ext in ("bin", "idx"):
