@@ -216,7 +216,9 @@ def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, TextC
     try:
         table = pj.read_json(
             io.BytesIO(chunk),
-            read_options=pj.ReadOptions(use_threads=True, block_size=4 << 20),
+            # One block on the reader thread: the least CPU (the tokenizer needs the cores), and one
+            # thread parses ~400 MB/s, far ahead of any tokenizer.
+            read_options=pj.ReadOptions(use_threads=False, block_size=max(1 << 20, len(chunk))),
             parse_options=pj.ParseOptions(
                 explicit_schema=pa.schema([(k, pa.large_string()) for k in keys]),
                 unexpected_field_behavior="ignore",
