@@ -113,6 +113,7 @@ class OptimizerConfig:
     distributed: bool = False  # Megatron distributed optimizer (ZeRO-1 over data parallel)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = True  # False: bf16 grad buffers (half the gradient memory)
     warmup_steps: int = 0
     decay_style: str = "cosine"  # "cosine" | "linear" | "constant" | "WSD" | "inverse-square-root"
     decay_steps: int | None = None  # None: train.steps

@@ -7,7 +7,7 @@ Memory per rank is computed from the shapes Megatron-Core allocates, not from ru
 - weights: every parameter of this rank's model chunks (the tensor-parallel shard of each matrix, this
   pipeline stage's layers, embedding on the first stage, output layer on the last); with the distributed
   optimizer the DDP contiguous parameter buffer, padded as Megatron pads it.
-- gradients: DDP's contiguous fp32 gradient buffers (grad_reduce_in_fp32), padded likewise.
+- gradients: DDP's contiguous gradient buffers (fp32 with optimizer.grad_reduce_in_fp32), padded likewise.
 - optimizer: Adam's two fp32 moments plus fp32 main parameters (bf16/fp16 only) for the elements this
   rank owns — all of them, or its data-parallel(×context-parallel) shard of every DDP bucket with the
   distributed optimizer.
@@ -284,7 +284,7 @@ def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
             n = sum(p.numel for p in group)
             params += n
             weights += (buf.numel if lay.distributed else n) * elem
-            grads += buf.numel * 4  # grad_reduce_in_fp32
+            grads += buf.numel * (4 if o.grad_reduce_in_fp32 else pbytes)  # FP8 params: bf16 grads
             for r, k in enumerate(optimizer_elements(buf, dp_cp, lay.distributed)):
                 opt_per_rank[r] += k
             largest = max(largest, max(p.numel for p in group))

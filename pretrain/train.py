@@ -42,7 +42,7 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
         use_distributed_optimizer=cfg.optimizer.distributed,
