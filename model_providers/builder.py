@@ -20,9 +20,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model_providers.specs import decoder_block_spec, transformer_engine_available
 
-# Transformer Engine recipe names accepted for model.fp8.
-FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
-
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
     """Vocabulary rounded up to a multiple of divisible_by × TP (Megatron's convention)."""

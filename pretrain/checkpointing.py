@@ -584,9 +584,6 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
     raise CheckpointError(f"{p}: no {what} found")
 
 
-resolve_pretrained = resolve_checkpoint
-
-
 def read_saved_config(path: Path) -> dict:
     """The config a checkpoint was written with (from run_config.yaml)."""
     cfg_file = path / "run_config.yaml"

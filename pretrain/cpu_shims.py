@@ -51,10 +51,6 @@ def _cpu_factory(fn):
     return wrapper
 
 
-def cpu_shims_applied() -> bool:
-    return _APPLIED
-
-
 def apply_cpu_shims() -> None:
     """Patch the CUDA assumptions of megatron-core 0.16.1 so it trains on CPU. Idempotent."""
     global _APPLIED

@@ -318,7 +318,7 @@ def train(cfg: Config) -> dict:
         log0(f"[pretrain] resumed from {checkpointing.iteration_dir(root, latest)} at step {step}")
     elif cfg.checkpoint.pretrained:
         checkpointing.load_checkpoint(cfg, model, optimizer, scheduler,
-                                      checkpointing.resolve_pretrained(cfg.checkpoint.pretrained),
+                                      checkpointing.resolve_checkpoint(cfg.checkpoint.pretrained),
                                       weights_only=True)
         # Distributed optimizer: main params are copies of the model params made at construction.
         optimizer.reload_model_params()
