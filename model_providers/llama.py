@@ -67,28 +67,6 @@ PRESETS: dict[str, dict] = {
         "num_query_groups": 8,
         "seq_length": 8192,
     },
-    "llama31_8b": {
-        **_LLAMA3,
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "ffn_hidden_size": 14336,
-        "num_attention_heads": 32,
-        "num_query_groups": 8,
-        "seq_length": 8192,
-        "rope_scaling": True,
-        "rope_scaling_factor": 8.0,
-    },
-    "llama31_70b": {
-        **_LLAMA3,
-        "num_layers": 80,
-        "hidden_size": 8192,
-        "ffn_hidden_size": 28672,
-        "num_attention_heads": 64,
-        "num_query_groups": 8,
-        "seq_length": 8192,
-        "rope_scaling": True,
-        "rope_scaling_factor": 8.0,
-    },
     "llama31_405b": {
         **_LLAMA3,
         "num_layers": 126,
@@ -101,6 +79,10 @@ PRESETS: dict[str, dict] = {
         "rope_scaling_factor": 8.0,
     },
 }
+# Llama-3.1 = Llama-3 shapes with RoPE frequency scaling (factor 8, original context 8192).
+_LLAMA31_ROPE = {"rope_scaling": True, "rope_scaling_factor": 8.0}
+PRESETS["llama31_8b"] = {**PRESETS["llama3_8b"], **_LLAMA31_ROPE}
+PRESETS["llama31_70b"] = {**PRESETS["llama3_70b"], **_LLAMA31_ROPE}
 PRESETS["llama3_405b"] = PRESETS["llama31_405b"]  # Llama-3 405B was only released as 3.1
 
 # HuggingFace mapping, shared by export (data_tools convert to-hf) and import (from-hf); the rules are
