@@ -38,6 +38,16 @@ launch_die() {
     exit 1
 }
 
+# launch_precision_layout: append PRECISION's overrides (fp8 | bf16, default fp8) to the caller's `layout`.
+# FP8 uses current ("tensorwise") scaling; FP8 parameter all-gather halves the distributed optimizer's traffic.
+launch_precision_layout() {
+    case ${PRECISION:-fp8} in
+        fp8) layout+=(model.fp8=tensorwise model.fp8_param_gather=true) ;;
+        bf16) layout+=(model.fp8=null model.fp8_param_gather=false) ;;
+        *) launch_die "PRECISION=$PRECISION: use fp8 or bf16" ;;
+    esac
+}
+
 # ---------------------------------------------------------------------------------------------------
 # Cluster environment for NCCL / Transformer Engine / CUDA. Each is a default: a value already in the
 # environment wins. They do nothing on CPU (gloo) runs.

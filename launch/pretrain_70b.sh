@@ -28,7 +28,6 @@ PROJECT_DIR=${PROJECT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 source "$PROJECT_DIR/launch/common.sh" || { echo "cannot source $PROJECT_DIR/launch/common.sh" >&2; exit 1; }
 
 CONFIG=${CONFIG:-pretrain/configs/llama3_70b.yaml}
-PRECISION=${PRECISION:-fp8}
 
 # The layout published as fastest for Llama-3-70B FP8 on 64 H100s: TP4 (within a node, NVLink),
 # PP8 with 5 virtual stages each (80 layers = 8 x 5 x 2; interleaving shrinks the pipeline bubble),
@@ -42,10 +41,5 @@ layout=(
     optimizer.distributed=true optimizer.overlap_grad_reduce=true optimizer.overlap_param_gather=true
     train.precision=bf16
 )
-case $PRECISION in
-    # Current ("tensorwise") scaling; FP8 parameter all-gather halves the distributed optimizer's traffic.
-    fp8) layout+=(model.fp8=tensorwise model.fp8_param_gather=true) ;;
-    bf16) layout+=(model.fp8=null model.fp8_param_gather=false) ;;
-    *) launch_die "PRECISION=$PRECISION: use fp8 or bf16" ;;
-esac
+launch_precision_layout
 launch_pretrain "${layout[@]}"

@@ -26,7 +26,6 @@ PROJECT_DIR=${PROJECT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 source "$PROJECT_DIR/launch/common.sh" || { echo "cannot source $PROJECT_DIR/launch/common.sh" >&2; exit 1; }
 
 CONFIG=${CONFIG:-pretrain/configs/llama3_8b.yaml}
-PRECISION=${PRECISION:-fp8}
 
 # 8B fits one GPU's memory for weights and optimizer state once the distributed optimizer shards the
 # latter: no tensor or pipeline parallelism; context parallelism 2 splits the 8192-token sequence's
@@ -37,9 +36,5 @@ layout=(
     optimizer.distributed=true optimizer.overlap_grad_reduce=true optimizer.overlap_param_gather=true
     train.precision=bf16
 )
-case $PRECISION in
-    fp8) layout+=(model.fp8=tensorwise model.fp8_param_gather=true) ;;
-    bf16) layout+=(model.fp8=null model.fp8_param_gather=false) ;;
-    *) launch_die "PRECISION=$PRECISION: use fp8 or bf16" ;;
-esac
+launch_precision_layout
 launch_pretrain "${layout[@]}"
