@@ -85,7 +85,7 @@ def main() -> int:
                             str(back), "--no-progress", "--max-shard-gb", "2"], "to-hf"))
     results.append(measure([PY, "-c", COPY, str(hf), str(work / "copy")], "safetensors load+save"))
     results.append(measure(["bash", "-c", f"cp -r {hf} {work / 'cp'} && sync"], "cp + sync"))
-    baseline = measure([PY, "-c", "import data_tools.convert, transformers.models.llama, model_providers.builder"],
+    baseline = measure([PY, "-c", "import data_tools.convert, transformers.models.llama, model_providers.core.builder"],
                        "imports only")
     params = model_bytes // (2 if args.dtype == "bfloat16" else 4)
     largest = 32000 * 2048 * (2 if args.dtype == "bfloat16" else 4)

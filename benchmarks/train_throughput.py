@@ -38,11 +38,12 @@ def fused_adam_available() -> bool:
 
 def planned_gib(cfg, world: int, on_gpu: bool) -> float | None:
     """The planner's peak for the most loaded rank of this layout (None when it cannot plan)."""
-    from model_providers.builder import use_transformer_engine
     from pretrain import plan
+    from pretrain.layout import te_available, use_transformer_engine
 
     try:
-        lay = plan.layout_of(cfg, world, on_gpu=on_gpu, use_te=on_gpu and use_transformer_engine(cfg))
+        use_te = on_gpu and use_transformer_engine(cfg.model.transformer_impl, te_available())
+        lay = plan.layout_of(cfg, world, on_gpu=on_gpu, use_te=use_te)
         vocab = plan.padded_vocab_for(cfg)
         return plan.most_loaded(cfg, lay, vocab, fused_adam=on_gpu and fused_adam_available()).total / plan.GIB
     except plan.PlanError:

@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-from model_providers.hf import ConversionError, Dims, Rule
+from model_providers import family_for_hf, get_family
+from model_providers.core.family import dims, hf_parameter_shapes
+from model_providers.core.mapping import ConversionError, Dims, MappingRule
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -318,32 +320,25 @@ def hf_tokenizer(data_cfg, override: str | None = None):
 class _Unit:
     """One read: a Megatron tensor (or layer slice) and the HF tensors the rule makes of it."""
 
-    rule: Rule
+    rule: MappingRule
     layer: int | None
     entries: list[_Entry]
 
 
-def _meta_to_hf(rule: Rule, shape: tuple[int, ...], d: Dims, what: str) -> list[torch.Tensor]:
+def _meta_to_hf(rule: MappingRule, shape: tuple[int, ...], d: Dims, what: str) -> list[torch.Tensor]:
     try:
-        return hf_rules().to_hf(rule.op, torch.empty(shape, device="meta"), d)
+        return rule.to_hf(torch.empty(shape, device="meta"), d)
     except (RuntimeError, ConversionError) as exc:
         raise ConversionError(f"{what}: shape {list(shape)} does not fit rule '{rule.op}' ({exc})") from None
-
-
-def hf_rules():
-    import model_providers.hf as hf
-
-    return hf
 
 
 def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: dict[str, tuple],
                 dtype: torch.dtype) -> list[_Unit]:
     """Which reads produce which HF tensors; every name and shape checked against the HF model."""
-    hf = hf_rules()
     units: list[_Unit] = []
     used: set[str] = set()
     produced: set[str] = set()
-    for rule in hf.rules(family):
+    for rule in get_family(family).mapping:
         md = tensors.get(rule.megatron)
         if md is None:
             continue
@@ -388,7 +383,6 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     from pretrain.checkpointing import resolve_checkpoint
     from pretrain.data import build_tokenizer
 
-    hf = hf_rules()
     started = time.perf_counter()
     output = Path(output)
     ckpt = resolve_checkpoint(checkpoint, iteration)
@@ -414,9 +408,10 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
                               f"the vocabulary ({vocab})")
     if len(tok) > vocab:
         raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
-    d = hf.dims(m, vocab, rows)
-    hf_cfg = hf.hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype)
-    expected = hf.hf_parameter_shapes(hf_cfg)
+    family = get_family(m.family)
+    d = dims(m, vocab, rows)
+    hf_cfg = family.to_hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype)
+    expected = hf_parameter_shapes(hf_cfg)
     units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
     entries = [e for u in units for e in u.entries]
 
@@ -426,13 +421,13 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
         for unit in units:
             source = reader.read(unit.rule.megatron, unit.layer)
-            outs = hf.to_hf(unit.rule.op, source, d)
+            outs = unit.rule.to_hf(source, d)
             for entry, tensor in zip(unit.entries, outs):
                 writer.write(entry.name, tensor.to(out_dtype))
                 bar.update(entry.nbytes)
             del source, outs
         writer.close()
-        (staging / "config.json").write_text(json.dumps(hf.config_json(hf_cfg), indent=2, sort_keys=True) + "\n")
+        (staging / "config.json").write_text(json.dumps(family.config_json(hf_cfg), indent=2, sort_keys=True) + "\n")
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(staging)
         tok.save_pretrained(str(staging))
         _commit(staging, output)
@@ -536,7 +531,7 @@ def _writer_class():
     return Writer
 
 
-def _hf_names_in(rule: Rule, layer: int | None, hf_info: dict) -> list[str] | None:
+def _hf_names_in(rule: MappingRule, layer: int | None, hf_info: dict) -> list[str] | None:
     names = rule.hf_names(layer)
     present = [n in hf_info for n in names]
     if not any(present):
@@ -570,7 +565,7 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
                         == (want[key] or want["hidden_size"] // want["num_attention_heads"]):
                     continue
                 raise ConversionError(f"{config}: model.{key}={norm.get(key)!r} but the HF model has {want[key]!r}")
-        if fields["family"] == "llama":
+        if fields["position_embedding_type"] == "rope":  # learned positions fix the length; RoPE does not
             fields = {**fields, "seq_length": model["seq_length"]}
     else:
         if (hf_dir / "tokenizer.json").exists():
@@ -591,9 +586,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from transformers import AutoConfig
 
-    from model_providers.builder import padded_vocab_size
+    from pretrain.layout import padded_vocab_size
 
-    hf = hf_rules()
     started = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
     if not (hf_dir / "config.json").exists():
@@ -602,18 +596,16 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         hf_cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         raise ConversionError(f"{hf_dir / 'config.json'}: {exc}") from None
-    fields = hf.model_fields_from_hf(hf_cfg)
-    if fields["family"] == "gpt" and getattr(hf_cfg, "activation_function", "gelu") != "gelu":
-        print(f"[convert] warning: HF activation_function={hf_cfg.activation_function!r}; Megatron uses exact GELU, "
-              "so outputs will differ slightly", file=sys.stderr)
+    fields = family_for_hf(hf_cfg).from_hf_config(hf_cfg)
     cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides))
     m = cfg.model
     vocab = fields["vocab_size"]
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
-    d = hf.dims(m, vocab, padded)
+    family = get_family(m.family)
+    d = dims(m, vocab, padded)
     reader = HFReader(hf_dir)
-    expected = hf.hf_parameter_shapes(hf_cfg)
-    ignored = hf.ignored_patterns(m.family)
+    expected = hf_parameter_shapes(hf_cfg)
+    ignored = family.ignored_patterns()
     for name, (shape, _) in reader.info.items():
         if name in expected:
             if tuple(shape) != tuple(expected[name]):
@@ -628,7 +620,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
 
     # Plan: one write item per layer slice (and per non-stacked tensor), plus the linears' empty extra state.
     items, sources = [], {}
-    for rule in hf.rules(m.family):
+    for rule in family.mapping:
         layers: list[int | None] = list(range(m.num_layers)) if rule.stacked else [None]
         names0 = _hf_names_in(rule, layers[0], reader.info)
         if names0 is None:
@@ -637,7 +629,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             continue
         metas = [torch.empty(reader.info[n][0], device="meta") for n in names0]
         try:
-            slice_shape = tuple(hf.from_hf(rule.op, metas, d).shape)
+            slice_shape = tuple(rule.from_hf(metas, d).shape)
         except (RuntimeError, ConversionError) as exc:
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
         tdtype = DTYPES[dtype] if dtype else reader.info[names0[0]][1]
@@ -669,7 +661,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(extra.getvalue())
         rule, names, sizes, tdtype = sources[(item.index.fqn, tuple(item.index.offset))]
-        tensor = hf.from_hf(rule.op, [reader.read(n) for n in names], d).to(tdtype).reshape(sizes).contiguous()
+        tensor = rule.from_hf([reader.read(n) for n in names], d).to(tdtype).reshape(sizes).contiguous()
         bar.update(tensor.nbytes)
         return tensor
 
@@ -700,7 +692,7 @@ def write_random_hf(directory: str | Path, hf_cfg, *, seed: int = 0, std: float 
     directory.mkdir(parents=True, exist_ok=True)
     dtype = getattr(hf_cfg, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    shapes = hf_rules().hf_parameter_shapes(hf_cfg)
+    shapes = hf_parameter_shapes(hf_cfg)
     entries = [_Entry(name, tuple(shape), dtype) for name, shape in shapes.items()]
     writer = ShardedSafetensorsWriter(directory, entries, max_shard_bytes)
     gen = torch.Generator().manual_seed(seed)
@@ -712,7 +704,8 @@ def write_random_hf(directory: str | Path, hf_cfg, *, seed: int = 0, std: float 
             t = std * torch.randn(e.shape, generator=gen)
         writer.write(e.name, t.to(dtype))
     writer.close()
-    (directory / "config.json").write_text(json.dumps(hf_rules().config_json(hf_cfg), indent=2, sort_keys=True))
+    config = family_for_hf(hf_cfg).config_json(hf_cfg)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return sum(e.nbytes for e in entries)
 
 

@@ -1,22 +1,18 @@
 """GPT family (GPT-2/GPT-3 style: LayerNorm, GELU, biases, learned positions, tied embeddings):
-presets and the HuggingFace mapping table."""
+presets, the HuggingFace mapping and config both ways."""
 
 from __future__ import annotations
 
-FAMILY = "gpt"
-HF_ARCHITECTURE = "GPT2LMHeadModel"
+import sys
+from typing import Any
 
-_GPT_COMMON = {
-    "family": "gpt",
-    "normalization": "LayerNorm",
-    "gated_linear_unit": False,
-    "activation": "gelu",
-    "position_embedding_type": "learned_absolute",
-    "share_embeddings_and_output_weights": True,
-    "add_bias_linear": True,
-    "add_qkv_bias": True,
-    "layernorm_epsilon": 1e-5,
-}
+from model_providers.core.family import Family
+from model_providers.core.mapping import ConversionError, Copy, FusedQKV, FusedQKVBias, Transpose, Vocab
+
+# What makes a model a GPT-2 (checked on export, set on import).
+_FIXED = {"normalization": "LayerNorm", "gated_linear_unit": False, "activation": "gelu",
+          "position_embedding_type": "learned_absolute", "add_bias_linear": True, "add_qkv_bias": True}
+_GPT_COMMON = {"family": "gpt", **_FIXED, "share_embeddings_and_output_weights": True, "layernorm_epsilon": 1e-5}
 
 PRESETS: dict[str, dict] = {
     "tiny_gpt": {
@@ -58,29 +54,73 @@ PRESETS: dict[str, dict] = {
     },
 }
 
-# HuggingFace mapping to GPT2LMHeadModel (see llama.py for the row format). GPT-2's Conv1D stores
-# weights as [in, out], hence `transpose`; its fused c_attn is [q; k; v] over all heads, while
-# Megatron's linear_qkv is [q; k; v] per head: `fused_qkv` / `fused_qkv_bias` regroup and transpose.
+# GPT-2's Conv1D stores weights as [in, out], hence `Transpose`; its fused c_attn is [q; k; v] over all
+# heads, while Megatron's linear_qkv is [q; k; v] per head: `FusedQKV` / `FusedQKVBias` regroup and transpose.
 _H = "transformer.h.{i}."
 _M = "decoder.layers."
-HF_MAPPING: tuple[tuple[str, str | tuple[str, ...], str], ...] = (
-    ("embedding.word_embeddings.weight", "transformer.wte.weight", "vocab"),
-    ("embedding.position_embeddings.weight", "transformer.wpe.weight", "copy"),
-    (_M + "self_attention.linear_qkv.layer_norm_weight", _H + "ln_1.weight", "copy"),
-    (_M + "self_attention.linear_qkv.layer_norm_bias", _H + "ln_1.bias", "copy"),
-    (_M + "self_attention.linear_qkv.weight", _H + "attn.c_attn.weight", "fused_qkv"),
-    (_M + "self_attention.linear_qkv.bias", _H + "attn.c_attn.bias", "fused_qkv_bias"),
-    (_M + "self_attention.linear_proj.weight", _H + "attn.c_proj.weight", "transpose"),
-    (_M + "self_attention.linear_proj.bias", _H + "attn.c_proj.bias", "copy"),
-    (_M + "mlp.linear_fc1.layer_norm_weight", _H + "ln_2.weight", "copy"),
-    (_M + "mlp.linear_fc1.layer_norm_bias", _H + "ln_2.bias", "copy"),
-    (_M + "mlp.linear_fc1.weight", _H + "mlp.c_fc.weight", "transpose"),
-    (_M + "mlp.linear_fc1.bias", _H + "mlp.c_fc.bias", "copy"),
-    (_M + "mlp.linear_fc2.weight", _H + "mlp.c_proj.weight", "transpose"),
-    (_M + "mlp.linear_fc2.bias", _H + "mlp.c_proj.bias", "copy"),
-    ("decoder.final_layernorm.weight", "transformer.ln_f.weight", "copy"),
-    ("decoder.final_layernorm.bias", "transformer.ln_f.bias", "copy"),
-    ("output_layer.weight", "lm_head.weight", "vocab"),
+
+
+class GPTFamily(Family):
+    """GPT2LMHeadModel: LayerNorm, exact GELU, biases, learned positions, tied embeddings, no GQA."""
+
+    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any) -> Any:
+        from transformers import GPT2Config
+
+        self.require_fixed_fields(m)
+        heads = m.num_attention_heads
+        head_dim = m.kv_channels or m.hidden_size // heads
+        if (m.num_query_groups or heads) != heads:
+            raise ConversionError(f"model.num_query_groups={m.num_query_groups}: GPT2LMHeadModel has no GQA")
+        if head_dim * heads != m.hidden_size:
+            raise ConversionError(f"model.kv_channels={m.kv_channels}: GPT2LMHeadModel needs heads × head_dim = hidden")
+        return GPT2Config(
+            vocab_size=vocab, n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers, n_head=heads,
+            n_inner=m.ffn_hidden_size or 4 * m.hidden_size, activation_function="gelu",  # exact erf GELU, as F.gelu
+            resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+            layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=m.share_embeddings_and_output_weights,
+            bos_token_id=bos, eos_token_id=eos, architectures=[self.hf_architecture],
+            dtype=str(dtype).removeprefix("torch."),
+        )
+
+    def from_hf_config(self, cfg: Any) -> dict:
+        if getattr(cfg, "activation_function", "gelu") != "gelu":
+            print(f"[convert] warning: HF activation_function={cfg.activation_function!r}; Megatron uses exact GELU, "
+                  "so outputs will differ slightly", file=sys.stderr)
+        return {
+            **self.fixed_fields, "family": self.name,
+            "num_layers": cfg.n_layer, "hidden_size": cfg.n_embd, "ffn_hidden_size": cfg.n_inner or 4 * cfg.n_embd,
+            "num_attention_heads": cfg.n_head, "num_query_groups": None, "kv_channels": None,
+            "layernorm_epsilon": float(cfg.layer_norm_epsilon), "seq_length": cfg.n_positions,
+            "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
+            "hidden_dropout": float(cfg.resid_pdrop), "attention_dropout": float(cfg.attn_pdrop),
+        }
+
+
+FAMILY = GPTFamily(
+    name="gpt",
+    hf_architecture="GPT2LMHeadModel",
+    hf_model_type="gpt2",
+    presets=PRESETS,
+    fixed_fields=_FIXED,
+    mapping=(
+        Vocab("embedding.word_embeddings.weight", "transformer.wte.weight"),
+        Copy("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+        Copy(_M + "self_attention.linear_qkv.layer_norm_weight", _H + "ln_1.weight"),
+        Copy(_M + "self_attention.linear_qkv.layer_norm_bias", _H + "ln_1.bias"),
+        FusedQKV(_M + "self_attention.linear_qkv.weight", _H + "attn.c_attn.weight"),
+        FusedQKVBias(_M + "self_attention.linear_qkv.bias", _H + "attn.c_attn.bias"),
+        Transpose(_M + "self_attention.linear_proj.weight", _H + "attn.c_proj.weight"),
+        Copy(_M + "self_attention.linear_proj.bias", _H + "attn.c_proj.bias"),
+        Copy(_M + "mlp.linear_fc1.layer_norm_weight", _H + "ln_2.weight"),
+        Copy(_M + "mlp.linear_fc1.layer_norm_bias", _H + "ln_2.bias"),
+        Transpose(_M + "mlp.linear_fc1.weight", _H + "mlp.c_fc.weight"),
+        Copy(_M + "mlp.linear_fc1.bias", _H + "mlp.c_fc.bias"),
+        Transpose(_M + "mlp.linear_fc2.weight", _H + "mlp.c_proj.weight"),
+        Copy(_M + "mlp.linear_fc2.bias", _H + "mlp.c_proj.bias"),
+        Copy("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
+        Copy("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
+        Vocab("output_layer.weight", "lm_head.weight"),
+    ),
+    # Causal-mask buffers older GPT-2 checkpoints carry; skipped on import.
+    hf_ignored=(r"transformer\.h\.\d+\.attn\.(masked_)?bias",),
 )
-# Causal-mask buffers older GPT-2 checkpoints carry; skipped on import.
-HF_IGNORED: tuple[str, ...] = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)

@@ -15,9 +15,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+
+from model_providers import DEFAULT_FAMILY, FAMILIES
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -31,7 +33,7 @@ class ModelConfig:
     """Model shape and numerics. Field names follow Megatron-Core's `TransformerConfig` where one exists."""
 
     preset: str | None = None
-    family: str = "llama"  # "llama" | "gpt": selects the provider in model_providers/
+    family: str = DEFAULT_FAMILY  # a family of model_providers/ (checked when the config is parsed)
     num_layers: int = 4
     hidden_size: int = 256
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size
@@ -41,11 +43,11 @@ class ModelConfig:
     seq_length: int = 256
     vocab_size: int | None = None  # None: taken from the tokenizer
     make_vocab_size_divisible_by: int = 128
-    normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
     gated_linear_unit: bool = True  # SwiGLU when activation is "silu"
-    activation: str = "silu"  # "silu" | "gelu"
-    position_embedding_type: str = "rope"  # "rope" | "learned_absolute"
+    activation: Literal["silu", "gelu"] = "silu"
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     rope_scaling: bool = False  # Llama-3.1 frequency scaling
@@ -58,12 +60,12 @@ class ModelConfig:
     init_method_std: float = 0.02
     apply_residual_connection_post_layernorm: bool = False
     # Recompute: None | "selective" | "full"; method "uniform" | "block" for full.
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
+    recompute_granularity: Literal["selective", "full"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
     # Transformer Engine / FP8 (GPU only; validated).
-    transformer_impl: str = "auto"  # "auto" | "transformer_engine" | "local"
-    fp8: str | None = None  # None | "tensorwise" | "delayed" | "mxfp8" | "blockwise"
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
     fp8_param_gather: bool = False
 
 
@@ -115,10 +117,10 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     grad_reduce_in_fp32: bool = True  # False: bf16 grad buffers (half the gradient memory)
     warmup_steps: int = 0
-    decay_style: str = "cosine"  # "cosine" | "linear" | "constant" | "WSD" | "inverse-square-root"
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
     decay_steps: int | None = None  # None: train.steps
     wsd_decay_steps: int | None = None
-    lr_wsd_decay_style: str = "linear"
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
 
 @dataclass
@@ -129,11 +131,11 @@ class TrainConfig:
     global_batch_size: int = 8
     steps: int = 100
     seed: int = 1234
-    precision: str = "auto"  # "auto" (fp32 on CPU, bf16 on GPU) | "bf16" | "fp16" | "fp32"
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
     eval_interval: int | None = None
     eval_iters: int = 2
     exit_duration_in_mins: float | None = None  # save and stop after this wall-clock duration
-    nan_policy: str = "stop"  # "stop" | "skip": what a NaN/Inf loss or grad norm does
+    nan_policy: Literal["stop", "skip"] = "stop"  # what a NaN/Inf loss or grad norm does
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
 
 
@@ -202,6 +204,8 @@ def _type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if origin is Literal:
+        return value in typing.get_args(annotation)
     if origin is list or annotation is list:
         return isinstance(value, list)
     if isinstance(annotation, type):
@@ -232,6 +236,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
                 except ValueError:
                     pass
         if not _type_ok(value, annotation):
+            choices = _choices(annotation)
+            if choices is not None:
+                raise ConfigError(f"{dotted}={value!r} is not one of {choices}")
             raise ConfigError(
                 f"'{dotted}' must be of type {_type_name(annotation)}, got {value!r} ({type(value).__name__})"
             )
@@ -239,6 +246,18 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             value = float(value)
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _choices(annotation: Any) -> str | None:
+    """'a, b, c' (and ' (or null)') for a Literal field, None for other types."""
+    if typing.get_origin(annotation) is Literal:
+        return ", ".join(typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    literals = [a for a in args if typing.get_origin(a) is Literal]
+    if len(literals) != 1 or len(args) != 1:
+        return None
+    optional = type(None) in typing.get_args(annotation)
+    return ", ".join(typing.get_args(literals[0])) + (" (or null)" if optional else "")
 
 
 def _type_name(annotation: Any) -> str:
@@ -306,7 +325,10 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
             raise ConfigError(str(exc.args[0])) from None
         model = {**base, **model}
     tree["model"] = model
-    return _build(Config, tree, "")
+    cfg = _build(Config, tree, "")
+    if cfg.model.family not in FAMILIES:
+        raise ConfigError(f"model.family={cfg.model.family!r} is not one of {', '.join(FAMILIES)}")
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

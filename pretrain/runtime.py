@@ -68,21 +68,20 @@ def init_distributed(timeout_minutes: float = 10.0) -> Runtime:
     return Runtime(rank, world_size, local_rank, local_world_size, on_gpu, backend)
 
 
-def init_model_parallel(cfg) -> None:
-    """Megatron-Core process groups for the config's layout, and its model-parallel RNG seeds."""
+def init_model_parallel(layout, seed: int) -> None:
+    """Megatron-Core process groups for the run's `pretrain.layout.Layout`, and its model-parallel RNG seeds."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    p = cfg.parallel
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor,
-        pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
-        context_parallel_size=p.context,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.cp,
     )
-    model_parallel_cuda_manual_seed(cfg.train.seed, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
 def shutdown() -> None:

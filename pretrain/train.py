@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config
+from pretrain.layout import Layout, derive_layout
 from pretrain.validate import ValidationFailed, validate
 
 EXIT_STATUS_FILE = "exit_status.json"
@@ -57,7 +58,7 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
     ]
 
 
-def build_optimizer(cfg: Config, model, precision: str):
+def build_optimizer(cfg: Config, model, layout: Layout):
     """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -71,9 +72,9 @@ def build_optimizer(cfg: Config, model, precision: str):
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32),
+        bf16=layout.precision == "bf16",
+        fp16=layout.precision == "fp16",
+        params_dtype=layout.params_dtype,
         use_distributed_optimizer=o.distributed,
         overlap_param_gather_with_optimizer_step=False,
     )
@@ -263,7 +264,7 @@ def train(cfg: Config) -> dict:
     )
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from model_providers.builder import build_model, padded_vocab_size, resolve_precision
+    from model_providers.core.builder import build_model
     from pretrain import checkpointing
     from pretrain.data import build_datasets, build_tokenizer, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
@@ -278,9 +279,10 @@ def train(cfg: Config) -> dict:
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     rt = init_distributed()
-    init_model_parallel(cfg)
-    precision = resolve_precision(cfg.train.precision, rt.on_gpu)
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tokenizer = build_tokenizer(cfg.data)
+    layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+    init_model_parallel(layout, cfg.train.seed)
+    dp_size, dp_rank = layout.dp, ps.get_data_parallel_rank()
     t = cfg.train
     unset_num_microbatches_calculator()
     init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, dp_size)
@@ -289,20 +291,16 @@ def train(cfg: Config) -> dict:
     if rt.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = TP{cfg.parallel.tensor} × PP{cfg.parallel.pipeline}"
-         f"{f' × VP{cfg.parallel.virtual_pipeline}' if cfg.parallel.virtual_pipeline else ''}"
-         f" × CP{cfg.parallel.context} × DP{dp_size}; {num_microbatches} microbatches of {t.micro_batch_size};"
-         f" precision {precision}")
+    log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {num_microbatches} microbatches "
+         f"of {t.micro_batch_size}; precision {layout.precision}")
 
-    # 2. Tokenizer, model, optimizer, schedule.
-    tokenizer = build_tokenizer(cfg.data)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    # 2. Model, optimizer, schedule.
     if cfg.parallel.tp_comm_overlap:
         initialize_tp_comm_overlap(cfg)
-    chunks = build_model(cfg, vocab_size, on_gpu=rt.on_gpu)
+    chunks = build_model(cfg, layout)
     tconfig = chunks[0].config
     model = wrap_with_ddp(cfg, chunks, tconfig)
-    optimizer = build_optimizer(cfg, model, precision)
+    optimizer = build_optimizer(cfg, model, layout)
     scheduler = build_scheduler(cfg, optimizer)
     connect_schedule_hooks(tconfig, model, optimizer, cfg)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
@@ -336,8 +334,7 @@ def train(cfg: Config) -> dict:
     forward_backward = get_forward_backward_func()
     seq = cfg.model.seq_length
     tokens_per_step = t.global_batch_size * seq
-    flops_tok = flops_per_token(cfg.model, padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
-                                                             cfg.parallel.tensor))
+    flops_tok = flops_per_token(cfg.model, layout.padded_vocab)
     peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
     reason, signal_name, message = "completed", None, None
     last_saved = step if latest is not None else None

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from data_tools.convert import export_to_hf
-    from model_providers.hf import ConversionError
+    from model_providers.core.mapping import ConversionError
     from pretrain.checkpointing import CheckpointError
 
     started = time.perf_counter()

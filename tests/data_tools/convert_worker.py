@@ -22,10 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
     from data_tools.convert import CheckpointReader
-    from model_providers.builder import build_model
+    from model_providers.core.builder import build_model
     from pretrain import checkpointing
     from pretrain.config import config_from_dict
-    from pretrain.data import build_tokenizer
+    from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
 
     path = checkpointing.resolve_checkpoint(ckpt_dir)
@@ -34,11 +34,12 @@ def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
     rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
     tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
     cfg = config_from_dict(tree)
-    vocab = cfg.model.vocab_size or build_tokenizer(cfg.data).vocab_size
+    vocab = resolve_vocab_size(cfg)
     init_distributed()
     try:
-        init_model_parallel(cfg)
-        model = build_model(cfg, vocab, on_gpu=False)
+        layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
+        init_model_parallel(layout, cfg.train.seed)
+        model = build_model(cfg, layout)
         checkpointing.load_checkpoint(cfg, model, None, None, path, weights_only=True)
         tokens = torch.load(tokens_file, weights_only=True)
         positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)

@@ -22,7 +22,8 @@ from data_tools.convert import (
     plan_export,
     write_random_hf,
 )
-from model_providers import hf
+from model_providers import get_family
+from model_providers.core.family import dims, hf_parameter_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("convert_worker.py")
@@ -85,65 +86,8 @@ def safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rules and configs
+# Export planning
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("op,shapes", [
-    ("split_qkv", [(32, 16), (16, 16), (16, 16)]),  # 8 heads of 4, 4 groups
-    ("split_gate_up", [(24, 16), (24, 16)]),
-    ("fused_qkv", [(16, 48)]),
-    ("fused_qkv_bias", [(48,)]),
-    ("transpose", [(16, 24)]),
-    ("vocab", [(100, 16)]),
-])
-def test_rules_are_inverse(op, shapes):
-    d = hf.Dims(num_heads=8 if op == "split_qkv" else 4, num_groups=4, head_dim=4, hidden=16, vocab=100,
-                padded_vocab=128)
-    ts = [torch.randn(s) for s in shapes]
-    meg = hf.from_hf(op, ts, d)
-    back = hf.to_hf(op, meg, d)
-    assert len(back) == len(ts) and all(torch.equal(a, b) for a, b in zip(ts, back))
-    if op == "vocab":
-        assert meg.shape[0] == 128 and torch.count_nonzero(meg[100:]) == 0
-
-
-def test_split_qkv_groups_heads_with_their_kv():
-    # 4 query heads in 2 groups, head_dim 1, hidden 1: Megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
-    d = hf.Dims(num_heads=4, num_groups=2, head_dim=1, hidden=1, vocab=1, padded_vocab=1)
-    fused = torch.tensor([[0.0], [1], [10], [20], [2], [3], [11], [21]])
-    q, k, v = hf.to_hf("split_qkv", fused, d)
-    assert q.flatten().tolist() == [0, 1, 2, 3]
-    assert k.flatten().tolist() == [10, 11] and v.flatten().tolist() == [20, 21]
-
-
-def test_llama31_config_has_llama3_rope_scaling(tmp_path):
-    from transformers import AutoConfig
-
-    from pretrain.config import load_config
-
-    m = load_config(None, ["model.preset=llama31_8b"]).model
-    cfg = hf.hf_config(m, 128256, bos=128000, eos=128001, dtype=torch.bfloat16)
-    text = hf.config_json(cfg)
-    assert text["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    assert text["rope_theta"] == 500000.0 and text["num_key_value_heads"] == 8 and text["architectures"] == [
-        "LlamaForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(text))
-    loaded = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
-    assert loaded.rope_parameters["rope_type"] == "llama3" and loaded.rope_parameters["factor"] == 8.0
-    fields = hf.model_fields_from_hf(loaded)
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "rotary_base", "rope_scaling", "rope_scaling_factor"):
-        assert fields[key] == getattr(m, key), key
-
-
-def test_unsupported_model_config_names_the_field():
-    from pretrain.config import load_config
-
-    m = load_config(None, ["model.preset=tiny_llama", "model.add_qkv_bias=true"]).model
-    with pytest.raises(ConversionError, match="add_qkv_bias"):
-        hf.hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
 
 
 def test_export_plan_rejects_unknown_and_misshapen_tensors():
@@ -152,9 +96,9 @@ def test_export_plan_rejects_unknown_and_misshapen_tensors():
     from pretrain.config import load_config
 
     m = load_config(None, ["model.preset=tiny_llama"]).model
-    d = hf.dims(m, 32000, 32000)
-    cfg = hf.hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
-    expected = hf.hf_parameter_shapes(cfg)
+    d = dims(m, 32000, 32000)
+    cfg = get_family("llama").to_hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
+    expected = hf_parameter_shapes(cfg)
 
     def md(*shape):
         return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [])

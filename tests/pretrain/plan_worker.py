@@ -79,18 +79,19 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from model_providers.builder import build_model, padded_vocab_size, resolve_precision
+    from model_providers.core.builder import build_model
     from pretrain import plan
     from pretrain.config import load_config
+    from pretrain.layout import derive_layout
     from pretrain.runtime import init_model_parallel
     from pretrain.train import build_optimizer, wrap_with_ddp
 
     cfg = load_config(config, overrides)
-    init_model_parallel(cfg)
-    precision = resolve_precision(cfg.train.precision, on_gpu=False)
-    chunks = build_model(cfg, cfg.model.vocab_size, on_gpu=False)
+    layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
+    init_model_parallel(layout, cfg.train.seed)
+    chunks = build_model(cfg, layout)
     model = wrap_with_ddp(cfg, chunks, chunks[0].config)
-    optimizer = build_optimizer(cfg, model, precision)
+    optimizer = build_optimizer(cfg, model, layout)
     for c in model:
         c.zero_grad_buffer()
     optimizer.zero_grad()
@@ -98,7 +99,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
 
     measured = measure(chunks, model, optimizer)
     lay = plan.layout_of(cfg, dist.get_world_size(), on_gpu=False, use_te=False)
-    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
+    padded = layout.padded_vocab
     pp_rank = ps.get_pipeline_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
     st = plan.static_memory(cfg, lay, padded, pp_rank, dp_rank=dp_rank)

@@ -58,6 +58,14 @@ def test_overrides_are_yaml_and_beat_the_file_and_the_preset():
     ("model.preset=llama9_1t", "unknown model.preset 'llama9_1t'"),
     ("trainsteps", "override 'trainsteps' must look like section.key=value"),
     ("data.blend=[1.0,", "override 'data.blend=[1.0,': value is not valid YAML"),
+    # Enum-like fields are checked when the config is parsed (the validator keeps the cross-field rules).
+    ("model.fp8=fp4", "model.fp8='fp4' is not one of tensorwise, delayed, mxfp8, blockwise (or null)"),
+    ("train.precision=fp8", "train.precision='fp8' is not one of auto, bf16, fp16, fp32"),
+    ("train.nan_policy=ignore", "train.nan_policy='ignore' is not one of stop, skip"),
+    ("optimizer.decay_style=exp", "optimizer.decay_style='exp' is not one of cosine, linear, constant, WSD, "
+                                  "inverse-square-root"),
+    ("model.recompute_granularity=some", "model.recompute_granularity='some' is not one of selective, full (or null)"),
+    ("model.family=mamba", "model.family='mamba' is not one of "),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:

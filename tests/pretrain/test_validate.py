@@ -56,9 +56,6 @@ CASES = [
      "multiple of 4"),
     (["model.fp8=tensorwise"], 1,
      "[model.fp8] FP8 needs Transformer Engine on a GPU. Fix: set model.fp8=null on this machine"),
-    (["model.fp8=fp4"], 1,
-     "[model.fp8] model.fp8='fp4' is not one of tensorwise, delayed, mxfp8, blockwise. Fix: pick a recipe or set "
-     "model.fp8=null"),
     (["optimizer.overlap_param_gather=true", "optimizer.overlap_grad_reduce=true"], 1,
      "[optimizer.overlap_param_gather, optimizer.distributed] optimizer.overlap_param_gather needs the distributed "
      "optimizer. Fix: set optimizer.distributed=true"),

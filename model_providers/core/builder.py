@@ -1,6 +1,6 @@
 """Build Megatron-Core `GPTModel` chunks from the run config, with layout-invariant initialisation.
 
-`build_model(cfg, vocab_size)` returns one `GPTModel` per virtual pipeline stage held by this rank
+`build_model(cfg, layout)` returns one `GPTModel` per virtual pipeline stage held by this rank
 (a list of one without interleaving). Weights are drawn by `initialize_layout_invariant`: each
 parameter on its full (unsharded) shape from a generator seeded by (train.seed, global parameter
 name), then sliced to this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,43 +19,17 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from model_providers.specs import decoder_block_spec, transformer_engine_available
+from model_providers.core.specs import decoder_block_spec
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Vocabulary rounded up to a multiple of divisible_by × TP (Megatron's convention)."""
-    multiple = divisible_by * tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
+def transformer_config(cfg, layout: Any) -> TransformerConfig:
+    """Megatron-Core `TransformerConfig` for the run's model, layout and numerics.
 
-
-def params_dtype(precision: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
-def resolve_precision(precision: str, on_gpu: bool) -> str:
-    """`auto` is bf16 on GPU and fp32 on CPU."""
-    if precision == "auto":
-        return "bf16" if on_gpu else "fp32"
-    return precision
-
-
-def use_transformer_engine(cfg) -> bool:
-    impl = cfg.model.transformer_impl
-    if impl == "local":
-        return False
-    if impl == "transformer_engine":
-        return True
-    return transformer_engine_available()
-
-
-def transformer_config(cfg, *, on_gpu: bool | None = None) -> TransformerConfig:
-    """Megatron-Core `TransformerConfig` for the run's model, layout and numerics."""
-    if on_gpu is None:
-        on_gpu = torch.cuda.is_available()
+    `layout` is the run's `pretrain.layout.Layout` (derived facts: sizes, precision, spec choice, shape defaults).
+    """
     m, p = cfg.model, cfg.parallel
-    precision = resolve_precision(cfg.train.precision, on_gpu)
-    dtype = params_dtype(precision)
-    use_te = use_transformer_engine(cfg)
+    on_gpu, use_te, precision = layout.on_gpu, layout.use_te, layout.precision
+    dtype = layout.params_dtype
     batch_p2p = p.batch_p2p_comm
     if batch_p2p is None:
         # gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently.
@@ -62,15 +37,15 @@ def transformer_config(cfg, *, on_gpu: bool | None = None) -> TransformerConfig:
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        ffn_hidden_size=layout.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        num_query_groups=layout.num_query_groups,
         kv_channels=m.kv_channels,
-        tensor_model_parallel_size=p.tensor,
-        pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline,
-        context_parallel_size=p.context,
-        sequence_parallel=p.sequence_parallel,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=m.gated_linear_unit,
@@ -114,21 +89,20 @@ def transformer_config(cfg, *, on_gpu: bool | None = None) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def build_model(cfg, vocab_size: int, *, on_gpu: bool | None = None) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly."""
-    if on_gpu is None:
-        on_gpu = torch.cuda.is_available()
-    config = transformer_config(cfg, on_gpu=on_gpu)
-    use_te = use_transformer_engine(cfg)
+def build_model(cfg, layout: Any) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly.
+
+    `layout` is the run's `pretrain.layout.Layout`, derived with the vocabulary known.
+    """
+    config = transformer_config(cfg, layout)
     m = cfg.model
-    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
-    vp = cfg.parallel.virtual_pipeline
+    vocab_size, padded = layout.vocab_size, layout.padded_vocab
     chunks = []
-    for vp_stage in range(vp or 1):
-        stage = vp_stage if vp else None
+    for vp_stage in range(layout.vp):
+        stage = vp_stage if layout.virtual_pipeline else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, use_te, vp_stage=stage),
+            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage),
             vocab_size=padded,
             max_sequence_length=m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -141,7 +115,7 @@ def build_model(cfg, vocab_size: int, *, on_gpu: bool | None = None) -> list[GPT
             rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=stage,
         )
-        if on_gpu:
+        if layout.on_gpu:
             model.cuda(torch.cuda.current_device())
         if model.post_process and padded > vocab_size:
             mask_padded_logits(model, vocab_size, padded)

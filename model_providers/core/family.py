@@ -1,0 +1,94 @@
+"""The `Family` base: everything the program knows about one model family, in one object.
+
+A family module (`model_providers/<family>.py`) defines `FAMILY = SomeFamily(...)`: its presets, the HF
+architecture it maps to, its mapping table (rule objects from `core.mapping`), and the translation of a
+transformers `config.json` into our `model.*` fields and back. The registry in `model_providers/__init__.py`
+finds every such module, so adding a family is adding one file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_providers.core.mapping import ConversionError, Dims, MappingRule
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Subclasses implement `to_hf_config` and `from_hf_config`."""
+
+    name: str
+    hf_architecture: str  # e.g. "LlamaForCausalLM"
+    hf_model_type: str  # transformers' `model_type`, e.g. "llama"
+    presets: Mapping[str, dict]
+    mapping: tuple[MappingRule, ...]
+    # Model fields every model of the family has (checked on export, written on import).
+    fixed_fields: Mapping[str, Any] = field(default_factory=dict)
+    # HF tensors that carry no weights (buffers some checkpoints include); skipped on import.
+    hf_ignored: tuple[str, ...] = ()
+
+    # ---- HF config both ways -------------------------------------------------------------------------
+
+    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any) -> Any:
+        """A transformers config equivalent to our `ModelConfig` `m` (raises ConversionError if none is)."""
+        raise NotImplementedError
+
+    def from_hf_config(self, hf_cfg: Any) -> dict:
+        """Our `model.*` fields for a transformers config of this family."""
+        raise NotImplementedError
+
+    def config_json(self, hf_cfg: Any) -> dict:
+        """config.json content for an exported model (default: transformers' own diff dict)."""
+        return hf_cfg.to_diff_dict()
+
+    # ---- helpers for subclasses and the HF bridge -----------------------------------------------------
+
+    def require_fixed_fields(self, m: Any) -> None:
+        """Refuse a model whose family-defining fields differ from this family's (naming the field)."""
+        require(m, "apply_residual_connection_post_layernorm", False, "a transformers model")
+        for key, expected in self.fixed_fields.items():
+            require(m, key, expected, self.hf_architecture)
+
+    def ignored_patterns(self) -> list[re.Pattern]:
+        return [re.compile(p) for p in self.hf_ignored]
+
+    def matches_hf(self, hf_cfg: Any) -> bool:
+        return getattr(hf_cfg, "model_type", None) == self.hf_model_type
+
+
+def require(m: Any, key: str, expected: Any, arch: str) -> None:
+    value = getattr(m, key)
+    if value != expected:
+        raise ConversionError(f"model.{key}={value!r} cannot be expressed as {arch} (needs {expected!r})")
+
+
+def dims(m: Any, vocab: int, padded_vocab: int) -> Dims:
+    """The rule sizes of our `ModelConfig` `m`."""
+    heads = m.num_attention_heads
+    return Dims(
+        num_heads=heads,
+        num_groups=m.num_query_groups or heads,
+        head_dim=m.kv_channels or m.hidden_size // heads,
+        hidden=m.hidden_size,
+        vocab=vocab,
+        padded_vocab=padded_vocab,
+    )
+
+
+def hf_parameter_shapes(hf_cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the transformers model's saved tensors (built on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if hf_cfg.tie_word_embeddings:
+        for key in (tied if isinstance(tied, (list, dict, tuple, set)) else []):
+            shapes.pop(key, None)
+        shapes.pop("lm_head.weight", None)
+    return shapes

@@ -1,0 +1,182 @@
+"""HF mapping rules: each rule is one class holding both directions (Megatron ↔ transformers).
+
+A family's table is a tuple of rule instances, e.g. `QKV("decoder.layers.self_attention.linear_qkv.weight",
+(q, k, v))`. Every rule works on one layer's slice at a time (`to_hf`: Megatron tensor → HF tensors;
+`from_hf`: the inverse), so conversions hold one layer of one parameter in memory. Rules run on `meta`
+tensors too, which is how shapes are planned before any data is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+Tensor = Any  # torch.Tensor; torch is imported only where a rule needs its functions
+
+
+class ConversionError(ValueError):
+    """A checkpoint, HF model or config that cannot be converted; the message names the tensor or key."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the rules need."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    hidden: int
+    vocab: int  # the true vocabulary (HF side)
+    padded_vocab: int  # rows on the Megatron side (TP padding)
+
+
+@dataclass(frozen=True)
+class MappingRule:
+    """One row of a family's table: a Megatron global parameter name and the HF name(s) it becomes.
+
+    Names under `decoder.layers.` are stacked on dim 0 (one slice per layer); `{i}` in an HF name is the
+    layer index.
+    """
+
+    megatron: str
+    hf: tuple[str, ...] | str
+    op: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+
+    @property
+    def stacked(self) -> bool:
+        return self.megatron.startswith("decoder.layers.")
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        return [n.format(i=layer) for n in self.hf]
+
+    def to_hf(self, t: Tensor, d: Dims) -> list[Tensor]:
+        raise NotImplementedError
+
+    def from_hf(self, ts: list[Tensor], d: Dims) -> Tensor:
+        raise NotImplementedError
+
+
+class Copy(MappingRule):
+    """The same tensor on both sides."""
+
+    op = "copy"
+
+    def to_hf(self, t, d):
+        return [t]
+
+    def from_hf(self, ts, d):
+        return ts[0]
+
+
+class Transpose(MappingRule):
+    """GPT-2's Conv1D stores weights as [in, out]."""
+
+    op = "transpose"
+
+    def to_hf(self, t, d):
+        return [t.t()]
+
+    def from_hf(self, ts, d):
+        return ts[0].t()
+
+
+class Vocab(MappingRule):
+    """Rows = vocabulary: TP padding removed on export, zero rows added on import."""
+
+    op = "vocab"
+
+    def to_hf(self, t, d):
+        if t.shape[0] < d.vocab:
+            raise ConversionError(f"{t.shape[0]} rows < vocabulary {d.vocab}")
+        return [t[: d.vocab]]
+
+    def from_hf(self, ts, d):
+        import torch
+
+        t = ts[0]
+        if t.shape[0] != d.vocab:
+            raise ConversionError(f"{t.shape[0]} rows, expected vocab_size {d.vocab}")
+        if d.padded_vocab == d.vocab:
+            return t
+        pad = torch.zeros((d.padded_vocab - d.vocab, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return torch.cat([t, pad], dim=0)
+
+
+class QKV(MappingRule):
+    """Megatron's fused per-query-group [q heads; k; v] rows ↔ separate q, k, v projections (weight or bias)."""
+
+    op = "split_qkv"
+
+    def to_hf(self, t, d):
+        qpg = d.num_heads // d.num_groups
+        g = t.reshape(d.num_groups, qpg + 2, d.head_dim, -1)
+        q = g[:, :qpg].reshape(d.num_heads * d.head_dim, -1)
+        k = g[:, qpg].reshape(d.num_groups * d.head_dim, -1)
+        v = g[:, qpg + 1].reshape(d.num_groups * d.head_dim, -1)
+        if t.dim() == 1:
+            return [q.reshape(-1), k.reshape(-1), v.reshape(-1)]
+        return [q, k, v]
+
+    def from_hf(self, ts, d):
+        import torch
+
+        q, k, v = ts
+        qpg = d.num_heads // d.num_groups
+        tail = q.shape[1:]
+        parts = [
+            q.reshape(d.num_groups, qpg, d.head_dim, *tail),
+            k.reshape(d.num_groups, 1, d.head_dim, *tail),
+            v.reshape(d.num_groups, 1, d.head_dim, *tail),
+        ]
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+class GateUp(MappingRule):
+    """Gated fc1 = [gate; up] ↔ gate_proj, up_proj."""
+
+    op = "split_gate_up"
+
+    def to_hf(self, t, d):
+        if t.shape[0] % 2:
+            raise ConversionError(f"gated fc1 has an odd number of rows ({t.shape[0]})")
+        return list(t.chunk(2, dim=0))
+
+    def from_hf(self, ts, d):
+        import torch
+
+        return torch.cat(ts, dim=0)
+
+
+class FusedQKV(MappingRule):
+    """Megatron's per-head [q; k; v] rows ↔ GPT-2's Conv1D c_attn [in, q_all | k_all | v_all]."""
+
+    op = "fused_qkv"
+
+    def to_hf(self, t, d):
+        g = t.reshape(d.num_heads, 3, d.head_dim, -1)
+        return [g.permute(1, 0, 2, 3).reshape(3 * d.num_heads * d.head_dim, -1).t()]
+
+    def from_hf(self, ts, d):
+        w = ts[0].t().reshape(3, d.num_heads, d.head_dim, -1)
+        return w.permute(1, 0, 2, 3).reshape(3 * d.num_heads * d.head_dim, -1)
+
+
+class FusedQKVBias(MappingRule):
+    """The bias of `FusedQKV`: per-head [q; k; v] ↔ [q_all | k_all | v_all]."""
+
+    op = "fused_qkv_bias"
+
+    def to_hf(self, t, d):
+        return [t.reshape(d.num_heads, 3, d.head_dim).permute(1, 0, 2).reshape(-1)]
+
+    def from_hf(self, ts, d):
+        return ts[0].reshape(3, d.num_heads, d.head_dim).permute(1, 0, 2).reshape(-1)
+
+
+RULES: dict[str, type[MappingRule]] = {
+    cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias)
+}

@@ -1,0 +1,153 @@
+"""The derived layout: every fact computed from the config and the world size, computed once.
+
+    layout = derive_layout(cfg, world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+
+Validation, model building, the runtime, the training loop, checkpoints, the HF bridge and the planner all
+read these fields instead of re-deriving them: data-parallel size, "virtual pipeline or 1", the padded
+vocabulary, the resolved precision, the Transformer Engine / local spec choice and the defaulted shape fields.
+Pure data: no process groups, no torch at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pretrain.config import Config
+
+
+class LayoutError(ValueError):
+    """The world size cannot hold the configured model-parallel sizes."""
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Vocabulary rounded up to a multiple of divisible_by × TP (Megatron's convention; its one owner here)."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """`auto` is bf16 on GPU and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if on_gpu else "fp32"
+    return precision
+
+
+def resolve_vocab_size(cfg: Config, tokenizer_vocab: int | None = None) -> int:
+    """The true (unpadded) vocabulary: model.vocab_size, else the tokenizer's (loaded when not given)."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if tokenizer_vocab is None:
+        from pretrain.data import build_tokenizer
+
+        tokenizer_vocab = build_tokenizer(cfg.data).vocab_size
+    return tokenizer_vocab
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape fields whose config value may be null, with Megatron's defaults applied."""
+
+    ffn_hidden_size: int  # null: 4 × hidden
+    num_query_groups: int  # null: one group per head (multi-head attention)
+    head_dim: int  # model.kv_channels; null: hidden / heads
+
+
+def model_shape(m) -> ModelShape:
+    return ModelShape(ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+                      num_query_groups=m.num_query_groups or m.num_attention_heads,
+                      head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads)
+
+
+def use_transformer_engine(transformer_impl: str, te_available: bool) -> bool:
+    """The spec choice: TE when asked for, the local spec when asked for, else TE where it is usable."""
+    if transformer_impl == "local":
+        return False
+    if transformer_impl == "transformer_engine":
+        return True
+    return te_available
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout, numerics and defaulted shape of one run on `world` ranks."""
+
+    world: int
+    tp: int
+    pp: int
+    vp: int  # virtual pipeline stages per rank: 1 without interleaving
+    cp: int
+    dp: int
+    sp: bool
+    mbs: int
+    gbs: int
+    precision: str  # resolved: "bf16" | "fp16" | "fp32"
+    distributed: bool  # distributed optimizer
+    use_te: bool  # Transformer Engine spec (else the local spec)
+    on_gpu: bool
+    vocab_size: int | None  # true vocabulary (None: not known yet, e.g. validation without a tokenizer)
+    padded_vocab: int | None
+    ffn_hidden_size: int
+    num_query_groups: int
+    head_dim: int
+
+    @property
+    def virtual_pipeline(self) -> int | None:
+        """Megatron's encoding: None without interleaving."""
+        return self.vp if self.vp > 1 else None
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.gbs // (self.mbs * self.dp)
+
+    @property
+    def bytes_per_value(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def params_dtype(self) -> Any:
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+
+    def describe(self) -> str:
+        vp = f" × VP{self.vp}" if self.vp > 1 else ""
+        return f"TP{self.tp} × PP{self.pp}{vp} × CP{self.cp} × DP{self.dp}"
+
+
+def te_available() -> bool:
+    """True when CUDA is present and Transformer Engine's torch extension imports."""
+    from model_providers.core.specs import transformer_engine_available
+
+    return transformer_engine_available()
+
+
+def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_gpu: bool | None = None,
+                  te: bool | None = None) -> Layout:
+    """The layout of `cfg` on `world` ranks. `vocab_size`: the tokenizer's, when model.vocab_size is unset.
+
+    `on_gpu` defaults to this machine's CUDA availability; `te` to whether Transformer Engine is usable here.
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    if te is None:
+        te = te_available() if on_gpu else False
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world < 1 or world % model_parallel:
+        raise LayoutError(f"world size {world} is not divisible by tensor×pipeline×context = {model_parallel}")
+    vocab = m.vocab_size or vocab_size
+    return Layout(
+        world=world, tp=p.tensor, pp=p.pipeline, vp=p.virtual_pipeline or 1, cp=p.context,
+        dp=world // model_parallel, sp=p.sequence_parallel, mbs=t.micro_batch_size, gbs=t.global_batch_size,
+        precision=resolve_precision(t.precision, on_gpu), distributed=cfg.optimizer.distributed,
+        use_te=use_transformer_engine(m.transformer_impl, te), on_gpu=on_gpu, vocab_size=vocab,
+        padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
+        **vars(model_shape(m)),
+    )
