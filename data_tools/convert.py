@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from data_tools.hf_assets import ASSET_DIR, copy_assets
 from model_providers import family_for_hf, get_family
 from model_providers.core.family import dims, hf_parameter_shapes
 from model_providers.core.mapping import ConversionError, Dims, MappingRule
@@ -380,6 +381,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     """Convert a torch_dist checkpoint (any layout) to a transformers model directory. Returns a summary."""
     from transformers import GenerationConfig
 
+    from data_tools.hf_assets import TOKENIZER_FILES, find_assets, original_config, write_assets
     from pretrain.checkpointing import resolve_checkpoint
     from pretrain.data import build_tokenizer
 
@@ -393,7 +395,18 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         raise ConversionError(f"{ckpt}: no 'embedding.word_embeddings.weight' (checkpoint without model weights?)")
     stored_dtype = reader.tensors["embedding.word_embeddings.weight"].properties.dtype
     out_dtype = DTYPES[dtype] if dtype else stored_dtype
-    tok = hf_tokenizer(cfg.data, tokenizer)
+    family = get_family(m.family)
+    # The imported HF model's files (config.json, tokenizer, generation config), when the run started from one.
+    assets = find_assets(ckpt)
+    original = original_config(assets, family.hf_model_type)
+    if tokenizer is None and assets is not None and any((assets / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer_files = assets
+        tok = hf_tokenizer(cfg.data, str(assets))
+    else:
+        tokenizer_files = None
+        tok = hf_tokenizer(cfg.data, tokenizer)
+        if original is not None and tokenizer is not None:  # the tokenizer given decides the token ids
+            original = {k: v for k, v in original.items() if k not in ("bos_token_id", "eos_token_id")}
     vocab = m.vocab_size
     if vocab is None:
         try:
@@ -408,9 +421,12 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
                               f"the vocabulary ({vocab})")
     if len(tok) > vocab:
         raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
-    family = get_family(m.family)
     d = dims(m, vocab, rows)
-    hf_cfg = family.to_hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype)
+    hf_cfg = family.to_hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype, base=original)
+    config_json, departs = family.export_config_json(hf_cfg, original)
+    if departs:
+        print(f"[convert] note: config.json differs from the imported model's in {', '.join(departs)} (the trained "
+              "model's fields)", file=sys.stderr)
     expected = hf_parameter_shapes(hf_cfg)
     units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
     entries = [e for u in units for e in u.entries]
@@ -427,9 +443,19 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
                 bar.update(entry.nbytes)
             del source, outs
         writer.close()
-        (staging / "config.json").write_text(json.dumps(family.config_json(hf_cfg), indent=2, sort_keys=True) + "\n")
-        GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(staging)
-        tok.save_pretrained(str(staging))
+        if original is not None and config_json == original:  # same dtype too: the original file itself
+            shutil.copyfile(assets / "config.json", staging / "config.json")
+        elif original is not None and not departs:
+            (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        else:
+            (staging / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        if tokenizer_files is not None:  # the imported model's files, unchanged
+            write_assets(tokenizer_files, staging, TOKENIZER_FILES + ("generation_config.json",))
+        else:
+            tok.save_pretrained(str(staging))
+        if not (staging / "generation_config.json").exists():
+            GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id).save_pretrained(
+                staging)
         _commit(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -437,7 +463,9 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     elapsed = time.perf_counter() - started
     return {"output": str(output), "checkpoint": str(ckpt), "tensors": len(entries), "bytes": bar.bytes,
             "shards": len(writer.shards), "seconds": elapsed, "peak_rss_bytes": peak_rss_bytes(),
-            "vocab_size": vocab, "padded_vocab_size": rows}
+            "vocab_size": vocab, "padded_vocab_size": rows,
+            "config_json": "original" if original is not None and not departs else "generated",
+            "hf_assets": str(assets) if assets is not None else None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,13 +572,19 @@ def _hf_names_in(rule: MappingRule, layer: int | None, hf_info: dict) -> list[st
 
 _SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "normalization", "gated_linear_unit", "activation", "position_embedding_type",
-                 "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "rotary_base",
-                 "rope_scaling")
+                 "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                 "rotary_base", "rope_scaling")
 
 
-def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, overrides: list[str]):
-    """The run config to store beside the imported weights (the --config file with the HF model's shape)."""
+def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, overrides: list[str],
+                    assets: Path | None = None):
+    """The run config to store beside the imported weights (the --config file with the HF model's shape).
+
+    `assets`: where the HF model's tokenizer files will be (the checkpoint's hf_assets); without --config they
+    become the data tokenizer.
+    """
     from pretrain.config import config_from_dict, load_config
+    from pretrain.validate import length_problems
 
     base = load_config(config, overrides)
     tree = base.to_dict()
@@ -565,17 +599,21 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
                         == (want[key] or want["hidden_size"] // want["num_attention_heads"]):
                     continue
                 raise ConversionError(f"{config}: model.{key}={norm.get(key)!r} but the HF model has {want[key]!r}")
-        if fields["position_embedding_type"] == "rope":  # learned positions fix the length; RoPE does not
-            fields = {**fields, "seq_length": model["seq_length"]}
+        fields = {**fields, "seq_length": model["seq_length"]}  # the training length is the config's
     else:
+        tokenizer_dir = assets if assets is not None else hf_dir.resolve()
         if (hf_dir / "tokenizer.json").exists():
-            tree["data"].update(tokenizer_type="huggingface", tokenizer_model=str(hf_dir.resolve()),
+            tree["data"].update(tokenizer_type="huggingface", tokenizer_model=str(tokenizer_dir),
                                 vocab_file=None, merge_file=None)
         elif (hf_dir / "tokenizer.model").exists():
-            tree["data"].update(tokenizer_type="sentencepiece", tokenizer_model=str((hf_dir / "tokenizer.model")
-                                                                                  .resolve()))
+            tree["data"].update(tokenizer_type="sentencepiece", tokenizer_model=str(tokenizer_dir / "tokenizer.model"))
+        if any(o.split("=", 1)[0].strip() == "model.seq_length" for o in overrides):  # a training setting
+            fields = {**fields, "seq_length": model["seq_length"]}
     tree["model"] = {**model, **fields, "preset": None}
-    return config_from_dict(tree)
+    cfg = config_from_dict(tree)
+    for problem in length_problems(cfg.model):
+        raise ConversionError(str(problem))
+    return cfg
 
 
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None = None, dtype: str | None = None,
@@ -597,7 +635,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     except (ValueError, OSError, KeyError) as exc:
         raise ConversionError(f"{hf_dir / 'config.json'}: {exc}") from None
     fields = family_for_hf(hf_cfg).from_hf_config(hf_cfg)
-    cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides))
+    cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides), output.resolve() / ASSET_DIR)
     m = cfg.model
     vocab = fields["vocab_size"]
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
@@ -676,13 +714,14 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         torch.save(common, staging / "common.pt")
         (staging / "metadata.json").write_text(json.dumps(METADATA_JSON))
         (staging / "run_config.yaml").write_text(cfg.to_yaml())
+        assets = copy_assets(hf_dir, staging)
         _commit(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
-            "padded_vocab_size": padded, "family": m.family}
+            "padded_vocab_size": padded, "family": m.family, "hf_assets": assets}
 
 
 def write_random_hf(directory: str | Path, hf_cfg, *, seed: int = 0, std: float = 0.02,

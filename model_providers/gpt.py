@@ -6,12 +6,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from model_providers.core.family import Family
+from model_providers.core.family import Family, require
 from model_providers.core.mapping import ConversionError, Copy, FusedQKV, FusedQKVBias, Transpose, Vocab
 
 # What makes a model a GPT-2 (checked on export, set on import).
 _FIXED = {"normalization": "LayerNorm", "gated_linear_unit": False, "activation": "gelu",
-          "position_embedding_type": "learned_absolute", "add_bias_linear": True, "add_qkv_bias": True}
+          "position_embedding_type": "learned_absolute", "add_bias_linear": True, "add_qkv_bias": True,
+          "qk_layernorm": False}
 _GPT_COMMON = {"family": "gpt", **_FIXED, "share_embeddings_and_output_weights": True, "layernorm_epsilon": 1e-5}
 
 PRESETS: dict[str, dict] = {
@@ -63,24 +64,27 @@ _M = "decoder.layers."
 class GPTFamily(Family):
     """GPT2LMHeadModel: LayerNorm, exact GELU, biases, learned positions, tied embeddings, no GQA."""
 
-    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any) -> Any:
+    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any,
+                     base: Any = None) -> Any:
         from transformers import GPT2Config
 
         self.require_fixed_fields(m)
+        require(m, "sliding_window", None, self.hf_architecture)
         heads = m.num_attention_heads
         head_dim = m.kv_channels or m.hidden_size // heads
         if (m.num_query_groups or heads) != heads:
             raise ConversionError(f"model.num_query_groups={m.num_query_groups}: GPT2LMHeadModel has no GQA")
         if head_dim * heads != m.hidden_size:
             raise ConversionError(f"model.kv_channels={m.kv_channels}: GPT2LMHeadModel needs heads × head_dim = hidden")
-        return GPT2Config(
-            vocab_size=vocab, n_positions=m.seq_length, n_embd=m.hidden_size, n_layer=m.num_layers, n_head=heads,
-            n_inner=m.ffn_hidden_size or 4 * m.hidden_size, activation_function="gelu",  # exact erf GELU, as F.gelu
+        arch = dict(
+            vocab_size=vocab, n_positions=m.max_position_embeddings or m.seq_length, n_embd=m.hidden_size,
+            n_layer=m.num_layers, n_head=heads, n_inner=m.ffn_hidden_size or 4 * m.hidden_size,
+            activation_function="gelu",  # exact erf GELU, as F.gelu
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=m.share_embeddings_and_output_weights,
-            bos_token_id=bos, eos_token_id=eos, architectures=[self.hf_architecture],
-            dtype=str(dtype).removeprefix("torch."),
+            architectures=[self.hf_architecture], dtype=str(dtype).removeprefix("torch."),
         )
+        return self.hf_config(GPT2Config, arch, bos=bos, eos=eos, base=base)
 
     def from_hf_config(self, cfg: Any) -> dict:
         if getattr(cfg, "activation_function", "gelu") != "gelu":
@@ -91,6 +95,7 @@ class GPTFamily(Family):
             "num_layers": cfg.n_layer, "hidden_size": cfg.n_embd, "ffn_hidden_size": cfg.n_inner or 4 * cfg.n_embd,
             "num_attention_heads": cfg.n_head, "num_query_groups": None, "kv_channels": None,
             "layernorm_epsilon": float(cfg.layer_norm_epsilon), "seq_length": cfg.n_positions,
+            "max_position_embeddings": cfg.n_positions,
             "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
             "hidden_dropout": float(cfg.resid_pdrop), "attention_dropout": float(cfg.attn_pdrop),
         }

@@ -1,23 +1,32 @@
-"""Llama family (Llama-2, Llama-3, Llama-3.1): presets, the HuggingFace mapping and config both ways.
+"""Llama family (Llama-2, Llama-3, 3.1, 3.2): presets, the HuggingFace mapping and config both ways.
 
-Shapes follow the public model configs. Llama-3.1 shapes use Llama-3 RoPE frequency scaling
-(factor 8, original context 8192).
+`LlamaFamily` is also the base of the families built like Llama (RMSNorm, SwiGLU, RoPE, GQA): Mistral, Qwen2,
+Qwen3 subclass it and change only what differs (config class, biases, QK-norm, sliding window).
+Shapes follow the public model configs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from model_providers.core.family import Family, require
 from model_providers.core.mapping import QKV, ConversionError, Copy, GateUp, Vocab
 
 # What makes a model a Llama (checked on export, set on import).
 _FIXED = {"normalization": "RMSNorm", "gated_linear_unit": True, "activation": "silu",
-          "position_embedding_type": "rope", "add_bias_linear": False, "add_qkv_bias": False}
+          "position_embedding_type": "rope", "add_bias_linear": False, "add_qkv_bias": False,
+          "qk_layernorm": False}
 _LLAMA_COMMON = {"family": "llama", **_FIXED, "share_embeddings_and_output_weights": False, "hidden_dropout": 0.0,
                  "attention_dropout": 0.0}
 
-_LLAMA3 = {**_LLAMA_COMMON, "rotary_base": 500000.0, "layernorm_epsilon": 1e-5, "vocab_size": 128256}
+_LLAMA3 = {**_LLAMA_COMMON, "rotary_base": 500000.0, "layernorm_epsilon": 1e-5, "vocab_size": 128256,
+           "max_position_embeddings": 8192}
+# Llama-3.1/3.2: Llama-3 RoPE frequency scaling; 3.1 with factor 8, 3.2 with factor 32 (low 1, high 4, 8192).
+_LLAMA31_ROPE = {"rope_scaling": True, "rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
+                 "rope_scaling_high_freq_factor": 4.0, "rope_scaling_original_max_position_embeddings": 8192,
+                 "max_position_embeddings": 131072}
+_LLAMA32 = {**_LLAMA3, **_LLAMA31_ROPE, "rope_scaling_factor": 32.0, "share_embeddings_and_output_weights": True,
+            "seq_length": 8192}
 
 PRESETS: dict[str, dict] = {
     # CPU-sized Llama shape: GQA (8 heads, 4 groups), RMSNorm, SwiGLU, RoPE, untied embeddings.
@@ -40,6 +49,7 @@ PRESETS: dict[str, dict] = {
         "num_attention_heads": 32,
         "num_query_groups": 32,
         "seq_length": 4096,
+        "max_position_embeddings": 4096,
         "layernorm_epsilon": 1e-5,
         "rotary_base": 10000.0,
         "vocab_size": 32000,
@@ -64,52 +74,121 @@ PRESETS: dict[str, dict] = {
     },
     "llama31_405b": {
         **_LLAMA3,
+        **_LLAMA31_ROPE,
         "num_layers": 126,
         "hidden_size": 16384,
         "ffn_hidden_size": 53248,
         "num_attention_heads": 128,
         "num_query_groups": 8,
         "seq_length": 8192,
-        "rope_scaling": True,
-        "rope_scaling_factor": 8.0,
     },
+    # Llama-3.2 text models: tied embeddings, head_dim 64 (1B) / 128 (3B).
+    "llama32_1b": {**_LLAMA32, "num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 8192,
+                   "num_attention_heads": 32, "num_query_groups": 8},
+    "llama32_3b": {**_LLAMA32, "num_layers": 28, "hidden_size": 3072, "ffn_hidden_size": 8192,
+                   "num_attention_heads": 24, "num_query_groups": 8},
 }
-# Llama-3.1 = Llama-3 shapes with RoPE frequency scaling (factor 8, original context 8192).
-_LLAMA31_ROPE = {"rope_scaling": True, "rope_scaling_factor": 8.0}
 PRESETS["llama31_8b"] = {**PRESETS["llama3_8b"], **_LLAMA31_ROPE}
 PRESETS["llama31_70b"] = {**PRESETS["llama3_70b"], **_LLAMA31_ROPE}
 PRESETS["llama3_405b"] = PRESETS["llama31_405b"]  # Llama-3 405B was only released as 3.1
 
 _L = "model.layers.{i}."
 _M = "decoder.layers."
-# Megatron-Core's Llama-3.1 RoPE scaling constants (RotaryEmbedding._apply_scaling defaults).
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# The Llama table; the families built like Llama add rows to it (biases, QK-norm).
+MAPPING = (
+    Vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    Copy(_M + "self_attention.linear_qkv.layer_norm_weight", _L + "input_layernorm.weight"),
+    QKV(_M + "self_attention.linear_qkv.weight",
+        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight")),
+    Copy(_M + "self_attention.linear_proj.weight", _L + "self_attn.o_proj.weight"),
+    Copy(_M + "mlp.linear_fc1.layer_norm_weight", _L + "post_attention_layernorm.weight"),
+    GateUp(_M + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),
+    Copy(_M + "mlp.linear_fc2.weight", _L + "mlp.down_proj.weight"),
+    Copy("decoder.final_layernorm.weight", "model.norm.weight"),
+    Vocab("output_layer.weight", "lm_head.weight"),
+)
+QKV_BIAS = QKV(_M + "self_attention.linear_qkv.bias",
+               (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"))
+QK_NORM = (Copy(_M + "self_attention.q_layernorm.weight", _L + "self_attn.q_norm.weight"),
+           Copy(_M + "self_attention.k_layernorm.weight", _L + "self_attn.k_norm.weight"))
+ROTARY_BUFFERS = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+# Llama-3 RoPE scaling: config.json `rope_scaling` key ↔ our model field.
+_LLAMA3_ROPE_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+                     "high_freq_factor": "rope_scaling_high_freq_factor",
+                     "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def rope_parameters(m: Any) -> dict:
+    """transformers' `rope_parameters` for our RoPE fields."""
+    rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.rope_scaling:
+        rope["rope_type"] = "llama3"
+        for hf_key, field in _LLAMA3_ROPE_KEYS.items():
+            value = getattr(m, field)
+            rope[hf_key] = int(value) if hf_key == "original_max_position_embeddings" else float(value)
+    return rope
+
+
+def rope_fields(cfg: Any) -> dict:
+    """Our RoPE fields for a transformers config (ConversionError for RoPE variants we cannot run)."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rtype = rope.get("rope_type", "default")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConversionError(f"config.json: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
+                              "(RoPE on the whole head only)")
+    fields: dict[str, Any] = {"rotary_base": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+                              "rope_scaling": False}
+    if rtype == "llama3":
+        fields["rope_scaling"] = True
+        for hf_key, field in _LLAMA3_ROPE_KEYS.items():
+            if rope.get(hf_key) is None:
+                raise ConversionError(f"config.json: rope_scaling.{hf_key} is missing (needed by rope_type 'llama3')")
+            fields[field] = int(rope[hf_key]) if hf_key == "original_max_position_embeddings" else float(rope[hf_key])
+    elif rtype != "default":
+        raise ConversionError(f"config.json: rope_scaling type {rtype!r} is not supported (supported: default, "
+                              "llama3)")
+    return fields
 
 
 class LlamaFamily(Family):
-    """LlamaForCausalLM: RMSNorm, SwiGLU, RoPE (optionally Llama-3 scaled), GQA, no biases."""
+    """LlamaForCausalLM: RMSNorm, SwiGLU, RoPE (optionally Llama-3 scaled), GQA, no biases.
 
-    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any) -> Any:
-        from transformers import LlamaConfig
+    Subclasses (families built like Llama) set `config_class` and override `hf_extra` / `fields_from_hf`.
+    """
+
+    config_class: ClassVar[str] = "LlamaConfig"  # the transformers config class
+    has_head_dim: ClassVar[bool] = True  # the config class has a `head_dim` field (else written only if needed)
+
+    def hf_extra(self, m: Any) -> dict:
+        """Family-specific transformers config kwargs (raise ConversionError for what the class cannot hold)."""
+        require(m, "sliding_window", None, self.hf_architecture)
+        return {"attention_bias": False, "mlp_bias": False}
+
+    def fields_from_hf(self, cfg: Any) -> dict:
+        """Family-specific model fields of a transformers config (raise ConversionError for what we cannot run)."""
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            raise ConversionError(f"config.json: attention_bias/mlp_bias are not supported for the {self.name} family")
+        return {}
+
+    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any,
+                     base: Any = None) -> Any:
+        import transformers
 
         self.require_fixed_fields(m)
         require(m, "rotary_percent", 1.0, "a transformers model")
         heads = m.num_attention_heads
-        rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
-        max_pos = m.seq_length
-        if m.rope_scaling:
-            rope = {"rope_type": "llama3", "rope_theta": float(m.rotary_base), "factor": float(m.rope_scaling_factor),
-                    **LLAMA3_ROPE}
-            max_pos = max(m.seq_length, int(LLAMA3_ROPE["original_max_position_embeddings"] * m.rope_scaling_factor))
-        return LlamaConfig(
+        arch = dict(
             vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size or 4 * m.hidden_size,
             num_hidden_layers=m.num_layers, num_attention_heads=heads, num_key_value_heads=m.num_query_groups or heads,
-            head_dim=m.kv_channels or m.hidden_size // heads, hidden_act="silu", max_position_embeddings=max_pos,
-            rms_norm_eps=m.layernorm_epsilon, rope_parameters=rope, attention_bias=False, mlp_bias=False,
-            attention_dropout=m.attention_dropout, tie_word_embeddings=m.share_embeddings_and_output_weights,
-            bos_token_id=bos, eos_token_id=eos, architectures=[self.hf_architecture],
-            dtype=str(dtype).removeprefix("torch."),
+            hidden_act="silu", max_position_embeddings=m.max_position_embeddings or m.seq_length,
+            rms_norm_eps=m.layernorm_epsilon, rope_parameters=rope_parameters(m), attention_dropout=m.attention_dropout,
+            tie_word_embeddings=m.share_embeddings_and_output_weights, architectures=[self.hf_architecture],
+            dtype=str(dtype).removeprefix("torch."), **self.hf_extra(m),
         )
+        if self.has_head_dim or m.kv_channels:
+            arch["head_dim"] = m.kv_channels or m.hidden_size // heads
+        return self.hf_config(getattr(transformers, self.config_class), arch, bos=bos, eos=eos, base=base)
 
     def config_json(self, hf_cfg: Any) -> dict:
         """The transformers config plus the pre-v5 `rope_theta`/`rope_scaling` keys."""
@@ -124,31 +203,21 @@ class LlamaFamily(Family):
     def from_hf_config(self, cfg: Any) -> dict:
         if cfg.hidden_act != "silu":
             raise ConversionError(f"config.json: hidden_act={cfg.hidden_act!r}; only 'silu' (SwiGLU) is supported")
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-            raise ConversionError("config.json: attention_bias/mlp_bias are not supported for the llama family")
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        rtype = rope.get("rope_type", "default")
-        fields = {}
-        if rtype == "llama3":
-            for key, want in LLAMA3_ROPE.items():
-                if float(rope.get(key, want)) != float(want):
-                    raise ConversionError(f"config.json: rope_scaling.{key}={rope.get(key)} (Megatron uses {want})")
-            fields = {"rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
-        elif rtype != "default":
-            raise ConversionError(f"config.json: rope type {rtype!r} is not supported (default or llama3)")
+        extra = self.fields_from_hf(cfg)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        context = int(cfg.max_position_embeddings)
         return {
             **self.fixed_fields, "family": self.name,
             "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
             "ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": heads,
             "num_query_groups": cfg.num_key_value_heads or heads,
             "kv_channels": head_dim if head_dim * heads != cfg.hidden_size else None,
-            "layernorm_epsilon": float(cfg.rms_norm_eps), "rotary_base": float(theta), "rope_scaling": False,
+            "layernorm_epsilon": float(cfg.rms_norm_eps), **rope_fields(cfg),
             "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
-            "seq_length": min(int(cfg.max_position_embeddings), 4096), "hidden_dropout": 0.0,
-            "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)), **fields,
+            # The model's context length; the training length (a training setting) defaults to at most 4096.
+            "max_position_embeddings": context, "seq_length": min(context, 4096), "sliding_window": None,
+            "hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)), **extra,
         }
 
 
@@ -158,17 +227,6 @@ FAMILY = LlamaFamily(
     hf_model_type="llama",
     presets=PRESETS,
     fixed_fields=_FIXED,
-    mapping=(
-        Vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-        Copy(_M + "self_attention.linear_qkv.layer_norm_weight", _L + "input_layernorm.weight"),
-        QKV(_M + "self_attention.linear_qkv.weight",
-            (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight")),
-        Copy(_M + "self_attention.linear_proj.weight", _L + "self_attn.o_proj.weight"),
-        Copy(_M + "mlp.linear_fc1.layer_norm_weight", _L + "post_attention_layernorm.weight"),
-        GateUp(_M + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight")),
-        Copy(_M + "mlp.linear_fc2.weight", _L + "mlp.down_proj.weight"),
-        Copy("decoder.final_layernorm.weight", "model.norm.weight"),
-        Vocab("output_layer.weight", "lm_head.weight"),
-    ),
-    hf_ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
+    mapping=MAPPING,
+    hf_ignored=ROTARY_BUFFERS,
 )

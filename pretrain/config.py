@@ -40,7 +40,8 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
     kv_channels: int | None = None  # None: hidden_size // num_attention_heads
-    seq_length: int = 256
+    seq_length: int = 256  # training sequence length
+    max_position_embeddings: int | None = None  # the model's context length (None: seq_length)
     vocab_size: int | None = None  # None: taken from the tokenizer
     make_vocab_size_divisible_by: int = 128
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
@@ -50,11 +51,16 @@ class ModelConfig:
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
-    rope_scaling: bool = False  # Llama-3.1 frequency scaling
+    rope_scaling: bool = False  # Llama-3 ("llama3") RoPE frequency scaling
     rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     share_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False  # per-head norm of queries and keys (model.normalization, before RoPE)
+    sliding_window: int | None = None  # attention window of the model; training needs seq_length <= it
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02

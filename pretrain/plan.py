@@ -135,6 +135,8 @@ def layer_parameters(m: Any, tp: int, index: int) -> list[Param]:
     out.append(Param(f"{pre}.self_attention.linear_qkv.weight", qkv * h, linear=True))
     if m.add_bias_linear or m.add_qkv_bias:
         out.append(Param(f"{pre}.self_attention.linear_qkv.bias", qkv))
+    if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
+        out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
     out += _norm_params(f"{pre}.pre_mlp_layernorm", m)
     fc1 = (2 if m.gated_linear_unit else 1) * f // tp
     out.append(Param(f"{pre}.mlp.linear_fc1.weight", fc1 * h, linear=True))
@@ -157,7 +159,8 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
         out.append(Param("embedding.word_embeddings.weight", padded_vocab // lay.tp * m.hidden_size,
                          shared_embedding=tied and lay.pp > 1 and not post))
         if m.position_embedding_type == "learned_absolute":
-            out.append(Param("embedding.position_embeddings.weight", m.seq_length * m.hidden_size))
+            out.append(Param("embedding.position_embeddings.weight",
+                             (m.max_position_embeddings or m.seq_length) * m.hidden_size))
     per_chunk = m.num_layers // (lay.pp * lay.vp)
     for i in range(per_chunk):
         out += layer_parameters(m, lay.tp, i)

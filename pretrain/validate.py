@@ -225,9 +225,43 @@ def _precision_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
                     "TP communication overlap needs sequence parallelism", "set parallel.sequence_parallel=true")
 
 
+def length_problems(m) -> list[Problem]:
+    """The training length against the model's context: its sliding window and its learned position table.
+
+    Also checked by `data_tools convert from-hf` before it writes anything.
+    """
+    out = []
+    if m.sliding_window is not None and m.seq_length > m.sliding_window:
+        out.append(Problem(("model.seq_length", "model.sliding_window"),
+                           f"model.seq_length={m.seq_length} is longer than the model's attention window "
+                           f"model.sliding_window={m.sliding_window}: sliding-window attention is not implemented, "
+                           f"and full attention over more than {m.sliding_window} tokens is not what the model "
+                           "computes", f"set model.seq_length <= {m.sliding_window}"))
+    context = m.max_position_embeddings
+    if m.position_embedding_type == "learned_absolute" and context is not None and m.seq_length > context:
+        out.append(Problem(("model.seq_length", "model.max_position_embeddings"),
+                           f"model.seq_length={m.seq_length} is longer than the learned position table "
+                           f"(model.max_position_embeddings={context})", f"set model.seq_length <= {context}"))
+    return out
+
+
 def _model_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Model options Megatron-Core asserts on later."""
+    """Model options Megatron-Core asserts on later, and the family fields that combine."""
     m, p = cfg.model, cfg.parallel
+    r.errors.extend(length_problems(m))
+    for key in ("max_position_embeddings", "sliding_window"):
+        value = getattr(m, key)
+        if value is not None and value < 1:
+            r.error(f"model.{key}", f"model.{key}={value} must be at least 1", f"set model.{key} or null")
+    if m.rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
+        r.error(("model.rope_scaling_high_freq_factor", "model.rope_scaling_low_freq_factor"),
+                f"RoPE scaling needs model.rope_scaling_high_freq_factor={m.rope_scaling_high_freq_factor} above "
+                f"model.rope_scaling_low_freq_factor={m.rope_scaling_low_freq_factor}", "use e.g. 4 and 1 (Llama-3)")
+    if (m.position_embedding_type == "rope" and m.max_position_embeddings is not None
+            and m.seq_length > m.max_position_embeddings):
+        r.notes.append(f"model.seq_length={m.seq_length} is beyond the model's context length "
+                       f"model.max_position_embeddings={m.max_position_embeddings} (RoPE allows it; raise "
+                       "model.max_position_embeddings if the context is being extended)")
     if m.recompute_granularity == "full":
         if m.recompute_method is None:
             r.error(("model.recompute_granularity", "model.recompute_method"),

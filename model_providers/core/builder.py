@@ -52,6 +52,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         activation_func=F.silu if m.activation == "silu" else F.gelu,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -104,17 +105,19 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
             config=config,
             transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage),
             vocab_size=padded,
-            max_sequence_length=m.seq_length,
+            max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
-            rotary_base=int(m.rotary_base),
+            rotary_base=_rotary_base(m),
             rope_scaling=m.rope_scaling,
             rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=stage,
         )
+        if m.rope_scaling and hasattr(model, "rotary_pos_emb"):
+            apply_rope_scaling(model, m)
         if layout.on_gpu:
             model.cuda(torch.cuda.current_device())
         if model.post_process and padded > vocab_size:
@@ -122,6 +125,30 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         chunks.append(model)
     initialize_layout_invariant(chunks, cfg, vocab_size, padded)
     return chunks
+
+
+def _rotary_base(m) -> int | float:
+    """RoPE theta as Megatron-Core types it (int), unless it has a fraction."""
+    return int(m.rotary_base) if float(m.rotary_base).is_integer() else float(m.rotary_base)
+
+
+def apply_rope_scaling(model: GPTModel, m) -> None:
+    """Llama-3 RoPE scaling with the config's low/high frequency factors and original context.
+
+    `GPTModel` passes only the factor to `RotaryEmbedding`, whose `_apply_scaling` then uses its defaults for
+    the other three values (1, 4, 8192: Llama-3.1's). Recompute the inverse frequencies from the unscaled
+    ones with all four values, through Megatron-Core's own `_apply_scaling`.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = model.rotary_pos_emb
+    plain = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=m.rotary_percent,
+                            rotary_base=_rotary_base(m), use_cpu_initialization=True)
+    inv_freq = rope._apply_scaling(
+        plain.inv_freq, factor=m.rope_scaling_factor, low_freq_factor=m.rope_scaling_low_freq_factor,
+        high_freq_factor=m.rope_scaling_high_freq_factor,
+        original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings)
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device)
 
 
 def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:

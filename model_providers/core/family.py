@@ -32,8 +32,13 @@ class Family:
 
     # ---- HF config both ways -------------------------------------------------------------------------
 
-    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any) -> Any:
-        """A transformers config equivalent to our `ModelConfig` `m` (raises ConversionError if none is)."""
+    def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any,
+                     base: Mapping | None = None) -> Any:
+        """A transformers config equivalent to our `ModelConfig` `m` (raises ConversionError if none is).
+
+        `base`: the config.json of the HF model the checkpoint was imported from; its keys that no model field
+        decides (token ids, initializer range, keys transformers does not know) are kept (see `hf_config`).
+        """
         raise NotImplementedError
 
     def from_hf_config(self, hf_cfg: Any) -> dict:
@@ -44,6 +49,29 @@ class Family:
         """config.json content for an exported model (default: transformers' own diff dict)."""
         return hf_cfg.to_diff_dict()
 
+    def export_config_json(self, hf_cfg: Any, original: Mapping | None) -> tuple[dict, list[str]]:
+        """config.json for export, and the keys in which it departs from `original` (the imported one).
+
+        When transformers reads `original` as the same configuration as `hf_cfg` (built from our model fields on
+        top of `original`), `original` is written back unchanged but for the dtype: every key, spelling and
+        value of the released model survives (e.g. a `sliding_window` transformers ignores). Otherwise
+        `config_json(hf_cfg)` is written and the differing keys are returned.
+        """
+        if not original:
+            return self.config_json(hf_cfg), []
+        ours, theirs = _comparable(hf_cfg), _comparable(type(hf_cfg).from_dict(dict(original)))
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        if differ:
+            return self.config_json(hf_cfg), differ
+        out = dict(original)
+        dtype = str(hf_cfg.dtype).removeprefix("torch.")
+        for key in ("torch_dtype", "dtype"):
+            if key in out:
+                out[key] = dtype
+        if "torch_dtype" not in out:
+            out["dtype"] = dtype
+        return out, []
+
     # ---- helpers for subclasses and the HF bridge -----------------------------------------------------
 
     def require_fixed_fields(self, m: Any) -> None:
@@ -52,11 +80,30 @@ class Family:
         for key, expected in self.fixed_fields.items():
             require(m, key, expected, self.hf_architecture)
 
+    @staticmethod
+    def hf_config(cls: type, arch: dict, *, bos: int | None, eos: int | None, base: Mapping | None) -> Any:
+        """`cls(...)` from our architecture kwargs `arch` over `base`'s other keys over the tokenizer's ids."""
+        kept = {k: v for k, v in (base or {}).items() if k not in _DERIVED_HF_KEYS}
+        return cls(**{"bos_token_id": bos, "eos_token_id": eos, **kept, **arch})
+
     def ignored_patterns(self) -> list[re.Pattern]:
         return [re.compile(p) for p in self.hf_ignored]
 
     def matches_hf(self, hf_cfg: Any) -> bool:
         return getattr(hf_cfg, "model_type", None) == self.hf_model_type
+
+
+# config.json keys that our fields (or transformers) derive: never taken from an imported config.json.
+_DERIVED_HF_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "dtype", "torch_dtype", "transformers_version",
+                    "_name_or_path", "model_type")
+
+
+def _comparable(hf_cfg: Any) -> dict:
+    """A transformers config as a dict, without the keys that do not describe the model."""
+    out = hf_cfg.to_dict()
+    for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+        out.pop(key, None)
+    return out
 
 
 def require(m: Any, key: str, expected: Any, arch: str) -> None:

@@ -55,12 +55,15 @@ class SequenceParallelNorm:
 def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
     """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
     if use_te:
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         norm = None  # TransformerBlock picks TENorm itself
     else:
-        layer = get_gpt_layer_local_spec(normalization=config.normalization)
+        layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+        if config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
+            layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
+            layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
         norm = SequenceParallelNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if norm is None:

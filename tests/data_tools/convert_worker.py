@@ -1,6 +1,6 @@
 """Megatron side of the HF bridge tests, in its own 1-rank gloo process:
 
-    python convert_worker.py logits CKPT_DIR TOKENS.pt OUT.pt
+    python convert_worker.py logits CKPT_DIR TOKENS.pt OUT.pt [CKPT_DIR TOKENS.pt OUT.pt ...]
     python convert_worker.py memory HF_DIR WORK_DIR
 
 `logits` builds the checkpoint's model at TP1/PP1 from its run_config.yaml, loads the weights with the
@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
+def megatron_logits(*jobs: str) -> None:
+    """jobs: CKPT_DIR TOKENS.pt OUT.pt, repeated; all in this one process."""
     from data_tools.convert import CheckpointReader
     from model_providers.core.builder import build_model
     from pretrain import checkpointing
@@ -28,25 +29,26 @@ def megatron_logits(ckpt_dir: str, tokens_file: str, out_file: str) -> None:
     from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
 
-    path = checkpointing.resolve_checkpoint(ckpt_dir)
-    tree = checkpointing.read_saved_config(path)
-    tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False)
-    rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
-    tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
-    cfg = config_from_dict(tree)
-    vocab = resolve_vocab_size(cfg)
     init_distributed()
     try:
-        layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
-        init_model_parallel(layout, cfg.train.seed)
-        model = build_model(cfg, layout)
-        checkpointing.load_checkpoint(cfg, model, None, None, path, weights_only=True)
-        tokens = torch.load(tokens_file, weights_only=True)
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        model[0].eval()
-        with torch.no_grad():
-            logits = model[0](tokens, positions, None)
-        torch.save(logits[..., :vocab].float().contiguous(), out_file)
+        for ckpt_dir, tokens_file, out_file in zip(jobs[0::3], jobs[1::3], jobs[2::3]):
+            path = checkpointing.resolve_checkpoint(ckpt_dir)
+            tree = checkpointing.read_saved_config(path)
+            tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False)
+            rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
+            tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
+            cfg = config_from_dict(tree)
+            vocab = resolve_vocab_size(cfg)
+            layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
+            init_model_parallel(layout, cfg.train.seed)
+            model = build_model(cfg, layout)
+            checkpointing.load_checkpoint(cfg, model, None, None, path, weights_only=True)
+            tokens = torch.load(tokens_file, weights_only=True)
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            model[0].eval()
+            with torch.no_grad():
+                logits = model[0](tokens, positions, None)
+            torch.save(logits[..., :vocab].float().contiguous(), out_file)
     finally:
         shutdown()
 
@@ -64,7 +66,7 @@ def memory(hf_dir: str, work: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "logits":
-        megatron_logits(*sys.argv[2:5])
+        megatron_logits(*sys.argv[2:])
     elif sys.argv[1] == "memory":
         memory(*sys.argv[2:4])
     else:

@@ -1,0 +1,54 @@
+"""Qwen2 family (Qwen2 / Qwen2.5): Llama's architecture with biases on the q, k and v projections.
+
+The small Qwen2.5 models tie the embeddings. `use_sliding_window` (off in every released Qwen2.5) becomes
+`model.sliding_window`, with the same rule as Mistral's: training needs `model.seq_length <= sliding_window`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from model_providers.llama import _FIXED as _LLAMA_FIXED
+from model_providers.llama import MAPPING, QKV_BIAS, ROTARY_BUFFERS, LlamaFamily
+
+_FIXED = {**_LLAMA_FIXED, "add_qkv_bias": True}
+_COMMON = {"family": "qwen2", **_FIXED, "hidden_dropout": 0.0, "attention_dropout": 0.0, "layernorm_epsilon": 1e-6,
+           "rotary_base": 1000000.0, "seq_length": 4096}
+_QWEN25 = {**_COMMON, "vocab_size": 152064, "max_position_embeddings": 131072,
+           "share_embeddings_and_output_weights": False}
+
+PRESETS: dict[str, dict] = {
+    "tiny_qwen2": {**_COMMON, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 352, "num_attention_heads": 8,
+                   "num_query_groups": 2, "seq_length": 128, "share_embeddings_and_output_weights": True},
+    "qwen25_0p5b": {**_COMMON, "num_layers": 24, "hidden_size": 896, "ffn_hidden_size": 4864,
+                    "num_attention_heads": 14, "num_query_groups": 2, "vocab_size": 151936,
+                    "max_position_embeddings": 32768, "share_embeddings_and_output_weights": True},
+    "qwen25_7b": {**_QWEN25, "num_layers": 28, "hidden_size": 3584, "ffn_hidden_size": 18944,
+                  "num_attention_heads": 28, "num_query_groups": 4},
+    "qwen25_72b": {**_QWEN25, "num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 29568,
+                   "num_attention_heads": 64, "num_query_groups": 8},
+}
+
+
+class Qwen2Family(LlamaFamily):
+    """Qwen2ForCausalLM: a Llama with q/k/v biases (not on o_proj)."""
+
+    config_class: ClassVar[str] = "Qwen2Config"
+    has_head_dim: ClassVar[bool] = False  # Qwen2Attention reads `head_dim` when present, else hidden / heads
+
+    def hf_extra(self, m: Any) -> dict:
+        return {"use_sliding_window": m.sliding_window is not None, "sliding_window": m.sliding_window}
+
+    def fields_from_hf(self, cfg: Any) -> dict:
+        return {"sliding_window": cfg.sliding_window}  # transformers sets it to None without use_sliding_window
+
+
+FAMILY = Qwen2Family(
+    name="qwen2",
+    hf_architecture="Qwen2ForCausalLM",
+    hf_model_type="qwen2",
+    presets=PRESETS,
+    fixed_fields=_FIXED,
+    mapping=(*MAPPING, QKV_BIAS),
+    hf_ignored=ROTARY_BUFFERS,
+)

@@ -1,0 +1,128 @@
+"""Tiny HF models of every family, written as released models are (config.json in the released style, tokenizer
+files, generation_config.json), for the HF bridge tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# One config.json per family in the style of the released files (pre-v5 `rope_theta`/`rope_scaling`, `torch_dtype`,
+# keys transformers drops or normalises), tiny: 2 layers, GQA. Vocabularies are not multiples of 256, so the
+# padding differs between TP1 (import) and TP2 (training).
+CONFIGS: dict[str, dict] = {
+    # Llama-3.2 style: tied embeddings, explicit head_dim, Llama-3 RoPE scaling with non-default low/high/original.
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 96, "max_position_embeddings": 4096, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "rope_scaling": {"factor": 16.0, "high_freq_factor": 8.0, "low_freq_factor": 2.0,
+                         "original_max_position_embeddings": 1024, "rope_type": "llama3"},
+        "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 32003,
+    },
+    # Mistral-7B-v0.1 style: a sliding window (the training length must stay within it).
+    "mistral": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 512,
+        "model_type": "mistral", "num_attention_heads": 8, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 64, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32005,
+    },
+    # Qwen2.5-0.5B style: q/k/v biases, tied embeddings, a sliding_window transformers ignores (use_sliding_window
+    # false), a key transformers does not know (use_mrope).
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 50256, "eos_token_id": 50256,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 160,
+        "max_position_embeddings": 32768, "max_window_layers": 2, "model_type": "qwen2", "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "float32",
+        "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+        "vocab_size": 50304,
+    },
+    # Qwen3 style: QK-norm, head_dim 32 with hidden 64 / 4 heads, untied.
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 50256, "eos_token_id": 50256, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64,
+        "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 40960, "max_window_layers": 2,
+        "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 50260,
+    },
+}
+FAMILIES = tuple(CONFIGS)
+# The training length each family is imported with (Mistral: within its sliding window).
+SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64}
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+# Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
+TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe"}
+
+
+def tokenizer_files(kind: str, directory: Path) -> Path:
+    """A transformers tokenizer directory (with a chat template) from the embedded tokenizer files."""
+    from transformers import AutoTokenizer
+
+    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+
+    source = directory.with_name(directory.name + "_source")
+    source.mkdir(parents=True)
+    if kind == "sentencepiece":
+        (source / "tokenizer.model").write_bytes(Path(MISTRAL_TOKENIZER).read_bytes())
+        (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    else:
+        (source / "vocab.json").write_bytes(Path(GPT2_VOCAB).read_bytes())
+        (source / "merges.txt").write_bytes(Path(GPT2_MERGES).read_bytes())
+        (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(directory))
+    if kind == "sentencepiece":
+        (directory / "tokenizer.model").write_bytes(Path(MISTRAL_TOKENIZER).read_bytes())
+    return directory
+
+
+def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1) -> Path:
+    """A random transformers model of `family` saved as a released model directory is."""
+    from transformers import AutoConfig
+
+    from data_tools.convert import write_random_hf
+
+    config = CONFIGS[family]
+    hf_cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    write_random_hf(directory, hf_cfg, seed=seed, std=0.05)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in tokenizers[TOKENIZER[family]].iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    bos, eos = config["bos_token_id"], config["eos_token_id"]
+    bos_text = "<s>" if TOKENIZER[family] == "sentencepiece" else "<|endoftext|>"
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": bos_text, "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False}}, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": bos, "eos_token_id": [eos], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+         "transformers_version": config["transformers_version"]}, indent=2) + "\n")
+    return directory
+
+
+def hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch.float32).eval()
+
+
+def safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def non_weight_files(directory: Path) -> dict[str, bytes]:
+    """Every file of an HF directory but the weights and their index."""
+    return {p.name: p.read_bytes() for p in directory.iterdir()
+            if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}

@@ -1,0 +1,283 @@
+"""Every HF family both ways through `python -m data_tools convert` and the trainer: a released-style model
+(tiny, random weights, GQA, tokenizer files) → from-hf → to-hf is the same model directory (weights bit-identical,
+config.json, tokenizer and generation files byte-equal); training from it at TP2 and at PP2 with lr 0 reproduces
+transformers' loss at every step; the export of a trained run loads in AutoModelForCausalLM, gives Megatron's
+logits and generates; bad input is refused with one line naming the field and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tools.convert import main
+from data_tools.hf_assets import ASSET_DIR
+
+from .hf_families import (
+    CONFIGS,
+    FAMILIES,
+    SEQ_LENGTH,
+    TOKENIZER,
+    hf_model,
+    non_weight_files,
+    safetensors_dir,
+    tokenizer_files,
+    write_hf_model,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("convert_worker.py")
+TRAIN_WORKER = Path(__file__).with_name("train_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def convert(*args: str) -> None:
+    assert main([*args, "--no-progress"]) == 0, args
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: tokenizer_files(kind, root / kind) for kind in ("sentencepiece", "bpe")}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory, tokenizers) -> dict[str, tuple[Path, Path]]:
+    """family → (HF model directory, checkpoint imported from it at TP1 with the family's training length)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for family in FAMILIES:
+        src = write_hf_model(family, root / f"hf_{family}", tokenizers)
+        ckpt = root / f"ckpt_{family}"
+        convert("from-hf", "--hf", str(src), "--output", str(ckpt), f"model.seq_length={SEQ_LENGTH[family]}")
+        out[family] = (src, ckpt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def embedded_corpus_by_tokenizer(tmp_path_factory):
+    """A function (tokenizer kind, tokenizer dir) → the embedded corpus preprocessed with it (made once per kind)."""
+    from data_tools.preprocess import preprocess
+
+    from .conftest import corpus_texts, write_jsonl
+
+    root = tmp_path_factory.mktemp("corpus")
+    corpus = write_jsonl(root / "corpus.jsonl", corpus_texts())
+    made: dict[str, str] = {}
+
+    def prefix(kind: str, tokenizer_dir: Path) -> str:
+        if kind not in made:
+            preprocess([str(corpus)], str(root / kind), "huggingface", str(tokenizer_dir), append_eod=True, workers=1)
+            made[kind] = f"{root / kind}_text_document"
+        return made[kind]
+
+    return prefix
+
+
+def assert_same_model_directory(exported: Path, original: Path) -> None:
+    """Weights bit-identical (names, dtypes, values) and every other file byte-equal."""
+    ours, theirs = safetensors_dir(exported), safetensors_dir(original)
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+    files, want = non_weight_files(exported), non_weight_files(original)
+    assert sorted(files) == sorted(want)
+    for name, data in want.items():
+        assert files[name] == data, name
+
+
+# --------------------------------------------------------------------------------------------------
+# Round trip
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_gives_the_same_model_directory(tmp_path, imported, family):
+    src, ckpt = imported[family]
+    assert sorted(p.name for p in (ckpt / ASSET_DIR).iterdir()) == sorted(non_weight_files(src))
+    convert("to-hf", "--checkpoint", str(ckpt), "--output", str(tmp_path / "back"))
+    assert_same_model_directory(tmp_path / "back", src)
+
+    # Another dtype: the weights are cast, config.json changes in its dtype and nothing else.
+    convert("to-hf", "--checkpoint", str(ckpt), "--output", str(tmp_path / "bf16"), "--dtype", "bf16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config == {**CONFIGS[family], "torch_dtype": "bfloat16"}
+    original = safetensors_dir(src)
+    for name, t in safetensors_dir(tmp_path / "bf16").items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_from_the_model_fields_alone_means_the_same(tmp_path, imported, family):
+    """Without the imported config.json, the one generated from the model fields is read by transformers as the
+    original in every key but the ones no model field decides (token ids, initializer range, unknown keys)."""
+    from transformers import AutoConfig
+
+    src, ckpt = imported[family]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    (copy / ASSET_DIR / "config.json").unlink()
+    convert("to-hf", "--checkpoint", str(copy), "--output", str(tmp_path / "hf"))
+    ours = AutoConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True).to_dict()
+    theirs = AutoConfig.from_pretrained(str(src), local_files_only=True).to_dict()
+    differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
+    assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope"}, differ
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------
+
+def _edit_config(src: Path, **changes) -> None:
+    config = {**json.loads((src / "config.json").read_text()), **changes}
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(src: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for f in src.glob("*.safetensors"):
+        save_file(edit(load_file(str(f))), str(f))
+
+
+BAD = {
+    "unsupported architecture": ("llama", lambda s: _edit_config(s, model_type="gemma", architectures=[
+        "GemmaForCausalLM"]), "config.json: model_type 'gemma' (GemmaForCausalLM) is not supported"),
+    "unsupported rope type": ("llama", lambda s: _edit_config(s, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+        "config.json: rope_scaling type 'yarn' is not supported (supported: default, llama3)"),
+    "sliding window": ("mistral", None, "[model.seq_length, model.sliding_window] model.seq_length=512 is longer "
+                       "than the model's attention window model.sliding_window=64"),
+    "qwen3 output bias": ("qwen3", lambda s: _edit_config(s, attention_bias=True),
+                          "config.json: attention_bias=true (biases on q/k/v/o_proj) is not supported"),
+    "missing tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
+        k: v for k, v in w.items() if k != "model.layers.1.self_attn.k_proj.bias"}),
+        "HF tensor 'model.layers.1.self_attn.k_proj.bias' is missing"),
+    "extra tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
+        **w, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
+        "HF tensor 'model.layers.0.self_attn.q_norm.weight' is not in the qwen2 HF mapping"),
+    "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
+        **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
+        "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
+}
+
+
+def test_bad_input_is_one_line_naming_the_field(tmp_path, tokenizers, capsys):
+    for case, (family, edit, message) in BAD.items():
+        src = write_hf_model(family, tmp_path / f"hf_{family}_{len(list(tmp_path.iterdir()))}", tokenizers)
+        if edit is not None:
+            edit(src)
+        out = tmp_path / "out" / "ckpt"
+        capsys.readouterr()
+        assert main(["from-hf", "--hf", str(src), "--output", str(out), "--no-progress"]) == 1, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("[convert] error: ") and message in err[0], (case, err)
+        assert not out.exists() and not (out.parent.exists() and any(out.parent.iterdir())), case
+
+
+# --------------------------------------------------------------------------------------------------
+# Continued pretraining at TP2 and PP2, export of a trained run
+# --------------------------------------------------------------------------------------------------
+
+
+def _hf_step_losses(src: Path, cfg, steps: int) -> list[float]:
+    """transformers' loss on each global batch the trainer reads (the run's own dataset and tokenizer)."""
+    from torch.nn.functional import cross_entropy
+
+    from pretrain.data import build_datasets, build_tokenizer
+
+    t = cfg.train
+    train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)
+    model = hf_model(src)
+    losses = []
+    for step in range(steps):
+        samples = [train[step * t.global_batch_size + i] for i in range(t.global_batch_size)]
+        tokens, labels = (torch.stack([s[k] for s in samples]) for k in ("tokens", "labels"))
+        mask = torch.stack([s["loss_mask"] for s in samples]).float().reshape(-1)
+        with torch.no_grad():
+            logits = model(tokens).logits
+        per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        losses.append((per_token * mask).sum().item() / mask.sum().item())
+    return losses
+
+
+def _step_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in sorted((r for r in records if "loss" in r), key=lambda r: r["step"])]
+
+
+@pytest.mark.slow
+def test_continued_pretraining_matches_transformers_and_exports(tmp_path, imported, embedded_corpus_by_tokenizer):
+    from pretrain.config import load_config
+
+    steps = 2
+    common = [f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.min_lr=0",
+              "optimizer.warmup_steps=0", "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}"]
+    layouts = {"tp2": ["parallel.tensor=2", "optimizer.lr=0"], "pp2": ["parallel.pipeline=2", "optimizer.lr=0"],
+               "trained": ["parallel.tensor=2", "optimizer.lr=1e-3"]}
+    jobs, runs = [], {}
+    for family in FAMILIES:
+        src, ckpt = imported[family]
+        prefix = embedded_corpus_by_tokenizer(TOKENIZER[family], ckpt / ASSET_DIR)
+        for name, layout in layouts.items():
+            run_dir = tmp_path / f"{family}_{name}"
+            overrides = [f"run.dir={run_dir}", f"checkpoint.pretrained={ckpt}", f"data.blend=[{prefix}]", *common,
+                         *layout]
+            jobs.append([str(ckpt / "run_config.yaml"), overrides])
+            runs[family, name] = (run_dir, overrides)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(TRAIN_WORKER), str(tmp_path / "jobs.json")], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    report = {}
+    for family in FAMILIES:
+        src, ckpt = imported[family]
+        run_dir, overrides = runs[family, "tp2"]
+        hf = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
+        for name in ("tp2", "pp2"):
+            got = _step_losses(runs[family, name][0])
+            rel = max(abs(a - b) / abs(b) for a, b in zip(got, hf))
+            report[family, name] = rel
+            print(f"{family} {name}: losses {got} vs transformers {hf}: max relative diff {rel:.2e}")
+            assert len(got) == steps and rel <= 1e-5, (family, name, got, hf)
+        # lr 0 at TP2 (vocabulary padded for TP2, imported at TP1): the export is the imported model again.
+        convert("to-hf", "--checkpoint", str(run_dir), "--output", str(tmp_path / f"{family}_tp2_hf"))
+        assert_same_model_directory(tmp_path / f"{family}_tp2_hf", src)
+
+    # The trained runs (lr 1e-3, TP2): transformers loads the export and gives the Megatron model's logits.
+    args, tokens = [], {}
+    for family in FAMILIES:
+        tokens[family] = torch.randint(0, CONFIGS[family]["vocab_size"], (2, SEQ_LENGTH[family]),
+                                       generator=torch.Generator().manual_seed(3))
+        torch.save(tokens[family], tmp_path / f"{family}_tokens.pt")
+        args += [str(runs[family, "trained"][0]), str(tmp_path / f"{family}_tokens.pt"),
+                 str(tmp_path / f"{family}_logits.pt")]
+        convert("to-hf", "--checkpoint", str(runs[family, "trained"][0]), "--output", str(tmp_path / f"{family}_hf"))
+    r = subprocess.run([sys.executable, str(WORKER), "logits", *args], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for family in FAMILIES:
+        exported = tmp_path / f"{family}_hf"
+        assert not torch.equal(safetensors_dir(exported)["model.norm.weight"],
+                               safetensors_dir(imported[family][0])["model.norm.weight"])  # it did train
+        model = hf_model(exported)
+        with torch.no_grad():
+            got = model(tokens[family]).logits
+        ref = torch.load(tmp_path / f"{family}_logits.pt", weights_only=True)
+        diff = (got - ref).abs().max().item()
+        report[family, "export"] = diff
+        print(f"{family} trained at TP2 → to-hf: transformers vs Megatron logits max abs diff {diff:.2e}")
+        assert got.shape == ref.shape and diff <= 1e-4, family
+        generated = model.generate(tokens[family][:1, :8], max_new_tokens=4, do_sample=False)
+        assert generated.shape == (1, 12)
+    print("family | loss TP2 | loss PP2 | export logits")
+    for family in FAMILIES:
+        print(f"{family} | {report[family, 'tp2']:.1e} | {report[family, 'pp2']:.1e} | {report[family, 'export']:.1e}")
