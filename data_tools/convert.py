@@ -762,7 +762,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, help="iteration to export (default: the latest)")
     p.add_argument("--output", required=True, help="HF model directory to create")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: as stored)")
-    p.add_argument("--tokenizer", help="HF tokenizer dir / tokenizer.json / tokenizer.model (default: the run's)")
+    p.add_argument("--tokenizer", help="HF tokenizer dir / tokenizer.json / tokenizer.model (default: the imported "
+                                       "HF model's files, else the run's tokenizer)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors shard (default 5 GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--no-progress", action="store_true")

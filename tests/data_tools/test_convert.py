@@ -222,7 +222,7 @@ def test_memory_is_bounded_by_the_largest_tensor(tmp_path, tokenizer_dir):
 
 
 # --------------------------------------------------------------------------------------------------
-# Trained at TP2 × PP2 (× VP2) → transformers; HF → continued pretraining at TP2
+# Trained at TP2 × PP2 (× VP2) → transformers (continued pretraining per family: test_hf_families.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -254,33 +254,3 @@ def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, layout
     diff = (got - ref).abs().max().item()
     print(f"{preset} {' '.join(layout)}: Megatron vs transformers logits max abs diff {diff:.3g}")
     assert got.shape == ref.shape and diff <= 1e-4
-
-
-@pytest.mark.slow
-def test_from_hf_continues_pretraining_at_tp2(tmp_path, tokenizer_dir):
-    from torch.nn.functional import cross_entropy
-
-    from pretrain.config import load_config
-    from pretrain.data import build_datasets, build_tokenizer
-
-    src = random_llama(tmp_path / "hf", tokenizer_dir, max_position_embeddings=64)
-    ckpt = tmp_path / "ckpt"
-    import_from_hf(src, ckpt, progress=False)
-    run_dir = tmp_path / "run"
-    overrides = [f"checkpoint.pretrained={ckpt}", "data.mock=true", "train.global_batch_size=4",
-                 "train.micro_batch_size=2", "optimizer.warmup_steps=0"]
-    torchrun(2, str(ckpt / "run_config.yaml"), run_dir, "parallel.tensor=2", *overrides)
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    loss = next(x["loss"] for x in metrics if x.get("step") == 1 and "loss" in x)
-
-    cfg = load_config(ckpt / "run_config.yaml", [f"run.dir={run_dir}", *overrides])
-    train, _ = build_datasets(cfg, build_tokenizer(cfg.data), 2 * 4)
-    samples = [train[i] for i in range(4)]
-    tokens = torch.stack([s["tokens"] for s in samples])
-    labels = torch.stack([s["labels"] for s in samples])
-    mask = torch.stack([s["loss_mask"] for s in samples]).float()
-    logits = hf_logits(src, tokens)
-    per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    hf_loss = (per_token * mask.reshape(-1)).sum().item() / mask.sum().item()
-    print(f"step-1 loss at TP2 {loss:.6f}, HF loss on the same batch {hf_loss:.6f}")
-    assert abs(loss - hf_loss) <= 1e-4 * abs(hf_loss)

@@ -87,3 +87,113 @@ def test_a_new_family_is_one_new_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "model.family=nope"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "model.family='nope' is not one of " in bad.stderr and ", toy" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Released models: presets against their config.json and published parameter counts
+# --------------------------------------------------------------------------------------------------
+
+# config.json of released models (architecture keys as published).
+RELEASED = {
+    "llama32_1b": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {
+            "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+            "rope_type": "llama3"}, "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "use_cache": True, "vocab_size": 128256},
+    "mistral_7b": {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000},
+    "qwen25_7b": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+        "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_mrope": False, "use_sliding_window": False, "vocab_size": 152064},
+    "qwen3_8b": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+}
+# Parameter counts as published (model cards / the Hub), in billions, with the digits given there.
+PUBLISHED = {"llama32_1b": "1.24", "llama32_3b": "3.21", "mistral_7b": "7.24", "mistral_7b_v03": "7.25",
+             "qwen25_0p5b": "0.49", "qwen25_7b": "7.62", "qwen25_72b": "72.7", "qwen3_0p6b": "0.6",
+             "qwen3_8b": "8.19", "qwen3_32b": "32.8"}
+_ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "layernorm_epsilon", "rotary_base", "rope_scaling", "share_embeddings_and_output_weights", "vocab_size",
+                "max_position_embeddings", "sliding_window", "add_qkv_bias", "qk_layernorm", "family")
+
+
+def _head_dim(fields) -> int:
+    get = fields.get if isinstance(fields, dict) else lambda k: getattr(fields, k)
+    return get("kv_channels") or get("hidden_size") // get("num_attention_heads")
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASED))
+def test_preset_is_the_released_config(tmp_path, preset):
+    """The released config.json imports as the preset, and the preset exports as what transformers reads from it."""
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[preset]))
+    released = AutoConfig.from_pretrained(str(tmp_path), local_files_only=True)
+    m = load_config(None, [f"model.preset={preset}"]).model
+    family = family_for_hf(released)
+    fields = family.from_hf_config(released)
+    assert family.name == m.family and _head_dim(fields) == _head_dim(m)
+    assert {k: fields[k] for k in _ARCH_FIELDS} == {k: getattr(m, k) for k in _ARCH_FIELDS}
+    if m.rope_scaling:
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            suffix = "" if key == "factor" else "_" + key
+            assert fields[f"rope_scaling{suffix}"] == getattr(m, f"rope_scaling{suffix}")
+    ours = family.to_hf_config(m, m.vocab_size, bos=released.bos_token_id, eos=released.eos_token_id,
+                               dtype=torch.bfloat16).to_dict()
+    theirs = released.to_dict()
+    differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
+    assert differ <= {"_name_or_path", "transformers_version", "max_window_layers", "use_mrope"}, differ
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_preset_parameter_count_matches_published(preset):
+    """The planner's count equals the transformers model's (built on the meta device) and rounds to the
+    published figure."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.plan import count_parameters
+
+    cfg = load_config(None, [f"model.preset={preset}"])
+    m = cfg.model
+    ours = count_parameters(cfg, m.vocab_size)
+    hf_cfg = get_family(m.family).to_hf_config(m, m.vocab_size, bos=None, eos=None, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
+    digits = len(PUBLISHED[preset].split(".")[1])
+    print(f"{preset}: {ours:,} parameters ({ours / 1e9:.{digits}f}B; published {PUBLISHED[preset]}B)")
+    assert ours == theirs
+    assert f"{ours / 1e9:.{digits}f}" == PUBLISHED[preset]
+
+
+def test_every_preset_goes_to_transformers_and_back():
+    """Each preset of each HF family: model fields → transformers config → model fields (the training length,
+    a training setting, aside)."""
+    for name in all_presets():
+        m = load_config(None, [f"model.preset={name}"]).model
+        family = get_family(m.family)
+        vocab = m.vocab_size or 32000
+        fields = family.from_hf_config(family.to_hf_config(m, vocab, bos=1, eos=2, dtype=torch.float32))
+        for key, value in fields.items():
+            if key in ("seq_length", "kv_channels", "vocab_size") or (key == "max_position_embeddings"
+                                                                      and m.max_position_embeddings is None):
+                continue
+            assert value == getattr(m, key), (name, key, value, getattr(m, key))
+        assert _head_dim(fields) == _head_dim(m), name

@@ -68,6 +68,17 @@ CASES = [
     (["optimizer.decay_style=WSD"], 1,
      "[optimizer.decay_style, optimizer.wsd_decay_steps] WSD decay needs optimizer.wsd_decay_steps. Fix: set "
      "optimizer.wsd_decay_steps (e.g. 10% of train.steps)"),
+    (["model.preset=tiny_mistral", "model.sliding_window=64"], 1,
+     "[model.seq_length, model.sliding_window] model.seq_length=128 is longer than the model's attention window "
+     "model.sliding_window=64: sliding-window attention is not implemented, and full attention over more than 64 "
+     "tokens is not what the model computes. Fix: set model.seq_length <= 64"),
+    (["model.preset=tiny_gpt", "model.max_position_embeddings=64"], 1,
+     "[model.seq_length, model.max_position_embeddings] model.seq_length=128 is longer than the learned position "
+     "table (model.max_position_embeddings=64). Fix: set model.seq_length <= 64"),
+    (["model.rope_scaling=true", "model.rope_scaling_high_freq_factor=1"], 1,
+     "[model.rope_scaling_high_freq_factor, model.rope_scaling_low_freq_factor] RoPE scaling needs "
+     "model.rope_scaling_high_freq_factor=1.0 above model.rope_scaling_low_freq_factor=1.0. Fix: use e.g. 4 and 1 "
+     "(Llama-3)"),
 ]
 
 
@@ -107,6 +118,18 @@ def test_shipped_production_layouts_are_valid_on_their_clusters():
     assert problems(blend + ["model.fp8=tensorwise", "model.fp8_param_gather=true"], 64, "llama3_70b", **gpu) == []
     assert problems(blend, 8, config="llama3_8b", **gpu) == []
     assert problems([], 1) == [] and problems([], 2, config="tiny_gpt") == []
+
+
+def test_every_family_preset_is_valid_and_context_is_a_note():
+    from model_providers import all_presets
+
+    gpu = {"te_on_gpu": True, "cuda_available": True}
+    for name in all_presets():
+        assert problems(["data.blend=[/d]", f"model.preset={name}"], 1, **gpu) == [], name
+    report = validate(load_config("tiny_llama", ["model.preset=qwen3_8b", "model.seq_length=65536", "data.blend=[/d]"]),
+                      1, te_on_gpu=True, cuda_available=True)
+    assert report.ok and any("model.seq_length=65536 is beyond the model's context length "
+                             "model.max_position_embeddings=40960" in n for n in report.notes)
 
 
 def test_vocab_padding_is_reported_as_a_note():
