@@ -78,7 +78,8 @@ class GPTFamily(Family):
             raise ConversionError(f"model.kv_channels={m.kv_channels}: GPT2LMHeadModel needs heads × head_dim = hidden")
         arch = dict(
             vocab_size=vocab, n_positions=m.max_position_embeddings or m.seq_length, n_embd=m.hidden_size,
-            n_layer=m.num_layers, n_head=heads, n_inner=m.ffn_hidden_size or 4 * m.hidden_size,
+            n_layer=m.num_layers, n_head=heads,
+            n_inner=None if (m.ffn_hidden_size or 4 * m.hidden_size) == 4 * m.hidden_size else m.ffn_hidden_size,
             activation_function="gelu",  # exact erf GELU, as F.gelu
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             layer_norm_epsilon=m.layernorm_epsilon, tie_word_embeddings=m.share_embeddings_and_output_weights,
