@@ -81,10 +81,11 @@ class Family:
             require(m, key, expected, self.hf_architecture)
 
     @staticmethod
-    def hf_config(cls: type, arch: dict, *, bos: int | None, eos: int | None, base: Mapping | None) -> Any:
-        """`cls(...)` from our architecture kwargs `arch` over `base`'s other keys over the tokenizer's ids."""
+    def hf_config(config_class: type, arch: dict, *, bos: int | None, eos: int | None, base: Mapping | None) -> Any:
+        """A transformers config: our architecture kwargs `arch`, over the other keys of `base` (an imported
+        config.json), over the tokenizer's token ids."""
         kept = {k: v for k, v in (base or {}).items() if k not in _DERIVED_HF_KEYS}
-        return cls(**{"bos_token_id": bos, "eos_token_id": eos, **kept, **arch})
+        return config_class(**{"bos_token_id": bos, "eos_token_id": eos, **kept, **arch})
 
     def ignored_patterns(self) -> list[re.Pattern]:
         return [re.compile(p) for p in self.hf_ignored]
