@@ -256,7 +256,7 @@ def _model_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
     if m.rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         r.error(("model.rope_scaling_high_freq_factor", "model.rope_scaling_low_freq_factor"),
                 f"RoPE scaling needs model.rope_scaling_high_freq_factor={m.rope_scaling_high_freq_factor} above "
-                f"model.rope_scaling_low_freq_factor={m.rope_scaling_low_freq_factor}", "use e.g. 4 and 1 (Llama-3)")
+                f"model.rope_scaling_low_freq_factor={m.rope_scaling_low_freq_factor}", "use e.g. 4 (high) and 1 (low)")
     if (m.position_embedding_type == "rope" and m.max_position_embeddings is not None
             and m.seq_length > m.max_position_embeddings):
         r.notes.append(f"model.seq_length={m.seq_length} is beyond the model's context length "

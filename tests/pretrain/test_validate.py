@@ -77,8 +77,8 @@ CASES = [
      "table (model.max_position_embeddings=64). Fix: set model.seq_length <= 64"),
     (["model.rope_scaling=true", "model.rope_scaling_high_freq_factor=1"], 1,
      "[model.rope_scaling_high_freq_factor, model.rope_scaling_low_freq_factor] RoPE scaling needs "
-     "model.rope_scaling_high_freq_factor=1.0 above model.rope_scaling_low_freq_factor=1.0. Fix: use e.g. 4 and 1 "
-     "(Llama-3)"),
+     "model.rope_scaling_high_freq_factor=1.0 above model.rope_scaling_low_freq_factor=1.0. Fix: use e.g. 4 (high) "
+     "and 1 (low)"),
 ]
 
 
