@@ -1,0 +1,85 @@
+"""Parameter census: every parameter of one rank's model chunks, named and sized as Megatron-Core's local
+spec registers them (the Transformer Engine spec holds the same elements)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pretrain.config import Config
+from pretrain.planner.common import Layout
+
+
+@dataclass
+class Param:
+    name: str
+    numel: int
+    linear: bool = False  # a transformer-layer GEMM weight (FP8-cast by Transformer Engine)
+    shared_embedding: bool = False  # Megatron puts it in its own bucket with the distributed optimizer
+
+
+def _norm_params(prefix: str, m: Any) -> list[Param]:
+    out = [Param(f"{prefix}.weight", m.hidden_size)]
+    if m.normalization == "LayerNorm":
+        out.append(Param(f"{prefix}.bias", m.hidden_size))
+    return out
+
+
+def layer_parameters(m: Any, tp: int, index: int) -> list[Param]:
+    """One decoder layer's parameters on one TP rank, in Megatron's local-spec registration order."""
+    h, a = m.hidden_size, m.num_attention_heads
+    g = m.num_query_groups or a
+    d = m.kv_channels or h // a
+    f = m.ffn_hidden_size or 4 * h
+    pre = f"decoder.layers.{index}"
+    out = _norm_params(f"{pre}.input_layernorm", m)
+    out.append(Param(f"{pre}.self_attention.linear_proj.weight", h * a * d // tp, linear=True))
+    if m.add_bias_linear:
+        out.append(Param(f"{pre}.self_attention.linear_proj.bias", h))
+    qkv = (a + 2 * g) * d // tp
+    out.append(Param(f"{pre}.self_attention.linear_qkv.weight", qkv * h, linear=True))
+    if m.add_bias_linear or m.add_qkv_bias:
+        out.append(Param(f"{pre}.self_attention.linear_qkv.bias", qkv))
+    if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
+        out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
+    out += _norm_params(f"{pre}.pre_mlp_layernorm", m)
+    fc1 = (2 if m.gated_linear_unit else 1) * f // tp
+    out.append(Param(f"{pre}.mlp.linear_fc1.weight", fc1 * h, linear=True))
+    if m.add_bias_linear:
+        out.append(Param(f"{pre}.mlp.linear_fc1.bias", fc1))
+    out.append(Param(f"{pre}.mlp.linear_fc2.weight", h * f // tp, linear=True))
+    if m.add_bias_linear:
+        out.append(Param(f"{pre}.mlp.linear_fc2.bias", h))
+    return out
+
+
+def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, vp_stage: int) -> list[Param]:
+    """Parameters of one model chunk (`GPTModel`) in `named_parameters()` order."""
+    m = cfg.model
+    pre = pp_rank == 0 and vp_stage == 0
+    post = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
+    tied = m.share_embeddings_and_output_weights
+    out: list[Param] = []
+    if pre:
+        out.append(Param("embedding.word_embeddings.weight", padded_vocab // lay.tp * m.hidden_size,
+                         shared_embedding=tied and lay.pp > 1 and not post))
+        if m.position_embedding_type == "learned_absolute":
+            out.append(Param("embedding.position_embeddings.weight",
+                             (m.max_position_embeddings or m.seq_length) * m.hidden_size))
+    per_chunk = m.num_layers // (lay.pp * lay.vp)
+    for i in range(per_chunk):
+        out += layer_parameters(m, lay.tp, i)
+    if post:
+        out += _norm_params("decoder.final_layernorm", m)
+        if not (tied and pre):
+            out.append(Param("output_layer.weight", padded_vocab // lay.tp * m.hidden_size,
+                             shared_embedding=tied and not pre))
+    return out
+
+
+def count_parameters(cfg: Config, padded_vocab: int) -> int:
+    """Parameters of the whole model (one copy of tied embeddings)."""
+    lay = Layout(world=1, tp=1, pp=1, vp=1, cp=1, dp=1, sp=False, mbs=1, gbs=1, precision="bf16",
+                 distributed=False, use_te=False)
+    return sum(p.numel for p in chunk_parameters(cfg, lay, padded_vocab, 0, 0))
+

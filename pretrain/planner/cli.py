@@ -1,0 +1,60 @@
+"""`python -m pretrain plan ...`: argument parsing and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pretrain.config import ConfigError, load_config
+from pretrain.flops import PEAK_TFLOPS
+from pretrain.planner.common import DEFAULT_MFU, PlanError
+from pretrain.planner.plan import make_plan
+from pretrain.planner.report import format_plan, format_search
+from pretrain.planner.search import search
+
+DESCRIPTION = "Know before you launch: per-GPU memory, FLOPs and throughput of a config on a cluster."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pretrain plan", description=DESCRIPTION)
+    p.add_argument("config", help="YAML config (a path, or a name from pretrain/configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", choices=sorted(PEAK_TFLOPS))
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="MFU the throughput figures assume")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--search", action="store_true", help="rank every valid layout that fits")
+    p.add_argument("--top", type=int, default=5, help="layouts --search prints")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        print("plan error: --nodes and --gpus-per-node must be at least 1", file=sys.stderr)
+        return 2
+    if not 0 < args.mfu <= 1:
+        print(f"plan error: --mfu {args.mfu} must be in (0, 1]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.search:
+            everything = search(cfg, args.nodes, args.gpus_per_node, args.gpu, top=0)
+            best = everything[: args.top]
+            if args.json:
+                print(json.dumps({"layouts_considered_ok": len(everything), "top": best}, indent=1))
+            else:
+                print(format_search(best, len(everything)))
+            if not everything:
+                print(f"plan error: no layout passes validation and fits {args.nodes}×{args.gpus_per_node} "
+                      f"{args.gpu.upper()}", file=sys.stderr)
+                return 2
+            return 0
+        plan = make_plan(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu, name=str(args.config))
+    except (ConfigError, PlanError) as exc:
+        print(f"plan error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0

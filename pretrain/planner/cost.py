@@ -1,0 +1,81 @@
+"""Step-time cost model (ranks layouts for `--search`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.config import Config
+from pretrain.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS, Layout
+
+FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
+           "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
+
+
+@dataclass
+class Cost:
+    """Transparent step-time model (seconds per step)."""
+
+    compute_s: float
+    bubble_fraction: float
+    tp_comm_s: float
+    cp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        return (self.compute_s * (1 + self.bubble_fraction) + self.tp_comm_s + self.cp_comm_s
+                + self.pp_comm_s + self.dp_comm_s)
+
+
+def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_node: int,
+               params_on_rank: int) -> Cost:
+    """Step time = compute/(GEMM efficiency) × (1 + bubble) + TP + CP + PP + DP communication (no overlap).
+
+    - compute: model FLOPs per step / (world × peak × GEMM_EFFICIENCY), ×4/3 with full recompute and
+      + the core-attention share with selective recompute;
+    - bubble: (P − 1) / (V · M) of the compute;
+    - TP: 8 ring collectives per layer per microbatch (4 forward, 4 backward) of (t−1)/t · s·b·h·p bytes,
+      over NVLink (TP stays inside a node);
+    - CP: ring exchange of K and V, (cp−1) · 2·(s/cp)·b·g·d/t·p bytes per layer per microbatch, ×3 for
+      the backward;
+    - PP: each microbatch sends activations forward and gradients back once per model chunk;
+    - DP: distributed optimizer reduce-scatter (fp32 grads) + all-gather (params), (n−1)/n of the rank's
+      parameters each; without it an fp32 all-reduce (2·(n−1)/n). NVLink when the group fits in a node,
+      else the network.
+    """
+    m = cfg.model
+    p = lay.bytes_per_value
+    fp8 = bool(m.fp8)
+    peak = PEAK_TFLOPS[gpu]["fp8" if fp8 else "bf16"] * 1e12
+    f_tok = flops_per_token(m, padded_vocab)
+    compute = f_tok * lay.gbs * m.seq_length / (lay.world * peak * GEMM_EFFICIENCY)
+    h, a = m.hidden_size, m.num_attention_heads
+    d = m.kv_channels or h // a
+    g = m.num_query_groups or a
+    if m.recompute_granularity == "full":
+        compute *= 4 / 3
+    elif m.recompute_granularity == "selective":
+        core = 12 * m.num_layers * h * h * (m.seq_length / (2 * h)) * (a * d / h)
+        compute *= 1 + (core / 3) / f_tok
+    nv, net = NVLINK_GBPS[gpu] * 1e9, NETWORK_GBPS[gpu] * 1e9
+    s, b = m.seq_length // lay.cp, lay.mbs
+    mb, layers = lay.num_microbatches, m.num_layers // lay.pp
+    recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0
+    tp = mb * layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / nv
+    cp_bw = nv if lay.tp * lay.cp <= gpus_per_node else net
+    cp = mb * layers * 3 * (lay.cp - 1) * 2 * s * b * g * d // lay.tp * p / cp_bw
+    hs = s * b * h // (lay.tp if lay.sp else 1)
+    pp = 0.0
+    if lay.pp > 1:
+        pp_bw = net if lay.world > gpus_per_node else nv
+        pp = mb * lay.vp * 2 * hs * p / pp_bw
+    n = lay.dp * lay.cp
+    dp_bw = nv if lay.tp * lay.cp * lay.dp <= gpus_per_node else net
+    if lay.distributed:
+        dp = (n - 1) / n * params_on_rank * (4 + p) / dp_bw
+    else:
+        dp = 2 * (n - 1) / n * params_on_rank * 4 / dp_bw
+    bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
+    return Cost(compute, bubble, tp, cp, pp, dp)

@@ -1,0 +1,75 @@
+"""The plan of a config on a cluster, as one JSON-ready dict."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from pretrain.config import Config
+from pretrain.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.planner.census import count_parameters
+from pretrain.planner.common import (
+    DEFAULT_MFU,
+    GIB,
+    GPU_MEMORY_GIB,
+    HEADROOM,
+    PlanError,
+    check_layout,
+    layout_of,
+    padded_vocab_for,
+)
+from pretrain.planner.cost import FORMULA, cost_model
+from pretrain.planner.memory import most_loaded, rank_memory
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mfu: float = DEFAULT_MFU,
+              fused_adam: bool = True, name: str | None = None) -> dict[str, Any]:
+    """The plan of `cfg` on nodes × gpus_per_node GPUs, as one JSON-ready dict."""
+    if gpu not in PEAK_TFLOPS:
+        raise PlanError(f"unknown --gpu '{gpu}' (known: {', '.join(PEAK_TFLOPS)})")
+    world = nodes * gpus_per_node
+    use_te = cfg.model.transformer_impl != "local"
+    errors = check_layout(cfg, world, use_te)
+    if errors:
+        raise PlanError(f"layout does not pass validation on {world} GPUs: " + " | ".join(errors))
+    lay = layout_of(cfg, world, on_gpu=True, use_te=use_te)
+    vocab = padded_vocab_for(cfg)
+    m = cfg.model
+    rm = most_loaded(cfg, lay, vocab, fused_adam)
+    stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in sorted({0, lay.pp - 1})]
+    f_tok = flops_per_token(m, vocab)
+    f_step = f_tok * lay.gbs * m.seq_length
+    peak = PEAK_TFLOPS[gpu]["fp8" if m.fp8 else "bf16"]
+    tok_gpu = peak * 1e12 * mfu / f_tok
+    cost = cost_model(cfg, lay, vocab, gpu, gpus_per_node, rm.params)
+    capacity = GPU_MEMORY_GIB[gpu]
+    return {
+        "config": name or m.preset or m.family,
+        "gpu": gpu,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "world_size": world,
+        "layout": {"tensor": lay.tp, "pipeline": lay.pp, "virtual_pipeline": lay.vp if lay.vp > 1 else None,
+                   "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
+                   "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
+                   "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
+                   "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
+                   "transformer_engine": use_te},
+        "num_parameters": count_parameters(cfg, vocab),
+        "padded_vocab_size": vocab,
+        "flops_per_token": f_tok,
+        "flops_per_step": f_step,
+        "flops_formula": FORMULA,
+        "memory_gib": rm.gib(),
+        "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
+                             "microbatches_in_flight": sum(rm.in_flight.values())},
+        "stages": [{"pipeline_stage": s.pp_rank, **s.gib()} for s in stages],
+        "gpu_memory_gib": capacity,
+        "fits": rm.total / GIB <= HEADROOM * capacity,
+        "throughput": {"mfu": mfu, "peak_tflops": peak, "tflops_per_gpu": peak * mfu,
+                       "tokens_per_s_per_gpu": tok_gpu,
+                       "step_time_s": lay.gbs * m.seq_length / (tok_gpu * world)},
+        "cost_model": {**asdict(cost), "step_s": cost.step_s,
+                       "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
+                       "mfu": f_step / (cost.step_s * world * peak * 1e12)},
+    }

@@ -1,0 +1,63 @@
+"""Formatting plans and search results for people."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretrain.planner.common import HEADROOM
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as text for people."""
+    lay, mem, thr, cm = plan["layout"], plan["memory_gib"], plan["throughput"], plan["cost_model"]
+    vp = f" VP{lay['virtual_pipeline']}" if lay["virtual_pipeline"] else ""
+    lines = [
+        f"plan: {plan['config']} on {plan['nodes']} node(s) × {plan['gpus_per_node']} {plan['gpu'].upper()} "
+        f"= {plan['world_size']} GPUs",
+        f"  layout     TP{lay['tensor']} PP{lay['pipeline']}{vp} CP{lay['context']} DP{lay['data']}"
+        f"{' SP' if lay['sequence_parallel'] else ''}; micro batch {lay['micro_batch_size']}, global batch "
+        f"{lay['global_batch_size']} ({lay['num_microbatches']} microbatches); {lay['precision']}"
+        f"{' + FP8 ' + lay['fp8'] if lay['fp8'] else ''}; recompute {lay['recompute'] or 'none'}; "
+        f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer; "
+        f"{'Transformer Engine' if lay['transformer_engine'] else 'local'} spec",
+        f"  model      {plan['num_parameters']:,} parameters (padded vocabulary {plan['padded_vocab_size']:,})",
+        f"  FLOPs      {plan['flops_per_token']:.4g} per token, {plan['flops_per_step']:.4g} per step",
+        f"             {plan['flops_formula']}",
+        f"  memory per GPU (GiB), most loaded rank = pipeline stage {plan['most_loaded_rank']['pipeline_stage']} "
+        f"({plan['most_loaded_rank']['parameters']:,} parameters, "
+        f"{plan['most_loaded_rank']['microbatches_in_flight']} microbatch-chunks in flight):",
+    ]
+    header = ("stage", "weights", "gradients", "optimizer", "activations", "fp8", "buffers", "total")
+    lines.append("    " + "".join(f"{h:>12}" for h in header))
+    for st in plan["stages"]:
+        lines.append("    " + f"{st['pipeline_stage']:>12}" + "".join(f"{st[k]:>12.2f}" for k in header[1:]))
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    lines.append(f"    peak {mem['total']:.2f} GiB of {plan['gpu_memory_gib']} GiB: {verdict} "
+                 f"(keeping {100 - HEADROOM * 100:.0f}% headroom)")
+    lines.append(f"  at MFU {thr['mfu']:.0%} of {thr['peak_tflops']:.0f} TFLOP/s: "
+                 f"{thr['tflops_per_gpu']:.0f} TFLOP/s/GPU, {thr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                 f"step {thr['step_time_s']:.2f} s")
+    lines.append(f"  cost model: compute {cm['compute_s']:.2f} s × (1 + bubble {cm['bubble_fraction']:.3f}) + TP "
+                 f"{cm['tp_comm_s']:.2f} + CP {cm['cp_comm_s']:.2f} + PP {cm['pp_comm_s']:.2f} + DP "
+                 f"{cm['dp_comm_s']:.2f} s = {cm['step_s']:.2f} s/step, {cm['tokens_per_s_per_gpu']:,.0f} "
+                 f"tokens/s/GPU, MFU {cm['mfu']:.0%}")
+    return "\n".join(lines)
+
+
+
+def format_search(results: list[dict[str, Any]], total: int) -> str:
+    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4} {'MBS':>4} {'recompute':>10} " \
+             f"{'mem GiB':>8} {'bubble':>7} {'TP s':>6} {'DP s':>6} {'PP s':>6} {'CP s':>6} {'step s':>7} " \
+             f"{'tok/s/GPU':>10}"
+    lines = [f"{total} layouts pass validation and fit; best {len(results)} by the cost model:", header]
+    for i, r in enumerate(results, 1):
+        c = r["cost"]
+        lines.append(f"{i:>3} {r['tensor']:>3} {r['pipeline']:>3} {r['virtual_pipeline'] or '-':>3} "
+                     f"{r['context']:>3} {r['data']:>4} {r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
+                     f"{r['memory_gib']:>8.1f} {r['bubble_fraction']:>7.3f} {c['tp_comm_s']:>6.2f} "
+                     f"{c['dp_comm_s']:>6.2f} {c['pp_comm_s']:>6.2f} {c['cp_comm_s']:>6.2f} {r['step_s']:>7.2f} "
+                     f"{r['tokens_per_s_per_gpu']:>10,.0f}")
+    if results:
+        lines.append(f"best: {results[0]['overrides']}")
+    return "\n".join(lines)
+

@@ -1,0 +1,85 @@
+"""`--search`: every layout that passes the validator and fits, ranked by the cost model."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+from typing import Any
+
+from pretrain.config import Config
+from pretrain.flops import PEAK_TFLOPS
+from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, check_layout, layout_of, padded_vocab_for
+from pretrain.planner.cost import cost_model
+from pretrain.planner.memory import most_loaded
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: int = 5,
+           fused_adam: bool = True) -> list[dict[str, Any]]:
+    """Every layout that passes the validator and fits in memory, best first by the cost model."""
+    if gpu not in PEAK_TFLOPS:
+        raise PlanError(f"unknown --gpu '{gpu}' (known: {', '.join(PEAK_TFLOPS)})")
+    world = nodes * gpus_per_node
+    m = cfg.model
+    use_te = m.transformer_impl != "local"
+    vocab_cache: dict[int, int] = {}
+    results = []
+    tps = [t for t in _divisors(gpus_per_node) if t <= 8]
+    cps = [1, 2, 4, 8] if use_te else [1]
+    recomputes: list[tuple[str | None, str | None, int | None]] = [
+        (None, None, None), ("selective", None, None), ("full", "uniform", 1)]
+    for tp in tps:
+        for cp in cps:
+            for pp in _divisors(m.num_layers):
+                if world % (tp * cp * pp):
+                    continue
+                vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
+                for vp in vps:
+                    for mbs in (1, 2, 4):
+                        for gran, method, num in recomputes:
+                            c = copy.deepcopy(cfg)
+                            c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
+                            c.parallel.virtual_pipeline = vp
+                            c.parallel.sequence_parallel = tp > 1
+                            c.parallel.tp_comm_overlap = False
+                            c.train.micro_batch_size = mbs
+                            c.optimizer.distributed = True
+                            c.model.recompute_granularity = gran
+                            c.model.recompute_method, c.model.recompute_num_layers = method, num
+                            if check_layout(c, world, use_te):
+                                continue
+                            if tp not in vocab_cache:
+                                vocab_cache[tp] = padded_vocab_for(c)
+                            lay = layout_of(c, world, on_gpu=True, use_te=use_te)
+                            rm = most_loaded(c, lay, vocab_cache[tp], fused_adam)
+                            if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
+                                continue
+                            cost = cost_model(c, lay, vocab_cache[tp], gpu, gpus_per_node, rm.params)
+                            results.append({
+                                "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
+                                "data": lay.dp, "micro_batch_size": mbs, "sequence_parallel": tp > 1,
+                                "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
+                                "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
+                                "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
+                                "cost": {**asdict(cost)},
+                                "overrides": _overrides(c),
+                            })
+    results.sort(key=lambda r: (r["step_s"], r["memory_gib"]))
+    return results[:top] if top else results
+
+
+def _overrides(c: Config) -> str:
+    p = c.parallel
+    parts = [f"parallel.tensor={p.tensor}", f"parallel.pipeline={p.pipeline}",
+             f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
+             f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
+             f"train.micro_batch_size={c.train.micro_batch_size}", "optimizer.distributed=true"]
+    if c.model.recompute_granularity:
+        parts.append(f"model.recompute_granularity={c.model.recompute_granularity}")
+    if c.model.recompute_granularity == "full":
+        parts += [f"model.recompute_method={c.model.recompute_method}",
+                  f"model.recompute_num_layers={c.model.recompute_num_layers}"]
+    return " ".join(parts)

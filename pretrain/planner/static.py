@@ -1,0 +1,131 @@
+"""Weights, gradients and optimizer state of one rank, from Megatron-Core DDP's buffer layout."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pretrain.config import Config
+from pretrain.planner.census import Param, chunk_parameters
+from pretrain.planner.common import Layout
+
+
+@dataclass
+class Buffer:
+    """A simulated DDP `_ParamAndGradBuffer`: total elements, buckets, and each parameter's range."""
+
+    numel: int
+    buckets: list[tuple[int, int]]
+    ranges: list[tuple[int, int, int]]  # (start, end, bucket) per parameter, in buffer order
+
+
+def ddp_buffer(params: list[Param], dp_cp: int, distributed: bool, bucket_size: int | None) -> Buffer:
+    """Megatron-Core's buffer layout: parameters in reverse order; with the distributed optimizer each
+    parameter starts 64-element aligned and each bucket ends on a multiple of lcm(DP×CP, 128)."""
+
+    def pad(n: int, k: int) -> int:
+        return -(-n // k) * k
+
+    bucket_div = math.lcm(dp_cp, 128)
+    buckets: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
+    start = bucket_start = 0
+    end = 0
+    in_bucket = 0
+
+    def close(end_index: int) -> int:
+        nonlocal bucket_start, in_bucket
+        bucket_end = pad(end_index, bucket_div) if distributed else end_index
+        buckets.append((bucket_start, bucket_end))
+        bucket_start, in_bucket = bucket_end, 0
+        return bucket_end
+
+    for p in reversed(params):
+        if distributed:
+            start = pad(start, 64)
+        own_bucket = p.shared_embedding and distributed
+        if own_bucket and in_bucket:
+            start = close(start)
+        end = start + p.numel
+        ranges.append((start, end, len(buckets)))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(end)
+    total = buckets[-1][1] if buckets else 0
+    return Buffer(total, buckets, ranges)
+
+
+def optimizer_elements(buf: Buffer, dp_cp: int, distributed: bool) -> list[int]:
+    """Elements of optimizer state held by each data-parallel rank for one buffer."""
+    real = sum(e - s for s, e, _ in buf.ranges)
+    if not distributed:
+        return [real] * dp_cp
+    per_rank = [0] * dp_cp
+    for s, e, b in buf.ranges:
+        b_start, b_end = buf.buckets[b]
+        shard = (b_end - b_start) // dp_cp
+        for r in range(dp_cp):
+            lo, hi = b_start + r * shard, b_start + (r + 1) * shard
+            per_rank[r] += max(0, min(e, hi) - max(s, lo))
+    return per_rank
+
+
+@dataclass
+class StaticMemory:
+    """Bytes of weights, gradients and optimizer state on one rank (all of its chunks)."""
+
+    params: int  # parameter elements (unpadded)
+    weights: int
+    gradients: int
+    optimizer_moments: int
+    optimizer_main_params: int
+    fp8: int
+    largest_param: int
+
+    @property
+    def optimizer(self) -> int:
+        return self.optimizer_moments + self.optimizer_main_params
+
+
+def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
+                  dp_rank: int | None = None) -> StaticMemory:
+    """Weights, gradient buffers and optimizer state of one rank, as Megatron-Core allocates them.
+
+    dp_rank None: the data-parallel rank holding the most optimizer state.
+    """
+    m, o = cfg.model, cfg.optimizer
+    dp_cp = lay.dp * lay.cp
+    pbytes = lay.bytes_per_value
+    fp8_params = bool(m.fp8) and m.fp8_param_gather and lay.use_te
+    params = weights = grads = 0
+    fp8 = largest = 0
+    opt_per_rank = [0] * dp_cp
+    for vp_stage in range(lay.vp):
+        chunk = chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp_stage)
+        bucket_size = None
+        if o.overlap_grad_reduce and vp_stage == 0 and pp_rank == 0:
+            bucket_size = max(40_000_000, 1_000_000 * dp_cp)
+        # DDP keeps one buffer per parameter dtype: FP8 parameters (uint8) apart from the rest.
+        groups = [[p for p in chunk if not (fp8_params and p.linear)], [p for p in chunk if fp8_params and p.linear]]
+        for group, elem in zip(groups, (pbytes, 1)):
+            if not group:
+                continue
+            buf = ddp_buffer(group, dp_cp, lay.distributed, bucket_size)
+            n = sum(p.numel for p in group)
+            params += n
+            weights += (buf.numel if lay.distributed else n) * elem
+            grads += buf.numel * (4 if o.grad_reduce_in_fp32 else pbytes)  # FP8 params: bf16 grads
+            for r, k in enumerate(optimizer_elements(buf, dp_cp, lay.distributed)):
+                opt_per_rank[r] += k
+            largest = max(largest, max(p.numel for p in group))
+        if m.fp8 and lay.use_te:
+            linear = sum(p.numel for p in chunk if p.linear)
+            fp8 += linear * (1 if fp8_params else 2)  # transposed copy (+ the FP8 copy of bf16 weights)
+    opt = max(opt_per_rank) if dp_rank is None else opt_per_rank[dp_rank]
+    main = opt * 4 if lay.precision in ("bf16", "fp16") else 0
+    return StaticMemory(params=params, weights=weights, gradients=grads, optimizer_moments=opt * 8,
+                        optimizer_main_params=main, fp8=fp8, largest_param=largest)
