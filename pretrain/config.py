@@ -69,6 +69,8 @@ class ModelConfig:
     recompute_granularity: Literal["selective", "full"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    # Fused SwiGLU / bias-GELU kernels (torch.compile'd): None = on GPU, off on CPU.
+    bias_activation_fusion: bool | None = None
     # Transformer Engine / FP8 (GPU only; validated).
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None

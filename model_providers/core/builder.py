@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from model_providers.core import fusions
 from model_providers.core.specs import decoder_block_spec
 
 
@@ -73,8 +74,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
-        bias_activation_fusion=on_gpu and not m.gated_linear_unit and m.add_bias_linear is True,
-        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
+        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu),
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=on_gpu and use_te,
         gradient_accumulation_fusion=False,
@@ -118,6 +119,10 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         )
         if m.rope_scaling and hasattr(model, "rotary_pos_emb"):
             apply_rope_scaling(model, m)
+        if model.pre_process and m.position_embedding_type == "learned_absolute":
+            # Megatron creates this torch.nn.Embedding in fp32 (Megatron-LM casts it with Float16Module,
+            # which this trainer does not use): in bf16 it would promote the hidden states to fp32.
+            model.embedding.position_embeddings.to(dtype=config.params_dtype)
         if layout.on_gpu:
             model.cuda(torch.cuda.current_device())
         if model.post_process and padded > vocab_size:

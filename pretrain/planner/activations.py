@@ -1,19 +1,29 @@
-"""Activations: what autograd keeps per layer and per microbatch, and how many microbatches a pipeline
-stage holds at its peak."""
+"""Activations: what autograd keeps per layer and per microbatch, and the most a pipeline stage holds.
+
+Every term is a tensor that a Megatron-Core / Transformer Engine / torch autograd node saves for backward,
+counted once per storage (views share it). Notation: s = sequence / CP, b = micro batch, h hidden, a heads,
+g query groups, d head dim, f FFN size, t = TP, p = bytes per value; `hs` = s·b·h, divided by t with
+sequence parallelism; `rows` = hs / h. The local-spec terms were measured on CPU ranks (see
+`pretrain.planner.measure` and tests/pretrain/test_plan.py); GPU-only paths (Transformer Engine, fused
+kernels) come from their source, cited in docs/performance.md.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config
 from pretrain.planner.common import Layout
+
+FP8_BYTES = 1  # a Transformer Engine FP8 copy keeps one byte per value (scales are negligible)
 
 
 def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
     """Q, K, V kept for attention's backward, in units of s·b·d/t values.
 
-    Local attention expands K and V to all heads (GQA) and keeps the expanded copies. Flash attention
+    Local attention expands K and V to all heads (GQA) and keeps the expanded copies. Fused attention
     and the selective-recompute checkpoint keep Q, K and V as given: RoPE makes new Q and K; V is a view
     of the fused QKV output, which therefore stays alive whole (a + 2g).
     """
@@ -25,17 +35,27 @@ def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
     return mixed + (a if g < a else 0)  # GQA: reshaping Q out of the grouped layout copies it
 
 
-def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False) -> int:
-    """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute).
+def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_fp8: bool) -> int:
+    """One norm and the column-parallel GEMM it feeds: what both keep.
 
-    Per layer (s = sequence / CP, b = microbatch, t = TP, p = bytes per value, Hs = s·b·h, divided by t
-    with sequence parallelism): the two norms' inputs and the two column-parallel GEMMs' inputs (4·Hs·p);
-    Q/K/V (`_qkv_saved_units`); the attention output that feeds the output projection (s·b·a·d/t·p); local
-    attention's probabilities (fp32 softmax output plus its p-byte copy: (4 + p)·b·a·s²/t, or 4·b·a·s²/t
-    in fp32) or flash attention's fp32 log-sum-exp (4·s·b·a/t); the MLP: fc1 output, activation output
-    and fc2 input (SwiGLU: 4·s·b·f/t·p; GELU: 2·s·b·f/t·p). With FP8 (TE) the four GEMM inputs are kept as
-    1-byte copies instead (the attention output also stays in p bytes for flash attention's backward).
+    Fused norms (Transformer Engine's LayerNormLinear, torch's CUDA RMSNorm/LayerNorm kernels) keep their
+    input and fp32 statistics (rstd; LayerNorm also the mean); the GEMM keeps the norm output (an FP8 copy
+    under FP8). On CPU, torch's RMSNorm is composite: an fp32 copy of the input, rstd, and the fp32
+    normalised value (and the weight-scaled output, in the input's dtype, is the GEMM input); LayerNorm keeps
+    its input and mean/rstd in the input's dtype.
     """
+    p = lay.bytes_per_value
+    layer_norm = cfg.model.normalization == "LayerNorm"
+    gemm_in = hs * (FP8_BYTES if gemm_fp8 else p)
+    if lay.on_gpu:
+        return hs * p + rows * 4 * (2 if layer_norm else 1) + gemm_in
+    if layer_norm:
+        return hs * p + 2 * rows * p + gemm_in
+    return 8 * hs + 4 * rows + gemm_in
+
+
+def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False) -> dict[str, int]:
+    """Bytes one decoder layer keeps for one microbatch, by term (no full recompute)."""
     m = cfg.model
     p = lay.bytes_per_value
     h, a = m.hidden_size, m.num_attention_heads
@@ -44,47 +64,136 @@ def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: b
     f = m.ffn_hidden_size or 4 * h
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
+    rows = hs // h
     rope = m.position_embedding_type == "rope"
-    flash = lay.use_te
-    keeps_scores = not flash and not recompute_core_attention
-    qkv = _qkv_saved_units(a, g, rope, expanded=keeps_scores) * s * b * d // t * p
-    attn_out = s * b * a * d // t * p
-    if keeps_scores:
-        scores = (4 + (p if p != 4 else 0)) * b * (a // t) * s * s
-    elif flash and not recompute_core_attention:
-        scores = 4 * s * b * (a // t)
+    fp8 = bool(m.fp8) and lay.use_te
+    sbd = s * b * d // t  # one head's worth of values on this rank, times t
+    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
+    if lay.use_te or recompute_core_attention:
+        # TE fused attention (or the selective-recompute checkpoint) keeps Q, K, V as given, the output and
+        # (TE) the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
+        out["qkv"] = _qkv_saved_units(a, g, rope, expanded=False) * sbd * p
+        if not lay.use_te and rope:
+            out["rope_cos_sin"] = 4 * s * d * p
+        if not recompute_core_attention:
+            out["softmax_stats"] = 4 * b * (a // t) * s
     else:
-        scores = 0
-    if m.fp8 and lay.use_te:
-        # Transformer Engine keeps the GEMM inputs (QKV, fc1, output projection, fc2) as FP8 copies.
-        gemm_in = 2 * hs + s * b * a * d // t + s * b * f // t
-        mlp = (3 if m.gated_linear_unit else 1) * s * b * f // t * p
-        return 2 * hs * p + qkv + attn_out + scores + mlp + gemm_in
-    mlp = (4 if m.gated_linear_unit else 2) * s * b * f // t * p
-    return 4 * hs * p + qkv + attn_out + scores + mlp
+        # Local attention: K/V expanded to all heads, the causal mask, the fp32 softmax and its p-byte copy.
+        out["qkv"] = _qkv_saved_units(a, g, rope, expanded=True) * sbd * p
+        if rope:
+            out["rope_cos_sin"] = 4 * s * d * p  # cos and sin, for Q and for K, per layer
+        out["causal_mask"] = s * s
+        out["scores"] = (4 + (p if p != 4 else 0)) * b * (a // t) * s * s
+    # The attention output: kept by attention (TE) and the output projection (an FP8 copy under FP8; with
+    # core attention recomputed, only the projection's copy remains).
+    kept = (FP8_BYTES if recompute_core_attention else p + FP8_BYTES) if fp8 else p
+    out["attention_output"] = a * sbd * kept
+    fc2_in = FP8_BYTES if fp8 else p
+    sbf = s * b * f // t
+    if m.gated_linear_unit:
+        if bias_activation_fusion(m, lay.on_gpu):
+            out["mlp"] = sbf * (2 * p + fc2_in)  # fused SwiGLU keeps its input; fc2 its own input
+        else:
+            out["mlp"] = sbf * (4 * p + fc2_in)  # fc1 output, silu(x1), x2 + 0, fc2 input
+    else:
+        out["mlp"] = sbf * (p + fc2_in)  # GELU input (fc1 output + bias), fc2 input
+    return out
 
 
-def in_flight(lay: Layout, pp_rank: int) -> dict[int, int]:
-    """Microbatches each model chunk of this stage holds activations for at the 1F1B peak."""
+def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False) -> int:
+    """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute)."""
+    return sum(layer_terms(cfg, lay, recompute_core_attention).values())
+
+
+def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
+    """(first stage, last stage) bytes outside the decoder layers, per microbatch.
+
+    First: the token ids (and position ids) the embedding keeps (int64). Last: the final norm and output
+    layer inputs, the vocab-parallel cross entropy's fp32 softmax over V/t plus its target mask (bool) and
+    masked targets (int64), and the loss mask the loss function multiplies by (fp32).
+    """
+    m = cfg.model
+    s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
+    hs = s * b * m.hidden_size // (t if lay.sp else 1)
+    first = 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)
+    last = _norm_terms(cfg, lay, hs, hs // m.hidden_size, gemm_fp8=False)  # the output layer is not FP8
+    last += 4 * s * b * (padded_vocab // t) + 9 * s * b + 4 * s * b
+    return first, last
+
+
+def _full_recompute(cfg: Config, per_chunk: int, layer: int, hs_bytes: int) -> tuple[int, int, int]:
+    """(bytes kept per chunk-microbatch, recompute working set, layers freed before it) for full recompute."""
+    m = cfg.model
+    n = max(1, m.recompute_num_layers or 1)
+    if m.recompute_method == "block":
+        k = min(n, per_chunk)
+        # The last per_chunk - k layers are not recomputed and are backwarded first.
+        return k * hs_bytes + (per_chunk - k) * layer, (layer if k else 0), (per_chunk - k) * layer
+    groups = math.ceil(per_chunk / n)
+    return groups * hs_bytes, min(n, per_chunk) * layer, 0
+
+
+def _selective_recompute(cfg: Config, lay: Layout) -> tuple[int, int]:
+    """(core attention's recomputed working set, bytes freed before it) in the backward of the last layer.
+
+    The MLP half of the layer (second norm, fc1/fc2 inputs, activation) and the output projection's input
+    are released before core attention is recomputed. Local attention then rebuilds the expanded K/V (GQA),
+    the causal mask and the scores; TE's fused attention only its softmax statistics.
+    """
+    full = layer_terms(cfg, lay)
+    kept = layer_terms(cfg, lay, recompute_core_attention=True)
+    freed = full["norms_and_gemm_inputs"] // 2 + full["mlp"] + kept["attention_output"]
+    if lay.use_te:
+        return full.get("softmax_stats", 0), freed
+    m = cfg.model
+    a = m.num_attention_heads
+    g = m.num_query_groups or a
+    d = m.kv_channels or m.hidden_size // a
+    expanded = 2 * a * (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value if g < a else 0
+    return expanded + full["causal_mask"] + full["scores"], freed
+
+
+def schedule(lay: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
+    """Megatron-Core's order of (forward "F" | backward "B", model chunk, microbatch) on one stage.
+
+    No pipelining: F, B per microbatch. 1F1B: PP − rank − 1 warm-up forwards, then one forward and one
+    backward at a time. Interleaved: the schedule table (groups of PP microbatches, chunk by chunk),
+    2·(PP − rank − 1) + (V − 1)·PP warm-up forwards, then 1F1B; backward visits chunks in reverse.
+    """
     m_total = lay.num_microbatches
     if lay.pp == 1:
-        return {0: 1}
+        return [op for i in range(m_total) for op in (("F", 0, i), ("B", 0, i))]
     if lay.vp == 1:
-        return {0: min(lay.pp - pp_rank, m_total)}
-    total = m_total * lay.vp
-    warmup = min((lay.pp - pp_rank - 1) * 2 + (lay.vp - 1) * lay.pp, total)
-    counts: dict[int, int] = {}
-    for k in range(min(warmup + 1, total)):
-        chunk = (k // lay.pp) % lay.vp
-        counts[chunk] = counts.get(chunk, 0) + 1
-    return counts
+        table = [(i, 0) for i in range(m_total)]
+        warmup = min(lay.pp - pp_rank - 1, m_total)
+    else:
+        group = lay.pp
+        table = []
+        for lo in range(0, m_total, group):
+            hi = m_total if lo + group >= m_total else lo + group
+            table += [(i, c) for c in range(lay.vp) for i in range(lo, hi)]
+        warmup = min((lay.pp - pp_rank - 1) * 2 + (lay.vp - 1) * group, len(table))
+    ops: list[tuple[str, int, int]] = [("F", c, i) for i, c in table[:warmup]]
+    for k in range(len(table) - warmup):
+        i, c = table[k + warmup]
+        ops.append(("F", c, i))
+        i, c = table[k]
+        ops.append(("B", lay.vp - 1 - c, i))
+    ops += [("B", lay.vp - 1 - c, i) for i, c in table[len(table) - warmup:]]
+    return ops
 
 
 @dataclass
 class ActivationMemory:
-    saved: int  # activations held at the peak
-    transient: int  # working buffers at the peak
-    in_flight: dict[int, int] = field(default_factory=dict)
+    saved: int  # the most bytes of stored activations held at once (after a forward)
+    transient: int  # working buffers at the peak (includes `recompute`)
+    recompute: int = 0  # extra bytes while a recomputed group's activations exist (full recompute)
+    in_flight: dict[int, int] = field(default_factory=dict)  # chunk -> microbatches held at the peak
+
+    @property
+    def peak(self) -> int:
+        """The most bytes autograd holds at once during the step."""
+        return self.saved + self.recompute
 
 
 def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> ActivationMemory:
@@ -96,33 +205,53 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     hs = s * b * h // (t if lay.sp else 1)
     per_chunk = m.num_layers // (lay.pp * lay.vp)
     selective = m.recompute_granularity == "selective"
-    full_layer = layer_activation_bytes(cfg, lay, recompute_core_attention=selective)
-    stored_layers, working = full_layer * per_chunk, 0
+    layer = layer_activation_bytes(cfg, lay, recompute_core_attention=selective)
+    stored, working, freed_first, once = per_chunk * layer, 0, 0, 0
     if m.recompute_granularity == "full":
-        n = max(1, m.recompute_num_layers or 1)
-        if m.recompute_method == "block":
-            k = min(n, per_chunk)
-            stored_layers = k * hs * p + (per_chunk - k) * full_layer
-            working = full_layer if k else 0
+        stored, working, freed_first = _full_recompute(cfg, per_chunk, layer, hs * p)
+        if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
+            once = lay.vp * s * (m.kv_channels or h // m.num_attention_heads) * 4
+    elif selective:
+        working, freed_first = _selective_recompute(cfg, lay)
+    first, last = microbatch_extras(cfg, lay, padded_vocab)
+    per_mb = {c: stored for c in range(lay.vp)}
+    loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
+    if pp_rank == 0:
+        per_mb[0] += first
+    if loss_chunk is not None:
+        per_mb[loss_chunk] += last
+    live: dict[int, int] = {}
+    current = saved = once
+    extra = 0
+    peak_flight: dict[int, int] = {}
+    for op, chunk, _ in schedule(lay, pp_rank):
+        if op == "F":
+            live[chunk] = live.get(chunk, 0) + 1
+            current += per_mb[chunk]
+            if current > saved:
+                saved, peak_flight = current, dict(live)
         else:
-            stored_layers = math.ceil(per_chunk / n) * hs * p
-            working = min(n, per_chunk) * full_layer
-    vocab_shard = padded_vocab // t
-    flights = in_flight(lay, pp_rank)
-    saved = 0
-    for chunk, count in flights.items():
-        per_mb = stored_layers
-        if pp_rank == 0 and chunk == 0:
-            per_mb += 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)  # token ids
-        if pp_rank == lay.pp - 1 and chunk == lay.vp - 1:
-            # final norm input, output-layer input, fp32 softmax kept by the vocab-parallel cross entropy
-            per_mb += 2 * hs * p + 4 * s * b * vocab_shard + 9 * s * b
-        saved += count * per_mb
-    transient = working + 2 * hs * p  # pipeline send/receive (or the stage input/output)
+            freed = freed_first + (last if chunk == loss_chunk else 0)
+            extra = max(extra, current - freed + working - saved)
+            live[chunk] -= 1
+            current -= per_mb[chunk]
+    transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
-    if not lay.use_te and selective is False:
+    if not lay.use_te and not selective:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
     if pp_rank == lay.pp - 1:
-        transient += s * b * vocab_shard * p  # the logits themselves, alive through the loss
-    return ActivationMemory(saved=saved, transient=transient, in_flight=flights)
+        transient += s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+    return ActivationMemory(saved=saved, transient=transient, recompute=max(0, extra),
+                            in_flight={c: n for c, n in sorted(peak_flight.items()) if n})
+
+
+def in_flight(lay: Layout, pp_rank: int) -> dict[int, int]:
+    """Microbatches each model chunk of this stage holds at its peak (most chunk-microbatches at once)."""
+    live: dict[int, int] = {}
+    best: dict[int, int] = {}
+    for op, chunk, _ in schedule(lay, pp_rank):
+        live[chunk] = live.get(chunk, 0) + (1 if op == "F" else -1)
+        if op == "F" and sum(live.values()) > sum(best.values()):
+            best = dict(live)
+    return {c: n for c, n in sorted(best.items()) if n}

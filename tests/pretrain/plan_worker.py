@@ -1,16 +1,24 @@
-"""Torchrun worker for tests/pretrain/test_plan.py: build real Megatron ranks for several layouts (one
-process-group launch), count the bytes each rank holds, and compare with the planner's prediction.
+"""Torchrun worker for tests/pretrain/test_plan.py: real Megatron ranks for several layouts (one
+process-group launch per world size), the bytes each rank holds, and the planner's prediction for them.
 
-    torchrun --standalone --nproc-per-node W tests/pretrain/plan_worker.py OUT.json
+    torchrun --standalone --nproc-per-node W tests/pretrain/plan_worker.py OUT.json [ACTIVATION-CASE ...]
 
-Each rank builds the model through pretrain's own path (init_model_parallel → build_model → wrap_with_ddp →
-build_optimizer), takes one optimizer step so Adam's state exists, and measures:
+OUT.json: {"static": [...], "activations": [...]}, one record per rank and layout.
+
+Static memory (LAYOUTS): each rank builds the model through pretrain's own path (init_model_parallel →
+build_model → wrap_with_ddp → build_optimizer), takes one optimizer step so Adam's state exists, and measures:
 
 - weights: bytes of the distinct storages behind the model's parameters (the DDP parameter buffer with the
   distributed optimizer);
 - gradients: bytes of DDP's grad buffers (`buffers[*].grad_data`);
 - optimizer: Adam's exp_avg/exp_avg_sq plus main parameters that are not model storage (fp32 copies or
   shards under bf16).
+
+Activations (ACTIVATION_CASES): each rank trains one step through `train()` with
+`pretrain.planner.measure.SavedTensorMeter` around it (saved_tensors_hooks; storages counted once, parameters
+excluded) and records `peak`, the most bytes autograd held at once, and `layers`, the bytes first saved inside
+each decoder layer's forward of the first microbatch; predicted: the planner's peak for this pipeline stage
+(stored activations + the recompute working set beyond them) and its per-layer bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +56,99 @@ LAYOUTS: list[tuple[str, int, str, list[str]]] = [
     ("100M bf16 TP2 DP2 distopt", 4, "tiny_llama",
      M100 + ["parallel.tensor=2", "train.precision=bf16", "optimizer.distributed=true"]),
 ]  # fmt: skip
+
+
+# Shapes: small enough for 2 CPU cores, with a vocabulary small enough that the layers, not the loss, dominate.
+LLAMA = ["model.vocab_size=4096", "model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=704",
+         "model.num_attention_heads=8", "model.num_query_groups=4", "model.seq_length=256"]
+LLAMA_MHA = ["model.vocab_size=4096", "model.num_layers=8", "model.hidden_size=192", "model.ffn_hidden_size=512",
+             "model.num_attention_heads=6", "model.num_query_groups=null", "model.seq_length=128"]
+GPT = ["model.vocab_size=4096", "model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=1024",
+       "model.num_attention_heads=8", "model.seq_length=256"]
+BF16 = ["train.precision=bf16"]
+SELECTIVE = ["model.recompute_granularity=selective"]
+FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+BLOCK = ["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1"]
+
+# (name, world, config, overrides)
+ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
+    ("llama bf16 DP2 mbs2", 2, "tiny_llama", LLAMA + BF16 + ["train.micro_batch_size=2", "train.global_batch_size=4"]),
+    ("llama fp32 DP2", 2, "tiny_llama", LLAMA + ["train.precision=fp32", "train.micro_batch_size=1",
+                                                 "train.global_batch_size=2"]),
+    ("llama bf16 TP2", 2, "tiny_llama", LLAMA + BF16 + ["parallel.tensor=2", "train.micro_batch_size=1",
+                                                        "train.global_batch_size=2"]),
+    ("llama bf16 TP2 SP", 2, "tiny_llama", LLAMA + BF16 + ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                           "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("llama bf16 PP2 M4", 2, "tiny_llama", LLAMA + BF16 + ["parallel.pipeline=2", "train.micro_batch_size=1",
+                                                           "train.global_batch_size=4"]),
+    ("llama bf16 PP2 VP2 M4", 2, "tiny_llama", LLAMA + BF16 + [
+        "parallel.pipeline=2", "parallel.virtual_pipeline=2", "train.micro_batch_size=1",
+        "train.global_batch_size=4"]),
+    ("llama bf16 DP2 selective", 2, "tiny_llama", LLAMA + BF16 + SELECTIVE + [
+        "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("llama bf16 DP2 full uniform", 2, "tiny_llama", LLAMA + BF16 + FULL + [
+        "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("llama bf16 TP2 SP fused SwiGLU", 2, "tiny_llama", LLAMA + BF16 + [
+        "model.bias_activation_fusion=true", "parallel.tensor=2", "parallel.sequence_parallel=true",
+        "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("gpt bf16 TP2 SP", 2, "tiny_gpt", GPT + BF16 + ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                     "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("mha bf16 PP4 VP2 M8", 4, "tiny_llama", LLAMA_MHA + BF16 + [
+        "parallel.pipeline=4", "parallel.virtual_pipeline=2", "train.micro_batch_size=1",
+        "train.global_batch_size=8"]),
+    ("llama bf16 TP2 SP PP2 M4 selective", 4, "tiny_llama", LLAMA + BF16 + SELECTIVE + [
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2", "train.micro_batch_size=1",
+        "train.global_batch_size=4"]),
+    ("llama bf16 TP2 SP PP2 VP2 M4 full block", 4, "tiny_llama", LLAMA + BF16 + BLOCK + [
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
+        "parallel.virtual_pipeline=2", "train.micro_batch_size=1", "train.global_batch_size=4"]),
+]  # fmt: skip
+
+RUN = ["data.mock=true", "train.steps=1", "optimizer.warmup_steps=0", "checkpoint.save_at_end=false",
+       "checkpoint.interval=null", "logging.tensorboard=false", "train.eval_interval=null"]  # fmt: skip
+
+
+def run_activation_case(name: str, config: str, overrides: list[str], run_dir: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    import model_providers.core.builder as builder
+    from pretrain import planner
+    from pretrain.config import load_config
+    from pretrain.planner.measure import SavedTensorMeter, parameter_storages
+    from pretrain.train import train
+
+    cfg = load_config(config, [*overrides, *RUN, f"run.dir={run_dir}"])
+    chunks: list = []
+    meter = SavedTensorMeter(excluded=lambda: parameter_storages(chunks))
+    original = builder.build_model
+
+    def build_and_label(*args, **kwargs):
+        built = original(*args, **kwargs)
+        chunks.extend(built)
+        meter.label_layers(built, TransformerLayer)
+        return built
+
+    builder.build_model = build_and_label
+    try:
+        with meter:
+            train(cfg)
+    finally:
+        builder.build_model = original
+    lay = planner.layout_of(cfg, dist.get_world_size(), on_gpu=False, use_te=False)
+    vocab = planner.padded_vocab_for(cfg)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    act = planner.activation_memory(cfg, lay, vocab, pp_rank)
+    layers = [meter.by_label[k] for k in sorted(meter.by_label)]
+    return {
+        "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "measured": {"peak": meter.peak, "layers": layers},
+        "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
+                      "layer": planner.layer_activation_bytes(
+                          cfg, lay, recompute_core_attention=cfg.model.recompute_granularity == "selective")},
+        "recompute": cfg.model.recompute_granularity,
+    }  # fmt: skip
 
 
 def storage_key(t) -> int:
@@ -123,16 +224,24 @@ def main() -> int:
     from pretrain.runtime import init_distributed, shutdown
 
     out = sys.argv[1]
+    only = set(sys.argv[2:])
     rt = init_distributed()
-    results = []
+    results: dict[str, list] = {"static": [], "activations": []}
     try:
         for name, world, config, overrides in LAYOUTS:
-            if world != rt.world_size:
+            if world != rt.world_size or only:
                 continue
             record = run_layout(name, config, overrides)
             gathered: list = [None] * rt.world_size
             dist.all_gather_object(gathered, record)
-            results += gathered
+            results["static"] += gathered
+        for i, (name, world, config, overrides) in enumerate(ACTIVATION_CASES):
+            if world != rt.world_size or (only and name not in only):
+                continue
+            record = run_activation_case(name, config, overrides, str(Path(out).parent / f"run_w{world}_{i}"))
+            gathered = [None] * rt.world_size
+            dist.all_gather_object(gathered, record)
+            results["activations"] += gathered
     finally:
         if rt.rank == 0:
             with open(out, "w") as f:

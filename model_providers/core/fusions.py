@@ -1,0 +1,28 @@
+"""Which of Megatron-Core's fused kernels the model uses: one rule read by the builder (the
+`TransformerConfig` flags) and by the planner (the bytes each path keeps for backward). No torch import."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+
+def bias_activation_fusion(model: Any, on_gpu: bool) -> bool:
+    """Megatron's fused bias+activation: SwiGLU for gated SiLU (`bias_swiglu_impl`, keeps only the fc1
+    output for backward), bias-GELU for ungated GELU with biases. GPU only by default (the kernels are
+    `torch.compile`d); `model.bias_activation_fusion` true/false forces it."""
+    forced = getattr(model, "bias_activation_fusion", None)
+    supported = (model.gated_linear_unit and model.activation == "silu") or (
+        not model.gated_linear_unit and model.activation == "gelu" and model.add_bias_linear is True)
+    if forced is not None:
+        return bool(forced) and supported
+    return on_gpu and supported
+
+
+def masked_softmax_fusion(on_gpu: bool) -> bool:
+    """Megatron's fused scale-mask-softmax for the local spec needs CUDA extensions that megatron-core does not
+    ship (`scaled_masked_softmax_cuda`, from apex or Megatron-LM's fused kernels): on when they import."""
+    if not on_gpu:
+        return False
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
