@@ -30,6 +30,8 @@
 #   MAX_FAILED_RESTARTS  requeues after failures without progress in between (default 2)
 #   MAX_RESTARTS         requeues in total, any reason (default 100)
 #   SRUN_ARGS            extra srun arguments, space-separated (e.g. "--label")
+#   LAUNCH_PRINT_OVERRIDES  1: print CONFIG and the overrides the job would pass, one per line, and exit
+#                        (no Slurm needed; e.g. for `python -m pretrain plan`)
 # Node count and ranks per node come from `sbatch --nodes=N --ntasks-per-node=R`.
 
 launch_log() { printf '[launch %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
@@ -290,6 +292,12 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
 # ---------------------------------------------------------------------------------------------------
 launch_pretrain() {
     set -euo pipefail
+    if [[ ${LAUNCH_PRINT_OVERRIDES:-} == 1 ]]; then
+        local extra
+        read -r -a extra <<<"${OVERRIDES:-}"
+        printf '%s\n' "$CONFIG" "$@" "${extra[@]}"
+        exit 0
+    fi
     launch_trap_signals
     launch_resolve_settings
     launch_export_runtime_env

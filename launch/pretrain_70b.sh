@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Llama-3-70B on 8 nodes x 8 H100/H200. Usage and settings: docs/slurm.md.
 #   sbatch launch/pretrain_70b.sh                          # FP8 (current/"tensorwise" scaling)
-#   PRECISION=bf16 sbatch launch/pretrain_70b.sh           # BF16 variant
+#   PRECISION=bf16 sbatch launch/pretrain_70b.sh           # BF16 variant (H200; see below for H100)
 #   OVERRIDES="train.steps=1000" RUN_DIR=/lustre/runs/70b sbatch --nodes=16 launch/pretrain_70b.sh
 # Every #SBATCH line below is a default: the same option on the sbatch command line wins.
 #SBATCH --job-name=pretrain-70b
@@ -29,17 +29,12 @@ source "$PROJECT_DIR/launch/common.sh" || { echo "cannot source $PROJECT_DIR/lau
 
 CONFIG=${CONFIG:-pretrain/configs/llama3_70b.yaml}
 
-# The layout published as fastest for Llama-3-70B FP8 on 64 H100s: TP4 (within a node, NVLink),
-# PP8 with 5 virtual stages each (80 layers = 8 x 5 x 2; interleaving shrinks the pipeline bubble),
-# no context parallelism at 8192 tokens, DP2. Sequence parallelism goes with TP; TP communication is
-# overlapped with GEMMs where Transformer Engine provides it (userbuffers); the distributed optimizer
-# overlaps its gradient reduce-scatter and parameter all-gather with compute.
-layout=(
-    parallel.tensor=4 parallel.pipeline=8 parallel.virtual_pipeline=5 parallel.context=1
-    parallel.sequence_parallel=true parallel.tp_comm_overlap=true
-    model.seq_length=8192 train.global_batch_size=256 train.micro_batch_size=1
-    optimizer.distributed=true optimizer.overlap_grad_reduce=true optimizer.overlap_param_gather=true
-    train.precision=bf16
-)
+# The layout lives in $CONFIG (pretrain/configs/llama3_70b.yaml: TP4 PP8 VP5, the layout Megatron-Bridge
+# publishes for Llama-3-70B FP8 on 64 H100s). The script adds only what needs the GPUs: FP8 (PRECISION) and
+# TP communication overlapped with GEMMs (Transformer Engine userbuffers). Memory, as planned for this launch
+# (`LAUNCH_PRINT_OVERRIDES=1 launch/pretrain_70b.sh` prints CONFIG and the overrides `python -m pretrain plan`
+# needs; docs/performance.md): FP8 fits an 80 GB H100; PRECISION=bf16 needs 141 GB H200s, or on H100s
+# Megatron-Bridge's BF16 layout, OVERRIDES="parallel.pipeline=4 parallel.context=2".
+layout=(parallel.tp_comm_overlap=true)
 launch_precision_layout
 launch_pretrain "${layout[@]}"

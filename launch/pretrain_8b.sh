@@ -27,14 +27,8 @@ source "$PROJECT_DIR/launch/common.sh" || { echo "cannot source $PROJECT_DIR/lau
 
 CONFIG=${CONFIG:-pretrain/configs/llama3_8b.yaml}
 
-# 8B fits one GPU's memory for weights and optimizer state once the distributed optimizer shards the
-# latter: no tensor or pipeline parallelism; context parallelism 2 splits the 8192-token sequence's
-# activations (and attention) over GPU pairs; the rest is data parallel (DP4 on one node).
-layout=(
-    parallel.tensor=1 parallel.pipeline=1 parallel.context=2
-    model.seq_length=8192 train.global_batch_size=128 train.micro_batch_size=1
-    optimizer.distributed=true optimizer.overlap_grad_reduce=true optimizer.overlap_param_gather=true
-    train.precision=bf16
-)
+# The layout lives in $CONFIG (pretrain/configs/llama3_8b.yaml: TP1 PP1 CP2, DP4 on one node); the script
+# adds only the precision (PRECISION, FP8 by default).
+layout=()
 launch_precision_layout
 launch_pretrain "${layout[@]}"

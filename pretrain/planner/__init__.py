@@ -28,6 +28,7 @@ The package, by concern: `common` (GPU table, `Layout`, padded vocabulary, valid
 the bytes autograd saves, to check `activations` against real ranks).
 """
 
+from pretrain.layout import Layout
 from pretrain.planner.activations import ActivationMemory, activation_memory, in_flight, layer_activation_bytes
 from pretrain.planner.census import Param, chunk_parameters, count_parameters, layer_parameters
 from pretrain.planner.common import (
@@ -38,7 +39,6 @@ from pretrain.planner.common import (
     HEADROOM,
     NETWORK_GBPS,
     NVLINK_GBPS,
-    Layout,
     PlanError,
     check_layout,
     layout_of,

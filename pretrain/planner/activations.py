@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config
-from pretrain.planner.common import Layout
+from pretrain.layout import Layout
 
 FP8_BYTES = 1  # a Transformer Engine FP8 copy keeps one byte per value (scales are negligible)
 
@@ -59,9 +59,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     m = cfg.model
     p = lay.bytes_per_value
     h, a = m.hidden_size, m.num_attention_heads
-    g = m.num_query_groups or a
-    d = m.kv_channels or h // a
-    f = m.ffn_hidden_size or 4 * h
+    g, d, f = lay.num_query_groups, lay.head_dim, lay.ffn_hidden_size
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     rows = hs // h
@@ -69,14 +67,16 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     fp8 = bool(m.fp8) and lay.use_te
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
     out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
-    if lay.use_te or recompute_core_attention:
-        # TE fused attention (or the selective-recompute checkpoint) keeps Q, K, V as given, the output and
-        # (TE) the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
+    if recompute_core_attention:
+        # The selective-recompute checkpoint keeps Q, K, V as given (see _qkv_saved_units).
         out["qkv"] = _qkv_saved_units(a, g, rope, expanded=False) * sbd * p
         if not lay.use_te and rope:
             out["rope_cos_sin"] = 4 * s * d * p
-        if not recompute_core_attention:
-            out["softmax_stats"] = 4 * b * (a // t) * s
+    elif lay.use_te:
+        # TE fused attention keeps Q, K, V (made contiguous unless they match a packed layout: a + 2g heads),
+        # and the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
+        out["qkv"] = (a + 2 * g) * sbd * p
+        out["softmax_stats"] = 4 * b * (a // t) * s
     else:
         # Local attention: K/V expanded to all heads, the causal mask, the fp32 softmax and its p-byte copy.
         out["qkv"] = _qkv_saved_units(a, g, rope, expanded=True) * sbd * p
@@ -138,18 +138,18 @@ def _selective_recompute(cfg: Config, lay: Layout) -> tuple[int, int]:
 
     The MLP half of the layer (second norm, fc1/fc2 inputs, activation) and the output projection's input
     are released before core attention is recomputed. Local attention then rebuilds the expanded K/V (GQA),
-    the causal mask and the scores; TE's fused attention only its softmax statistics.
+    the causal mask and the scores; TE's fused attention a contiguous V and its softmax statistics.
     """
     full = layer_terms(cfg, lay)
     kept = layer_terms(cfg, lay, recompute_core_attention=True)
     freed = full["norms_and_gemm_inputs"] // 2 + full["mlp"] + kept["attention_output"]
-    if lay.use_te:
-        return full.get("softmax_stats", 0), freed
     m = cfg.model
     a = m.num_attention_heads
-    g = m.num_query_groups or a
-    d = m.kv_channels or m.hidden_size // a
-    expanded = 2 * a * (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value if g < a else 0
+    g, d = lay.num_query_groups, lay.head_dim
+    head = (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value
+    if lay.use_te:
+        return g * head + full["softmax_stats"], freed
+    expanded = 2 * a * head if g < a else 0
     return expanded + full["causal_mask"] + full["scores"], freed
 
 
@@ -210,7 +210,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     if m.recompute_granularity == "full":
         stored, working, freed_first = _full_recompute(cfg, per_chunk, layer, hs * p)
         if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
-            once = lay.vp * s * (m.kv_channels or h // m.num_attention_heads) * 4
+            once = lay.vp * s * lay.head_dim * 4
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay)
     first, last = microbatch_extras(cfg, lay, padded_vocab)

@@ -3,11 +3,12 @@ spec registers them (the Transformer Engine spec holds the same elements)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pretrain.config import Config
-from pretrain.planner.common import Layout
+from pretrain.layout import Layout
+from pretrain.planner.common import layout_of
 
 
 @dataclass
@@ -25,12 +26,10 @@ def _norm_params(prefix: str, m: Any) -> list[Param]:
     return out
 
 
-def layer_parameters(m: Any, tp: int, index: int) -> list[Param]:
+def layer_parameters(m: Any, lay: Layout, index: int) -> list[Param]:
     """One decoder layer's parameters on one TP rank, in Megatron's local-spec registration order."""
-    h, a = m.hidden_size, m.num_attention_heads
-    g = m.num_query_groups or a
-    d = m.kv_channels or h // a
-    f = m.ffn_hidden_size or 4 * h
+    h, a, tp = m.hidden_size, m.num_attention_heads, lay.tp
+    g, d, f = lay.num_query_groups, lay.head_dim, lay.ffn_hidden_size
     pre = f"decoder.layers.{index}"
     out = _norm_params(f"{pre}.input_layernorm", m)
     out.append(Param(f"{pre}.self_attention.linear_proj.weight", h * a * d // tp, linear=True))
@@ -68,7 +67,7 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
                              (m.max_position_embeddings or m.seq_length) * m.hidden_size))
     per_chunk = m.num_layers // (lay.pp * lay.vp)
     for i in range(per_chunk):
-        out += layer_parameters(m, lay.tp, i)
+        out += layer_parameters(m, lay, i)
     if post:
         out += _norm_params("decoder.final_layernorm", m)
         if not (tied and pre):
@@ -79,7 +78,7 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
 
 def count_parameters(cfg: Config, padded_vocab: int) -> int:
     """Parameters of the whole model (one copy of tied embeddings)."""
-    lay = Layout(world=1, tp=1, pp=1, vp=1, cp=1, dp=1, sp=False, mbs=1, gbs=1, precision="bf16",
-                 distributed=False, use_te=False)
+    par = cfg.parallel
+    lay = replace(layout_of(cfg, par.tensor * par.pipeline * par.context, use_te=False), tp=1, pp=1, vp=1)
     return sum(p.numel for p in chunk_parameters(cfg, lay, padded_vocab, 0, 0))
 

@@ -1,12 +1,13 @@
-"""What every part of the planner shares: the GPU table, the layout a plan is made for, the padded
-vocabulary, and the validator's verdict on a layout."""
+"""What every part of the planner shares: the GPU table, the layout a plan is made for (the run's own derived
+`pretrain.layout.Layout`), the padded vocabulary, and the validator's verdict on a layout."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import replace
 
 from pretrain.config import Config
+from pretrain.layout import Layout, LayoutError, derive_layout, padded_vocab_size, resolve_vocab_size
 
 GIB = 2**30
 
@@ -23,60 +24,23 @@ class PlanError(ValueError):
     """A plan request that cannot be answered (bad layout, unknown GPU, ...)."""
 
 
-@dataclass
-class Layout:
-    """The parallel layout and numerics a plan is made for."""
-
-    world: int
-    tp: int
-    pp: int
-    vp: int  # 1 without interleaving
-    cp: int
-    dp: int
-    sp: bool
-    mbs: int
-    gbs: int
-    precision: str  # "bf16" | "fp16" | "fp32"
-    distributed: bool
-    use_te: bool
-    on_gpu: bool = True  # CPU runs use the unfused paths (torch's composite RMSNorm, no fused softmax)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.gbs // (self.mbs * self.dp)
-
-    @property
-    def bytes_per_value(self) -> int:
-        return 4 if self.precision == "fp32" else 2
-
-
 def layout_of(cfg: Config, world: int, *, on_gpu: bool = True, use_te: bool | None = None) -> Layout:
-    """The layout of `cfg` on `world` ranks (precision 'auto' is bf16 on GPU, fp32 on CPU)."""
-    p, t = cfg.parallel, cfg.train
-    model_parallel = p.tensor * p.pipeline * p.context
-    if world % model_parallel:
-        raise PlanError(f"world size {world} is not divisible by tensor×pipeline×context = {model_parallel}")
-    precision = t.precision if t.precision != "auto" else ("bf16" if on_gpu else "fp32")
-    if use_te is None:
-        use_te = on_gpu and cfg.model.transformer_impl != "local"
-    return Layout(world=world, tp=p.tensor, pp=p.pipeline, vp=p.virtual_pipeline or 1, cp=p.context,
-                  dp=world // model_parallel, sp=p.sequence_parallel, mbs=t.micro_batch_size,
-                  gbs=t.global_batch_size, precision=precision, distributed=cfg.optimizer.distributed,
-                  use_te=use_te, on_gpu=on_gpu)
+    """The run's derived layout (`pretrain.layout`) of `cfg` on `world` ranks, for planning: on a GPU the
+    Transformer Engine spec unless model.transformer_impl is local (`use_te` forces the choice)."""
+    try:
+        lay = derive_layout(cfg, world, on_gpu=on_gpu, te=on_gpu)
+    except LayoutError as exc:
+        raise PlanError(str(exc)) from None
+    return lay if use_te is None else replace(lay, use_te=use_te)
 
 
 def padded_vocab_for(cfg: Config) -> int:
     """The padded vocabulary (model.vocab_size, else the tokenizer's size)."""
-    vocab = cfg.model.vocab_size
-    if vocab is None:
-        try:
-            from pretrain.data import build_tokenizer
-
-            vocab = build_tokenizer(cfg.data).vocab_size
-        except Exception as exc:
-            raise PlanError(f"cannot size the vocabulary ({exc}); set model.vocab_size") from None
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor  # Megatron's padding rule
-    return -(-vocab // multiple) * multiple
+    try:
+        vocab = resolve_vocab_size(cfg)
+    except Exception as exc:
+        raise PlanError(f"cannot size the vocabulary ({exc}); set model.vocab_size") from None
+    return padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
 
 
 def check_layout(cfg: Config, world: int, use_te: bool) -> list[str]:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
-from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS, Layout
+from pretrain.layout import Layout
+from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
@@ -52,8 +53,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     f_tok = flops_per_token(m, padded_vocab)
     compute = f_tok * lay.gbs * m.seq_length / (lay.world * peak * GEMM_EFFICIENCY)
     h, a = m.hidden_size, m.num_attention_heads
-    d = m.kv_channels or h // a
-    g = m.num_query_groups or a
+    d, g = lay.head_dim, lay.num_query_groups
     if m.recompute_granularity == "full":
         compute *= 4 / 3
     elif m.recompute_granularity == "selective":

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.config import Config
+from pretrain.layout import Layout
 from pretrain.planner.activations import activation_memory
-from pretrain.planner.common import GIB, Layout
+from pretrain.planner.common import GIB
 from pretrain.planner.static import static_memory
 
 
@@ -33,15 +34,32 @@ class RankMemory:
         return {k: round(getattr(self, k) / GIB, 3) for k in keys}
 
 
+# Transformer Engine's userbuffers (`initialize_ub`): one communicator per overlapped GEMM, each a buffer of
+# the global [s·b, h] shape; the all-gather ones hold FP8 (uint8) under FP8, the others the activation dtype.
+UB_ALL_GATHER = ("qkv_fprop", "qkv_dgrad", "proj_dgrad", "proj_wgrad", "fc1_fprop", "fc1_dgrad", "fc2_dgrad",
+                 "fc2_wgrad")
+UB_OTHERS = ("proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad")
+
+
+def userbuffer_bytes(cfg: Config, lay: Layout) -> int:
+    """GPU memory of TE's TP-communication-overlap buffers (parallel.tp_comm_overlap), else 0."""
+    if not (cfg.parallel.tp_comm_overlap and lay.use_te and lay.tp > 1):
+        return 0
+    elems = cfg.model.seq_length * lay.mbs // lay.cp * cfg.model.hidden_size
+    ag = 1 if cfg.model.fp8 else lay.bytes_per_value
+    return elems * (len(UB_ALL_GATHER) * ag + len(UB_OTHERS) * lay.bytes_per_value)
+
+
 def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fused_adam: bool = True) -> RankMemory:
     """Peak memory of the most loaded data-parallel rank of pipeline stage `pp_rank`.
 
-    The peak is the larger of the backward peak (static + activations + transient buffers) and the
-    optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam).
+    The peak is the larger of the backward peak (static + activations + transient buffers, TE userbuffers) and
+    the optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam).
     """
     st = static_memory(cfg, lay, padded_vocab, pp_rank)
     act = activation_memory(cfg, lay, padded_vocab, pp_rank)
     buffers = act.transient + st.largest_param * lay.bytes_per_value  # one weight grad before accumulation
+    buffers += userbuffer_bytes(cfg, lay)
     if not fused_adam:
         buffers = max(buffers, st.optimizer_moments // 2 - act.saved)  # torch foreach Adam: sqrt(v) copy
     return RankMemory(pp_rank=pp_rank, params=st.params, weights=st.weights, gradients=st.gradients,

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config import Config
+from pretrain.layout import Layout
 from pretrain.planner.census import Param, chunk_parameters
-from pretrain.planner.common import Layout
 
 
 @dataclass

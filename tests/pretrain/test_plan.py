@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pretrain import plan
 from pretrain.config import load_config
@@ -55,8 +58,8 @@ def test_bytes_per_parameter_follow_the_textbook_rule():
     cfg = load_config("llama3_8b", ["parallel.context=1"])
     vocab = plan.padded_vocab_for(cfg)
     for distributed, dp in ((False, 8), (True, 8)):
-        lay = plan.Layout(world=dp, tp=1, pp=1, vp=1, cp=1, dp=dp, sp=False, mbs=1, gbs=128, precision="bf16",
-                          distributed=distributed, use_te=True)  # fmt: skip
+        lay = replace(plan.layout_of(cfg, dp), distributed=distributed)
+        assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.precision, lay.use_te) == (1, 1, 1, dp, "bf16", True)
         st = plan.static_memory(cfg, lay, vocab, 0)
         per_param = (st.weights + st.gradients + st.optimizer) / st.params
         assert per_param == pytest.approx(6 + 12 / dp if distributed else 18, rel=1e-4)
@@ -69,7 +72,7 @@ def test_interleaving_keeps_more_microbatches_in_flight():
     flights = plan.in_flight(lay, 0)
     layer_mbs = sum(flights.values()) * cfg.model.num_layers // (lay.pp * lay.vp)
     assert layer_mbs == cfg.model.num_layers * (1 + (lay.pp - 1) / (lay.pp * lay.vp))
-    lay.vp = 1
+    lay = replace(lay, vp=1)
     assert plan.in_flight(lay, 0) == {0: lay.pp}
     assert plan.in_flight(lay, lay.pp - 1) == {0: 1}
 
@@ -86,7 +89,13 @@ def test_recompute_and_sequence_parallel_shrink_activations():
     selective = act(["parallel.sequence_parallel=true", "model.recompute_granularity=selective"])
     full = act(["parallel.sequence_parallel=true", "model.recompute_granularity=full",
                 "model.recompute_method=uniform", "model.recompute_num_layers=1"])  # fmt: skip
-    assert none > sp > selective > full > 0
+    local = ["parallel.sequence_parallel=true", "model.transformer_impl=local"]
+    assert none > sp > full > 0
+    # Local attention keeps s² scores: recomputing core attention drops them. TE's fused attention keeps only
+    # softmax statistics, and the recompute checkpoint keeps V as a view of the fused QKV output (TE would
+    # have copied V alone): core-attention recompute costs memory there (Megatron-Core warns it is not needed).
+    assert act(local) > act([*local, "model.recompute_granularity=selective"])
+    assert selective > sp
     # Full recompute keeps one bf16 s·b·h/t input per layer, the RoPE frequencies the checkpoints share, the
     # token ids, and (PP=1: also the last stage) the final norm's input and fp32 rstd, the output layer's
     # input, the cross entropy's fp32 softmax over V/t, its target mask and targets, and the loss mask.
@@ -127,6 +136,47 @@ def test_plan_text_and_bad_layout_errors():
     assert len(bad.stderr.strip().splitlines()) == 1
     unknown = run_plan("no_such_config", "--nodes", "1")
     assert unknown.returncode == 2 and "not found" in unknown.stderr
+
+
+def _launch_overrides(script: str, **env: str) -> list[str]:
+    """CONFIG and the overrides launch/SCRIPT would pass to the trainer (its LAUNCH_PRINT_OVERRIDES mode)."""
+    done = subprocess.run(["bash", str(ROOT / "launch" / script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "LAUNCH_PRINT_OVERRIDES": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def _flat_keys(tree: dict, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for k, v in tree.items():
+        out |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+@pytest.mark.parametrize("script", ["pretrain_70b.sh", "pretrain_8b.sh"])
+def test_launch_scripts_state_no_layout_key_of_their_config(script):
+    """The YAML is the one statement of a layout: the script's own overrides are GPU switches and precision."""
+    config, *overrides = _launch_overrides(script)
+    yaml_keys = _flat_keys(yaml.safe_load((ROOT / config).read_text()))
+    assert overrides and not {o.split("=")[0] for o in overrides} & yaml_keys
+
+
+def test_shipped_70b_launch_fits_as_planned():
+    """What `sbatch launch/pretrain_70b.sh` runs fits an 80 GB H100 (FP8); its BF16 variant needs H200s or
+    the documented CP2 layout. (Transformer Engine spec, fused SwiGLU, userbuffers: the GPU run's terms.)"""
+
+    def plan_of(gpu: str, **env: str) -> dict:
+        config, *overrides = _launch_overrides("pretrain_70b.sh", **env)
+        out = run_plan(config, *overrides, "--nodes", "8", "--gpus-per-node", "8", "--gpu", gpu, "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    fp8 = plan_of("h100")
+    assert fp8["layout"]["fp8"] == "tensorwise" and fp8["layout"]["virtual_pipeline"] == 5 and fp8["fits"]
+    assert fp8["memory_gib"]["total"] < 0.85 * fp8["gpu_memory_gib"]
+    assert not plan_of("h100", PRECISION="bf16")["fits"]
+    assert plan_of("h200", PRECISION="bf16")["fits"]
+    assert plan_of("h100", PRECISION="bf16", OVERRIDES="parallel.pipeline=4 parallel.context=2")["fits"]
 
 
 def test_search_lists_only_valid_layouts_that_fit():
