@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test test-quick test-slurm lint clean-runs
+.PHONY: install quickstart test test-quick test-slurm lint clean-runs wheelhouse
 
 install: $(STAMP)
 
@@ -26,6 +26,14 @@ test-quick: install
 ## Only the real-Slurm tests (root: installs Debian's slurm packages and starts a local 2-node cluster).
 test-slurm: install
 	$(PY) -m pytest -m slurm tests/launch -v --durations=0
+
+## Every wheel the project needs beyond torch, for an offline (air-gapped) install: README "Offline install".
+##   make wheelhouse PYTHON_VERSION=3.12 PLATFORM=manylinux_2_28_x86_64   (defaults: this machine's)
+PYTHON_VERSION ?=
+PLATFORM ?=
+wheelhouse:
+	python3 scripts/wheelhouse.py --dest wheelhouse $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION)) \
+		$(if $(PLATFORM),--platform $(PLATFORM))
 
 lint: install
 	$(PY) -m ruff check .
