@@ -50,6 +50,21 @@ def planned_gib(cfg, world: int, on_gpu: bool) -> float | None:
         return None
 
 
+def planned_activations_gib(cfg, world: int, on_gpu: bool) -> tuple[float, float] | None:
+    """(activations at the peak, FP8 weight copies) the planner gives pipeline stage 0, in GiB."""
+    from pretrain import plan
+    from pretrain.layout import te_available, use_transformer_engine
+
+    try:
+        use_te = on_gpu and use_transformer_engine(cfg.model.transformer_impl, te_available())
+        lay = plan.layout_of(cfg, world, on_gpu=on_gpu, use_te=use_te)
+        vocab = plan.padded_vocab_for(cfg)
+        act = plan.activation_memory(cfg, lay, vocab, 0)
+        return act.peak / plan.GIB, plan.static_memory(cfg, lay, vocab, 0).fp8 / plan.GIB
+    except plan.PlanError:
+        return None
+
+
 def summarize(records: list[dict], warmup: int) -> dict:
     """Means over the steps after the warm-up."""
     steady = [r for r in records if r["step"] > warmup] or records
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the means (default 3)")
     parser.add_argument("--label", default=None)
     parser.add_argument("--json-out", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--meter", action="store_true",
+                        help="also count the bytes autograd saves for backward (pipeline stage 0) vs the plan")
     args = parser.parse_args(argv)
     if args.steps < 1:
         print("train_throughput: --steps must be at least 1", file=sys.stderr)
@@ -108,8 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     world = env_world_size()
     planned = planned_gib(cfg, world, on_gpu)
+    meter = None
+    if args.meter:
+        from pretrain.planner.measure import SavedTensorMeter
+
+        meter = SavedTensorMeter()
     try:
-        train(cfg)
+        if meter is not None:
+            with meter:
+                train(cfg)
+        else:
+            train(cfg)
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if on_gpu else 0.0],
                             device="cuda" if on_gpu else "cpu")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -121,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                           device=torch.cuda.get_device_name() if on_gpu else "cpu",
                           peak_mem_gib=peak.item() if on_gpu else None, planned_mem_gib=planned,
                           mem_ratio=(peak.item() / planned) if (on_gpu and planned) else None)
+            if meter is not None:
+                act = planned_activations_gib(cfg, world, on_gpu)
+                result.update(act_measured_gib=meter.peak / 2**30, act_planned_gib=act[0] if act else None,
+                              fp8_planned_gib=act[1] if act else None)
             label = args.label or args.config
             print(HEADER)
             print(format_row(label, result))

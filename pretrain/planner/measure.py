@@ -7,9 +7,10 @@
     meter.peak, meter.by_label
 
 Every tensor autograd saves passes through the pack hook. A tensor is counted by its storage (views and
-tensors sharing storage count once, for as long as any saved reference to it is alive), parameters'
-storages are excluded (they are weights, not activations). `peak` is the largest number of bytes alive at
-once; `by_label` the bytes first saved while each label (e.g. one decoder layer's forward) was active.
+tensors sharing storage count once, for as long as any saved reference to it is alive); parameters'
+storages are excluded (they are weights, not activations): those `excluded` returns, and the storage of
+every `torch.nn.Parameter` saved (with DDP's contiguous buffer, all of them). `peak` is the largest number
+of bytes alive at once; `by_label` the bytes first saved while each label (e.g. one decoder layer's forward) was active.
 Tensor subclasses that wrap other tensors (FP8 tensors) are counted through their inner tensors.
 """
 
@@ -79,6 +80,13 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> Any:
         if self._excluded is None:
             self._excluded = self._excluded_fn() if self._excluded_fn else set()
+        if isinstance(t, torch.nn.Parameter):  # a weight (its storage may be DDP's whole buffer): never counted
+            for key, _ in _storages(t):
+                self._excluded.add(key)
+                entry = self._live.pop(key, None)
+                if entry is not None:
+                    self.current -= entry[0]
+            return t
         keys = []
         for key, nbytes in _storages(t):
             if key in self._excluded:

@@ -1,35 +1,73 @@
-"""The body of tests/gpu/run.sh: few-layer models at Llama-3-8B and -70B width on one GPU, each case a
-`benchmarks/train_throughput.py` run in its own process, then one table.
+"""The body of tests/gpu/run.sh: few-layer models at Llama-3-8B and -70B width on one GPU, one table.
 
-Cases (bf16, sequence 4096, micro batch 1, global batch 4, 8 steps, means over the last 5):
-  - 8B width (4 layers, vocabulary 128,256) and 70B width (2 layers, vocabulary 32,000), local spec;
-  - the same with the Transformer Engine spec, and with TE + FP8, when `import transformer_engine` works
-    (FP8 only on compute capability >= 8.9).
-The whole check keeps to BUDGET_S; cases that would not fit are reported as skipped.
-Exit status: 0 when every case that ran succeeded, 1 otherwise.
+Cases (bf16 weights, sequence 4096, micro batch 1, 4 microbatches a step, 8 steps, means over the last 5):
+  - per spec — local; Transformer Engine and TE + FP8 when `import transformer_engine` works (FP8 on compute
+    capability >= 8.9):
+    - 8B width (4 layers, vocabulary 128,256) through the trainer (`benchmarks/train_throughput.py`), then
+      the same model through tests/gpu/mcore_loop.py (Megatron-Core called directly): our overhead;
+    - 70B width (2 layers, vocabulary 32,000) through the trainer with the saved-tensor meter: activations
+      measured vs planned.
+Each run is its own process. The whole check keeps to BUDGET_S (under 8 minutes with start-up); cases that
+would not fit are reported as skipped. `--dry-run` prints the cases with their planned memory and runs
+nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 BUDGET_S = 450.0  # leaves margin under 8 minutes for start-up and the table
-CASE_LIMIT_S = 160.0
-MIN_CASE_S = 60.0
+CASE_LIMIT_S = 150.0
+MIN_CASE_S = 45.0
+SEQ, MICROBATCHES, STEPS, WARMUP = 4096, 4, 8, 3
 
-COMMON = ["data.mock=true", "train.precision=bf16", "model.seq_length=4096", "train.micro_batch_size=1",
-          "train.global_batch_size=4", "parallel.tensor=1", "parallel.pipeline=1", "parallel.context=1",
-          "optimizer.distributed=false", "optimizer.warmup_steps=0", "logging.log_interval=1"]  # fmt: skip
-WIDTHS = {
-    "8B width, 4 layers": ["model.preset=llama3_8b", "model.num_layers=4"],
-    "70B width, 2 layers": ["model.preset=llama3_70b", "model.num_layers=2", "model.vocab_size=32000"],
+WIDTHS = {  # name: (layers, hidden, ffn, heads, groups, vocabulary, preset)
+    "8B": (4, 4096, 14336, 32, 8, 128256, "llama3_8b"),
+    "70B": (2, 8192, 28672, 64, 8, 32000, "llama3_70b"),
 }
+COMMON = ["data.mock=true", "train.precision=bf16", f"model.seq_length={SEQ}", "train.micro_batch_size=1",
+          f"train.global_batch_size={MICROBATCHES}", "parallel.tensor=1", "parallel.pipeline=1",
+          "parallel.context=1", "optimizer.distributed=false", "optimizer.warmup_steps=0",
+          "logging.log_interval=1"]  # fmt: skip
+
+
+@dataclass
+class Case:
+    label: str
+    width: str
+    spec: list[str]  # trainer overrides of the spec / precision
+    te: bool = False
+    fp8: str | None = None
+    baseline: bool = False  # the Megatron-Core loop instead of the trainer
+    meter: bool = False
+    result: dict = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        layers, _, _, _, _, vocab, preset = WIDTHS[self.width]
+        return [*COMMON, f"model.preset={preset}", f"model.num_layers={layers}", f"model.vocab_size={vocab}",
+                *self.spec]
+
+    def command(self, out: Path) -> list[str]:
+        if self.baseline:
+            layers, hidden, ffn, heads, groups, vocab, _ = WIDTHS[self.width]
+            cmd = [sys.executable, str(ROOT / "tests/gpu/mcore_loop.py"), "--layers", str(layers), "--hidden",
+                   str(hidden), "--ffn", str(ffn), "--heads", str(heads), "--groups", str(groups), "--vocab",
+                   str(vocab), "--seq", str(SEQ), "--microbatches", str(MICROBATCHES), "--steps", str(STEPS),
+                   "--warmup", str(WARMUP), "--json-out", str(out)]  # fmt: skip
+            return cmd + (["--te"] if self.te else []) + (["--fp8", self.fp8] if self.fp8 else [])
+        cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "tiny_llama", *self.overrides(),
+               "--steps", str(STEPS), "--warmup", str(WARMUP), "--label", self.label, "--json-out", str(out)]
+        return cmd + (["--meter"] if self.meter else [])
 
 
 def te_info() -> tuple[bool, str | None]:
@@ -47,64 +85,124 @@ def te_info() -> tuple[bool, str | None]:
     return True, "tensorwise" if version >= (2, 2) else "delayed"
 
 
-def cases() -> list[tuple[str, list[str]]]:
-    te, fp8 = te_info()
-    out = []
-    specs = [("local bf16", ["model.transformer_impl=local"])]
+def cases(te: bool, fp8: str | None) -> list[Case]:
+    specs = [("local bf16", ["model.transformer_impl=local"], False, None)]
     if te:
-        specs.append(("TE bf16", ["model.transformer_impl=transformer_engine"]))
-    if fp8:
-        specs.append((f"TE FP8 {fp8}", ["model.transformer_impl=transformer_engine", f"model.fp8={fp8}"]))
-    for spec, spec_overrides in specs:
-        for width, width_overrides in WIDTHS.items():
-            out.append((f"{width}, {spec}", COMMON + width_overrides + spec_overrides))
+        specs.append(("TE bf16", ["model.transformer_impl=transformer_engine"], True, None))
+    if te and fp8:
+        specs.append((f"TE FP8 {fp8}", ["model.transformer_impl=transformer_engine", f"model.fp8={fp8}"], True, fp8))
+    out = []
+    for name, spec, use_te, recipe in specs:  # the overhead comparisons first
+        out.append(Case(f"8B width, {name}", "8B", spec, use_te, recipe))
+        out.append(Case(f"8B width, {name}, Megatron-Core loop", "8B", spec, use_te, recipe, baseline=True))
+    for name, spec, use_te, recipe in specs:
+        out.append(Case(f"70B width, {name}", "70B", spec, use_te, recipe, meter=True))
     return out
 
 
-def main() -> int:
-    import torch
+def planned(case: Case) -> tuple[float, float]:
+    """(peak, activations) the planner gives this case on a GPU, GiB."""
+    from pretrain import plan
+    from pretrain.config import load_config
 
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.train_throughput import HEADER, format_row
+    cfg = load_config("tiny_llama", case.overrides())
+    lay = plan.layout_of(cfg, 1, on_gpu=True, use_te=case.te)
+    vocab = plan.padded_vocab_for(cfg)
+    total = plan.most_loaded(cfg, lay, vocab).total / plan.GIB
+    return total, plan.activation_memory(cfg, lay, vocab, 0).peak / plan.GIB
+
+
+def fmt(value, spec: str) -> str:
+    return spec.format(value) if isinstance(value, (int, float)) else "n/a"
+
+
+def table(done: list[Case]) -> list[str]:
+    header = (f"{'run':<44} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9} "
+              f"{'ratio':>6} {'act meas/plan GiB':>18} {'ours/Mcore':>10}")
+    lines = [header]
+    by_label = {c.label: c for c in done}
+    for c in done:
+        r = c.result
+        act = (f"{r['act_measured_gib']:.2f}/{r['act_planned_gib']:.2f}"
+               if r.get("act_measured_gib") is not None and r.get("act_planned_gib") is not None else "")
+        base = by_label.get(f"{c.label}, Megatron-Core loop")
+        ratio = ""
+        if base and base.result.get("tokens_per_s_per_gpu") and r.get("tokens_per_s_per_gpu"):
+            ratio = f"{r['tokens_per_s_per_gpu'] / base.result['tokens_per_s_per_gpu']:.3f}"
+        lines.append(f"{c.label:<44} {fmt(r.get('tokens_per_s_per_gpu'), '{:,.0f}'):>10} "
+                     f"{fmt(r.get('tflops_per_gpu'), '{:.1f}'):>8} {fmt(r.get('mfu'), '{:.1%}'):>6} "
+                     f"{fmt(r.get('peak_mem_gib'), '{:.2f}'):>9} {fmt(r.get('planned_mem_gib'), '{:.2f}'):>9} "
+                     f"{fmt(r.get('mem_ratio'), '{:.2f}'):>6} {act:>18} {ratio:>10}")
+    return lines
+
+
+def baseline_figures(case: Case, result: dict, device: str) -> dict:
+    """TFLOP/s and MFU of a Megatron-Core loop run, by the trainer's own formula and peak table."""
+    from pretrain.config import load_config
+    from pretrain.flops import flops_per_token, gpu_peak_tflops
+    from pretrain.planner import padded_vocab_for
+
+    cfg = load_config("tiny_llama", case.overrides())
+    tflops = flops_per_token(cfg.model, padded_vocab_for(cfg)) * result["tokens_per_s_per_gpu"] / 1e12
+    peak = gpu_peak_tflops(device, bool(case.fp8))
+    return {**result, "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="list the cases and their plans; run nothing")
+    parser.add_argument("--json-out", default=None, help="also write every case's figures here")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        todo = cases(te=True, fp8="tensorwise")
+        print(f"GPU check (dry run): {len(todo)} case(s); planned on a GPU:")
+        for c in todo:
+            total, act = planned(c)
+            print(f"  {c.label:<44} plan {total:6.2f} GiB (activations {act:5.2f})")
+            print(f"    {shlex.join(c.command(Path('OUT.json'))[1:])}")
+        return 0
+
+    import torch
 
     start = time.monotonic()
     device = torch.cuda.get_device_name()
-    todo = cases()
-    print(f"GPU check on {device}: {len(todo)} case(s), budget {BUDGET_S:.0f} s", flush=True)
-    rows, failures, skipped = [], [], []
+    todo = cases(*te_info())
+    print(f"GPU check on {device}, torch {torch.__version__}: {len(todo)} case(s), budget {BUDGET_S:.0f} s",
+          flush=True)
+    done, failures, skipped = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, overrides) in enumerate(todo):
+        for i, case in enumerate(todo):
             left = BUDGET_S - (time.monotonic() - start)
             if left < MIN_CASE_S:
-                skipped.append(label)
+                skipped.append(case.label)
                 continue
             out = Path(tmp) / f"case{i}.json"
-            cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "tiny_llama", *overrides,
-                   "--steps", "8", "--warmup", "3", "--label", label, "--json-out", str(out)]  # fmt: skip
             t0 = time.monotonic()
             try:
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=min(CASE_LIMIT_S, left))
+                proc = subprocess.run(case.command(out), cwd=ROOT, capture_output=True, text=True,
+                                      timeout=min(CASE_LIMIT_S, left))
             except subprocess.TimeoutExpired:
-                failures.append((label, f"timed out after {min(CASE_LIMIT_S, left):.0f} s"))
+                failures.append((case.label, f"timed out after {min(CASE_LIMIT_S, left):.0f} s"))
                 continue
-            took = time.monotonic() - t0
             if proc.returncode != 0 or not out.exists():
                 tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                failures.append((label, f"exit {proc.returncode}: {tail}"))
+                failures.append((case.label, f"exit {proc.returncode}: {tail}"))
                 continue
-            rows.append(json.loads(out.read_text()))
-            print(f"  done: {label} ({took:.0f} s)", flush=True)
+            result = json.loads(out.read_text())
+            case.result = baseline_figures(case, result, device) if case.baseline else result
+            if case.baseline:
+                case.result["planned_mem_gib"] = planned(case)[0]
+            done.append(case)
+            print(f"  done: {case.label} ({time.monotonic() - t0:.0f} s)", flush=True)
     print()
-    print(HEADER)
-    for r in rows:
-        print(format_row(r["label"], r))
+    print("\n".join(table(done)))
     for label in skipped:
-        print(f"{label:<34} skipped (time budget)")
+        print(f"{label:<44} skipped (time budget)")
     for label, why in failures:
-        print(f"{label:<34} FAILED: {why}")
-    off = [r["label"] for r in rows if r.get("mem_ratio") and not 0.8 <= r["mem_ratio"] <= 1.2]
-    if off:
-        print(f"note: measured peak memory is more than 20% away from the plan for: {', '.join(off)}")
+        print(f"{label:<44} FAILED: {why}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                                   "cases": {c.label: c.result for c in done}}, indent=1))
     print(f"total {time.monotonic() - start:.0f} s")
     return 1 if failures else 0
 

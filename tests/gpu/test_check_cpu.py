@@ -1,0 +1,43 @@
+"""The GPU check's wiring, on any machine: run.sh's answer without a GPU, the dry run's cases and plans, and
+the Megatron-Core baseline loop's calls (on CPU, tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_run_sh_without_a_gpu_says_so_and_exits_0():
+    done = subprocess.run(["bash", str(REPO / "tests/gpu/run.sh")], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA GPU here" in done.stdout and "nothing to check" in done.stdout
+
+
+def test_dry_run_lists_every_case_with_its_plan():
+    done = subprocess.run(["bash", str(REPO / "tests/gpu/run.sh"), "--dry-run"], capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    cases = [line for line in done.stdout.splitlines() if " plan " in line]
+    assert len(cases) == 9, done.stdout  # 3 specs x (8B trainer, 8B Megatron-Core loop, 70B with the meter)
+    assert sum("Megatron-Core loop" in c for c in cases) == 3
+    assert "tests/gpu/mcore_loop.py" in done.stdout and "--meter" in done.stdout
+
+
+def test_megatron_core_baseline_loop_trains_on_cpu(tmp_path):
+    out = tmp_path / "loop.json"
+    done = subprocess.run([sys.executable, str(REPO / "tests/gpu/mcore_loop.py"), "--cpu", "--layers", "2",
+                           "--hidden", "64", "--ffn", "176", "--heads", "4", "--groups", "2", "--vocab", "4096",
+                           "--seq", "64", "--microbatches", "2", "--steps", "3", "--warmup", "1", "--json-out",
+                           str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["loss_last"] < result["loss_first"] and result["tokens_per_s_per_gpu"] > 0
