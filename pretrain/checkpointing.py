@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -206,8 +207,9 @@ def start_writer_helper() -> None:
     first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
     time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
     fails (EOFError). Here the same Manager is started with those signals blocked in its server process
-    (its initializer runs before the server starts threads; it imports nothing of ours). The trainer keeps
-    its own handlers: it saves and exits on them.
+    (its initializer runs before the server starts threads; it imports only `pretrain.child_processes`, which
+    is standard library). The trainer keeps its own handlers: it saves and exits on them. The Manager and
+    every writer this process forks die with it (`pretrain/child_processes.py`), also on `kill -9`.
     """
     global _WRITER_MANAGER
     import multiprocessing as mp
@@ -215,10 +217,15 @@ def start_writer_helper() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from pretrain.child_processes import die_with_this_process, parent_death_signal
+
+    die_with_this_process()  # the forked writers too: none outlives a killed trainer
+    # Its error lines ("Local process 0 encountered an error: ...") repeat what the save's CheckpointError says.
+    logging.getLogger(filesystem_async.__name__).setLevel(logging.CRITICAL)
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, HELPER_BLOCKED_SIGNALS))
+    manager.start(initializer=functools.partial(parent_death_signal, os.getpid(), HELPER_BLOCKED_SIGNALS))
     _WRITER_MANAGER = manager
     filesystem_async._results_queue = manager.Queue()
 

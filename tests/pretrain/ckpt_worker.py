@@ -5,6 +5,7 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     overrides    dotted config overrides (tiny_llama base)
     copy_from    [run_dir, step]: start from that run's checkpoint at `step` (copied with its tracker)
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
+    stall_in_save  step: the writer processes of that step's checkpoint hang (for a test to kill the trainer)
     evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
     load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
     mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
@@ -95,6 +96,33 @@ def _install_crash(step: int) -> None:
     checkpointing.save_checkpoint = save_checkpoint
 
 
+def _install_stall(step: int) -> None:
+    """Make the checkpoint writer of `step` hang (as on a slow file system) after its first item."""
+    import time
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain import checkpointing
+
+    original_write_item = filesystem_async._write_item
+    original_save = checkpointing.save_checkpoint
+
+    @functools.wraps(original_write_item)  # Megatron inspects its signature
+    def write_item(*args, **kwargs):
+        result = original_write_item(*args, **kwargs)
+        if os.environ.get("CKPT_STALL_ARMED") == "1":
+            time.sleep(600)
+        return result
+
+    def save_checkpoint(*args, **kwargs):
+        if kwargs.get("step") == step:
+            os.environ["CKPT_STALL_ARMED"] = "1"  # inherited by the forked writers
+        return original_save(*args, **kwargs)
+
+    filesystem_async._write_item = write_item
+    checkpointing.save_checkpoint = save_checkpoint
+
+
 def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -127,6 +155,8 @@ def run_case(case: dict, results: dict) -> None:
         checkpointing._rng_state = lambda: {"python": Evil(case["evil_rng"])}
     if case.get("crash_in_save"):
         _install_crash(int(case["crash_in_save"]))
+    if case.get("stall_in_save"):
+        _install_stall(int(case["stall_in_save"]))
     try:
         if case.get("load_object"):
             _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)

@@ -134,12 +134,20 @@ def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
     kill_at = rng.randrange(status["step"] + 1, 6)
     proc = start(cmd, work / "log")
     wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
+    helpers: list[psutil.Process] = []
     if proc.poll() is None:
         time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(worker_ranks(proc).get(0, proc.pid), signal.SIGKILL)
+        ranks = worker_ranks(proc)
+        # torchrun starts each rank in its own session: ending the launcher's group does not reach these.
+        for pid in ranks.values():
+            with contextlib.suppress(psutil.Error):
+                helpers += psutil.Process(pid).children(recursive=True)
+        os.kill(ranks.get(0, proc.pid), signal.SIGKILL)
     rc = finish(proc, timeout=120)
     print(f"seed {SEED}: SIGUSR1 stop at step {status['step']}, kill -9 of rank 0 after step {kill_at}, "
           f"tracker then {_tracker(work)}")
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    assert not alive, f"checkpoint helpers outlived their ranks: {[p.pid for p in alive]}"
 
     rc = run(cmd, work / "log", timeout=300)
     assert rc == 0, log_text(work / "log")[-3000:]
