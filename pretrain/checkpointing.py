@@ -37,6 +37,7 @@ OPTIMIZER_SHARDING = "fully_reshardable"
 COMMON_FILE = "common.pt"
 INDEX_FILE = ".metadata"
 FORMAT_FILE = "metadata.json"
+RUN_CONFIG_FILE = "run_config.yaml"  # written by the commit: its presence marks a complete checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -57,7 +58,7 @@ def iteration_dir(root: Path, step: int) -> Path:
 
 
 def latest_iteration(root: Path) -> int | None:
-    """The step named by the tracker file, or None when there is no complete checkpoint."""
+    """The step named by the tracker file, or None when there is no tracker."""
     tracker = root / TRACKER
     if not tracker.exists():
         return None
@@ -69,6 +70,73 @@ def latest_iteration(root: Path) -> int | None:
     if not iteration_dir(root, step).is_dir():
         raise CheckpointError(f"{tracker}: names iteration {step} but {iteration_dir(root, step)} does not exist")
     return step
+
+
+def iterations(root: Path) -> list[int]:
+    """Steps of the `iter_*` directories under `root`, ascending."""
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir())
+
+
+def is_committed(path: Path) -> bool:
+    """True for a checkpoint the save committed: `run_config.yaml` is written (atomically) only after every
+    rank finished writing, just before the tracker moves. Without it a directory is a partial save."""
+    return (path / RUN_CONFIG_FILE).is_file()
+
+
+def _names(root: Path, steps: list[int]) -> str:
+    return ", ".join(iteration_dir(root, s).name for s in steps)
+
+
+def resume_step(root: Path) -> tuple[int | None, str | None]:
+    """(step to resume from or None, a note for the log); raises CheckpointError when it must refuse.
+
+    The tracker selects the checkpoint. Without one, the newest committed checkpoint is used if it is
+    intact. A committed checkpoint is never given up silently: newer committed ones than the tracker's,
+    or a damaged newest one without a tracker, stop the run with what to do.
+    """
+    tracker = root / TRACKER
+    steps = iterations(root)
+    tracked = latest_iteration(root)
+    committed = [s for s in steps if is_committed(iteration_dir(root, s))]
+    if tracked is not None:
+        newer = [s for s in committed if s > tracked]
+        if newer:
+            raise CheckpointError(
+                f"{tracker}: names iteration {tracked} but newer complete checkpoints exist ({_names(root, newer)}); "
+                f"to continue from the newest write {newer[-1]} into it, to go back to {tracked} move the newer "
+                f"ones out of {root}")
+        return tracked, None
+    if not committed:
+        partial = f"; partial saves {_names(root, steps)} will be replaced" if steps else ""
+        return None, (f"no complete checkpoint in {root}, starting from step 0{partial}" if steps else None)
+    newest = iteration_dir(root, committed[-1])
+    try:
+        inspect_checkpoint(newest)
+    except CheckpointError as exc:
+        older = f" (older complete: {_names(root, committed[:-1])})" if committed[:-1] else ""
+        raise CheckpointError(
+            f"{tracker} is missing and the newest complete checkpoint cannot be used{older}: {exc}; write the "
+            f"iteration to resume from into {tracker}, after moving {newest.name} out of {root}") from None
+    return committed[-1], (f"{tracker} is missing: resuming from the newest complete checkpoint {newest} "
+                           f"(complete checkpoints found: {_names(root, committed)})")
+
+
+def find_resume(cfg) -> tuple[Path | None, str | None]:
+    """`resume_step` decided on rank 0 and shared (collective): (checkpoint dir or None, note to log)."""
+    root = checkpoint_root(cfg)
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            decision[0] = ("ok", *resume_step(root))
+        except CheckpointError as exc:
+            decision[0] = ("error", str(exc), None)
+    dist.broadcast_object_list(decision, src=0)
+    kind, value, note = decision[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return (iteration_dir(root, value) if value is not None else None), note
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -231,19 +299,30 @@ def start_writer_helper() -> None:
 
 
 def _commit(cfg, root: Path, path: Path, step: int) -> None:
-    """Point the tracker at `path` once every rank has finished writing it (collective)."""
+    """Mark `path` complete and point the tracker at it once every rank has finished writing it (collective)."""
     dist.barrier()
+    error = None
     if dist.get_rank() == 0:
-        (path / "run_config.yaml").write_text(cfg.to_yaml())
-        _write_atomic(root / TRACKER, f"{step}\n")
-        _prune(root, cfg.checkpoint.keep_last, current=step)
-    dist.barrier()
+        target = path / RUN_CONFIG_FILE
+        try:
+            _write_atomic(target, cfg.to_yaml())
+            target = root / TRACKER
+            _write_atomic(target, f"{step}\n")
+        except OSError as exc:
+            error = CheckpointError(f"{target}: committing the checkpoint failed ({exc.strerror or exc}); "
+                                    "the tracker was not moved")
+        else:
+            _prune(root, cfg.checkpoint.keep_last, current=step)
+    _agree(error)
 
 
 def _prune(root: Path, keep_last: int | None, current: int) -> None:
-    """Delete checkpoints beyond the newest `keep_last` and stale partial ones newer than `current`."""
-    iters = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
-    stale = [it for it in iters if it > current]  # uncommitted leftovers of a crashed run
+    """Delete checkpoints beyond the newest `keep_last` and partial saves newer than `current`.
+
+    A committed checkpoint newer than `current` is kept: only uncommitted leftovers of a crashed save are stale.
+    """
+    iters = iterations(root)
+    stale = [it for it in iters if it > current and not is_committed(iteration_dir(root, it))]
     kept = [it for it in iters if it <= current]
     old = kept[:-keep_last] if keep_last else []
     for it in stale + old:
@@ -483,15 +562,12 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
 
 
 def _agree(error: CheckpointError | None) -> None:
-    """Raise on every rank when the check failed on any rank (so none is left waiting in a collective)."""
-    flag = torch.tensor([1.0 if error is not None else 0.0])
-    if torch.cuda.is_available():
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if flag.item() > 0:
-        raise CheckpointError("checkpoint check failed on another rank (see its error)")
+    """Raise the same error on every rank when a check failed on any rank (none is left waiting in a collective)."""
+    from pretrain.runtime import any_rank_error
+
+    message = any_rank_error(None if error is None else str(error))
+    if message is not None:
+        raise CheckpointError(message)
 
 
 def inspect_checkpoint(path: str | Path) -> tuple[dict, Any]:
@@ -572,6 +648,27 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
+
+
+def start_from_checkpoint(cfg, model, optimizer, scheduler, log) -> tuple[int, int, bool]:
+    """Resume from the run's own checkpoint, else load `checkpoint.pretrained` weights, else nothing (all ranks).
+
+    Returns (step, consumed_samples, resumed). `log` prints on rank 0.
+    """
+    latest, note = find_resume(cfg)  # the tracker's, else the newest complete checkpoint
+    if note:
+        log(f"[pretrain] {note}")
+    if latest is not None:
+        step, consumed = load_checkpoint(cfg, model, optimizer, scheduler, latest)
+        log(f"[pretrain] resumed from {latest} at step {step}")
+        return step, consumed, True
+    if cfg.checkpoint.pretrained:
+        load_checkpoint(cfg, model, optimizer, scheduler, resolve_checkpoint(cfg.checkpoint.pretrained),
+                        weights_only=True)
+        # Distributed optimizer: main params are copies of the model params made at construction.
+        optimizer.reload_model_params()
+        log(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
+    return 0, 0, False
 
 
 def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> Path:

@@ -84,6 +84,22 @@ def init_model_parallel(layout, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+def any_rank_error(message: str | None) -> str | None:
+    """The first error message of any rank, returned on every rank (collective; None when all are fine).
+
+    One MAX all-reduce when every rank is fine; the messages are gathered only after a failure.
+    """
+    flag = torch.tensor([0.0 if message is None else 1.0])
+    if torch.cuda.is_available():
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return None
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next(m for m in messages if m is not None)
+
+
 def shutdown() -> None:
     """Tear down Megatron's groups and the default process group."""
     from megatron.core import parallel_state

@@ -307,20 +307,7 @@ def train(cfg: Config) -> dict:
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
-    step, consumed = 0, 0
-    root = checkpointing.checkpoint_root(cfg)
-    latest = checkpointing.latest_iteration(root)
-    if latest is not None:
-        step, consumed = checkpointing.load_checkpoint(
-            cfg, model, optimizer, scheduler, checkpointing.iteration_dir(root, latest))
-        log0(f"[pretrain] resumed from {checkpointing.iteration_dir(root, latest)} at step {step}")
-    elif cfg.checkpoint.pretrained:
-        checkpointing.load_checkpoint(cfg, model, optimizer, scheduler,
-                                      checkpointing.resolve_checkpoint(cfg.checkpoint.pretrained),
-                                      weights_only=True)
-        # Distributed optimizer: main params are copies of the model params made at construction.
-        optimizer.reload_model_params()
-        log0(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
+    step, consumed, resumed = checkpointing.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
 
     # 4. Data.
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
@@ -337,7 +324,7 @@ def train(cfg: Config) -> dict:
     flops_tok = flops_per_token(cfg.model, layout.padded_vocab)
     peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
     reason, signal_name, message = "completed", None, None
-    last_saved = step if latest is not None else None
+    last_saved = step if resumed else None
     async_saves = checkpointing.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def save(at_step: int) -> None:

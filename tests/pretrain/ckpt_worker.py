@@ -3,7 +3,8 @@
 PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     name         label in the results file
     overrides    dotted config overrides (tiny_llama base)
-    copy_from    [run_dir, step]: start from that run's checkpoint at `step` (copied with its tracker)
+    copy_from    [run_dir, step or [steps]]: start from that run's checkpoint(s) (copied, the tracker naming the
+                 last, metrics.jsonl up to it)
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
     stall_in_save  step: the writer processes of that step's checkpoint hang (for a test to kill the trainer)
     evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
@@ -37,13 +38,16 @@ class Evil:
         return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
 
 
-def _copy_checkpoint(src_run: str, step: int, dst_run: str) -> None:
+def _copy_checkpoint(src_run: str, steps: int | list[int], dst_run: str) -> None:
     from pretrain.checkpointing import TRACKER, iteration_dir
 
+    steps = steps if isinstance(steps, list) else [steps]
+    step = max(steps)
     src, dst = Path(src_run) / "checkpoints", Path(dst_run) / "checkpoints"
     shutil.rmtree(dst_run, ignore_errors=True)
     dst.mkdir(parents=True)
-    shutil.copytree(iteration_dir(src, step), iteration_dir(dst, step))
+    for s in steps:
+        shutil.copytree(iteration_dir(src, s), iteration_dir(dst, s))
     (dst / TRACKER).write_text(f"{step}\n")
     lines = [ln for ln in (Path(src_run) / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln).get("step", 0) <= step]

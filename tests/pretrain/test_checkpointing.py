@@ -157,6 +157,24 @@ def single_process_cases(tmp_path_factory):
         {"name": "time_limit", "overrides": SMALL + ["train.steps=3", "train.exit_duration_in_mins=1e-9",
                                                      f"run.dir={root}/time_limit"]},
     ]
+    # Missing or stale tracker (issue 13 item 3): a source run with complete checkpoints at steps 2, 4, 6.
+    six = SMALL + ["train.steps=6", "checkpoint.keep_last=null", "optimizer.distributed=true"]
+    keep = [["write", f"checkpoints/iter_{s:07d}/KEEP", "a file a deletion would take with it"] for s in (2, 4)]
+    cases += [
+        {"name": "six", "overrides": six + ["checkpoint.interval=2", f"run.dir={root}/six"]},
+        {"name": "no_tracker", "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/no_tracker"],
+         "copy_from": [f"{root}/six", [2, 4]],
+         "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
+                    ["write", "checkpoints/iter_0000008/__0_0.distcp", "a partial save of a crashed run"]]},
+        {"name": "tracker_behind", "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/tracker_behind"],
+         "copy_from": [f"{root}/six", [2, 4]], "mutate": [["write", "checkpoints/latest_checkpointed_iteration.txt",
+                                                           "2\n"], *keep]},
+        {"name": "no_tracker_damaged",
+         "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/no_tracker_damaged"],
+         "copy_from": [f"{root}/six", [2, 4]],
+         "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
+                    ["truncate", "checkpoints/iter_0000004/common.pt", 0.5]]},
+    ]
     for name, ops, _ in BAD:
         ops = [[op, rel, *(marker if a == "MARKER" else a for a in args)] for op, rel, *args in ops]
         cases.append({"name": name, "overrides": base + [f"run.dir={root}/{name}"],
@@ -222,6 +240,52 @@ def test_nan_policy_and_time_limit(single_process_cases):
     assert tl["ok"] and tl["summary"]["reason"] == "time_limit" and tl["summary"]["step"] == 1
     assert (root / "time_limit/checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert json.loads((root / "time_limit" / "exit_status.json").read_text())["reason"] == "time_limit"
+
+
+def _iters(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+
+
+@pytest.mark.slow
+def test_missing_tracker_resumes_from_newest_complete_checkpoint(single_process_cases):
+    root, results, _ = single_process_cases
+    assert results["six"]["ok"], results["six"]
+    res = results["no_tracker"]
+    assert res["ok"], res
+    assert res["summary"] == {"reason": "completed", "step": 6, "consumed_samples": 48}
+    run_dir = root / "no_tracker"
+    # Nothing complete deleted or rewritten; the partial iter_0000008 (no run_config.yaml) replaced by nothing.
+    assert (run_dir / "checkpoints/iter_0000002/KEEP").exists() and (run_dir / "checkpoints/iter_0000004/KEEP").exists()
+    assert _iters(run_dir) == ["iter_0000002", "iter_0000004", "iter_0000006"]
+    assert (run_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text() == "6\n"
+    # metrics.jsonl: the lines the checkpoint covers kept as written (wall-clock fields included), then steps 5
+    # and 6 exactly as in the uninterrupted run.
+    source = (root / "six/metrics.jsonl").read_text().splitlines()
+    got = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert got[:4] == source[:4]
+    assert [tuple(m[k] for k in DETERMINISTIC) for m in metrics(run_dir)] == \
+        [tuple(m[k] for k in DETERMINISTIC) for m in metrics(root / "six")]
+
+
+@pytest.mark.slow
+def test_complete_checkpoints_never_given_up(single_process_cases):
+    root, results, _ = single_process_cases
+    err = results["tracker_behind"]["error"]
+    tracker = root / "tracker_behind/checkpoints/latest_checkpointed_iteration.txt"
+    assert err == (f"CheckpointError: {tracker}: names iteration 2 but newer complete checkpoints exist "
+                   f"(iter_0000004); to continue from the newest write 4 into it, to go back to 2 move the newer "
+                   f"ones out of {tracker.parent}"), err
+    err = results["no_tracker_damaged"]["error"]
+    tracker = root / "no_tracker_damaged/checkpoints/latest_checkpointed_iteration.txt"
+    assert err.startswith(f"CheckpointError: {tracker} is missing and the newest complete checkpoint cannot be used "
+                          f"(older complete: iter_0000002): {tracker.parent}/iter_0000004/common.pt: unreadable"), err
+    assert err.endswith(f"write the iteration to resume from into {tracker}, after moving iter_0000004 out of "
+                        f"{tracker.parent}"), err
+    for name in ("tracker_behind", "no_tracker_damaged"):
+        run_dir = root / name
+        assert _iters(run_dir) == ["iter_0000002", "iter_0000004"], name
+        assert (run_dir / "checkpoints/iter_0000004/KEEP").exists(), name
+        assert len(metrics(run_dir)) == 4, name  # not truncated
 
 
 # --------------------------------------------------------------------------------------------------
