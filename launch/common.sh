@@ -14,7 +14,8 @@
 #      RUN_DIR/exit_status.json and exit 0;
 #   5. from exit_status.json: "completed" ends the job; "signal"/"time_limit" requeue it
 #      (`scontrol requeue`, same job id, same RUN_DIR, SLURM_RESTART_COUNT+1); a failure requeues at
-#      most MAX_FAILED_RESTARTS times in a row without progress, then the job fails.
+#      most MAX_FAILED_RESTARTS times in a row without progress, then the job fails. The trainer writes
+#      "running" at start, so a file still saying "running" means the ranks were killed (no final status).
 #
 # Environment (all optional; `sbatch --export=ALL`, the default, passes them from the submitting shell):
 #   CONFIG               trainer YAML (relative: to the submit directory, then to the checkout)
@@ -249,6 +250,7 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
         reason=$(sed -n 's/.*"reason": *"\([a-z_]*\)".*/\1/p' "$status_file")
         step=$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$status_file")
         launch_log "exit status: $(tr -d '\n' <"$status_file")"
+        [[ $reason != running ]] || launch_log "the trainer did not finish cleanly: killed before writing its final status"
     else
         launch_log "no $status_file: the trainer did not finish cleanly"
     fi
@@ -267,7 +269,7 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
         }
         launch_requeue "trainer saved at step $step after ${reason/_/ }"
     fi
-    if [[ -n $LAUNCH_SIGNAL && ! -f $status_file ]]; then
+    if [[ -n $LAUNCH_SIGNAL && (! -f $status_file || $reason == running) ]]; then
         # E.g. USR1 while the ranks were still starting, before their handlers were installed: they died
         # without saving, but nothing was lost since the last checkpoint and the time limit is near.
         ((restarts < MAX_RESTARTS)) || {

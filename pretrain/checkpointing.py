@@ -62,7 +62,13 @@ def latest_iteration(root: Path) -> int | None:
     tracker = root / TRACKER
     if not tracker.exists():
         return None
-    text = tracker.read_text().strip()
+    try:
+        text = tracker.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: not a text file (expected an iteration number); restore it or "
+                              "delete it to resume from the newest complete checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"{tracker}: unreadable ({exc.strerror})") from None
     try:
         step = int(text)
     except ValueError:
@@ -340,21 +346,32 @@ class AsyncSaves:
 
         self.queue = AsyncCallsQueue(persistent=False)
         self.pending: int | None = None
+        self.pending_path: Path | None = None
 
     def schedule(self, request) -> None:
         self.queue.schedule_async_request(request)
 
     def finalize(self, blocking: bool = False) -> list[int]:
         """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""
-        done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # the writer failed, e.g. no space left on device
+            error = save_failed(self.pending_path, exc)
+            _discard_partial(self.pending_path)
+            self.pending = self.pending_path = None
+            raise error from exc
         if done:
-            self.pending = None
+            self.pending = self.pending_path = None
         return done
 
     def abort(self) -> None:
         """Stop waiting on the writer (after an error): the checkpoint stays uncommitted."""
         self.queue.close(abort=True)
-        self.pending = None
+        self.pending = self.pending_path = None
 
 
 def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
@@ -365,30 +382,67 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     by a later `async_saves.finalize()`; otherwise it is committed before this returns.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
     start_writer_helper()
     root = checkpoint_root(cfg)
     path = iteration_dir(root, step)
+    error = None
     if dist.get_rank() == 0:
+        try:
+            _prepare_dir(root, path)
+        except CheckpointError as exc:
+            error = exc
+    _agree(error)
+    state = _sharded_state(cfg, model, optimizer, scheduler, step=step, consumed_samples=consumed_samples,
+                           with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
+    try:
+        if async_saves is None:
+            dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(False))
+            _commit(cfg, root, path, step)
+        else:
+            request = dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(True),
+                                              async_sharded_save=True)
+            request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
+            async_saves.schedule(request)
+            async_saves.pending, async_saves.pending_path = step, path
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # e.g. no space left: one line naming the directory
+        error = save_failed(path, exc)
+        _discard_partial(path)
+        raise error from exc
+    return path
+
+
+def _prepare_dir(root: Path, path: Path) -> None:
+    """Create `path` for a save, replacing a partial save left by a crashed run (never a complete one)."""
+    if path.exists() and is_committed(path):
+        raise CheckpointError(f"{path}: a complete checkpoint is already there; refusing to overwrite it")
+    try:
         root.mkdir(parents=True, exist_ok=True)
         if path.exists():  # a partial save from a crashed run, never pointed to
             shutil.rmtree(path)
         path.mkdir()
-    dist.barrier()
-    state = _sharded_state(cfg, model, optimizer, scheduler, step=step, consumed_samples=consumed_samples,
-                           with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
-    if async_saves is None:
-        dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(False))
-        _commit(cfg, root, path, step)
-    else:
-        request = dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(True),
-                                          async_sharded_save=True)
-        request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
-        async_saves.schedule(request)
-        async_saves.pending = step
-    return path
+    except OSError as exc:
+        raise CheckpointError(f"{exc.filename or path}: cannot create the checkpoint directory "
+                              f"({exc.strerror or exc})") from None
+
+
+def _discard_partial(path: Path | None) -> None:
+    """Rank 0 removes the uncommitted directory of a failed save (every rank has stopped writing to it)."""
+    if path is not None and dist.get_rank() == 0 and not is_committed(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_failed(path: Path | None, exc: BaseException) -> CheckpointError:
+    """The one-line error for a save that failed while writing (e.g. the disk is full)."""
+    from pretrain.run_dir import write_failure
+
+    why = write_failure(exc, path) if path is not None else None
+    return CheckpointError(f"{path}: saving the checkpoint failed: {why or _reason(exc)}; nothing was committed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -596,6 +650,22 @@ def _safe_common_strategy():
     return SafeCommonLoadStrategy()
 
 
+def _non_finite(tree, name: str = "") -> str | None:
+    """'tensor NAME holds N NaN/Inf values' for the first floating-point tensor in `tree` that has any."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and tree.numel():
+            bad = tree.numel() - int(torch.isfinite(tree).sum())
+            if bad:
+                return f"tensor '{name}' holds {bad} NaN/Inf values (of {tree.numel()} on this rank)"
+        return None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        found = _non_finite(value, f"{name}.{key}" if name else str(key))
+        if found:
+            return found
+    return None
+
+
 def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
     """Load model (and unless `weights_only`, optimizer, schedule, RNG) from `path` (all ranks call this).
 
@@ -631,6 +701,8 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
         raise
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
         raise CheckpointError(f"{path}: loading failed ({_reason(exc)})") from exc
+    bad = _non_finite({k: v for k, v in loaded.items() if k.startswith(("model", "optimizer"))})
+    _agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
     for key in [k for k in loaded if k.startswith("model")]:
         index_ = 0 if key == "model" else int(key[5:])
         try:
@@ -690,8 +762,15 @@ def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
 
 def read_saved_config(path: Path) -> dict:
     """The config a checkpoint was written with (from run_config.yaml)."""
-    cfg_file = path / "run_config.yaml"
+    cfg_file = path / RUN_CONFIG_FILE
     if not cfg_file.exists():
         raise CheckpointError(f"{path}: no run_config.yaml beside the checkpoint")
-    return yaml.safe_load(cfg_file.read_text())
+    try:
+        tree = yaml.safe_load(cfg_file.read_bytes().decode("utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:  # e.g. a !!python tag: never constructed
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{cfg_file}: not a plain YAML config ({reason})") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{cfg_file}: expected a mapping of config sections, found {type(tree).__name__}")
+    return tree
 

@@ -42,13 +42,18 @@ def _blend(items: list | None):
     return get_blend_from_list([str(x) for x in items])
 
 
+def data_cache_dir(cfg) -> str:
+    """Where Megatron's dataset index caches go: data.cache_dir, else run.dir/data_cache."""
+    return cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache")
+
+
 def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0):
     """(train, valid) datasets sized for the run; valid is None without evaluation."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     d = cfg.data
-    cache = d.cache_dir or os.path.join(cfg.run.dir, "data_cache")
+    cache = data_cache_dir(cfg)
     Path(cache).mkdir(parents=True, exist_ok=True)
     per_split = None
     if d.train_blend:

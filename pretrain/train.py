@@ -10,9 +10,7 @@ metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import signal
 import sys
 import time
@@ -24,9 +22,8 @@ import torch.distributed as dist
 
 from pretrain.config import Config
 from pretrain.layout import Layout, derive_layout
+from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.validate import ValidationFailed, validate
-
-EXIT_STATUS_FILE = "exit_status.json"
 
 
 class TrainingStopped(RuntimeError):
@@ -210,17 +207,6 @@ class StopRequests:
         return None, None
 
 
-def write_exit_status(cfg: Config, reason: str, step: int, signal_name: str | None = None,
-                      message: str | None = None) -> None:
-    """run.dir/exit_status.json: why the trainer stopped (read by launch/ to decide on requeue)."""
-    path = Path(cfg.run.dir) / EXIT_STATUS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"reason": reason, "step": step, "signal": signal_name, "message": message}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-
-
 def log0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -266,10 +252,11 @@ def train(cfg: Config) -> dict:
 
     from model_providers.core.builder import build_model
     from pretrain import checkpointing
-    from pretrain.data import build_datasets, build_tokenizer, microbatches
+    from pretrain.data import build_datasets, build_tokenizer, data_cache_dir, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
-    from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
+    from pretrain.run_dir import prepare_run_dir, write_failure
+    from pretrain.runtime import any_rank_error, env_world_size, init_distributed, init_model_parallel
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
@@ -288,9 +275,9 @@ def train(cfg: Config) -> dict:
     init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, dp_size)
     num_microbatches = get_num_microbatches()
     run_dir = Path(cfg.run.dir)
-    if rt.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
+    if run_dir_error:
+        raise StorageError(run_dir_error)
     log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {num_microbatches} microbatches "
          f"of {t.micro_batch_size}; precision {layout.precision}")
 
@@ -311,8 +298,14 @@ def train(cfg: Config) -> dict:
 
     # 4. Data.
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
-    train_ds, valid_ds = build_datasets(cfg, tokenizer, t.steps * t.global_batch_size,
-                                        eval_steps * t.global_batch_size)
+    try:
+        train_ds, valid_ds = build_datasets(cfg, tokenizer, t.steps * t.global_batch_size,
+                                            eval_steps * t.global_batch_size)
+    except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
+        why = write_failure(exc, data_cache_dir(cfg))
+        if why is None:
+            raise
+        raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
     is_writer = holds_the_loss()
     writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard) if is_writer else None
     if writer is not None:
@@ -460,7 +453,13 @@ def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device)
 
 
 def main(cfg: Config) -> int:
-    """CLI entry: train, turning expected failures into one clear message and a non-zero exit."""
+    """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
+
+    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory, or a
+    full / read-only / forbidden file system (the message names the path).
+    """
+    from pretrain.checkpointing import CheckpointError
+    from pretrain.run_dir import environment_error, os_error_line, report_failure
     from pretrain.runtime import shutdown
 
     try:
@@ -472,5 +471,13 @@ def main(cfg: Config) -> int:
     except TrainingStopped as exc:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except (CheckpointError, StorageError) as exc:
+        return report_failure(cfg, str(exc))
+    except Exception as exc:
+        os_error = environment_error(exc)
+        if os_error is None:
+            raise  # not an expected failure: the traceback is the report
+        return report_failure(cfg, os_error_line(os_error))
     finally:
         shutdown()
+

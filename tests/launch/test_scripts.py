@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,3 +33,37 @@ def test_outside_slurm_fails_with_a_clear_message(script, tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
     assert "not inside a Slurm job: submit with `sbatch" in done.stderr, done.stderr
+
+
+def _finish(tmp_path: Path, status: dict | None, signal_name: str = "") -> subprocess.CompletedProcess:
+    """`launch_finish` of launch/common.sh after an attempt whose exit_status.json is `status`, with a fake
+    `scontrol` that accepts the requeue."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    if status is not None:
+        (run_dir / "exit_status.json").write_text(json.dumps(status) + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho \"scontrol $*\"\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    script = (f"source {REPO}/launch/common.sh; RUN_DIR={run_dir}; LAUNCH_SRUN_RC=137; LAUNCH_SIGNAL={signal_name}; "
+              "MAX_FAILED_RESTARTS=2; MAX_RESTARTS=100; launch_finish")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_JOB_ID": "42",
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_finish_reads_a_running_status_as_killed(tmp_path):
+    """The trainer writes {"reason": "running"} at start: still there after the attempt means the ranks were
+    killed. With a forwarded signal that is a requeue without counting a failure, like a missing file."""
+    running = {"reason": "running", "step": None, "signal": None, "message": None, "pid": 1, "host": "n1"}
+    done = _finish(tmp_path / "a", running)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the trainer did not finish cleanly: killed before writing its final status" in done.stdout
+    assert "failure 1 of at most 2 in a row (srun exit 137)" in done.stdout and "scontrol requeue 42" in done.stdout
+    assert (tmp_path / "a" / "run" / ".launch_failures").read_text().strip() == "1"
+
+    done = _finish(tmp_path / "b", running, signal_name="USR1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(ranks ended after SIGUSR1 without saving (srun exit 137))" in done.stdout, done.stdout
+    assert not (tmp_path / "b" / "run" / ".launch_failures").exists()

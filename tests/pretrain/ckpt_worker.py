@@ -10,7 +10,8 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
     load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
     mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
-                 delete, evil_pickle (arg: marker file), write (arg: text)
+                 delete, evil_pickle (arg: marker file), write (arg: text), write_bytes (arg: hex),
+                 nan (path: a checkpoint dir, arg: tensor key; NaN into every 7th value)
 Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | None}}.
 """
 
@@ -69,8 +70,35 @@ def _mutate(run_dir: str, ops: list) -> None:
         elif op == "write":
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(arg[0])
+        elif op == "write_bytes":
+            f.write_bytes(bytes.fromhex(arg[0]))
+        elif op == "nan":
+            _nan_into(f, arg[0])
         else:
             raise ValueError(f"unknown mutation {op!r}")
+
+
+def _nan_into(checkpoint: Path, key: str) -> None:
+    """Overwrite every 7th value of tensor `key` in a torch_dist checkpoint with NaN, in place (same bytes)."""
+    import io
+
+    import torch
+
+    from pretrain.checkpointing import read_index
+
+    for item, info in read_index(checkpoint).storage_data.items():
+        if item.fqn == key:
+            f = checkpoint / info.relative_path
+            data = bytearray(f.read_bytes())
+            tensor = torch.load(io.BytesIO(bytes(data[info.offset:info.offset + info.length])), weights_only=True)
+            tensor.view(-1)[::7] = float("nan")
+            blob = io.BytesIO()
+            torch.save(tensor, blob)
+            assert len(blob.getvalue()) == info.length, "re-serialised tensor changed size"
+            data[info.offset:info.offset + info.length] = blob.getvalue()
+            f.write_bytes(bytes(data))
+            return
+    raise KeyError(f"{key} not in {checkpoint}")
 
 
 def _install_crash(step: int) -> None:

@@ -1,0 +1,127 @@
+"""The run directory's own files: `config.yaml`, `exit_status.json`, and one-line errors about the file system.
+
+`exit_status.json` says why the trainer stopped; launch/common.sh reads its `reason` to decide on a requeue.
+At start rank 0 writes `{"reason": "running", ...}`, so a trainer that is killed (SIGKILL, OOM killer, node
+failure) never leaves the status of an earlier run behind: the file says `running` until this run writes
+`completed`, `signal`, `time_limit` or `failed`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+EXIT_STATUS_FILE = "exit_status.json"
+# Errors of the environment (full or read-only disks, permissions), reported as one line naming the path.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
+                       errno.ENOTDIR, errno.EISDIR}
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # only writing fails with these
+FULL_BELOW_BYTES = 1 << 20
+
+
+class StorageError(RuntimeError):
+    """A directory the run writes (run.dir, the data cache) cannot be used: a file, read-only, full."""
+
+
+def write_exit_status(cfg, reason: str, step: int | None, signal_name: str | None = None,
+                      message: str | None = None) -> None:
+    """run.dir/exit_status.json: why the trainer stopped, or `running` (read by launch/ to decide on requeue)."""
+    path = Path(cfg.run.dir) / EXIT_STATUS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"reason": reason, "step": step, "signal": signal_name, "message": message}
+    if reason == "running":
+        record.update(pid=os.getpid(), host=socket.gethostname(),
+                      started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg) -> str | None:
+    """Create run.dir, write config.yaml and mark the run as running (rank 0). Returns the error, if any."""
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"run.dir {run_dir}: exists and is not a directory"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        write_exit_status(cfg, "running", None)
+    except OSError as exc:
+        return f"run.dir {run_dir}: cannot write {exc.filename or run_dir} ({exc.strerror or exc})"
+    return None
+
+
+def report_failure(cfg, message: str) -> int:
+    """An expected failure: one line on stderr, recorded in exit_status.json (rank 0, if this run had marked
+    itself running; best effort). Returns the exit status, 1."""
+    print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            if json.loads((Path(cfg.run.dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
+                write_exit_status(cfg, "failed", None, None, message)
+        except (OSError, ValueError, AttributeError):
+            pass
+    return 1
+
+
+def environment_error(exc: BaseException | None) -> OSError | None:
+    """The OSError of a full, read-only or forbidden file system behind `exc`, if any: its causes and, for
+    torch's CheckpointException, each rank's failure included."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        exc = todo.pop()
+        if not isinstance(exc, BaseException) or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+            return exc
+        todo += [exc.__cause__, exc.__context__]
+        failures = getattr(exc, "failures", None)  # {rank: (exception, traceback)}
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def write_failure(exc: BaseException, directory: str | os.PathLike) -> str | None:
+    """Why writing under `directory` failed, when the file system is to blame (full, read-only, forbidden).
+
+    None for other failures. torch's zip writer reports a full disk as "unexpected pos N vs M", without an
+    errno, so a file system left with under 1 MiB available counts as full. Call it before removing the
+    partial output (which frees the space again).
+    """
+    os_error = environment_error(exc)
+    if os_error is not None and (os_error.errno in _WRITE_ERRNOS or _inside(os_error.filename, directory)):
+        return os_error.strerror or str(os_error)
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    if free < FULL_BELOW_BYTES:
+        return f"No space left on device ({free:,} bytes free on its file system)"
+    return None
+
+
+def _inside(filename, directory) -> bool:
+    if not filename or not isinstance(filename, (str, os.PathLike)):
+        return False
+    try:
+        return Path(filename).resolve().is_relative_to(Path(directory).resolve())
+    except (OSError, ValueError):
+        return False
+
+
+def os_error_line(exc: OSError, where: str | None = None) -> str:
+    """`PATH: No space left on device` (`where` names the path when the error does not)."""
+    path = exc.filename or where
+    reason = exc.strerror or str(exc)
+    return f"{path}: {reason}" if path else reason
