@@ -114,6 +114,17 @@ def _commit(staging: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _discard(staging: Path, output: Path, exc: BaseException) -> None:
+    """Remove the staging directory of a failed conversion; a full or read-only file system is reported as
+    one line naming the output (judged before the removal frees the space)."""
+    from pretrain.run_dir import write_failure
+
+    why = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else write_failure(exc, staging)
+    shutil.rmtree(staging, ignore_errors=True)
+    if why is not None:
+        raise ConversionError(f"{output}: writing failed: {why}; nothing was written there") from exc
+
+
 # --------------------------------------------------------------------------------------------------
 # Reading torch_dist checkpoints
 # --------------------------------------------------------------------------------------------------
@@ -457,8 +468,8 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
             GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id).save_pretrained(
                 staging)
         _commit(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as exc:
+        _discard(staging, output, exc)
         raise
     elapsed = time.perf_counter() - started
     return {"output": str(output), "checkpoint": str(ckpt), "tensors": len(entries), "bytes": bar.bytes,
@@ -477,8 +488,6 @@ class HFReader:
     """Reads single tensors from a safetensors model directory (opening the file per read: no lingering mmap)."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         self.dir = directory
         index = directory / "model.safetensors.index.json"
         if index.exists():
@@ -491,7 +500,7 @@ class HFReader:
                 raise ConversionError(f"{directory}: no *.safetensors weights{hint}")
             weight_map = {}
             for f in files:
-                with safe_open(str(f), "pt") as st:
+                with _open_safetensors(f) as st:
                     weight_map.update({k: f.name for k in st.keys()})
         self.weight_map: dict[str, str] = weight_map
         self.info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -499,7 +508,7 @@ class HFReader:
             path = directory / fname
             if not path.exists():
                 raise ConversionError(f"{path}: listed in the index but missing")
-            with safe_open(str(path), "pt") as st:
+            with _open_safetensors(path) as st:
                 for k in st.keys():
                     sl = st.get_slice(k)
                     self.info[k] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), k))
@@ -509,6 +518,17 @@ class HFReader:
 
         with safe_open(str(self.dir / self.weight_map[name]), "pt") as st:
             return st.get_tensor(name)
+
+
+def _open_safetensors(path: Path):
+    """`safe_open`, with a truncated or foreign file reported as one line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConversionError(f"{path}: not a readable safetensors file, truncated or corrupt ({reason})") from None
 
 
 def _st_dtype(code: str, name: str) -> torch.dtype:
@@ -645,8 +665,12 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     reader = HFReader(hf_dir)
     expected = hf_parameter_shapes(hf_cfg)
     ignored = family.ignored_patterns()
-    for name, (shape, _) in reader.info.items():
+    for name, (shape, st_dtype) in reader.info.items():
         if name in expected:
+            if not st_dtype.is_floating_point:
+                raise ConversionError(
+                    f"{hf_dir / reader.weight_map[name]}: tensor '{name}' is {SAFETENSORS_DTYPES[st_dtype]} "
+                    "(not floating point); refusing to cast model weights from an integer type")
             if tuple(shape) != tuple(expected[name]):
                 raise ConversionError(f"HF tensor '{name}' has shape {list(shape)}; config.json implies "
                                       f"{list(expected[name])}")
@@ -717,8 +741,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         (staging / "run_config.yaml").write_text(cfg.to_yaml())
         assets = copy_assets(hf_dir, staging)
         _commit(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as exc:
+        _discard(staging, output, exc)
         raise
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
