@@ -12,6 +12,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's own."""
     parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train (or resume) a model; use torchrun for several processes")
@@ -25,17 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p = sub.add_parser("report", help="plot and summarise runs (PNG)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    return parser
+    return parser, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.command in ("plan", "report"):
+    parser, commands = _parsers()
+    if not argv or argv[0] not in commands:
+        parser.parse_args(argv)  # -h, or a usage error naming the subcommands
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ("plan", "report"):  # their own parsers (and their own -h)
         import importlib
 
-        module = importlib.import_module(f"pretrain.{args.command}")
-        return module.main(args.rest)
+        return importlib.import_module(f"pretrain.{command}").main(rest)
+    # Options and overrides in any order: `validate CONFIG --world-size 64 data.mock=true`.
+    args = commands[command].parse_intermixed_args(rest)
+    args.command = command
 
     from pretrain.config import ConfigError, load_config
 

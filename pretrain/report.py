@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
     parser.add_argument("--out", default=None,
                         help="PNG to write (default: RUN_DIR/report.png for one run, ./report.png for several)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     dirs = [Path(r) for r in args.runs]
     try:
         runs = [(name, *read_metrics(d)) for name, d in zip(_names(dirs), dirs)]

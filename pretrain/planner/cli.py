@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         print("plan error: --nodes and --gpus-per-node must be at least 1", file=sys.stderr)
         return 2
