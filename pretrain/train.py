@@ -39,23 +39,29 @@ class TrainingStopped(RuntimeError):
 
 
 def wrap_with_ddp(cfg: Config, chunks, transformer_config):
-    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout)."""
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
+    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    fsdp = cfg.optimizer.fsdp
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.distributed,
+        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
         check_for_nan_in_grad=False,
         average_in_collective=False,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
     )
-    return [
-        DistributedDataParallel(
-            config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
-        )
-        for i, chunk in enumerate(chunks)
-    ]
+    if not fsdp:
+        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                        disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
+    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
 def build_optimizer(cfg: Config, model, layout: Layout):
@@ -75,7 +81,7 @@ def build_optimizer(cfg: Config, model, layout: Layout):
         bf16=layout.precision == "bf16",
         fp16=layout.precision == "fp16",
         params_dtype=layout.params_dtype,
-        use_distributed_optimizer=o.distributed,
+        use_distributed_optimizer=o.distributed or o.fsdp,
         overlap_param_gather_with_optimizer_step=False,
     )
     return get_megatron_optimizer(opt_config, model)
@@ -151,7 +157,7 @@ def forward_step(data_iterator, model):
     output = model(
         batch["tokens"] if pre else None,
         batch["position_ids"] if pre else None,
-        None,
+        batch.get("attention_mask"),  # per-document mask (data.reset_attention_mask), needed on every stage
         labels=batch["labels"] if post else None,
     )
     return output, partial(lm_loss, batch["loss_mask"])
