@@ -276,6 +276,7 @@ def train(cfg: Config) -> dict:
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
+    from pretrain.wandb_logger import wandb_sinks
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
@@ -333,7 +334,8 @@ def train(cfg: Config) -> dict:
     train_ds, valid_ds = build_datasets(cfg, tokenizer, t.steps * t.global_batch_size,
                                         eval_steps * t.global_batch_size)
     is_writer = holds_the_loss()
-    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard) if is_writer else None
+    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
+        if is_writer else None
     if writer is not None:
         writer.truncate_after(step)
 
