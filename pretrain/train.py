@@ -275,6 +275,8 @@ def train(cfg: Config) -> dict:
     from pretrain.data import build_datasets, build_tokenizer, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
+    from pretrain.profiling import StepProfiler
+    from pretrain.rank_timing import RankTiming
     from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
     from pretrain.wandb_logger import wandb_sinks
 
@@ -310,6 +312,9 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg, model, layout)
     scheduler = build_scheduler(cfg, optimizer)
     connect_schedule_hooks(tconfig, model, optimizer, cfg)
+    profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
+    timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
+    timing.install(tconfig, optimizer)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
@@ -339,7 +344,9 @@ def train(cfg: Config) -> dict:
     if writer is not None:
         writer.truncate_after(step)
 
-    forward_backward = get_forward_backward_func()
+    forward_backward = profiler.wrap("forward_backward", get_forward_backward_func())
+    load_microbatches = profiler.wrap("data", timing.wrap("data", microbatches))
+    step_optimizer = profiler.wrap("optimizer", optimizer.step)
     seq = cfg.model.seq_length
     tokens_per_step = t.global_batch_size * seq
     flops_tok = flops_per_token(cfg.model, layout.padded_vocab)
@@ -374,9 +381,9 @@ def train(cfg: Config) -> dict:
         return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
-                               micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                               device=rt.device)
+        batches = load_microbatches(dataset, start_sample, num_microbatches=num_microbatches,
+                                    micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    device=rt.device)
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=num_microbatches, seq_length=seq,
@@ -386,6 +393,8 @@ def train(cfg: Config) -> dict:
     try:
         while step < t.steps:
             started = time.perf_counter()
+            profiler.step_begin(step + 1)
+            timing.begin(step + 1)
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -403,7 +412,7 @@ def train(cfg: Config) -> dict:
                 if save_or_stop():
                     break
                 continue
-            ok, grad_norm, _ = optimizer.step()
+            ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -413,6 +422,8 @@ def train(cfg: Config) -> dict:
             step += 1
             consumed += t.global_batch_size
             step_time = time.perf_counter() - started
+            timing_fields = timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
+            profiler.step_end(step)
             if writer is not None:
                 record = {
                     "step": step,
@@ -429,6 +440,7 @@ def train(cfg: Config) -> dict:
                     record["mfu"] = record["tflops_per_gpu"] / peak
                 if rt.on_gpu:
                     record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                record.update(timing_fields)
                 writer.write(record)
                 if step % cfg.logging.log_interval == 0 or step == t.steps:
                     print("[pretrain] " + format_step_line(record, t.steps), flush=True)
@@ -452,6 +464,7 @@ def train(cfg: Config) -> dict:
             async_saves.abort()
         raise
     finally:
+        profiler.close(step)
         if writer is not None:
             writer.close()
     if rt.rank == 0:
