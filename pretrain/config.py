@@ -275,7 +275,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
                     pass
         if not _type_ok(value, annotation):
             item_choices = _list_item_choices(annotation)
-            if item_choices is not None and isinstance(value, list):
+            if item_choices is not None:
+                if not isinstance(value, list):
+                    raise ConfigError(f"'{dotted}' must be a list of {item_choices[1]}, got {value!r}")
                 bad = [v for v in value if v not in item_choices[0]]
                 raise ConfigError(f"{dotted}: {bad[0]!r} is not one of {item_choices[1]}")
             choices = _choices(annotation)
