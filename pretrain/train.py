@@ -274,6 +274,7 @@ def train(cfg: Config) -> dict:
     from pretrain import checkpointing
     from pretrain.data import build_datasets, build_tokenizer, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
+    from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.profiling import StepProfiler
     from pretrain.rank_timing import RankTiming
@@ -287,6 +288,7 @@ def train(cfg: Config) -> dict:
 
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
+    apply_megatron_patches()  # run-time fixes of megatron-core 0.16.1 (norm recompute without TE, loading)
     rt = init_distributed()
     tokenizer = build_tokenizer(cfg.data)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
