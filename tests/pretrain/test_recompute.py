@@ -55,7 +55,10 @@ def test_same_losses_as_without_recompute(measured, name):
     want = [tuple(m[k] for k in fields) for m in metrics(tmp / "none")]
     got = [tuple(m[k] for k in fields) for m in metrics(tmp / name)]
     assert len(want) == 3 and got == want
-    assert (held[name]["loss"], held[name]["grad_norm"]) == (held["none"]["loss"], held["none"]["grad_norm"])
+    # One forward/backward outside the trainer: the loss is identical; the gradients' float sums may be ordered
+    # differently once a module is recomputed (measured: 9e-9 relative on the norm with mlp).
+    assert held[name]["loss"] == held["none"]["loss"]
+    assert held[name]["grad_norm"] == pytest.approx(held["none"]["grad_norm"], rel=1e-7)
 
 
 def planned_layer_saving(overrides: list[str]) -> int:
