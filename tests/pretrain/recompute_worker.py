@@ -5,8 +5,9 @@
 CASES.json: [{"name": ..., "overrides": [...]}, ...] on tiny_llama. Each case builds the model the trainer builds
 (`model_providers.core.builder.build_model` from the config and its derived layout), reads the trainer's first
 microbatch (`pretrain.data`), and runs the trainer's `forward_step` under `torch.autograd.graph.saved_tensors_hooks`.
-Held bytes = the distinct storages saved for backward, minus parameters, as sized when the forward has returned
-(selective recompute of norms frees its outputs' storage after use). Backward then runs, so recompute is exercised.
+Held bytes: the planner's `SavedTensorMeter` (distinct storages saved for backward, parameters excluded), sized when
+the forward has returned (selective recompute of norms frees its outputs' storage after use). Backward then runs, so
+recompute is exercised.
 """
 
 from __future__ import annotations
@@ -19,26 +20,17 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 
 
 def held_bytes(model, forward) -> tuple[int, float]:
-    """(bytes of saved non-parameter storages after `forward()`, the loss), then backward."""
-    import torch
+    """(bytes saved for backward and alive once `forward()` has returned, the loss), then backward.
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: list = []
+    Counted by the planner's `SavedTensorMeter` (distinct storages, parameters excluded), sized after the forward.
+    """
+    from pretrain.planner.measure import SavedTensorMeter, parameter_storages
 
-    def pack(t):
-        saved.append(t.untyped_storage())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = SavedTensorMeter(excluded=lambda: parameter_storages([model]))
+    with meter:
         loss = forward()
-    sizes: dict[int, int] = {}
-    for storage in saved:
-        ptr = storage.data_ptr()
-        if ptr and ptr not in params:
-            sizes[ptr] = storage.nbytes()
-    held = sum(sizes.values())
-    saved.clear()
-    loss.backward()
+        held = meter.held()
+        loss.backward()
     return held, float(loss.detach())
 
 

@@ -4,8 +4,9 @@ the planner predicts.
 Losses: the trainer runs 3 steps without recompute, with each module and with all three (one process launch);
 every per-step loss and grad norm must be identical. Bytes: `tests/pretrain/recompute_worker.py` builds the
 trainer's model from each config, runs the trainer's forward step under `torch.autograd.graph.saved_tensors_hooks`
-and sums the distinct storages saved for backward (parameters excluded) once the forward has returned; the saving
-of each setting against no recompute must match the planner's per-layer prediction × layers within 1%.
+and counts the distinct storages saved for backward (the planner's `SavedTensorMeter`, parameters excluded) once the
+forward has returned; the saving of each setting against no recompute must match the planner's per-layer
+prediction (`pretrain.planner.activations`) × layers within 1%.
 """
 
 from __future__ import annotations
@@ -62,34 +63,14 @@ def test_same_losses_as_without_recompute(measured, name):
 
 
 def planned_layer_saving(overrides: list[str]) -> int:
-    """Per-layer bytes one microbatch no longer holds with this config's selective recompute (local spec, CPU).
-
-    The planner's activation terms for these modules (s sequence, b micro batch, h hidden, a heads, g groups,
-    d head dim, f FFN, p bytes per value; TP 1, no SP):
-    - core_attn: local attention's scores ((4 + p, or 4 in fp32)·b·a·s²) and causal mask (s² bytes) go; the
-      checkpoint keeps Q, K, V as given (a + g + (a + 2g) heads with RoPE) instead of K/V expanded to all heads
-      (3a): a difference of (a + 3g − 2a)·s·b·d·p.
-    - mlp: the whole MLP term: SwiGLU unfused keeps fc1 output (2f), silu(x1) (f), x2 + 0 (f) and the fc2 input (f).
-    - layernorm: per norm, all but its input: on CPU torch's composite RMSNorm keeps the fp32 normalised value
-      (4·s·b·h), rstd (4·s·b) and the weighted output that feeds the next GEMM (p·s·b·h).
-    """
+    """The planner's bytes per decoder layer and microbatch without recompute minus with this config's modules."""
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
+    from pretrain.planner.activations import layer_activation_bytes, recomputed_modules
 
     cfg = load_config("tiny_llama", SHAPE + overrides)
     lay = derive_layout(cfg, 1, vocab_size=4096, on_gpu=False, te=False)
-    m, p = cfg.model, lay.bytes_per_value
-    s, b, h, a, g, d, f = (m.seq_length, lay.mbs, m.hidden_size, m.num_attention_heads, lay.num_query_groups,
-                           lay.head_dim, lay.ffn_hidden_size)
-    modules = set(m.recompute_modules)
-    saving = 0
-    if "core_attn" in modules:
-        saving += (4 + (p if p != 4 else 0)) * b * a * s * s + s * s - (a + 3 * g - 2 * a) * s * b * d * p
-    if "mlp" in modules:
-        saving += 5 * s * b * f * p
-    if "layernorm" in modules:
-        saving += 2 * (4 * s * b * h + 4 * s * b + p * s * b * h)
-    return saving
+    return layer_activation_bytes(cfg, lay) - layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg))
 
 
 @pytest.mark.parametrize("name", list(SELECTIVE))
@@ -99,6 +80,6 @@ def test_fewer_bytes_held_by_the_planned_amount(measured, name):
     layers = 4  # tiny_llama
     planned = layers * planned_layer_saving(SELECTIVE[name])
     print(f"{name}: held {held[name]['held_bytes']:,} B vs {held['none']['held_bytes']:,} B without recompute: "
-          f"saves {saved:,} B; expected {planned:,} B ({(saved - planned) / planned:+.2%})")
+          f"saves {saved:,} B; planner {planned:,} B ({(saved - planned) / planned:+.2%})")
     assert saved > 0
     assert abs(saved - planned) <= 0.01 * planned
