@@ -71,6 +71,8 @@ class ModelConfig:
     recompute_num_layers: int | None = None
     # Fused SwiGLU / bias-GELU kernels (torch.compile'd): None = on GPU, off on CPU.
     bias_activation_fusion: bool | None = None
+    # Selective recompute: which submodules (Megatron-Core's names); None: ["core_attn"] (Megatron's default).
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] | None = None
     # Transformer Engine / FP8 (GPU only; validated).
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
@@ -107,6 +109,10 @@ class DataConfig:
     merge_file: str | None = None
     num_workers: int = 0
     cache_dir: str | None = None  # None: run.dir/data_cache
+    # Document boundaries inside packed samples (Megatron-Core's GPTDatasetConfig fields).
+    eod_mask_loss: bool = False  # no loss on predicting across a document boundary
+    reset_position_ids: bool = False  # positions restart at 0 after each end-of-document token
+    reset_attention_mask: bool = False  # tokens attend only within their own document
 
 
 @dataclass
@@ -129,6 +135,7 @@ class OptimizerConfig:
     decay_steps: int | None = None  # None: train.steps
     wsd_decay_steps: int | None = None
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    fsdp: bool = False  # Megatron-FSDP: parameters, gradients and optimizer state sharded over data parallel
 
 
 @dataclass
@@ -162,11 +169,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: the same scalars as TensorBoard. Off while `project` is null."""
+
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None  # None: run.name, else the run directory's name
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
+@dataclass
+class ProfileConfig:
+    """A profiler window: steps start_step..end_step (inclusive, 1-based as in metrics.jsonl)."""
+
+    start_step: int | None = None  # None: no profiling
+    end_step: int | None = None
+    ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that write a trace
+
+
+@dataclass
 class LoggingConfig:
     """Where scalars go."""
 
     log_interval: int = 1
     tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    timing_interval: int | None = None  # every N steps: each rank's compute/wait split, slowest ranks named
 
 
 @dataclass
@@ -215,7 +244,8 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     if origin is Literal:
         return value in typing.get_args(annotation)
     if origin is list or annotation is list:
-        return isinstance(value, list)
+        items = typing.get_args(annotation)
+        return isinstance(value, list) and (not items or all(_type_ok(v, items[0]) for v in value))
     if isinstance(annotation, type):
         return isinstance(value, annotation)
     return True
@@ -244,6 +274,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
                 except ValueError:
                     pass
         if not _type_ok(value, annotation):
+            item_choices = _list_item_choices(annotation)
+            if item_choices is not None:
+                if not isinstance(value, list):
+                    raise ConfigError(f"'{dotted}' must be a list of {item_choices[1]}, got {value!r}")
+                bad = [v for v in value if v not in item_choices[0]]
+                raise ConfigError(f"{dotted}: {bad[0]!r} is not one of {item_choices[1]}")
             choices = _choices(annotation)
             if choices is not None:
                 raise ConfigError(f"{dotted}={value!r} is not one of {choices}")
@@ -268,11 +304,24 @@ def _choices(annotation: Any) -> str | None:
     return ", ".join(typing.get_args(literals[0])) + (" (or null)" if optional else "")
 
 
+def _list_item_choices(annotation: Any) -> tuple[tuple, str] | None:
+    """(choices, 'a, b, c') for a list-of-Literal field (optionally null), None for other types."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is list:
+            items = typing.get_args(arg)
+            if items and typing.get_origin(items[0]) is Literal:
+                choices = typing.get_args(items[0])
+                return choices, ", ".join(choices)
+    return None
+
+
 def _type_name(annotation: Any) -> str:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "null"
+    if typing.get_origin(annotation) is list and typing.get_args(annotation):
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
     return getattr(annotation, "__name__", str(annotation))
 
 

@@ -66,10 +66,10 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
         split=None if per_split else d.split,
         path_to_cache=cache,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=d.reset_attention_mask,  # the per-document mask; else attention is causal
         mmap_bin_files=True,
     )
     cls = MockGPTDataset if d.mock else GPTDataset
@@ -86,7 +86,7 @@ def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_bat
     for j in range(num_microbatches):
         first = start_sample + (j * dp_size + dp_rank) * micro_batch_size
         samples = [dataset[first + i] for i in range(micro_batch_size)]
-        batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in ("tokens", "labels",
-                                                                           "loss_mask", "position_ids")}
+        # tokens, labels, loss_mask, position_ids (and attention_mask with data.reset_attention_mask)
+        batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
         out.append(batch)
     return out

@@ -148,8 +148,32 @@ def _patch_load_bytes() -> None:
     MCoreLoadPlanner.load_bytes = load_bytes
 
 
+def _patch_checkpoint_without_output() -> None:
+    """Selective recompute of norms without Transformer Engine (`model.recompute_modules: [layernorm]`).
+
+    `tensor_parallel/random.py`: `CheckpointWithoutOutput.__init__(fp8=False)` sets `self.fp8 = fp8 is not None`,
+    True for its default, so `CheckpointWithoutOutputFunction.forward` (line 589) reaches the TE-only
+    `FP8GlobalStateManager`: `NameError` wherever TE is not installed (CPU, GPUs without TE). With TE installed
+    Megatron relies on that True (FP8 bookkeeping of recomputed norms), so only without TE is fp8 turned off.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if mrandom.HAVE_TE:
+        return
+    original = mrandom.CheckpointWithoutOutput.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.fp8 = False
+
+    mrandom.CheckpointWithoutOutput.__init__ = __init__
+
+
 def apply_megatron_patches() -> None:
     """Apply the fixes this machine needs (idempotent). Raises on another megatron-core version."""
+    if "checkpoint_without_output" not in _APPLIED:
+        _patch_checkpoint_without_output()
+        _APPLIED.add("checkpoint_without_output")
     if "load_bytes" not in _APPLIED:
         _check_version()
         _patch_load_bytes()

@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per step in `run.dir/metrics.jsonl`, TensorBoard scalars, a log line."""
+"""Per-step metrics: one JSON line per step in `run.dir/metrics.jsonl`, TensorBoard scalars (and the same scalars
+to any other sink, e.g. Weights & Biases), a log line."""
 
 from __future__ import annotations
 
@@ -12,10 +13,20 @@ from typing import Any
 METRICS_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples")
 
 
-class MetricsWriter:
-    """Appends metrics lines and TensorBoard scalars. Create it only on the rank that has the loss."""
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric, finite fields of a metrics record under their TensorBoard names (`train/<key>`)."""
+    return {f"train/{k}": v for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+
+class MetricsWriter:
+    """Appends metrics lines and TensorBoard scalars. Create it only on the rank that has the loss.
+
+    `sinks`: more receivers of the TensorBoard scalars, each with `log(step, scalars)` and `close()`.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, sinks: list | tuple = ()):
+        self.sinks = list(sinks)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
@@ -48,16 +59,19 @@ class MetricsWriter:
         ordered = {k: record[k] for k in METRICS_KEYS if k in record}
         ordered.update({k: v for k, v in record.items() if k not in ordered})
         self._file.write(json.dumps(ordered) + "\n")
+        values = scalars(ordered)
         if self._tb is not None:
-            step = record["step"]
-            for key, value in ordered.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, record["step"])
+        for sink in self.sinks:
+            sink.log(record["step"], values)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def format_step_line(record: dict[str, Any], total_steps: int) -> str:

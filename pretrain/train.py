@@ -36,23 +36,29 @@ class TrainingStopped(RuntimeError):
 
 
 def wrap_with_ddp(cfg: Config, chunks, transformer_config):
-    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout)."""
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
+    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    fsdp = cfg.optimizer.fsdp
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.distributed,
+        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
         check_for_nan_in_grad=False,
         average_in_collective=False,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
     )
-    return [
-        DistributedDataParallel(
-            config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
-        )
-        for i, chunk in enumerate(chunks)
-    ]
+    if not fsdp:
+        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                        disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
+    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
 def build_optimizer(cfg: Config, model, layout: Layout):
@@ -72,7 +78,7 @@ def build_optimizer(cfg: Config, model, layout: Layout):
         bf16=layout.precision == "bf16",
         fp16=layout.precision == "fp16",
         params_dtype=layout.params_dtype,
-        use_distributed_optimizer=o.distributed,
+        use_distributed_optimizer=o.distributed or o.fsdp,
         overlap_param_gather_with_optimizer_step=False,
     )
     return get_megatron_optimizer(opt_config, model)
@@ -148,7 +154,7 @@ def forward_step(data_iterator, model):
     output = model(
         batch["tokens"] if pre else None,
         batch["position_ids"] if pre else None,
-        None,
+        batch.get("attention_mask"),  # per-document mask (data.reset_attention_mask), needed on every stage
         labels=batch["labels"] if post else None,
     )
     return output, partial(lm_loss, batch["loss_mask"])
@@ -254,9 +260,13 @@ def train(cfg: Config) -> dict:
     from pretrain import checkpointing
     from pretrain.data import build_datasets, build_tokenizer, data_cache_dir, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
+    from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.metrics import MetricsWriter, format_step_line
+    from pretrain.profiling import StepProfiler
+    from pretrain.rank_timing import RankTiming
     from pretrain.run_dir import prepare_run_dir, write_failure
     from pretrain.runtime import any_rank_error, env_world_size, init_distributed, init_model_parallel
+    from pretrain.wandb_logger import wandb_sinks
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
@@ -265,6 +275,7 @@ def train(cfg: Config) -> dict:
 
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
+    apply_megatron_patches()  # run-time fixes of megatron-core 0.16.1 (norm recompute without TE, loading)
     rt = init_distributed()
     tokenizer = build_tokenizer(cfg.data)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
@@ -290,6 +301,9 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg, model, layout)
     scheduler = build_scheduler(cfg, optimizer)
     connect_schedule_hooks(tconfig, model, optimizer, cfg)
+    profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
+    timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
+    timing.install(tconfig, optimizer)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
@@ -307,11 +321,14 @@ def train(cfg: Config) -> dict:
             raise
         raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
     is_writer = holds_the_loss()
-    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard) if is_writer else None
+    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
+        if is_writer else None
     if writer is not None:
         writer.truncate_after(step)
 
-    forward_backward = get_forward_backward_func()
+    forward_backward = profiler.wrap("forward_backward", get_forward_backward_func())
+    load_microbatches = profiler.wrap("data", timing.wrap("data", microbatches))
+    step_optimizer = profiler.wrap("optimizer", optimizer.step)
     seq = cfg.model.seq_length
     tokens_per_step = t.global_batch_size * seq
     flops_tok = flops_per_token(cfg.model, layout.padded_vocab)
@@ -346,9 +363,9 @@ def train(cfg: Config) -> dict:
         return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
-                               micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                               device=rt.device)
+        batches = load_microbatches(dataset, start_sample, num_microbatches=num_microbatches,
+                                    micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    device=rt.device)
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=num_microbatches, seq_length=seq,
@@ -358,6 +375,8 @@ def train(cfg: Config) -> dict:
     try:
         while step < t.steps:
             started = time.perf_counter()
+            profiler.step_begin(step + 1)
+            timing.begin(step + 1)
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -375,7 +394,7 @@ def train(cfg: Config) -> dict:
                 if save_or_stop():
                     break
                 continue
-            ok, grad_norm, _ = optimizer.step()
+            ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -385,6 +404,8 @@ def train(cfg: Config) -> dict:
             step += 1
             consumed += t.global_batch_size
             step_time = time.perf_counter() - started
+            timing_fields = timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
+            profiler.step_end(step)
             if writer is not None:
                 record = {
                     "step": step,
@@ -401,6 +422,7 @@ def train(cfg: Config) -> dict:
                     record["mfu"] = record["tflops_per_gpu"] / peak
                 if rt.on_gpu:
                     record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                record.update(timing_fields)
                 writer.write(record)
                 if step % cfg.logging.log_interval == 0 or step == t.steps:
                     print("[pretrain] " + format_step_line(record, t.steps), flush=True)
@@ -424,6 +446,7 @@ def train(cfg: Config) -> dict:
             async_saves.abort()
         raise
     finally:
+        profiler.close(step)
         if writer is not None:
             writer.close()
     if rt.rank == 0:

@@ -4,7 +4,7 @@
 #   - keeps an existing torch (e.g. a CUDA build on a GPU machine);
 #   - otherwise installs torch 2.13.0: the CUDA build when an NVIDIA GPU is visible, else the CPU build
 #     (set TORCH_INDEX_URL to PyTorch's CPU wheel index if your pip would fetch the CUDA build);
-#   - installs the project in editable mode with the dev extras (pytest, ruff);
+#   - installs the project in editable mode with the dev extras (pytest, ruff) and wandb (W&B logging);
 #   - never installs Transformer Engine or apex on CPU (a partial TE install breaks `import megatron.core`).
 set -euo pipefail
 VENV=${1:-.venv}
@@ -33,7 +33,7 @@ else
 fi
 
 echo "[install] installing the project (megatron-core==0.16.1 and friends)"
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,wandb]"
 "$PY" -W ignore - <<'PY'
 import megatron.core, torch
 print(f"[install] ready: torch {torch.__version__} (cuda={torch.cuda.is_available()}), megatron-core {megatron.core.__version__}")

@@ -11,6 +11,7 @@ kernels) come from their source, cited in docs/performance.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from model_providers.core.fusions import bias_activation_fusion
@@ -54,8 +55,24 @@ def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_fp8: bool) ->
     return 8 * hs + 4 * rows + gemm_in
 
 
-def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False) -> dict[str, int]:
-    """Bytes one decoder layer keeps for one microbatch, by term (no full recompute)."""
+def recomputed_modules(cfg: Config) -> frozenset[str]:
+    """What selective recompute recomputes: `model.recompute_modules` (Megatron-Core's default: core_attn)."""
+    m = cfg.model
+    if m.recompute_granularity != "selective":
+        return frozenset()
+    return frozenset(m.recompute_modules if m.recompute_modules is not None else ("core_attn",))
+
+
+def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
+                modules: Collection[str] = ()) -> dict[str, int]:
+    """Bytes one decoder layer keeps for one microbatch, by term (no full recompute).
+
+    `modules`: selectively recomputed submodules (`recomputed_modules`); `core_attn` there is the same as
+    `recompute_core_attention`. `mlp`: the checkpoint keeps only the MLP's input, already the fc1 GEMM input.
+    `layernorm` (local spec; TE fuses its norms): each norm keeps only its input, the checkpoint's; its output and
+    statistics are freed and rebuilt in backward.
+    """
+    recompute_core_attention = recompute_core_attention or "core_attn" in modules
     m = cfg.model
     p = lay.bytes_per_value
     h, a = m.hidden_size, m.num_attention_heads
@@ -97,12 +114,17 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
             out["mlp"] = sbf * (4 * p + fc2_in)  # fc1 output, silu(x1), x2 + 0, fc2 input
     else:
         out["mlp"] = sbf * (p + fc2_in)  # GELU input (fc1 output + bias), fc2 input
+    if "mlp" in modules:
+        out["mlp"] = 0
+    if "layernorm" in modules and not lay.use_te:
+        out["norms_and_gemm_inputs"] = 2 * hs * p
     return out
 
 
-def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False) -> int:
+def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
+                           modules: Collection[str] = ()) -> int:
     """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute)."""
-    return sum(layer_terms(cfg, lay, recompute_core_attention).values())
+    return sum(layer_terms(cfg, lay, recompute_core_attention, modules).values())
 
 
 def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
@@ -133,14 +155,20 @@ def _full_recompute(cfg: Config, per_chunk: int, layer: int, hs_bytes: int) -> t
     return groups * hs_bytes, min(n, per_chunk) * layer, 0
 
 
-def _selective_recompute(cfg: Config, lay: Layout) -> tuple[int, int]:
-    """(core attention's recomputed working set, bytes freed before it) in the backward of the last layer.
+def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> tuple[int, int]:
+    """(recomputed working set, bytes freed before it) in the backward of the last layer.
 
-    The MLP half of the layer (second norm, fc1/fc2 inputs, activation) and the output projection's input
-    are released before core attention is recomputed. Local attention then rebuilds the expanded K/V (GQA),
-    the causal mask and the scores; TE's fused attention a contiguous V and its softmax statistics.
+    Without core_attn: the MLP (recomputed first in the layer's backward, nothing freed yet) or the norms'
+    outputs, whichever is larger. With it: the MLP half of the layer (second norm, fc1/fc2 inputs, activation)
+    and the output projection's input are released before core attention is recomputed. Local attention then
+    rebuilds the expanded K/V (GQA), the causal mask and the scores; TE's fused attention a contiguous V and its
+    softmax statistics.
     """
     full = layer_terms(cfg, lay)
+    if "core_attn" not in modules:
+        norms = full["norms_and_gemm_inputs"] - layer_terms(cfg, lay, modules=("layernorm",))[
+            "norms_and_gemm_inputs"]
+        return max(full["mlp"] if "mlp" in modules else 0, norms // 2 if "layernorm" in modules else 0), 0
     kept = layer_terms(cfg, lay, recompute_core_attention=True)
     freed = full["norms_and_gemm_inputs"] // 2 + full["mlp"] + kept["attention_output"]
     m = cfg.model
@@ -205,14 +233,15 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     hs = s * b * h // (t if lay.sp else 1)
     per_chunk = m.num_layers // (lay.pp * lay.vp)
     selective = m.recompute_granularity == "selective"
-    layer = layer_activation_bytes(cfg, lay, recompute_core_attention=selective)
+    modules = recomputed_modules(cfg)
+    layer = layer_activation_bytes(cfg, lay, modules=modules)
     stored, working, freed_first, once = per_chunk * layer, 0, 0, 0
     if m.recompute_granularity == "full":
         stored, working, freed_first = _full_recompute(cfg, per_chunk, layer, hs * p)
         if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
-        working, freed_first = _selective_recompute(cfg, lay)
+        working, freed_first = _selective_recompute(cfg, lay, modules)
     first, last = microbatch_extras(cfg, lay, padded_vocab)
     per_mb = {c: stored for c in range(lay.vp)}
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
@@ -237,7 +266,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             current -= per_mb[chunk]
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
-    if not lay.use_te and not selective:
+    if not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
     if pp_rank == lay.pp - 1:

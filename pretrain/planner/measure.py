@@ -11,6 +11,8 @@ tensors sharing storage count once, for as long as any saved reference to it is 
 storages are excluded (they are weights, not activations): those `excluded` returns, and the storage of
 every `torch.nn.Parameter` saved (with DDP's contiguous buffer, all of them). `peak` is the largest number
 of bytes alive at once; `by_label` the bytes first saved while each label (e.g. one decoder layer's forward) was active.
+`held()` sizes the live storages now: storages freed in place after being saved (Megatron-Core's
+`CheckpointWithoutOutput` empties recomputed norm outputs once the next GEMM has saved them) count 0.
 Tensor subclasses that wrap other tensors (FP8 tensors) are counted through their inner tensors.
 """
 
@@ -48,13 +50,13 @@ def parameter_storages(modules: Iterable[torch.nn.Module]) -> set[int]:
 class _Saved:
     """What the pack hook returns: keeps the tensor, releases its storages' counts when autograd drops it."""
 
-    __slots__ = ("tensor", "keys", "meter")
+    __slots__ = ("tensor", "entries", "meter")
 
-    def __init__(self, tensor: torch.Tensor, keys: list[int], meter: SavedTensorMeter):
-        self.tensor, self.keys, self.meter = tensor, keys, meter
+    def __init__(self, tensor: torch.Tensor, entries: list[list], meter: SavedTensorMeter):
+        self.tensor, self.entries, self.meter = tensor, entries, meter
 
     def __del__(self):
-        self.meter._release(self.keys)
+        self.meter._release(self.entries)
 
 
 class SavedTensorMeter:
@@ -63,7 +65,7 @@ class SavedTensorMeter:
     def __init__(self, excluded: Callable[[], set[int]] | None = None):
         self._excluded_fn = excluded
         self._excluded: set[int] | None = None
-        self._live: dict[int, list[int]] = {}  # key -> [bytes, references]
+        self._live: dict[int, list] = {}  # key -> [bytes, references, key, untyped storage of a plain tensor]
         self.current = 0
         self.peak = 0
         self.label: Any = None
@@ -86,35 +88,46 @@ class SavedTensorMeter:
                 entry = self._live.pop(key, None)
                 if entry is not None:
                     self.current -= entry[0]
+                    entry[0] = 0
             return t
-        keys = []
+        entries = []
         for key, nbytes in _storages(t):
             if key in self._excluded:
                 continue
             entry = self._live.get(key)
+            if entry is not None and entry[3] is not None and entry[3].data_ptr() != key:
+                # Freed in place since it was saved (resize_(0)); this address now belongs to another storage.
+                del self._live[key]
+                self.current -= entry[0]
+                entry[0] = 0
+                entry = None
             if entry is None:
-                entry = self._live[key] = [nbytes, 0]
+                storage = t.untyped_storage() if type(t) is torch.Tensor else None
+                entry = self._live[key] = [nbytes, 0, key, storage]
                 self.current += nbytes
                 self.peak = max(self.peak, self.current)
                 if self.label is not None:
                     self.by_label[self.label] += nbytes
             entry[1] += 1
-            keys.append(key)
-        return _Saved(t, keys, self) if keys else t
+            entries.append(entry)
+        return _Saved(t, entries, self) if entries else t
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _release(self, keys: list[int]) -> None:
-        for key in keys:
-            entry = self._live.get(key)
-            if entry is None:
-                continue
+    def _release(self, entries: list[list]) -> None:
+        for entry in entries:
             entry[1] -= 1
             if entry[1] == 0:
                 self.current -= entry[0]
-                del self._live[key]
+                entry[0] = 0
+                if self._live.get(entry[2]) is entry:
+                    del self._live[entry[2]]
+
+    def held(self) -> int:
+        """Bytes of the saved storages alive now, at their current size."""
+        return sum(e[3].nbytes() if e[3] is not None else e[0] for e in self._live.values())
 
     def label_layers(self, chunks: Iterable[torch.nn.Module], layer_type: type, first_calls: int = 1) -> None:
         """Attribute bytes to (chunk, layer) during the first `first_calls` forward calls of each layer."""

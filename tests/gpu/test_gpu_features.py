@@ -59,3 +59,55 @@ def test_context_parallel_matches_one_gpu(tmp_path):
     one = _train(tmp_path, "cp1", ["model.transformer_impl=transformer_engine"])
     two = _train(tmp_path, "cp2", ["model.transformer_impl=transformer_engine", "parallel.context=2"], nproc=2)
     assert abs(two[0] - one[0]) / one[0] < 2e-2, (two, one)
+
+
+# --- Long-run operations (issue 15): on a GPU these run the paths the CPU suite cannot. ---------------------------
+
+NO_CKPT = ["checkpoint.interval=null", "checkpoint.save_at_end=false", "train.exit_signal_handler=false"]
+
+
+def test_megatron_fsdp_matches_distributed_optimizer(tmp_path):
+    """optimizer.fsdp=true (Megatron-FSDP) trains to the distributed optimizer's losses (fp32, ≤ 1e-5 relative)."""
+    nproc = min(2, torch.cuda.device_count())
+    common = ["train.precision=fp32", "model.transformer_impl=local", *NO_CKPT]
+    distopt = _train(tmp_path, "distopt", common + ["optimizer.distributed=true"], nproc=nproc)
+    fsdp = _train(tmp_path, "fsdp", common + ["optimizer.fsdp=true"], nproc=nproc)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(fsdp, distopt))
+    print(f"Megatron-FSDP (DP{nproc}) {fsdp} vs distributed optimizer {distopt}: max rel {rel:.1e}")
+    assert rel <= 1e-5, (fsdp, distopt)
+
+
+def test_document_mask_local_spec_on_gpu(tmp_path):
+    """The per-document mask on GPU (local spec, fused causal softmax off): packed loss = weighted document mean."""
+    from tests.pretrain.test_documents import DOCS, FLAGS, _case, _prefix
+
+    def overrides(prefix: str, seq: int, extra: list[str]) -> list[str]:
+        case = _case(tmp_path, prefix, seq, extra + ["train.precision=fp32", "model.transformer_impl=local"])
+        return [o for o in case["overrides"] if not o.startswith("run.dir=")]  # _train sets run.dir
+
+    packed, lengths = _prefix(tmp_path, "packed", list(DOCS.values()))
+    total, weighted = 0, 0.0
+    for (name, text), n in zip(DOCS.items(), lengths):
+        prefix, _ = _prefix(tmp_path, name, [text])
+        weighted, total = weighted + _train(tmp_path, f"doc_{name}", overrides(prefix, n - 1, []))[0] * (n - 1), \
+            total + n - 1
+    got = _train(tmp_path, "packed", overrides(packed, sum(lengths) - 1, FLAGS))[0]
+    assert abs(got - weighted / total) / got < 1e-5, (got, weighted / total)
+
+
+def test_profile_window_on_gpu_has_cuda_kernels(tmp_path):
+    """logging.profile on GPU: the Chrome trace holds CUDA kernels inside the step ranges (NVTX ranges go to nsys)."""
+    _train(tmp_path, "prof", ["logging.profile.start_step=2", "logging.profile.end_step=3"])
+    trace = json.loads((tmp_path / "prof" / "profile" / "rank0_steps2-3.json").read_text())
+    cats = {e.get("cat") for e in trace["traceEvents"]}
+    assert "kernel" in cats, sorted(c for c in cats if c)
+
+
+@pytest.mark.skipif(not _te_available(), reason="transformer-engine not installed")
+def test_layernorm_recompute_with_te_installed(tmp_path):
+    """Selective recompute of the norms (local spec, where it applies) trains to the same losses on GPU."""
+    base = _train(tmp_path, "norec", ["model.transformer_impl=local", "train.precision=fp32"])
+    rec = _train(tmp_path, "rec", ["model.transformer_impl=local", "train.precision=fp32",
+                                   "model.recompute_granularity=selective",
+                                   "model.recompute_modules=[core_attn,mlp,layernorm]"])
+    assert max(abs(a - b) / abs(b) for a, b in zip(rec, base)) < 1e-6, (rec, base)

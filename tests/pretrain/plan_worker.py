@@ -116,6 +116,7 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
     import model_providers.core.builder as builder
     from pretrain import planner
     from pretrain.config import load_config
+    from pretrain.planner.activations import recomputed_modules
     from pretrain.planner.measure import SavedTensorMeter, parameter_storages
     from pretrain.train import train
 
@@ -145,8 +146,7 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
         "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
         "measured": {"peak": meter.peak, "layers": layers},
         "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
-                      "layer": planner.layer_activation_bytes(
-                          cfg, lay, recompute_core_attention=cfg.model.recompute_granularity == "selective")},
+                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg))},
         "recompute": cfg.model.recompute_granularity,
     }  # fmt: skip
 

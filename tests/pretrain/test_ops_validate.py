@@ -1,0 +1,115 @@
+"""Rules for document boundaries, selective recompute modules, Megatron-FSDP and the logging keys: exact messages,
+with GPU machines simulated (`cuda_available`, `te_on_gpu`), and parse-time checks of the new keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import ConfigError, load_config
+from pretrain.validate import validate
+
+NO_CKPT = ["checkpoint.interval=null", "checkpoint.save_at_end=false", "train.exit_signal_handler=false"]
+
+
+def problems(overrides: list[str], world: int = 1, gpu: bool = False, te: bool = False) -> list[str]:
+    report = validate(load_config("tiny_llama", overrides), world, te_on_gpu=te, cuda_available=gpu)
+    return [str(p) for p in report.errors]
+
+
+TE_MASK = ("[data.reset_attention_mask, model.transformer_impl] data.reset_attention_mask=true: Transformer Engine "
+           "attention in Megatron-Core's spec uses a causal mask type and ignores a per-document mask (documents "
+           "would attend across boundaries). Fix: set model.transformer_impl=local (Megatron-Core's "
+           "DotProductAttention applies the mask on CPU and GPU) or data.reset_attention_mask=false")
+ROPE_POSITIONS = ("[data.reset_position_ids, model.position_embedding_type] data.reset_position_ids=true has no "
+                  "effect with RoPE: Megatron-Core's GPTModel rotates by the sequence index, not by position_ids. "
+                  "Fix: also set data.reset_attention_mask=true (then each document sees only its own tokens and "
+                  "RoPE's relative positions are the restarted ones), or set data.reset_position_ids=false")
+FSDP_CUDA = ("[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core 0.16.1 builds its device as cuda:<current "
+             "device> and runs its all-gathers and reduce-scatters on torch.cuda.Stream side streams "
+             "(megatron_fsdp.py:184, :361). Fix: set optimizer.fsdp=false here (optimizer.distributed=true shards the "
+             "optimizer state), or run on a CUDA machine")
+
+
+@pytest.mark.parametrize("overrides,gpu,te,expected", [
+    # Document boundaries: which attention honours the per-document mask where.
+    (["data.reset_attention_mask=true"], True, True, [TE_MASK]),
+    (["data.reset_attention_mask=true", "model.transformer_impl=local"], True, True, []),
+    (["data.reset_attention_mask=true"], False, False, []),  # CPU: local spec
+    (["data.reset_position_ids=true"], False, False, [ROPE_POSITIONS]),
+    (["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"], False, False, []),
+    (["data.eod_mask_loss=true"], True, True, []),  # a loss mask: every implementation
+    # Selective recompute modules.
+    (["model.recompute_modules=[mlp]"], False, False,
+     ["[model.recompute_modules, model.recompute_granularity] model.recompute_modules is only used with "
+      "model.recompute_granularity=selective. Fix: set model.recompute_granularity=selective or "
+      "model.recompute_modules=null"]),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[]"], False, False,
+     ["[model.recompute_modules] model.recompute_modules=[] recomputes nothing. Fix: list modules (core_attn, mlp, "
+      "layernorm) or set model.recompute_granularity=null"]),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[mlp,mlp]"], False, False,
+     ["[model.recompute_modules] model.recompute_modules=['mlp', 'mlp'] names a module twice. Fix: list each "
+      "module once"]),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[layernorm,mlp]"], True, True,
+     ["[model.recompute_modules, model.transformer_impl] recompute of layernorm does nothing with the Transformer "
+      "Engine spec (both norms are fused into the following linear layers). Fix: remove layernorm, or set "
+      "model.transformer_impl=local"]),
+    (["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"], True, True, []),
+    # Megatron-FSDP.
+    (["optimizer.fsdp=true", *NO_CKPT], False, False, [FSDP_CUDA]),
+    (["optimizer.fsdp=true", *NO_CKPT], True, True, []),
+    (["optimizer.fsdp=true", "checkpoint.interval=null", "train.nan_policy=skip"], True, True,
+     ["[optimizer.fsdp, checkpoint.save_at_end, train.exit_signal_handler] Megatron-FSDP state cannot go through the "
+      "torch_dist checkpoint path: megatron-core 0.16.1 shards Megatron-FSDP optimizer state only in its "
+      "fsdp_dtensor format (DistributedOptimizer.sharded_state_dict raises NotImplementedError otherwise, "
+      "distrib_optimizer.py:1229). Fix: run without checkpoints (checkpoint.interval=null "
+      "checkpoint.save_at_end=false train.exit_signal_handler=false train.exit_duration_in_mins=null "
+      "checkpoint.pretrained=null), or use optimizer.distributed=true",
+      "[optimizer.fsdp, train.nan_policy] train.nan_policy=skip checks DDP's gradient buffers, which Megatron-FSDP "
+      "does not have. Fix: set train.nan_policy=stop"]),
+    # Logging.
+    (["logging.wandb.entity=team"], False, False,
+     ["[logging.wandb.project] logging.wandb.entity/name are set but logging.wandb.project is null, so nothing "
+      "goes to Weights & Biases. Fix: set logging.wandb.project"]),
+    (["logging.profile.end_step=3"], False, False,
+     ["[logging.profile.end_step, logging.profile.start_step] logging.profile.end_step is set without "
+      "logging.profile.start_step. Fix: set logging.profile.start_step (the first profiled step)"]),
+    (["logging.profile.start_step=5", "logging.profile.end_step=4"], False, False,
+     ["[logging.profile.start_step, logging.profile.end_step] profile window 5..4 is empty or starts before step 1. "
+      "Fix: use 1 <= start_step <= end_step"]),
+    (["logging.profile.start_step=29", "logging.profile.end_step=31", "logging.profile.ranks=[0,2]"], False, False,
+     ["[logging.profile.end_step, train.steps] profile window ends at step 31, after the last step "
+      "(train.steps=30). Fix: end the window by step 30",
+      "[logging.profile.ranks] logging.profile.ranks=[0, 2] must name ranks of the job (0..0). Fix: e.g. "
+      "logging.profile.ranks=[0]"]),
+    (["logging.profile.start_step=3"], False, False, []),  # one step: end_step defaults to start_step
+    (["logging.timing_interval=0"], False, False,
+     ["[logging.timing_interval] logging.timing_interval=0 must be at least 1. Fix: set "
+      "logging.timing_interval=null to turn per-rank timing off"]),
+])
+def test_rule(overrides, gpu, te, expected):
+    assert problems(overrides, gpu=gpu, te=te) == expected
+
+
+def test_wandb_missing_is_reported(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert problems(["logging.wandb.project=p"]) == [
+        "[logging.wandb.project] logging.wandb.project is set but the wandb package is not installed. Fix: pip "
+        "install -e '.[wandb]' (or set logging.wandb.project=null)"]
+    assert problems(["logging.wandb.project=p", "logging.wandb.mode=disabled"]) == []
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.recompute_modules=[core_attn,moe]",
+     "model.recompute_modules: 'moe' is not one of core_attn, mlp, layernorm"),
+    ("model.recompute_modules=mlp", "'model.recompute_modules' must be a list of core_attn, mlp, layernorm, got 'mlp'"),
+    ("logging.wandb.mode=cloud", "logging.wandb.mode='cloud' is not one of online, offline, disabled"),
+    ("logging.profile.ranks=[zero]", "'logging.profile.ranks' must be of type list of int, got ['zero'] (list)"),
+    ("data.eod_mask_loss=yes please", "'data.eod_mask_loss' must be of type bool, got 'yes please' (str)"),
+])
+def test_new_keys_checked_at_parse_time(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_llama", [override])
+    assert str(err.value) == message
