@@ -269,6 +269,7 @@ def train(cfg: Config) -> dict:
     from pretrain.data import build_datasets, build_tokenizer, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
+    from pretrain.moe_metrics import MoEMetrics
     from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
 
     # 1. Pre-flight: every layout rule, before any process group exists.
@@ -303,6 +304,7 @@ def train(cfg: Config) -> dict:
     optimizer = build_optimizer(cfg, model, layout)
     scheduler = build_scheduler(cfg, optimizer)
     connect_schedule_hooks(tconfig, model, optimizer, cfg)
+    moe = MoEMetrics.attach(chunks)  # None for a dense model
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
@@ -383,6 +385,7 @@ def train(cfg: Config) -> dict:
             optimizer.zero_grad()
             losses = run_microbatches(consumed, False, train_ds)
             loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
+            moe_record = moe.step(num_microbatches) if moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -421,6 +424,7 @@ def train(cfg: Config) -> dict:
                     record["mfu"] = record["tflops_per_gpu"] / peak
                 if rt.on_gpu:
                     record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                record.update(moe_record)
                 writer.write(record)
                 if step % cfg.logging.log_interval == 0 or step == t.steps:
                     print("[pretrain] " + format_step_line(record, t.steps), flush=True)
