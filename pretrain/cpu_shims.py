@@ -14,9 +14,10 @@ shared/docs/megatron_on_cpu.md):
 MoE additions (`_apply_moe_shims`, kept separate): the all-to-all token dispatcher's CUDA streams and
 events become synchronous no-op stand-ins; its split sizes, which it turns into host numpy arrays only
 when they are CUDA tensors (`maybe_move_tensor_to_cpu(as_numpy=True)`), become numpy arrays for CPU
-tensors too (gloo's `all_to_all_single` takes a sequence of ints, not a tensor); and
-`all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group
-size on gloo.
+tensors too (gloo's `all_to_all_single` takes a sequence of ints, not a tensor); `all_reduce(op=AVG)` —
+NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on gloo; and
+`all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's routed
+tokens), which gloo refuses, pads every piece to the longest.
 """
 
 from __future__ import annotations
@@ -178,3 +179,21 @@ def _apply_moe_shims() -> None:
         return original_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
+
+    original_all_gather = dist.all_gather
+
+    @functools.wraps(original_all_gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] for t in tensor_list]
+        if len(set(rows)) == 1 or async_op or dist.get_backend(group) != "gloo":
+            return original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        work = original_all_gather(pieces, padded, group=group)
+        for out, piece, n in zip(tensor_list, pieces, rows):
+            out.copy_(piece[:n])
+        return work
+
+    dist.all_gather = all_gather

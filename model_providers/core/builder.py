@@ -286,19 +286,25 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _full_shape(param: torch.Tensor, is_expert: bool) -> tuple[list[int], int | None, int]:
-    """The unsharded shape, the TP-split dim and this rank's index (experts: over expert TP)."""
+def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None, int]:
+    """The unsharded shape, the TP-split dim and this rank's index in that split.
+
+    Expert weights are split over expert TP: fc1 by rows, fc2 by columns. Their split is read from the name,
+    because TE's grouped GEMM experts under expert parallelism are sharded by Megatron itself and carry no
+    `tensor_model_parallel` attribute.
+    """
     shape = list(param.shape)
+    if ".mlp.experts." in gname:
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        dim = 0 if ".linear_fc1.weight" in gname else 1 if ".linear_fc2.weight" in gname else None
+        if etp == 1 or dim is None:
+            return shape, None, 0
+        shape[dim] *= etp
+        return shape, dim, parallel_state.get_expert_tensor_parallel_rank()
     if getattr(param, "tensor_model_parallel", False):
         dim = param.partition_dim
-        if is_expert:
-            tp = parallel_state.get_expert_tensor_parallel_world_size()
-            rank = parallel_state.get_expert_tensor_parallel_rank()
-        else:
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            rank = parallel_state.get_tensor_model_parallel_rank()
-        shape[dim] *= tp
-        return shape, dim, rank
+        shape[dim] *= parallel_state.get_tensor_model_parallel_world_size()
+        return shape, dim, parallel_state.get_tensor_model_parallel_rank()
     return shape, None, 0
 
 
@@ -334,7 +340,7 @@ def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, pa
         names = global_parameter_names(chunk)
         for local, param in chunk.named_parameters():
             gname = names[local]
-            full_shape, dim, rank = _full_shape(param, ".mlp.experts." in gname)
+            full_shape, dim, rank = _full_shape(param, gname)
             is_norm = param.dim() == 1 and ("layernorm" in gname or "layer_norm" in gname)
             if gname.endswith("bias"):
                 param.zero_()

@@ -41,6 +41,7 @@ EP2 = ["parallel.expert=2"]
 TP2_EP2 = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "parallel.expert_tensor=1"]
 DIST = ["optimizer.distributed=true"]
 SOURCE = ["checkpoint.interval=2"]
+CAPACITY = ["model.moe_expert_capacity_factor=1.0"]  # drops the tokens over each expert's capacity
 
 # name: (world, overrides, copy_from source or None). EP folds into TP/DP: EP2 needs only 2 ranks.
 LAYOUTS = {
@@ -52,6 +53,8 @@ LAYOUTS = {
     "pp2_ep2": (4, ["parallel.pipeline=2"] + EP2, None),
     "tp2_pp2_vp2_ep2": (4, TP2_EP2 + ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                       "checkpoint.save_at_end=true"], None),
+    "tp2_sp_etp2_ep2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"], None),
+    "capacity_ep2": (2, CAPACITY + EP2, None),  # compared with the one-rank run at the same capacity
 }
 RESHARD = {
     "ep2_to_ep1": (2, [], "ep2"),
@@ -75,7 +78,9 @@ def moe_runs(tmp_path_factory):
     started = time.perf_counter()
     reference = {"name": "ref", "config": "tiny_moe",
                  "overrides": BASE + [f"run.dir={root}/ref", "logging.tensorboard=true"]}
-    plans = {2: [], 4: [], 1: [reference]}
+    capacity = {"name": "ref_capacity", "config": "tiny_moe",
+                "overrides": BASE + CAPACITY + [f"run.dir={root}/ref_capacity"]}
+    plans = {2: [], 4: [], 1: [reference, capacity]}
     for table in (LAYOUTS, RESHARD):
         for name, (world, overrides, source) in table.items():
             plans[world].append(_case(root, name, overrides, source))
@@ -102,7 +107,8 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_rank(moe_runs, name):
-    ref, got = _by_step(moe_runs / "ref"), _by_step(moe_runs / name)
+    ref = _by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
+    got = _by_step(moe_runs / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     rel = [_rel(got[s]["loss"], ref[s]["loss"]) for s in ref]
     aux = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
@@ -112,6 +118,8 @@ def test_layout_matches_single_rank(moe_runs, name):
     assert rel[0] <= 1e-6  # before any update: the same function of the same (layout-invariant) weights
     assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]  # the same routing
     assert got[STEPS]["loss"] != got[1]["loss"]
+    dropped = 8 * 128 * 2 - min(sum(row) for row in got[1]["moe_tokens_per_expert"])
+    assert (dropped > 0) == name.startswith("capacity"), dropped  # dropless unless a capacity factor is set
 
 
 @pytest.mark.parametrize("name", list(RESHARD))
