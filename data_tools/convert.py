@@ -23,6 +23,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import resource
 import shutil
 import sys
@@ -37,7 +38,7 @@ import torch
 from data_tools.hf_assets import ASSET_DIR, copy_assets
 from model_providers import family_for_hf, get_family
 from model_providers.core.family import dims, hf_parameter_shapes
-from model_providers.core.mapping import ConversionError, Dims, MappingRule
+from model_providers.core.mapping import ConversionError, Dims, Index, MappingRule
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -47,8 +48,11 @@ SAFETENSORS_DTYPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                  "common_backend_version": 1}
-# Megatron linear modules whose (empty) `_extra_state` the trainer's sharded state dict expects.
-_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# Optimizer state keys; MoE models chain a dense and an expert optimizer (`chained_<i>.optimizer...`).
+_OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
+# Megatron linear modules (`...linear_*.weight` in the mapping) carry an (empty) `_extra_state` that the
+# trainer's sharded state dict expects.
+_LINEAR_WEIGHT = ".linear_"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,11 +149,11 @@ class CheckpointReader:
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors = {
             k: v for k, v in self.metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.") and "_extra_state" not in k
+            if isinstance(v, TensorStorageMetadata) and not _OPTIMIZER_STATE.match(k) and "_extra_state" not in k
         }
 
-    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
-        """The whole tensor `key`, or its slice `layer` along dim 0."""
+    def read(self, key: str, layer: Index = None) -> torch.Tensor:
+        """The whole tensor `key`, or its slice `layer` along dim 0 (a (layer, expert) tuple: dims 0 and 1)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -157,8 +161,9 @@ class CheckpointReader:
         md = self.tensors[key]
         size = list(md.size)
         offsets = [0] * len(size)
-        if layer is not None:
-            offsets[0], size[0] = layer, 1
+        lead = _lead(layer)
+        for dim, i in enumerate(lead):
+            offsets[dim], size[dim] = i, 1
         dest = torch.empty(size, dtype=md.properties.dtype)
         chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
         items = create_read_items_for_chunk_list(key, md, [chunk])
@@ -167,7 +172,14 @@ class CheckpointReader:
             raise ConversionError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint "
                                   f"({covered} of {dest.numel()} elements stored)")
         self.reader.read_data(LoadPlan(items), _IntoTensor(dest)).wait()
-        return dest[0] if layer is not None else dest
+        return dest.reshape(dest.shape[len(lead):])
+
+
+def _lead(index: Index) -> tuple[int, ...]:
+    """The leading-dim offsets of a slice index: () unstacked, (layer,), or (layer, expert)."""
+    if index is None:
+        return ()
+    return tuple(index) if isinstance(index, tuple) else (index,)
 
 
 class _IntoTensor:
@@ -333,7 +345,7 @@ class _Unit:
     """One read: a Megatron tensor (or layer slice) and the HF tensors the rule makes of it."""
 
     rule: MappingRule
-    layer: int | None
+    layer: Index
     entries: list[_Entry]
 
 
@@ -356,12 +368,15 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
             continue
         used.add(rule.megatron)
         shape = tuple(md.size)
-        layers: list[int | None] = [None]
-        if rule.stacked:
+        layers = rule.indices(num_layers, d.num_experts)
+        if rule.stack_dims:
             if shape[0] != num_layers:
                 raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[0]} layers, "
                                       f"model.num_layers is {num_layers}")
-            shape, layers = shape[1:], list(range(num_layers))
+            if rule.stack_dims == 2 and shape[1] != d.num_experts:
+                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[1]} experts, "
+                                      f"model.num_moe_experts is {d.num_experts}")
+            shape = shape[rule.stack_dims:]
         for layer in layers:
             outs = _meta_to_hf(rule, shape, d, f"checkpoint tensor '{rule.megatron}'")
             entries = []
@@ -593,7 +608,8 @@ def _hf_names_in(rule: MappingRule, layer: int | None, hf_info: dict) -> list[st
 _SHAPE_FIELDS = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "normalization", "gated_linear_unit", "activation", "position_embedding_type",
                  "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                 "rotary_base", "rope_scaling")
+                 "rotary_base", "rope_scaling", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                 "moe_router_pre_softmax")
 
 
 def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, overrides: list[str],
@@ -684,7 +700,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     # Plan: one write item per layer slice (and per non-stacked tensor), plus the linears' empty extra state.
     items, sources = [], {}
     for rule in family.mapping:
-        layers: list[int | None] = list(range(m.num_layers)) if rule.stacked else [None]
+        layers = rule.indices(m.num_layers, d.num_experts)
         names0 = _hf_names_in(rule, layers[0], reader.info)
         if names0 is None:
             continue
@@ -696,14 +712,15 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         except (RuntimeError, ConversionError) as exc:
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
         tdtype = DTYPES[dtype] if dtype else reader.info[names0[0]][1]
-        global_shape = (len(layers), *slice_shape) if rule.stacked else slice_shape
+        stack = (m.num_layers, d.num_experts)[:rule.stack_dims]
+        global_shape = (*stack, *slice_shape)
         props = TensorProperties(dtype=tdtype)
         for layer in layers:
             names = _hf_names_in(rule, layer, reader.info)
             if names is None:
                 raise ConversionError(f"HF tensor '{rule.hf_names(layer)[0]}' is missing")
-            offsets = (layer, *[0] * len(slice_shape)) if rule.stacked else (0,) * len(slice_shape)
-            sizes = (1, *slice_shape) if rule.stacked else slice_shape
+            offsets = (*_lead(layer), *[0] * len(slice_shape))
+            sizes = (*[1] * rule.stack_dims, *slice_shape)
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             index = MetadataIndex(rule.megatron, torch.Size(offsets))
             items.append(WriteItem(index=index, type=WriteItemType.SHARD,
@@ -712,9 +729,13 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             sources[(rule.megatron, tuple(offsets))] = (rule, names, sizes, tdtype)
     extra = io.BytesIO()
     torch.save([None], extra)
-    for module in _EXTRA_STATE_MODULES:
-        for layer in range(m.num_layers):
-            key = f"decoder.layers.{module}._extra_state/shard_{layer}_{m.num_layers}"
+    for rule in family.mapping:
+        if _LINEAR_WEIGHT not in rule.megatron or not rule.megatron.endswith(".weight") or not rule.stack_dims:
+            continue
+        stack = (m.num_layers, d.num_experts)[:rule.stack_dims]
+        for layer in rule.indices(m.num_layers, d.num_experts):
+            shard = f"shard_{'.'.join(map(str, _lead(layer)))}_{'.'.join(map(str, stack))}"
+            key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
     total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()
                       for s in sources.values())

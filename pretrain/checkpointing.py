@@ -224,8 +224,12 @@ def _set_rng_state(rng: dict) -> None:
 
 
 def _layout_key(cfg) -> tuple:
+    """What must be equal for per-rank state (RNG) to be restored; MoE adds expert parallel and expert TP."""
     p = cfg.parallel
-    return (dist.get_world_size(), p.tensor, p.pipeline, p.virtual_pipeline or 1, p.context)
+    key = (dist.get_world_size(), p.tensor, p.pipeline, p.virtual_pipeline or 1, p.context)
+    if cfg.model.num_moe_experts:
+        key += (p.expert, p.expert_tensor or p.tensor)
+    return key
 
 
 def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
@@ -582,7 +586,7 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
     for item in nested_values(state):
         if isinstance(item, ShardedTensor):
             found = meta.get(item.key)
-            what = "optimizer state" if item.key.startswith("optimizer") else "tensor"
+            what = "optimizer state" if "optimizer." in item.key else "tensor"
             if found is None:
                 raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint"
                                       f"{_model_config_diff(cfg, common)}")

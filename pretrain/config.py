@@ -77,6 +77,23 @@ class ModelConfig:
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
     fp8_param_gather: bool = False
+    # Mixture of Experts (None: dense). Names follow Megatron-Core's TransformerConfig.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # one expert's FFN size; None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # False: softmax over the top-k logits (= softmax over all, renormalised over the top k: Mixtral,
+    # Qwen3-MoE with norm_topk_prob); True: softmax over all experts, top-k probabilities not renormalised.
+    moe_router_pre_softmax: bool = False
+    moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"  # None: the activations' dtype
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    moe_grouped_gemm: bool | None = None  # None: Transformer Engine grouped GEMM with the TE spec
 
 
 @dataclass
@@ -87,6 +104,8 @@ class ParallelConfig:
     pipeline: int = 1
     virtual_pipeline: int | None = None  # None: not interleaved
     context: int = 1
+    expert: int = 1  # expert parallel (MoE): experts split across this many ranks
+    expert_tensor: int | None = None  # tensor parallel inside each expert; None: parallel.tensor
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
     # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).

@@ -10,10 +10,19 @@ shared/docs/megatron_on_cpu.md):
 - `Tensor.type()` reports `torch.cuda.*Tensor` for CPU floating tensors (optimizer type checks).
 - The CUDA RNG used by Megatron's RNG tracker and activation recompute is the CPU generator.
 - `torch.cuda.synchronize()` is a no-op.
+
+MoE additions (`_apply_moe_shims`, kept separate): the all-to-all token dispatcher's CUDA streams and
+events become synchronous no-op stand-ins; its split sizes, which it turns into host numpy arrays only
+when they are CUDA tensors (`maybe_move_tensor_to_cpu(as_numpy=True)`), become numpy arrays for CPU
+tensors too (gloo's `all_to_all_single` takes a sequence of ints, not a tensor); `all_reduce(op=AVG)` —
+NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on gloo; and
+`all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's routed
+tokens), which gloo refuses, pads every piece to the longest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -88,4 +97,103 @@ def apply_cpu_shims() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # On CPU the tracker's "GPU" generator is the CPU one; its "CPU state changed" warning is noise.
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    _apply_moe_shims()
     _APPLIED = True
+
+
+# --------------------------------------------------------------------------------------------------
+# MoE (megatron-core 0.16.1 `transformer/moe/token_dispatcher.py`, `moe_utils.py`)
+# --------------------------------------------------------------------------------------------------
+
+
+class _HostEvent:
+    """Stand-in for `torch.cuda.Event`: CPU work is synchronous, so every event has already happened."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """Stand-in for `torch.cuda.Stream` (the all-to-all dispatcher's device-to-host copy stream)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _HostStream()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`maybe_move_tensor_to_cpu` for tensors that are already on the host."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _apply_moe_shims() -> None:
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = _HostStream
+    torch.cuda.Event = _HostEvent
+    torch.cuda.current_stream = lambda *a, **k: _CURRENT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    moe_utils.maybe_move_tensor_to_cpu = _host_copy
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+
+    original_all_reduce = dist.all_reduce
+
+    @functools.wraps(original_all_reduce)
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo" and not async_op:
+            work = original_all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            tensor.div_(dist.get_world_size(group))
+            return work
+        return original_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = all_reduce
+
+    original_all_gather = dist.all_gather
+
+    @functools.wraps(original_all_gather)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] for t in tensor_list]
+        if len(set(rows)) == 1 or async_op or dist.get_backend(group) != "gloo":
+            return original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in tensor_list]
+        work = original_all_gather(pieces, padded, group=group)
+        for out, piece, n in zip(tensor_list, pieces, rows):
+            out.copy_(piece[:n])
+        return work
+
+    dist.all_gather = all_gather

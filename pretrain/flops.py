@@ -13,6 +13,11 @@ B = global batch (sequences), s = sequence length, L = layers, h = hidden, a = h
 d = head dim, f = FFN size, V = padded vocabulary. Divide by B·s for FLOPs per token. This is the
 formula of Megatron-LM's `num_floating_point_operations` (with its causal halving) for dense models.
 Activation recomputation is not counted: MFU measures useful model FLOPs.
+
+MoE (`model.num_moe_experts`): FLOPs follow the *active* parameters. The MLP term becomes
+`k · (f_e/h) · (3/2 if gated else 1)` (each token runs its top-k experts of size f_e = moe_ffn_hidden_size)
+plus the router GEMM `E/(2h)` (h → E logits per token); nominal, i.e. dropless (a capacity factor that drops
+tokens does fewer).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     gated = 1.5 if m.gated_linear_unit else 1.0
     attention = (1 + g / a + s / (2 * h)) * (a * d / h)
     mlp = (f / h) * gated
+    if getattr(m, "num_moe_experts", None):
+        mlp = m.moe_router_topk * ((m.moe_ffn_hidden_size or f) / h) * gated + m.num_moe_experts / (2 * h)
     logits = padded_vocab / (2 * L * h)
     return 12.0 * L * h * h * (attention + mlp + logits)
 

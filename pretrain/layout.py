@@ -51,12 +51,38 @@ class ModelShape:
     ffn_hidden_size: int  # null: 4 × hidden
     num_query_groups: int  # null: one group per head (multi-head attention)
     head_dim: int  # model.kv_channels; null: hidden / heads
+    moe_ffn_hidden_size: int | None  # one expert's FFN size (None for a dense model); null: ffn_hidden_size
 
 
 def model_shape(m) -> ModelShape:
-    return ModelShape(ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    return ModelShape(ffn_hidden_size=ffn,
                       num_query_groups=m.num_query_groups or m.num_attention_heads,
-                      head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads)
+                      head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+                      moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn) if m.num_moe_experts else None)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How MoE expert layers split the world: expert TP × EP × expert DP × PP (Megatron-Core's expert groups).
+
+    Experts are laid out independently of attention ("MoE parallel folding"): EP may span TP, CP and DP
+    ranks of the attention layers, as long as expert TP × EP divides world / PP.
+    """
+
+    ep: int  # parallel.expert
+    etp: int  # parallel.expert_tensor (null: parallel.tensor)
+    edp: int  # expert data parallel: world / (etp × ep × pp); gradients of an expert are reduced over it
+
+
+def expert_layout(cfg: Config, world: int) -> ExpertLayout | None:
+    """The expert layout, or None when world / PP is not divisible by expert TP × EP."""
+    p = cfg.parallel
+    etp = p.expert_tensor or p.tensor
+    per_stage = etp * p.expert * p.pipeline
+    if per_stage < 1 or world % per_stage:
+        return None
+    return ExpertLayout(ep=p.expert, etp=etp, edp=world // per_stage)
 
 
 def use_transformer_engine(transformer_impl: str, te_available: bool) -> bool:
@@ -90,6 +116,14 @@ class Layout:
     ffn_hidden_size: int
     num_query_groups: int
     head_dim: int
+    moe_ffn_hidden_size: int | None  # None: dense model
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel (resolved: parallel.tensor when unset)
+    edp: int = 1  # expert data parallel
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_ffn_hidden_size is not None
 
     @property
     def virtual_pipeline(self) -> int | None:
@@ -116,7 +150,8 @@ class Layout:
 
     def describe(self) -> str:
         vp = f" × VP{self.vp}" if self.vp > 1 else ""
-        return f"TP{self.tp} × PP{self.pp}{vp} × CP{self.cp} × DP{self.dp}"
+        experts = f"; experts ETP{self.etp} × EP{self.ep} × EDP{self.edp}" if self.moe else ""
+        return f"TP{self.tp} × PP{self.pp}{vp} × CP{self.cp} × DP{self.dp}{experts}"
 
 
 def te_available() -> bool:
@@ -142,6 +177,9 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
     model_parallel = p.tensor * p.pipeline * p.context
     if world < 1 or world % model_parallel:
         raise LayoutError(f"world size {world} is not divisible by tensor×pipeline×context = {model_parallel}")
+    experts = expert_layout(cfg, world)
+    if experts is None:
+        raise LayoutError(f"world size {world} is not divisible by expert_tensor×expert×pipeline")
     vocab = m.vocab_size or vocab_size
     return Layout(
         world=world, tp=p.tensor, pp=p.pipeline, vp=p.virtual_pipeline or 1, cp=p.context,
@@ -149,5 +187,5 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         precision=resolve_precision(t.precision, on_gpu), distributed=cfg.optimizer.distributed,
         use_te=use_transformer_engine(m.transformer_impl, te), on_gpu=on_gpu, vocab_size=vocab,
         padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
-        **vars(model_shape(m)),
+        **vars(model_shape(m)), **vars(experts),
     )

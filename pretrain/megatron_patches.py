@@ -20,6 +20,11 @@ Safe loading (any optimizer): torch's `DefaultLoadPlanner.load_bytes`, which Meg
 inherits, unpickles the byte items of a `torch_dist` checkpoint (`ShardedObject`s such as the RNG state and
 `_extra_state`) with `weights_only=False`. Fix: `weights_only=True` (Megatron-Core registers the
 few non-tensor classes it writes as torch safe globals at import).
+
+MoE without Transformer Engine (`apply_moe_fixes`, run by the runtime before any model is built):
+`transformer/moe/moe_utils.py` defines `te_general_gemm` and the `fused_*` MoE kernels only when TE imports,
+but the router's gating GEMM tests `te_general_gemm is not None` unconditionally: `NameError` in the first
+forward on every machine without TE. Fix: the missing names are None (what the code expects for "absent").
 """
 
 from __future__ import annotations
@@ -182,6 +187,25 @@ def apply_megatron_patches() -> None:
         _check_version()
         _patch_distrib_optimizer()
         _APPLIED.add("distrib_optimizer")
+
+
+_MOE_TE_NAMES = (
+    "te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+    "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function", "fused_unpermute",
+)  # fmt: skip
+
+
+def apply_moe_fixes() -> None:
+    """Define the TE-only names of Megatron-Core's MoE utilities as None when TE is absent (idempotent)."""
+    if "moe_without_te" in _APPLIED:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _MOE_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    _APPLIED.add("moe_without_te")
 
 
 def applied_patches() -> frozenset[str]:

@@ -40,11 +40,14 @@ def env_world_size() -> int:
 
 def init_distributed(timeout_minutes: float = 10.0) -> Runtime:
     """Join (or create) the default process group from torchrun-style environment variables."""
+    from pretrain.megatron_patches import apply_moe_fixes
+
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         from pretrain.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
+    apply_moe_fixes()
     rank = int(os.environ.get("RANK", "0"))
     world_size = env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -80,6 +83,8 @@ def init_model_parallel(layout, seed: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

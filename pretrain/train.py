@@ -262,6 +262,7 @@ def train(cfg: Config) -> dict:
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.metrics import MetricsWriter, format_step_line
+    from pretrain.moe_metrics import MoEMetrics
     from pretrain.profiling import StepProfiler
     from pretrain.rank_timing import RankTiming
     from pretrain.run_dir import prepare_run_dir, write_failure
@@ -304,6 +305,7 @@ def train(cfg: Config) -> dict:
     profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
     timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
     timing.install(tconfig, optimizer)
+    moe = MoEMetrics.attach(chunks)  # None for a dense model
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
@@ -382,6 +384,7 @@ def train(cfg: Config) -> dict:
             optimizer.zero_grad()
             losses = run_microbatches(consumed, False, train_ds)
             loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
+            moe_record = moe.step(num_microbatches) if moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -423,6 +426,7 @@ def train(cfg: Config) -> dict:
                 if rt.on_gpu:
                     record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 record.update(timing_fields)
+                record.update(moe_record)
                 writer.write(record)
                 if step % cfg.logging.log_interval == 0 or step == t.steps:
                     print("[pretrain] " + format_step_line(record, t.steps), flush=True)

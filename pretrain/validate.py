@@ -14,6 +14,7 @@ from pretrain.layout import (
     Layout,
     LayoutError,
     derive_layout,
+    expert_layout,
     model_shape,
     padded_vocab_size,
     te_available,
@@ -90,8 +91,8 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
     except LayoutError:
         lay = None
-    for rules in (_layout_rules, _precision_rules, _model_rules, _optimizer_rules, _run_rules, _data_rules,
-                  _document_rules, _recompute_module_rules, _fsdp_rules, _logging_rules):
+    for rules in (_layout_rules, _moe_rules, _precision_rules, _model_rules, _optimizer_rules, _run_rules,
+                  _data_rules, _document_rules, _recompute_module_rules, _fsdp_rules, _logging_rules):
         rules(r, cfg, lay, te_on_gpu)
     return r
 
@@ -105,6 +106,11 @@ def _sizes_positive(r: Report, cfg: Config, world_size: int) -> bool:
         "model.num_attention_heads": m.num_attention_heads, "model.seq_length": m.seq_length,
         "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
         "train.steps": t.steps, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "parallel.expert": p.expert,
+        "parallel.expert_tensor": 1 if p.expert_tensor is None else p.expert_tensor,
+        "model.num_moe_experts": 1 if m.num_moe_experts is None else m.num_moe_experts,
+        "model.moe_ffn_hidden_size": 1 if m.moe_ffn_hidden_size is None else m.moe_ffn_hidden_size,
+        "model.moe_router_topk": m.moe_router_topk,
     }  # fmt: skip
     bad = [k for k, v in positive.items() if v < 1]
     for key in bad:
@@ -119,8 +125,8 @@ def _layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
     m, p, t = cfg.model, cfg.parallel, cfg.train
     world_size = r.world_size
     vp = p.virtual_pipeline
-    if lay is None:
-        model_parallel = p.tensor * p.pipeline * p.context
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
         r.error(("parallel.tensor", "parallel.pipeline", "parallel.context"),
                 f"world size {world_size} is not divisible by tensor×pipeline×context = "
                 f"{p.tensor}×{p.pipeline}×{p.context} = {model_parallel}",
@@ -207,6 +213,65 @@ def _layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
                         f"interleaved pipelining needs the number of microbatches ({num_mb}) to be divisible "
                         f"by parallel.pipeline={p.pipeline}",
                         f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
+
+
+def _moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Mixture of Experts: expert groups, routing, capacity and the spec."""
+    m, p = cfg.model, cfg.parallel
+    etp = p.expert_tensor or p.tensor
+    if m.num_moe_experts is None:
+        if p.expert > 1 or p.expert_tensor is not None:
+            keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)
+            r.error(keys + ("model.num_moe_experts",), f"{keys[0]} is set but the model has no experts "
+                    "(model.num_moe_experts is null)", f"set model.num_moe_experts or remove {keys[0]}")
+        return
+    experts = m.num_moe_experts
+    if experts % p.expert != 0:
+        r.error(("model.num_moe_experts", "parallel.expert"),
+                f"model.num_moe_experts={experts} is not divisible by parallel.expert={p.expert}",
+                f"choose parallel.expert from {_divisors(experts)}")
+    if expert_layout(cfg, r.world_size) is None:
+        per_stage = etp * p.expert * p.pipeline
+        r.error(("parallel.expert_tensor", "parallel.expert", "parallel.pipeline"),
+                f"world size {r.world_size} is not divisible by expert_tensor×expert×pipeline = "
+                f"{etp}×{p.expert}×{p.pipeline} = {per_stage}",
+                f"launch a multiple of {per_stage} processes, or choose expert sizes whose product divides "
+                f"{r.world_size // p.pipeline if r.world_size % p.pipeline == 0 else r.world_size}")
+    ffn = model_shape(m).moe_ffn_hidden_size
+    if ffn % etp != 0:
+        r.error(("model.moe_ffn_hidden_size", "parallel.expert_tensor"),
+                f"model.moe_ffn_hidden_size={ffn} is not divisible by expert tensor parallel {etp}",
+                f"choose parallel.expert_tensor from {_divisors(ffn)}")
+    if m.moe_router_topk > experts:
+        r.error(("model.moe_router_topk", "model.num_moe_experts"),
+                f"model.moe_router_topk={m.moe_router_topk} is more than model.num_moe_experts={experts}",
+                f"choose moe_router_topk from 1 to {experts}")
+    if p.tensor > 1 and not p.sequence_parallel:
+        r.error(("parallel.sequence_parallel", "parallel.tensor", "model.num_moe_experts"),
+                "MoE with parallel.tensor > 1 needs sequence parallelism (Megatron-Core refuses to train "
+                "without it)", "set parallel.sequence_parallel=true")
+    if m.add_bias_linear and etp != 1:
+        r.error(("model.add_bias_linear", "parallel.expert_tensor"),
+                "expert biases need expert tensor parallel 1 (Megatron-Core)", "set parallel.expert_tensor=1")
+    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
+        r.error(("model.moe_aux_loss_coeff", "model.moe_z_loss_coeff"), "MoE loss coefficients must be >= 0",
+                "set model.moe_aux_loss_coeff (and model.moe_z_loss_coeff) to 0 or more")
+    cap = m.moe_expert_capacity_factor
+    if cap is not None and cap <= 0:
+        r.error("model.moe_expert_capacity_factor", f"model.moe_expert_capacity_factor={cap} must be positive",
+                "set a positive factor (e.g. 1.25), or null for dropless routing")
+    if m.moe_pad_expert_input_to_capacity and cap is None:
+        r.error(("model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"),
+                "padding expert inputs to capacity needs a capacity factor",
+                "set model.moe_expert_capacity_factor or model.moe_pad_expert_input_to_capacity=false")
+    if m.moe_router_score_function == "sigmoid" and m.moe_router_pre_softmax:
+        r.error(("model.moe_router_pre_softmax", "model.moe_router_score_function"),
+                "model.moe_router_pre_softmax applies to softmax scoring only",
+                "set model.moe_router_pre_softmax=false")
+    if m.moe_grouped_gemm and (lay is not None and not lay.use_te):
+        r.error(("model.moe_grouped_gemm", "model.transformer_impl"),
+                "model.moe_grouped_gemm=true needs the Transformer Engine spec (the local spec runs experts "
+                "one after another)", "set model.moe_grouped_gemm=null, or run on a GPU with transformer-engine")
 
 
 def _precision_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:

@@ -89,7 +89,40 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
     )
     if m.fp8:
         kwargs.update(fp8="hybrid", fp8_recipe=m.fp8, fp8_param=m.fp8_param_gather)
+    if layout.moe:
+        kwargs.update(moe_config(m, layout))
     return TransformerConfig(**kwargs)
+
+
+def moe_config(m, layout: Any) -> dict:
+    """The MoE fields of Megatron-Core's TransformerConfig (same names as our `model.*` keys).
+
+    The aux-loss and z-loss coefficients are multiplied by TP×CP: with `calculate_per_token_loss` (ours),
+    Megatron-Core 0.16.1 scales those losses by the tokens of the rank's own sequence slice (`router.py`
+    `attach_and_log_load_balancing_loss`, `apply_z_loss`, which also divides the z-loss coefficient by TP×CP)
+    while the LM-loss gradients are divided by the tokens of the whole sequence, so under sequence or context
+    parallelism the router losses would pull TP×CP times too weakly (measured: TP2 halves their gradient).
+    The logged values divide by the coefficient and are unaffected.
+    """
+    sliced = layout.tp * layout.cp
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
+        moe_router_topk=m.moe_router_topk,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_dtype=m.moe_router_dtype,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff * sliced,
+        moe_z_loss_coeff=m.moe_z_loss_coeff * sliced if m.moe_z_loss_coeff is not None else None,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+        moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=layout.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
 
 
 def build_model(cfg, layout: Any) -> list[GPTModel]:
@@ -129,6 +162,8 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         if model.post_process and padded > vocab_size:
             mask_padded_logits(model, vocab_size, padded)
         chunks.append(model)
+    if config.num_moe_experts:
+        mark_expert_parameters(chunks)
     initialize_layout_invariant(chunks, cfg, vocab_size, padded)
     return chunks
 
@@ -155,6 +190,22 @@ def apply_rope_scaling(model: GPTModel, m) -> None:
         high_freq_factor=m.rope_scaling_high_freq_factor,
         original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings)
     rope.inv_freq = inv_freq.to(rope.inv_freq.device)
+
+
+def mark_expert_parameters(chunks: list[GPTModel]) -> None:
+    """Treat expert weights as expert-parallel parameters at every EP size, EP1 included.
+
+    Megatron-Core flags them (`allreduce=False`) only when EP > 1; then DDP reduces their gradients over the
+    expert-data-parallel group and the optimizer becomes a chain (dense, experts) whose checkpoint keys carry a
+    `chained_<i>.` prefix. At EP1 it would keep one optimizer (other keys: an EP2 checkpoint could not resume
+    at EP1) and reduce expert gradients over the attention's data-parallel group, which misses ranks when
+    expert TP differs from TP. Flagging them always gives one optimizer layout for every MoE checkpoint and
+    the right reduction group (at EP1 with expert TP = TP it is the same group, so numerics do not change).
+    """
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
 
 
 def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:
@@ -187,21 +238,44 @@ def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
+# Local experts: SequentialMLP `experts.local_experts.{j}.linear_fc1.weight`, TE grouped GEMM
+# `experts.linear_fc1.weight{j}`; j is the index on this expert-parallel rank.
+_SEQUENTIAL_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def _global_expert_name(name: str, first_local_expert: int) -> str:
+    """`...mlp.experts.{global index}.linear_fc1.weight` for either expert implementation, else `name`."""
+    mo = _SEQUENTIAL_EXPERT_RE.search(name)
+    if mo:
+        return f"{name[:mo.start()]}.mlp.experts.{first_local_expert + int(mo.group(1))}.{mo.group(2)}"
+    mo = _GROUPED_EXPERT_RE.search(name)
+    if mo:
+        return f"{name[:mo.start()]}.mlp.experts.{first_local_expert + int(mo.group(3))}.{mo.group(1)}.{mo.group(2)}"
+    return name
 
 
 def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
     """Map a chunk's local parameter names to layout-independent global names.
 
-    Local layer indices are replaced by the layer's global index; the output layer of a model with
-    tied embeddings is the embedding matrix.
+    Local layer indices are replaced by the layer's global index, local expert indices by the expert's
+    global index (so every expert-parallel layout draws the same expert weights); the output layer of a
+    model with tied embeddings is the embedding matrix.
     """
     local_to_global = {}
     layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
     for i, layer in enumerate(layers):
         local_to_global[str(i)] = str(layer.layer_number - 1)
+    num_experts = chunk.config.num_moe_experts
+    first_local_expert = 0
+    if num_experts:
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        first_local_expert = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep)
     names = {}
     for name, _ in chunk.named_parameters():
         gname = _LAYER_RE.sub(lambda mo: f"decoder.layers.{local_to_global[mo.group(1)]}.", name)
+        if num_experts:
+            gname = _global_expert_name(gname, first_local_expert)
         if gname == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
             gname = "embedding.word_embeddings.weight"
         names[name] = gname
@@ -213,12 +287,24 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _full_shape(param: torch.Tensor) -> tuple[list[int], int | None, int]:
+def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None, int]:
+    """The unsharded shape, the TP-split dim and this rank's index in that split.
+
+    Expert weights are split over expert TP: fc1 by rows, fc2 by columns. Their split is read from the name,
+    because TE's grouped GEMM experts under expert parallelism are sharded by Megatron itself and carry no
+    `tensor_model_parallel` attribute.
+    """
     shape = list(param.shape)
+    if ".mlp.experts." in gname:
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+        dim = 0 if ".linear_fc1.weight" in gname else 1 if ".linear_fc2.weight" in gname else None
+        if etp == 1 or dim is None:
+            return shape, None, 0
+        shape[dim] *= etp
+        return shape, dim, parallel_state.get_expert_tensor_parallel_rank()
     if getattr(param, "tensor_model_parallel", False):
         dim = param.partition_dim
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        shape[dim] *= tp
+        shape[dim] *= parallel_state.get_tensor_model_parallel_world_size()
         return shape, dim, parallel_state.get_tensor_model_parallel_rank()
     return shape, None, 0
 
@@ -255,7 +341,7 @@ def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, pa
         names = global_parameter_names(chunk)
         for local, param in chunk.named_parameters():
             gname = names[local]
-            full_shape, dim, rank = _full_shape(param)
+            full_shape, dim, rank = _full_shape(param, gname)
             is_norm = param.dim() == 1 and ("layernorm" in gname or "layer_norm" in gname)
             if gname.endswith("bias"):
                 param.zero_()

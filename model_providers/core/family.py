@@ -123,17 +123,23 @@ def dims(m: Any, vocab: int, padded_vocab: int) -> Dims:
         hidden=m.hidden_size,
         vocab=vocab,
         padded_vocab=padded_vocab,
+        num_experts=m.num_moe_experts or 0,
     )
 
 
 def hf_parameter_shapes(hf_cfg: Any) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the transformers model's saved tensors (built on the meta device)."""
+    """Names and shapes of the tensors transformers saves for this config (model built on the meta device).
+
+    These are the checkpoint names `save_pretrained` writes and the Hub uses, which for MoE models are
+    per expert (transformers ≥ 5 fuses experts in memory and converts on load and save).
+    """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in revert_weight_conversion(model, model.state_dict()).items()}
     tied = getattr(model, "_tied_weights_keys", None) or {}
     if hf_cfg.tie_word_embeddings:
         for key in (tied if isinstance(tied, (list, dict, tuple, set)) else []):

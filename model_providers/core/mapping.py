@@ -4,6 +4,10 @@ A family's table is a tuple of rule instances, e.g. `QKV("decoder.layers.self_at
 (q, k, v))`. Every rule works on one layer's slice at a time (`to_hf`: Megatron tensor → HF tensors;
 `from_hf`: the inverse), so conversions hold one layer of one parameter in memory. Rules run on `meta`
 tensors too, which is how shapes are planned before any data is read.
+
+MoE experts: Megatron-Core stores expert weights under `decoder.layers.mlp.experts.experts.*` stacked over
+layers and then experts ([layers, experts, ...], global expert indices, whatever the expert-parallel layout);
+a rule on such a name works on one (layer, expert) slice and `{e}` in its HF names is the expert index.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ class Dims:
     hidden: int
     vocab: int  # the true vocabulary (HF side)
     padded_vocab: int  # rows on the Megatron side (TP padding)
+    num_experts: int = 0  # MoE experts per layer (0: dense)
+
+
+EXPERTS_PREFIX = "decoder.layers.mlp.experts.experts."
+Index = int | tuple[int, int] | None  # a layer, a (layer, expert), or None for an unstacked tensor
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,8 @@ class MappingRule:
     """One row of a family's table: a Megatron global parameter name and the HF name(s) it becomes.
 
     Names under `decoder.layers.` are stacked on dim 0 (one slice per layer); `{i}` in an HF name is the
-    layer index.
+    layer index. Names under `EXPERTS_PREFIX` are stacked on dims 0 and 1 (layer, expert); `{e}` in an HF
+    name is the expert index.
     """
 
     megatron: str
@@ -50,7 +60,22 @@ class MappingRule:
     def stacked(self) -> bool:
         return self.megatron.startswith("decoder.layers.")
 
-    def hf_names(self, layer: int | None) -> list[str]:
+    @property
+    def stack_dims(self) -> int:
+        """Leading dims of the Megatron tensor that index slices: 0, 1 (layers) or 2 (layers, experts)."""
+        if self.megatron.startswith(EXPERTS_PREFIX):
+            return 2
+        return 1 if self.stacked else 0
+
+    def indices(self, num_layers: int, num_experts: int = 0) -> list[Index]:
+        """Every slice of this rule's tensor, in storage order."""
+        if self.stack_dims == 2:
+            return [(i, e) for i in range(num_layers) for e in range(num_experts)]
+        return list(range(num_layers)) if self.stack_dims == 1 else [None]
+
+    def hf_names(self, layer: Index) -> list[str]:
+        if isinstance(layer, tuple):
+            return [n.format(i=layer[0], e=layer[1]) for n in self.hf]
         return [n.format(i=layer) for n in self.hf]
 
     def to_hf(self, t: Tensor, d: Dims) -> list[Tensor]:

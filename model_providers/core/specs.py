@@ -1,5 +1,10 @@
 """Layer specs, chosen in one place: Transformer Engine on CUDA when importable, else Megatron-Core's
-local spec with a norm that supports sequence parallelism (torch's own norms refuse it without apex)."""
+local spec with a norm that supports sequence parallelism (torch's own norms refuse it without apex).
+
+MoE layers (`config.num_moe_experts`) use Megatron-Core's MoE spec: TE grouped GEMM experts with the TE spec
+(`moe_grouped_gemm`), experts run one after another (`SequentialMLP`) with the local spec. Both store the
+pre-MLP norm as `pre_mlp_layernorm.weight` and experts under the same global keys, so checkpoints move
+between CPU and GPU."""
 
 from __future__ import annotations
 
@@ -54,16 +59,22 @@ class SequenceParallelNorm:
 
 def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
     """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+    experts = config.num_moe_experts
     if use_te:
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        layer = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
         norm = None  # TransformerBlock picks TENorm itself
     else:
-        layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+        layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                         num_experts=experts)
         layer.submodules.input_layernorm = SequenceParallelNorm
         layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
         if config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
             layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
             layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
+        if experts:
+            # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
+            layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
         norm = SequenceParallelNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if norm is None:

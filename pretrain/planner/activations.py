@@ -106,6 +106,8 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     kept = (FP8_BYTES if recompute_core_attention else p + FP8_BYTES) if fp8 else p
     out["attention_output"] = a * sbd * kept
     fc2_in = FP8_BYTES if fp8 else p
+    if m.num_moe_experts:
+        return {**out, **moe_terms(cfg, lay, s * b // (t if lay.sp else 1))}
     sbf = s * b * f // t
     if m.gated_linear_unit:
         if bias_activation_fusion(m, lay.on_gpu):
@@ -119,6 +121,29 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     if "layernorm" in modules and not lay.use_te:
         out["norms_and_gemm_inputs"] = 2 * hs * p
     return out
+
+
+def moe_terms(cfg: Config, lay: Layout, tokens: int) -> dict[str, int]:
+    """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank.
+
+    Measured on CPU ranks (local spec, `SequentialMLP`, dropless, fp32 and bf16, varying h, f_e, E, k): the
+    router keeps fp32 logits and index/mask tensors, 5·T·E + 24·T·k bytes, plus 4·T·E + 8·T·k + 8·E + 4 with
+    the load-balancing loss and 4·T·E + 4·T + 4 with the z-loss; the experts keep, per routed token copy, the
+    dispatched input (h) and six f_e-wide values (fc1's output, the activation, the gated product, the input
+    of fc2, ...) in the activation dtype. A rank's experts get T·k·ETP copies (expert TP gathers the tokens of
+    its group) of width f_e / ETP, counted as if routing were balanced across expert-parallel ranks.
+    """
+    m = cfg.model
+    p = lay.bytes_per_value
+    experts, k = m.num_moe_experts, m.moe_router_topk
+    router = 5 * tokens * experts + 24 * tokens * k
+    if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
+        router += 4 * tokens * experts + 8 * tokens * k + 8 * experts + 4
+    if m.moe_z_loss_coeff:
+        router += 4 * tokens * experts + 4 * tokens + 4
+    width = lay.moe_ffn_hidden_size // lay.etp
+    per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width
+    return {"moe_router": router, "moe_experts": tokens * k * lay.etp * per_copy * p}
 
 
 def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
@@ -170,7 +195,8 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
             "norms_and_gemm_inputs"]
         return max(full["mlp"] if "mlp" in modules else 0, norms // 2 if "layernorm" in modules else 0), 0
     kept = layer_terms(cfg, lay, recompute_core_attention=True)
-    freed = full["norms_and_gemm_inputs"] // 2 + full["mlp"] + kept["attention_output"]
+    mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"]
+    freed = full["norms_and_gemm_inputs"] // 2 + mlp + kept["attention_output"]
     m = cfg.model
     a = m.num_attention_heads
     g, d = lay.num_query_groups, lay.head_dim

@@ -17,6 +17,7 @@ class Param:
     numel: int
     linear: bool = False  # a transformer-layer GEMM weight (FP8-cast by Transformer Engine)
     shared_embedding: bool = False  # Megatron puts it in its own bucket with the distributed optimizer
+    expert: bool = False  # an MoE expert's weight: its own DDP buffer, sharded over expert data parallel
 
 
 def _norm_params(prefix: str, m: Any) -> list[Param]:
@@ -42,6 +43,8 @@ def layer_parameters(m: Any, lay: Layout, index: int) -> list[Param]:
     if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
         out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
     out += _norm_params(f"{pre}.pre_mlp_layernorm", m)
+    if m.num_moe_experts:
+        return out + moe_parameters(m, lay, pre)
     fc1 = (2 if m.gated_linear_unit else 1) * f // tp
     out.append(Param(f"{pre}.mlp.linear_fc1.weight", fc1 * h, linear=True))
     if m.add_bias_linear:
@@ -49,6 +52,26 @@ def layer_parameters(m: Any, lay: Layout, index: int) -> list[Param]:
     out.append(Param(f"{pre}.mlp.linear_fc2.weight", h * f // tp, linear=True))
     if m.add_bias_linear:
         out.append(Param(f"{pre}.mlp.linear_fc2.bias", h))
+    return out
+
+
+def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
+    """An MoE layer's router (replicated) and this rank's experts (E / EP of them, split over expert TP), in
+    the registration order of Megatron-Core's `SequentialMLP` (TE's grouped GEMM holds the same elements)."""
+    h, etp = m.hidden_size, lay.etp
+    fe = lay.moe_ffn_hidden_size
+    out = [Param(f"{pre}.mlp.router.weight", m.num_moe_experts * h)]
+    if m.add_bias_linear:
+        out.append(Param(f"{pre}.mlp.router.bias", m.num_moe_experts))
+    fc1 = (2 if m.gated_linear_unit else 1) * fe // etp
+    for j in range(m.num_moe_experts // lay.ep):
+        e = f"{pre}.mlp.experts.local_experts.{j}"
+        out.append(Param(f"{e}.linear_fc1.weight", fc1 * h, linear=True, expert=True))
+        if m.add_bias_linear:
+            out.append(Param(f"{e}.linear_fc1.bias", fc1, expert=True))
+        out.append(Param(f"{e}.linear_fc2.weight", h * fe // etp, linear=True, expert=True))
+        if m.add_bias_linear:
+            out.append(Param(f"{e}.linear_fc2.bias", h, expert=True))
     return out
 
 
@@ -76,9 +99,25 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
     return out
 
 
-def count_parameters(cfg: Config, padded_vocab: int) -> int:
-    """Parameters of the whole model (one copy of tied embeddings)."""
+def _whole_model(cfg: Config, padded_vocab: int) -> list[Param]:
     par = cfg.parallel
-    lay = replace(layout_of(cfg, par.tensor * par.pipeline * par.context, use_te=False), tp=1, pp=1, vp=1)
-    return sum(p.numel for p in chunk_parameters(cfg, lay, padded_vocab, 0, 0))
+    world = par.tensor * par.pipeline * par.context * par.expert * (par.expert_tensor or par.tensor)
+    lay = replace(layout_of(cfg, world, use_te=False), tp=1, pp=1, vp=1, ep=1, etp=1)
+    return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
+
+
+def count_parameters(cfg: Config, padded_vocab: int) -> int:
+    """Parameters of the whole model (one copy of tied embeddings; every expert)."""
+    return sum(p.numel for p in _whole_model(cfg, padded_vocab))
+
+
+def count_active_parameters(cfg: Config, padded_vocab: int) -> int:
+    """Parameters one token uses: all but the experts it is not routed to (k of E per MoE layer)."""
+    m = cfg.model
+    params = _whole_model(cfg, padded_vocab)
+    total = sum(p.numel for p in params)
+    if not m.num_moe_experts:
+        return total
+    experts = sum(p.numel for p in params if p.expert)
+    return total - experts + experts * m.moe_router_topk // m.num_moe_experts
 

@@ -11,6 +11,8 @@ from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
+MOE_FORMULA = ("MoE: the MLP term is k·(f_e/h)·(3/2 if gated else 1) + E/(2h) (top-k experts of f_e, router): "
+               "FLOPs of the active parameters")
 
 
 @dataclass
@@ -23,15 +25,17 @@ class Cost:
     cp_comm_s: float
     pp_comm_s: float
     dp_comm_s: float
+    ep_comm_s: float = 0.0  # MoE token all-to-all (and expert-TP gathers)
+    ep_bytes_per_step: int = 0  # what one rank sends in those, per step
 
     @property
     def step_s(self) -> float:
         return (self.compute_s * (1 + self.bubble_fraction) + self.tp_comm_s + self.cp_comm_s
-                + self.pp_comm_s + self.dp_comm_s)
+                + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s)
 
 
 def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_node: int,
-               params_on_rank: int) -> Cost:
+               params_on_rank: int, expert_params_on_rank: int = 0) -> Cost:
     """Step time = compute/(GEMM efficiency) × (1 + bubble) + TP + CP + PP + DP communication (no overlap).
 
     - compute: model FLOPs per step / (world × peak × GEMM_EFFICIENCY), ×4/3 with full recompute and
@@ -44,7 +48,11 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     - PP: each microbatch sends activations forward and gradients back once per model chunk;
     - DP: distributed optimizer reduce-scatter (fp32 grads) + all-gather (params), (n−1)/n of the rank's
       parameters each; without it an fp32 all-reduce (2·(n−1)/n). NVLink when the group fits in a node,
-      else the network.
+      else the network. MoE expert weights over expert data parallel (n = EDP) instead;
+    - EP (MoE): per layer and microbatch 4 all-to-alls (dispatch and combine, forward and backward), each
+      sending the (EP−1)/EP of this rank's T·k routed token copies that go to other ranks (balanced routing),
+      T·k·h·p bytes in all; with expert TP > 1 also 4 gathers/scatters of (ETP−1)·T·k·h·p. NVLink when the
+      expert-TP × EP group (consecutive ranks) fits in a node, else the network.
     """
     m = cfg.model
     p = lay.bytes_per_value
@@ -71,11 +79,20 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     if lay.pp > 1:
         pp_bw = net if lay.world > gpus_per_node else nv
         pp = mb * lay.vp * 2 * hs * p / pp_bw
-    n = lay.dp * lay.cp
     dp_bw = nv if lay.tp * lay.cp * lay.dp <= gpus_per_node else net
-    if lay.distributed:
-        dp = (n - 1) / n * params_on_rank * (4 + p) / dp_bw
-    else:
-        dp = 2 * (n - 1) / n * params_on_rank * 4 / dp_bw
+
+    def reduce(params: int, n: int) -> float:
+        if lay.distributed:
+            return (n - 1) / n * params * (4 + p) / dp_bw
+        return 2 * (n - 1) / n * params * 4 / dp_bw
+
+    dp = reduce(params_on_rank - expert_params_on_rank, lay.dp * lay.cp) + reduce(expert_params_on_rank, lay.edp)
+    ep = 0.0
+    ep_bytes = 0
+    if m.num_moe_experts:
+        copies = s * b // (lay.tp if lay.sp else 1) * m.moe_router_topk
+        per_layer = 4 * copies * h * p * ((lay.ep - 1) / lay.ep + (lay.etp - 1))
+        ep_bytes = int(mb * layers * recompute_fwd * per_layer)
+        ep = ep_bytes / (nv if lay.etp * lay.ep <= gpus_per_node else net)
     bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
-    return Cost(compute, bubble, tp, cp, pp, dp)
+    return Cost(compute, bubble, tp, cp, pp, dp, ep, ep_bytes)

@@ -24,6 +24,7 @@ class RankMemory:
     fp8: int
     buffers: int
     in_flight: dict[int, int]
+    expert_params: int = 0  # of `params`, MoE expert weights
 
     @property
     def total(self) -> int:
@@ -64,7 +65,7 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
         buffers = max(buffers, st.optimizer_moments // 2 - act.saved)  # torch foreach Adam: sqrt(v) copy
     return RankMemory(pp_rank=pp_rank, params=st.params, weights=st.weights, gradients=st.gradients,
                       optimizer=st.optimizer, activations=act.saved, fp8=st.fp8, buffers=buffers,
-                      in_flight=act.in_flight)
+                      in_flight=act.in_flight, expert_params=st.expert_params)
 
 
 def most_loaded(cfg: Config, lay: Layout, padded_vocab: int, fused_adam: bool = True) -> RankMemory:

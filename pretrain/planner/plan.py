@@ -7,7 +7,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
-from pretrain.planner.census import count_parameters
+from pretrain.planner.census import count_active_parameters, count_parameters
 from pretrain.planner.common import (
     DEFAULT_MFU,
     GIB,
@@ -18,7 +18,7 @@ from pretrain.planner.common import (
     layout_of,
     padded_vocab_for,
 )
-from pretrain.planner.cost import FORMULA, cost_model
+from pretrain.planner.cost import FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 
 
@@ -41,7 +41,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     f_step = f_tok * lay.gbs * m.seq_length
     peak = PEAK_TFLOPS[gpu]["fp8" if m.fp8 else "bf16"]
     tok_gpu = peak * 1e12 * mfu / f_tok
-    cost = cost_model(cfg, lay, vocab, gpu, gpus_per_node, rm.params)
+    cost = cost_model(cfg, lay, vocab, gpu, gpus_per_node, rm.params, rm.expert_params)
     capacity = GPU_MEMORY_GIB[gpu]
     return {
         "config": name or m.preset or m.family,
@@ -56,10 +56,16 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
                    "transformer_engine": use_te},
         "num_parameters": count_parameters(cfg, vocab),
+        "num_active_parameters": count_active_parameters(cfg, vocab),
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
         "flops_per_step": f_step,
-        "flops_formula": FORMULA,
+        "flops_formula": FORMULA + (f"; {MOE_FORMULA}" if m.num_moe_experts else ""),
+        "moe": None if not m.num_moe_experts else {
+            "experts": m.num_moe_experts, "topk": m.moe_router_topk, "expert_parallel": lay.ep,
+            "expert_tensor_parallel": lay.etp, "expert_data_parallel": lay.edp,
+            "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
+            "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
                              "microbatches_in_flight": sum(rm.in_flight.values())},

@@ -20,13 +20,21 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{' + FP8 ' + lay['fp8'] if lay['fp8'] else ''}; recompute {lay['recompute'] or 'none'}; "
         f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer; "
         f"{'Transformer Engine' if lay['transformer_engine'] else 'local'} spec",
-        f"  model      {plan['num_parameters']:,} parameters (padded vocabulary {plan['padded_vocab_size']:,})",
+        f"  model      {plan['num_parameters']:,} parameters{_active(plan)} (padded vocabulary "
+        f"{plan['padded_vocab_size']:,})",
         f"  FLOPs      {plan['flops_per_token']:.4g} per token, {plan['flops_per_step']:.4g} per step",
         f"             {plan['flops_formula']}",
         f"  memory per GPU (GiB), most loaded rank = pipeline stage {plan['most_loaded_rank']['pipeline_stage']} "
         f"({plan['most_loaded_rank']['parameters']:,} parameters, "
         f"{plan['most_loaded_rank']['microbatches_in_flight']} microbatch-chunks in flight):",
     ]
+    moe = plan.get("moe")
+    if moe:
+        lines.insert(3, f"  experts    {moe['experts']} per layer, top-{moe['topk']}; "
+                        f"ETP{moe['expert_tensor_parallel']} × EP{moe['expert_parallel']} × "
+                        f"EDP{moe['expert_data_parallel']}: {moe['experts_per_rank']} "
+                        f"experts per rank ({moe['expert_parameters_on_rank']:,} expert parameters on the most loaded "
+                        f"rank); all-to-all {moe['all_to_all_bytes_per_step'] / 1e9:.2f} GB sent per rank per step")
     header = ("stage", "weights", "gradients", "optimizer", "activations", "fp8", "buffers", "total")
     lines.append("    " + "".join(f"{h:>12}" for h in header))
     for st in plan["stages"]:
@@ -37,27 +45,39 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  at MFU {thr['mfu']:.0%} of {thr['peak_tflops']:.0f} TFLOP/s: "
                  f"{thr['tflops_per_gpu']:.0f} TFLOP/s/GPU, {thr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                  f"step {thr['step_time_s']:.2f} s")
+    ep = f" + EP {cm['ep_comm_s']:.2f}" if moe else ""
     lines.append(f"  cost model: compute {cm['compute_s']:.2f} s × (1 + bubble {cm['bubble_fraction']:.3f}) + TP "
                  f"{cm['tp_comm_s']:.2f} + CP {cm['cp_comm_s']:.2f} + PP {cm['pp_comm_s']:.2f} + DP "
-                 f"{cm['dp_comm_s']:.2f} s = {cm['step_s']:.2f} s/step, {cm['tokens_per_s_per_gpu']:,.0f} "
+                 f"{cm['dp_comm_s']:.2f}{ep} s = {cm['step_s']:.2f} s/step, {cm['tokens_per_s_per_gpu']:,.0f} "
                  f"tokens/s/GPU, MFU {cm['mfu']:.0%}")
     return "\n".join(lines)
 
 
+def _active(plan: dict[str, Any]) -> str:
+    active = plan.get("num_active_parameters")
+    if not plan.get("moe") or active is None:
+        return ""
+    return f", {active:,} active per token ({active / plan['num_parameters']:.1%})"
+
+
 
 def format_search(results: list[dict[str, Any]], total: int) -> str:
-    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4} {'MBS':>4} {'recompute':>10} " \
-             f"{'mem GiB':>8} {'bubble':>7} {'TP s':>6} {'DP s':>6} {'PP s':>6} {'CP s':>6} {'step s':>7} " \
+    moe = any(r.get("expert") for r in results)
+    ep_head = f" {'EP':>3}" if moe else ""
+    ep_s_head = f" {'EP s':>6}" if moe else ""
+    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4}{ep_head} {'MBS':>4} {'recompute':>10} " \
+             f"{'mem GiB':>8} {'bubble':>7} {'TP s':>6} {'DP s':>6} {'PP s':>6} {'CP s':>6}{ep_s_head} {'step s':>7} " \
              f"{'tok/s/GPU':>10}"
     lines = [f"{total} layouts pass validation and fit; best {len(results)} by the cost model:", header]
     for i, r in enumerate(results, 1):
         c = r["cost"]
+        ep = f" {r['expert']:>3}" if moe else ""
+        ep_s = f" {c['ep_comm_s']:>6.2f}" if moe else ""
         lines.append(f"{i:>3} {r['tensor']:>3} {r['pipeline']:>3} {r['virtual_pipeline'] or '-':>3} "
-                     f"{r['context']:>3} {r['data']:>4} {r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
+                     f"{r['context']:>3} {r['data']:>4}{ep} {r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
                      f"{r['memory_gib']:>8.1f} {r['bubble_fraction']:>7.3f} {c['tp_comm_s']:>6.2f} "
-                     f"{c['dp_comm_s']:>6.2f} {c['pp_comm_s']:>6.2f} {c['cp_comm_s']:>6.2f} {r['step_s']:>7.2f} "
+                     f"{c['dp_comm_s']:>6.2f} {c['pp_comm_s']:>6.2f} {c['cp_comm_s']:>6.2f}{ep_s} {r['step_s']:>7.2f} "
                      f"{r['tokens_per_s_per_gpu']:>10,.0f}")
     if results:
         lines.append(f"best: {results[0]['overrides']}")
     return "\n".join(lines)
-

@@ -31,42 +31,47 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
     cps = [1, 2, 4, 8] if use_te else [1]
     recomputes: list[tuple[str | None, str | None, int | None]] = [
         (None, None, None), ("selective", None, None), ("full", "uniform", 1)]
+    # MoE: expert parallel sizes dividing the experts, within a node (the token all-to-all on NVLink), experts
+    # whole (expert TP 1).
+    eps = [e for e in _divisors(m.num_moe_experts) if e <= gpus_per_node] if m.num_moe_experts else [None]
     for tp in tps:
         for cp in cps:
             for pp in _divisors(m.num_layers):
                 if world % (tp * cp * pp):
                     continue
                 vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
-                for vp in vps:
-                    for mbs in (1, 2, 4):
-                        for gran, method, num in recomputes:
-                            c = copy.deepcopy(cfg)
-                            c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
-                            c.parallel.virtual_pipeline = vp
-                            c.parallel.sequence_parallel = tp > 1
-                            c.parallel.tp_comm_overlap = False
-                            c.train.micro_batch_size = mbs
-                            c.optimizer.distributed = True
-                            c.model.recompute_granularity = gran
-                            c.model.recompute_method, c.model.recompute_num_layers = method, num
-                            if check_layout(c, world, use_te):
-                                continue
-                            if tp not in vocab_cache:
-                                vocab_cache[tp] = padded_vocab_for(c)
-                            lay = layout_of(c, world, on_gpu=True, use_te=use_te)
-                            rm = most_loaded(c, lay, vocab_cache[tp], fused_adam)
-                            if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
-                                continue
-                            cost = cost_model(c, lay, vocab_cache[tp], gpu, gpus_per_node, rm.params)
-                            results.append({
-                                "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
-                                "data": lay.dp, "micro_batch_size": mbs, "sequence_parallel": tp > 1,
-                                "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
-                                "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
-                                "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
-                                "cost": {**asdict(cost)},
-                                "overrides": _overrides(c),
-                            })
+                for vp, ep, mbs in ((v, e, b) for v in vps for e in eps for b in (1, 2, 4)):
+                    for gran, method, num in recomputes:
+                        c = copy.deepcopy(cfg)
+                        c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
+                        if ep is not None:
+                            c.parallel.expert, c.parallel.expert_tensor = ep, 1
+                        c.parallel.virtual_pipeline = vp
+                        c.parallel.sequence_parallel = tp > 1
+                        c.parallel.tp_comm_overlap = False
+                        c.train.micro_batch_size = mbs
+                        c.optimizer.distributed = True
+                        c.model.recompute_granularity = gran
+                        c.model.recompute_method, c.model.recompute_num_layers = method, num
+                        if check_layout(c, world, use_te):
+                            continue
+                        if tp not in vocab_cache:
+                            vocab_cache[tp] = padded_vocab_for(c)
+                        lay = layout_of(c, world, on_gpu=True, use_te=use_te)
+                        rm = most_loaded(c, lay, vocab_cache[tp], fused_adam)
+                        if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
+                            continue
+                        cost = cost_model(c, lay, vocab_cache[tp], gpu, gpus_per_node, rm.params,
+                                          rm.expert_params)
+                        results.append({
+                            "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
+                            "data": lay.dp, "expert": ep, "micro_batch_size": mbs, "sequence_parallel": tp > 1,
+                            "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
+                            "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
+                            "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
+                            "cost": {**asdict(cost)},
+                            "overrides": _overrides(c),
+                        })
     results.sort(key=lambda r: (r["step_s"], r["memory_gib"]))
     return results[:top] if top else results
 
@@ -77,6 +82,8 @@ def _overrides(c: Config) -> str:
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
              f"train.micro_batch_size={c.train.micro_batch_size}", "optimizer.distributed=true"]
+    if c.model.num_moe_experts:
+        parts += [f"parallel.expert={p.expert}", "parallel.expert_tensor=1"]
     if c.model.recompute_granularity:
         parts.append(f"model.recompute_granularity={c.model.recompute_granularity}")
     if c.model.recompute_granularity == "full":

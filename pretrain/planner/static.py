@@ -79,6 +79,7 @@ class StaticMemory:
     """Bytes of weights, gradients and optimizer state on one rank (all of its chunks)."""
 
     params: int  # parameter elements (unpadded)
+    expert_params: int  # of which MoE expert weights
     weights: int
     gradients: int
     optimizer_moments: int
@@ -92,40 +93,47 @@ class StaticMemory:
 
 
 def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
-                  dp_rank: int | None = None) -> StaticMemory:
+                  dp_rank: int | None = None, edp_rank: int | None = None) -> StaticMemory:
     """Weights, gradient buffers and optimizer state of one rank, as Megatron-Core allocates them.
 
-    dp_rank None: the data-parallel rank holding the most optimizer state.
+    MoE expert weights live in their own DDP buffers, reduced (and with the distributed optimizer sharded) over
+    expert data parallel (`lay.edp`) instead of data × context parallel. dp_rank / edp_rank None: the rank
+    holding the most optimizer state.
     """
     m, o = cfg.model, cfg.optimizer
     dp_cp = lay.dp * lay.cp
     pbytes = lay.bytes_per_value
     fp8_params = bool(m.fp8) and m.fp8_param_gather and lay.use_te
-    params = weights = grads = 0
+    params = expert_params = weights = grads = 0
     fp8 = largest = 0
-    opt_per_rank = [0] * dp_cp
+    opt_per_rank = {False: [0] * dp_cp, True: [0] * lay.edp}  # dense / expert optimizer shards
     for vp_stage in range(lay.vp):
         chunk = chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp_stage)
-        bucket_size = None
-        if o.overlap_grad_reduce and vp_stage == 0 and pp_rank == 0:
-            bucket_size = max(40_000_000, 1_000_000 * dp_cp)
-        # DDP keeps one buffer per parameter dtype: FP8 parameters (uint8) apart from the rest.
-        groups = [[p for p in chunk if not (fp8_params and p.linear)], [p for p in chunk if fp8_params and p.linear]]
-        for group, elem in zip(groups, (pbytes, 1)):
-            if not group:
-                continue
-            buf = ddp_buffer(group, dp_cp, lay.distributed, bucket_size)
-            n = sum(p.numel for p in group)
-            params += n
-            weights += (buf.numel if lay.distributed else n) * elem
-            grads += buf.numel * (4 if o.grad_reduce_in_fp32 else pbytes)  # FP8 params: bf16 grads
-            for r, k in enumerate(optimizer_elements(buf, dp_cp, lay.distributed)):
-                opt_per_rank[r] += k
-            largest = max(largest, max(p.numel for p in group))
+        # DDP keeps one buffer per parameter dtype (FP8 parameters, uint8, apart) and expert-parallel kind.
+        for expert in (False, True):
+            group_dp = lay.edp if expert else dp_cp
+            bucket_size = None
+            if o.overlap_grad_reduce and vp_stage == 0 and pp_rank == 0:
+                bucket_size = max(40_000_000, 1_000_000 * dp_cp)  # one DDP setting, from the dense group
+            kind = [p for p in chunk if p.expert == expert]
+            groups = [[p for p in kind if not (fp8_params and p.linear)], [p for p in kind if fp8_params and p.linear]]
+            for group, elem in zip(groups, (pbytes, 1)):
+                if not group:
+                    continue
+                buf = ddp_buffer(group, group_dp, lay.distributed, bucket_size)
+                n = sum(p.numel for p in group)
+                params += n
+                expert_params += n if expert else 0
+                weights += (buf.numel if lay.distributed else n) * elem
+                grads += buf.numel * (4 if o.grad_reduce_in_fp32 else pbytes)  # FP8 params: bf16 grads
+                for r, k in enumerate(optimizer_elements(buf, group_dp, lay.distributed)):
+                    opt_per_rank[expert][r] += k
+                largest = max(largest, max(p.numel for p in group))
         if m.fp8 and lay.use_te:
             linear = sum(p.numel for p in chunk if p.linear)
             fp8 += linear * (1 if fp8_params else 2)  # transposed copy (+ the FP8 copy of bf16 weights)
-    opt = max(opt_per_rank) if dp_rank is None else opt_per_rank[dp_rank]
+    opt = max(opt_per_rank[False]) if dp_rank is None else opt_per_rank[False][dp_rank]
+    opt += max(opt_per_rank[True]) if edp_rank is None else opt_per_rank[True][edp_rank]
     main = opt * 4 if lay.precision in ("bf16", "fp16") else 0
-    return StaticMemory(params=params, weights=weights, gradients=grads, optimizer_moments=opt * 8,
-                        optimizer_main_params=main, fp8=fp8, largest_param=largest)
+    return StaticMemory(params=params, expert_params=expert_params, weights=weights, gradients=grads,
+                        optimizer_moments=opt * 8, optimizer_main_params=main, fp8=fp8, largest_param=largest)

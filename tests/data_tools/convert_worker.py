@@ -34,7 +34,8 @@ def megatron_logits(*jobs: str) -> None:
         for ckpt_dir, tokens_file, out_file in zip(jobs[0::3], jobs[1::3], jobs[2::3]):
             path = checkpointing.resolve_checkpoint(ckpt_dir)
             tree = checkpointing.read_saved_config(path)
-            tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False)
+            tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False,
+                                    expert=1, expert_tensor=None)
             rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
             tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
             cfg = config_from_dict(tree)

@@ -52,13 +52,36 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0",
         "use_cache": True, "use_sliding_window": False, "vocab_size": 50260,
     },
+    # Mixtral-8x7B style: 4 experts of 96, top-2, no sliding window.
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.36.0.dev0",
+        "use_cache": True, "vocab_size": 32007,
+    },
+    # Qwen3-30B-A3B style: QK-norm, head_dim 32, 4 experts of 48 (intermediate_size unused), top-2, norm_topk_prob.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 50256, "decoder_sparse_step": 1, "eos_token_id": 50256, "head_dim": 32, "hidden_act": "silu",
+        "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 40960,
+        "max_window_layers": 2, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "output_router_logits": False, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 50261,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral: within its sliding window).
-SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64}
+SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
-TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe"}
+TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:

@@ -219,8 +219,10 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
     steps = 2
     common = [f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.min_lr=0",
               "optimizer.warmup_steps=0", "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}"]
-    layouts = {"tp2": ["parallel.tensor=2", "optimizer.lr=0"], "pp2": ["parallel.pipeline=2", "optimizer.lr=0"],
-               "trained": ["parallel.tensor=2", "optimizer.lr=1e-3"]}
+    # TP2 with sequence parallelism (MoE layers need it with TP; the dense families run the same at TP2).
+    tp2 = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+    layouts = {"tp2": [*tp2, "optimizer.lr=0"], "pp2": ["parallel.pipeline=2", "optimizer.lr=0"],
+               "trained": [*tp2, "optimizer.lr=1e-3"]}
     jobs, runs = [], {}
     for family in FAMILIES:
         src, ckpt = imported[family]

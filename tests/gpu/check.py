@@ -6,7 +6,10 @@ Cases (bf16 weights, sequence 4096, micro batch 1, 4 microbatches a step, 8 step
     - 8B width (4 layers, vocabulary 128,256) through the trainer (`benchmarks/train_throughput.py`), then
       the same model through tests/gpu/mcore_loop.py (Megatron-Core called directly): our overhead;
     - 70B width (2 layers, vocabulary 32,000) through the trainer with the saved-tensor meter: activations
-      measured vs planned.
+      measured vs planned;
+  - last (the first skipped when time runs short), Mixture of Experts at Qwen3-30B-A3B width (2 layers, 128
+    experts of 768, top-8; EP on one GPU is EP1), bf16: experts one after another (local spec) and Transformer
+    Engine grouped GEMM.
 Each run is its own process. The whole check keeps to BUDGET_S (under 8 minutes with start-up); cases that
 would not fit are reported as skipped. `--dry-run` prints the cases with their planned memory and runs
 nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
@@ -34,6 +37,7 @@ SEQ, MICROBATCHES, STEPS, WARMUP = 4096, 4, 8, 3
 WIDTHS = {  # name: (layers, hidden, ffn, heads, groups, vocabulary, preset)
     "8B": (4, 4096, 14336, 32, 8, 128256, "llama3_8b"),
     "70B": (2, 8192, 28672, 64, 8, 32000, "llama3_70b"),
+    "30B-A3B MoE": (2, 2048, 6144, 32, 4, 32000, "qwen3_30b_a3b"),  # experts: the preset's 128 × 768, top-8
 }
 COMMON = ["data.mock=true", "train.precision=bf16", f"model.seq_length={SEQ}", "train.micro_batch_size=1",
           f"train.global_batch_size={MICROBATCHES}", "parallel.tensor=1", "parallel.pipeline=1",
@@ -97,6 +101,8 @@ def cases(te: bool, fp8: str | None) -> list[Case]:
         out.append(Case(f"8B width, {name}, Megatron-Core loop", "8B", spec, use_te, recipe, baseline=True))
     for name, spec, use_te, recipe in specs:
         out.append(Case(f"70B width, {name}", "70B", spec, use_te, recipe, meter=True))
+    for name, spec, use_te, recipe in specs[:2]:  # bf16: sequential experts (local), grouped GEMM (TE)
+        out.append(Case(f"30B-A3B MoE width, {name}", "30B-A3B MoE", spec, use_te, recipe))
     return out
 
 

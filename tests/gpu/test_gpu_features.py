@@ -29,13 +29,15 @@ def _te_available() -> bool:
     return True
 
 
-def _train(tmp_path: Path, name: str, extra: list[str], nproc: int = 1) -> list[float]:
+def _train(tmp_path: Path, name: str, extra: list[str], nproc: int = 1, config: str = "tiny_llama",
+           base: list[str] = BASE) -> list[float]:
     run_dir = tmp_path / name
     launcher = [sys.executable, "-m", "pretrain"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain"]
-    proc = subprocess.run([*launcher, "train", "tiny_llama", *BASE, *extra, f"run.dir={run_dir}"], cwd=REPO,
+    proc = subprocess.run([*launcher, "train", config, *base, *extra, f"run.dir={run_dir}"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run_dir / "train.log").write_text(proc.stdout + proc.stderr)
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -111,3 +113,42 @@ def test_layernorm_recompute_with_te_installed(tmp_path):
                                    "model.recompute_granularity=selective",
                                    "model.recompute_modules=[core_attn,mlp,layernorm]"])
     assert max(abs(a - b) / abs(b) for a, b in zip(rec, base)) < 1e-6, (rec, base)
+
+
+MOE = ["model.seq_length=256", "train.precision=bf16", "logging.tensorboard=false", "checkpoint.interval=null"]
+
+
+@pytest.mark.skipif(not _te_available(), reason="transformer-engine not installed")
+def test_moe_grouped_gemm_matches_sequential_experts_and_checkpoints_move_between_them(tmp_path):
+    """tiny_moe on one GPU (EP on one GPU is EP1): Transformer Engine grouped-GEMM experts (`moe_grouped_gemm`
+    resolves to true with the TE spec) against the local spec's experts run one after another, from the same
+    layout-invariant weights; then a grouped-GEMM checkpoint resumes with sequential experts (same keys)."""
+    steps = ["train.steps=2", "checkpoint.save_at_end=true"]
+    te = _train(tmp_path, "moe_te", ["model.transformer_impl=transformer_engine", *steps], config="tiny_moe",
+                base=MOE)
+    local = _train(tmp_path, "moe_local", ["model.transformer_impl=local", *steps], config="tiny_moe", base=MOE)
+    assert abs(te[0] - local[0]) / local[0] < 2e-2, (te, local)
+    record = json.loads((tmp_path / "moe_te" / "metrics.jsonl").read_text().splitlines()[0])
+    assert sum(record["moe_tokens_per_expert"][0]) == 8 * 256 * 2 and record["moe_load_balancing_loss"] > 0
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from model_providers.core.builder import build_model
+    from pretrain.config import load_config
+    from pretrain.layout import derive_layout
+    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+
+    cfg = load_config("tiny_moe", ["model.transformer_impl=transformer_engine", *MOE])
+    init_distributed()
+    try:
+        layout = derive_layout(cfg, 1, vocab_size=32000, on_gpu=True)
+        init_model_parallel(layout, cfg.train.seed)
+        chunk = build_model(cfg, layout)[0]
+        assert isinstance(chunk.decoder.layers[0].mlp.experts, TEGroupedMLP)
+    finally:
+        shutdown()
+
+    resumed = _train(tmp_path, "moe_te", ["model.transformer_impl=local", "train.steps=4"], config="tiny_moe",
+                     base=MOE)
+    assert "resumed from" in (tmp_path / "moe_te" / "train.log").read_text()
+    assert len(resumed) == 4 and all(x == x for x in resumed), resumed

@@ -16,7 +16,7 @@ SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 
 def test_launch_scripts_exist():
     names = {p.name for p in SCRIPTS}
-    assert {"common.sh", "pretrain_70b.sh", "pretrain_8b.sh", "pretrain_tiny.sh"} <= names
+    assert {"common.sh", "pretrain_70b.sh", "pretrain_8b.sh", "pretrain_tiny.sh", "pretrain_moe.sh"} <= names
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
@@ -26,7 +26,7 @@ def test_shellcheck_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("script", ["pretrain_tiny.sh", "pretrain_8b.sh", "pretrain_70b.sh"])
+@pytest.mark.parametrize("script", ["pretrain_tiny.sh", "pretrain_8b.sh", "pretrain_70b.sh", "pretrain_moe.sh"])
 def test_outside_slurm_fails_with_a_clear_message(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run(["bash", str(REPO / "launch" / script)], cwd=tmp_path, env=env,
@@ -67,3 +67,32 @@ def test_finish_reads_a_running_status_as_killed(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(ranks ended after SIGUSR1 without saving (srun exit 137))" in done.stdout, done.stdout
     assert not (tmp_path / "b" / "run" / ".launch_failures").exists()
+
+
+def script_overrides(script: str, tmp_path: Path, **env: str) -> tuple[str, list[str]]:
+    """(CONFIG, overrides) that `launch/SCRIPT` passes to the trainer: the real script and common.sh, with
+    `launch_pretrain` replaced by a stub that prints its arguments."""
+    stub = tmp_path / "checkout" / "launch"
+    stub.mkdir(parents=True)
+    (stub / "common.sh").write_text(f'source {REPO / "launch" / "common.sh"}\n'
+                                    'launch_pretrain() { printf "%s\\n" "CONFIG=$CONFIG" "$@"; }\n')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(["bash", str(REPO / "launch" / script)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**clean, "PROJECT_DIR": str(tmp_path / "checkout"), **env}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    return lines[0].removeprefix("CONFIG="), lines[1:]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_moe_script_layout_is_accepted_by_the_validator_and_the_planner(tmp_path, precision):
+    """Qwen3-30B-A3B on 2 nodes x 8 GPUs: the layout launch/pretrain_moe.sh passes validates at world 16."""
+    from pretrain.config import load_config
+    from pretrain.validate import validate
+
+    config, overrides = script_overrides("pretrain_moe.sh", tmp_path, PRECISION=precision)
+    assert config == "pretrain/configs/qwen3_30b_a3b.yaml" and "parallel.expert=8" in overrides
+    cfg = load_config(REPO / config, [*overrides, "data.blend=[/data/web_text_document]"])
+    assert cfg.model.preset == "qwen3_30b_a3b" and cfg.model.num_moe_experts == 128
+    report = validate(cfg, 16, te_on_gpu=True, cuda_available=True)
+    assert report.ok, report.text()

@@ -271,3 +271,28 @@ def test_hard_failure_requeues_a_bounded_number_of_times(slurm_cluster, tmp_path
     assert info["Restarts"] == "1", text
     assert text.count("requeueing job") == 1 and "giving up" in text, text
     assert exit_status(run_dir)["reason"] == "failed", text
+
+
+MOE_CONFIG = "pretrain/configs/tiny_moe.yaml"
+MOE_OVERRIDES = "data.mock=true train.steps=4 checkpoint.interval=null logging.tensorboard=false"
+
+
+def test_moe_expert_parallel_across_two_nodes(slurm_cluster, tmp_path):
+    """tiny_moe (8 experts, top-2) with EP4 on 2 nodes x 2 ranks: each layer's experts live 2 per rank on both
+    emulated nodes, so every token all-to-all crosses them; the losses equal a one-process run's."""
+    reference = tmp_path / "one_rank"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([PYTHON, "-m", "pretrain", "train", MOE_CONFIG, *MOE_OVERRIDES.split(),
+                           f"run.dir={reference}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    job_id, log, done = sbatch(tmp_path, "--nodes=2", "--ntasks-per-node=2", wait=True, CONFIG=MOE_CONFIG,
+                               OVERRIDES=f"{MOE_OVERRIDES} parallel.expert=4", RUN_DIR=str(run_dir))
+    text = read(log)
+    assert done.returncode == 0 and job_info(job_id)["JobState"] == "COMPLETED", text
+    assert "[n[1-2]]" in text and "experts ETP1 × EP4 × EDP1" in text, text  # two nodes, experts across both
+    got, want = metrics(run_dir), metrics(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]), (g, w)
+    assert got[0]["moe_tokens_per_expert"] == want[0]["moe_tokens_per_expert"]

@@ -125,14 +125,34 @@ RELEASED = {
         "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 151936},
+    "mixtral_8x7b": {
+        "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 32000},
+    "qwen3_30b_a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936},
 }
 # Parameter counts as published (model cards / the Hub), in billions, with the digits given there.
 PUBLISHED = {"llama32_1b": "1.24", "llama32_3b": "3.21", "mistral_7b": "7.24", "mistral_7b_v03": "7.25",
              "qwen25_0p5b": "0.49", "qwen25_7b": "7.62", "qwen25_72b": "72.7", "qwen3_0p6b": "0.6",
-             "qwen3_8b": "8.19", "qwen3_32b": "32.8"}
+             "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5"}
 _ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "layernorm_epsilon", "rotary_base", "rope_scaling", "share_embeddings_and_output_weights", "vocab_size",
                 "max_position_embeddings", "sliding_window", "add_qkv_bias", "qk_layernorm", "family")
+_MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+               "moe_aux_loss_coeff")
 
 
 def _head_dim(fields) -> int:
@@ -151,7 +171,8 @@ def test_preset_is_the_released_config(tmp_path, preset):
     family = family_for_hf(released)
     fields = family.from_hf_config(released)
     assert family.name == m.family and _head_dim(fields) == _head_dim(m)
-    assert {k: fields[k] for k in _ARCH_FIELDS} == {k: getattr(m, k) for k in _ARCH_FIELDS}
+    keys = _ARCH_FIELDS + (_MOE_FIELDS if m.num_moe_experts else ())
+    assert {k: fields[k] for k in keys} == {k: getattr(m, k) for k in keys}
     if m.rope_scaling:
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             suffix = "" if key == "factor" else "_" + key

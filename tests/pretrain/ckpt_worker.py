@@ -2,7 +2,8 @@
 
 PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     name         label in the results file
-    overrides    dotted config overrides (tiny_llama base)
+    config       config file or shipped name (default tiny_llama)
+    overrides    dotted config overrides
     copy_from    [run_dir, step or [steps]]: start from that run's checkpoint(s) (copied, the tracker naming the
                  last, metrics.jsonl up to it)
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
@@ -175,7 +176,7 @@ def run_case(case: dict, results: dict) -> None:
 
     name = case["name"]
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cfg = load_config("tiny_llama", case.get("overrides", []))
+    cfg = load_config(case.get("config", "tiny_llama"), case.get("overrides", []))
     if case.get("copy_from") and rank == 0:
         _copy_checkpoint(case["copy_from"][0], case["copy_from"][1], cfg.run.dir)
     if case.get("mutate") and rank == 0:

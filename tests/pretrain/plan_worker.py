@@ -55,6 +55,13 @@ LAYOUTS: list[tuple[str, int, str, list[str]]] = [
              "optimizer.distributed=true"]),
     ("100M bf16 TP2 DP2 distopt", 4, "tiny_llama",
      M100 + ["parallel.tensor=2", "train.precision=bf16", "optimizer.distributed=true"]),
+    # MoE: expert weights in their own DDP buffers, sharded over expert data parallel.
+    ("tiny_moe fp32 EP2 DP2 distopt", 2, "tiny_moe", TINY + ["parallel.expert=2", "optimizer.distributed=true"]),
+    ("tiny_moe bf16 EP2 DP4 (EDP2) distopt", 4, "tiny_moe",
+     TINY + ["parallel.expert=2", "train.precision=bf16", "optimizer.distributed=true"]),
+    ("tiny_moe bf16 TP2 SP PP2 EP2 ETP1", 4, "tiny_moe",
+     TINY + ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2", "parallel.expert=2",
+             "parallel.expert_tensor=1", "train.precision=bf16"]),
 ]  # fmt: skip
 
 
@@ -66,6 +73,9 @@ LLAMA_MHA = ["model.vocab_size=4096", "model.num_layers=8", "model.hidden_size=1
 GPT = ["model.vocab_size=4096", "model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=1024",
        "model.num_attention_heads=8", "model.seq_length=256"]
 BF16 = ["train.precision=bf16"]
+# MoE (8 experts, top-2, aux and z-loss): at EP1 a rank's experts see exactly T·k token copies (dropless).
+MOE = ["model.vocab_size=4096", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.seq_length=256",
+       "model.moe_z_loss_coeff=1.0e-3"]
 SELECTIVE = ["model.recompute_granularity=selective"]
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 BLOCK = ["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1"]
@@ -102,6 +112,7 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
     ("llama bf16 TP2 SP PP2 VP2 M4 full block", 4, "tiny_llama", LLAMA + BF16 + BLOCK + [
         "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
         "parallel.virtual_pipeline=2", "train.micro_batch_size=1", "train.global_batch_size=4"]),
+    ("moe bf16 DP2 EP1", 2, "tiny_moe", MOE + BF16 + ["train.micro_batch_size=1", "train.global_batch_size=2"]),
 ]  # fmt: skip
 
 RUN = ["data.mock=true", "train.steps=1", "optimizer.warmup_steps=0", "checkpoint.save_at_end=false",
@@ -161,7 +172,8 @@ def measure(chunks, model, optimizer) -> dict[str, int]:
     for chunk in chunks:
         for p in chunk.parameters():
             storages[storage_key(p)] = p.untyped_storage().nbytes()
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in model for b in c.buffers)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in model
+                for b in [*c.buffers, *c.expert_parallel_buffers])
     moments = main = 0
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
@@ -203,7 +215,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     padded = layout.padded_vocab
     pp_rank = ps.get_pipeline_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-    st = plan.static_memory(cfg, lay, padded, pp_rank, dp_rank=dp_rank)
+    st = plan.static_memory(cfg, lay, padded, pp_rank, dp_rank=dp_rank, edp_rank=ps.get_expert_data_parallel_rank())
     predicted = {"weights": st.weights, "gradients": st.gradients, "optimizer": st.optimizer}
     names_ok = all(
         [(n, p.numel()) for n, p in chunk.named_parameters()]

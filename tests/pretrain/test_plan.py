@@ -224,7 +224,7 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.slow
 def test_predicted_bytes_equal_what_ranks_hold(ranks):
     records = ranks["static"]
-    assert len({r["layout"] for r in records}) == 11
+    assert len({r["layout"] for r in records}) == 14
     lines = [f"{'layout':<38}{'rank':>5} {'kind':<10}{'predicted':>14}{'actual':>14}{'diff':>8}"]
     for r in records:
         assert r["names_match"], f"{r['layout']} rank {r['rank']}: parameter list differs from the model's"
@@ -242,7 +242,7 @@ def test_predicted_activations_match_saved_tensors(ranks):
     layer of the first microbatch, and the stage's peak over a whole step (in-flight microbatches of 1F1B and
     the interleaved schedule, recompute working sets), within 5% for every rank and layout."""
     records = ranks["activations"]
-    assert len({r["case"] for r in records}) == 13
+    assert len({r["case"] for r in records}) == 14
     lines = ["| layout | stage | layer: predicted | measured | stage peak: predicted | measured | diff |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["case"], r["pp_rank"], r["rank"])):

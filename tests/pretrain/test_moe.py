@@ -1,0 +1,197 @@
+"""Mixture of Experts through the trainer (tiny_moe: 8 experts, top-2, fp32, CPU, dropless, z-loss on).
+
+Expert parallelism and every layout it combines with train to the single-rank losses per step (≤ 1e-5
+relative), with the same auxiliary losses and, at step 1, the same tokens per expert; checkpoints saved at EP2
+resume at EP1 (and the reverse, and at TP2×EP2) with the same next losses; `kill -9` + resume reproduces every
+logged number exactly; the model trained at TP2×PP2×VP2×EP2 exports to transformers with Megatron's logits.
+
+One launch per world size (start-up dominates on CPU): world 2 runs the EP layouts, the resharding sources and
+targets; world 4 the pipelined ones; world 1 the reference and the EP2 → one-rank load.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from tests.pretrain.ckpt_helpers import (
+    DETERMINISTIC,
+    command,
+    deterministic,
+    finish,
+    kill_group,
+    log_text,
+    metrics,
+    run,
+    start,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+TOLERANCE = 1e-5
+BASE = ["data.mock=true", f"train.steps={STEPS}", "model.moe_z_loss_coeff=1.0e-3", "checkpoint.save_at_end=false",
+        "checkpoint.interval=null", "logging.tensorboard=false", "optimizer.warmup_steps=1"]
+EP2 = ["parallel.expert=2"]
+TP2_EP2 = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "parallel.expert_tensor=1"]
+DIST = ["optimizer.distributed=true"]
+SOURCE = ["checkpoint.interval=2"]
+CAPACITY = ["model.moe_expert_capacity_factor=1.0"]  # drops the tokens over each expert's capacity
+
+# name: (world, overrides, copy_from source or None). EP folds into TP/DP: EP2 needs only 2 ranks.
+LAYOUTS = {
+    "ep2": (2, EP2 + SOURCE, None),  # first: it is also the kill -9 test's reference
+    "tp2_sp_ep2": (2, TP2_EP2, None),
+    "tp2_sp_etp1_ep1": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"], None),
+    "dp2_distopt_ep2": (2, DIST + EP2 + SOURCE, None),
+    "dp2_distopt_ep1": (2, DIST + SOURCE, None),
+    "pp2_ep2": (4, ["parallel.pipeline=2"] + EP2, None),
+    "tp2_pp2_vp2_ep2": (4, TP2_EP2 + ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                      "checkpoint.save_at_end=true"], None),
+    "tp2_sp_etp2_ep2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"], None),
+    "capacity_ep2": (2, CAPACITY + EP2, None),  # compared with the one-rank run at the same capacity
+}
+RESHARD = {
+    "ep2_to_ep1": (2, [], "ep2"),
+    "distopt_ep2_to_ep1": (2, DIST, "dp2_distopt_ep2"),
+    "distopt_ep1_to_ep2": (2, DIST + EP2, "dp2_distopt_ep1"),
+    "distopt_ep2_to_tp2_ep2": (2, DIST + TP2_EP2, "dp2_distopt_ep2"),
+    "ep2_to_one_rank": (1, [], "ep2"),
+}
+
+
+def _case(root, name: str, overrides: list[str], source: str | None) -> dict:
+    case = {"name": name, "config": "tiny_moe", "overrides": BASE + overrides + [f"run.dir={root}/{name}"]}
+    if source is not None:
+        case["copy_from"] = [f"{root}/{source}", 2]
+    return case
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    started = time.perf_counter()
+    reference = {"name": "ref", "config": "tiny_moe",
+                 "overrides": BASE + [f"run.dir={root}/ref", "logging.tensorboard=true"]}
+    capacity = {"name": "ref_capacity", "config": "tiny_moe",
+                "overrides": BASE + CAPACITY + [f"run.dir={root}/ref_capacity"]}
+    plans = {2: [], 4: [], 1: [reference, capacity]}
+    for table in (LAYOUTS, RESHARD):
+        for name, (world, overrides, source) in table.items():
+            plans[world].append(_case(root, name, overrides, source))
+    for world in (2, 4, 1):  # world 1 loads a checkpoint written at world 2
+        plan = root / f"plan{world}.json"
+        plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": plans[world]}))
+        log = root / f"world{world}.log"
+        rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=900)
+        assert rc == 0, log_text(log)[-4000:]
+        results = json.loads((root / f"results{world}.json").read_text())
+        failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
+        assert not failed, failed
+    print(f"MoE layout runs: {time.perf_counter() - started:.0f} s")
+    return root
+
+
+def _by_step(run_dir) -> dict[int, dict]:
+    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_rank(moe_runs, name):
+    ref = _by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
+    got = _by_step(moe_runs / name)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    rel = [_rel(got[s]["loss"], ref[s]["loss"]) for s in ref]
+    aux = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
+    print(f"{name}: losses {[got[s]['loss'] for s in got]}; max relative loss diff {max(rel):.2e}, "
+          f"max relative aux/z-loss diff {max(aux):.2e}")
+    assert max(rel) <= TOLERANCE and max(aux) <= TOLERANCE, (rel, aux)
+    assert rel[0] <= 1e-6  # before any update: the same function of the same (layout-invariant) weights
+    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]  # the same routing
+    assert got[STEPS]["loss"] != got[1]["loss"]
+    dropped = 8 * 128 * 2 - min(sum(row) for row in got[1]["moe_tokens_per_expert"])
+    assert (dropped > 0) == name.startswith("capacity"), dropped  # dropless unless a capacity factor is set
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
+    source = RESHARD[name][2]
+    ref, got = _by_step(moe_runs / source), _by_step(moe_runs / name)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in (3, 4):
+        assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and got[s]["lr"] == ref[s]["lr"]
+        rel = _rel(got[s]["loss"], ref[s]["loss"])
+        print(f"{name} step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({source}), relative diff {rel:.2e}")
+        assert rel <= 2e-6, (s, got[s], ref[s])
+
+
+def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = _by_step(moe_runs / "ref")
+    layers, experts, topk, tokens = 4, 8, 2, 8 * 128  # global batch × sequence
+    for record in lines.values():
+        counts = record["moe_tokens_per_expert"]
+        assert len(counts) == layers and all(len(row) == experts for row in counts)
+        assert all(sum(row) == tokens * topk for row in counts)  # dropless: every token reaches its k experts
+        per_layer = [max(row) / (sum(row) / experts) for row in counts]
+        assert record["moe_max_over_mean_load"] == pytest.approx(max(per_layer))
+        assert record["moe_max_over_mean_load_per_layer"] == pytest.approx(per_layer, abs=1e-6)
+        # Switch-style balance loss is 1 for uniform routing, > 0 always; the z-loss is logsumexp² > 0.
+        assert 0.5 < record["moe_load_balancing_loss"] < 4 and record["moe_z_loss"] > 0
+    events = EventAccumulator(str(moe_runs / "ref" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("moe_load_balancing_loss", "moe_z_loss", "moe_max_over_mean_load"):
+        values = [e.value for e in events.Scalars(f"train/{key}")]
+        assert values == pytest.approx([lines[s][key] for s in sorted(lines)]), (key, tags)
+
+
+def test_kill9_and_resume_reproduce_every_number_at_ep2(moe_runs, tmp_path):
+    rng = random.Random()
+    kill_at = rng.randrange(1, STEPS)
+    work = tmp_path / "run"
+    cmd = command([], nproc=2, args=["train", "tiny_moe", *BASE, *EP2, "checkpoint.interval=1", f"run.dir={work}"])
+    proc = start(cmd, work / "log")
+    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
+        kill_group(proc)
+    finish(proc, timeout=60)
+    rc = run(cmd, work / "log", timeout=300)
+    assert rc == 0, log_text(work / "log")[-3000:]
+    assert "resumed from" in log_text(work / "log")
+    keys = DETERMINISTIC + ("moe_load_balancing_loss", "moe_z_loss", "moe_tokens_per_expert")
+    got = [tuple(m[k] for k in keys) for m in metrics(work) if "loss" in m]
+    want = [tuple(m[k] for k in keys) for m in metrics(moe_runs / "ep2") if "loss" in m]
+    print(f"killed after step {kill_at}; {len(got)} steps compared exactly")
+    assert [g[0] for g in got] == list(range(1, STEPS + 1)) and got == want
+    assert deterministic(work) == deterministic(moe_runs / "ep2")
+
+
+def test_trained_at_ep2_tp2_pp2_exports_to_transformers_with_megatron_logits(moe_runs, tmp_path):
+    from tests.data_tools.test_convert import PY, hf_logits, megatron_logits
+    from tests.data_tools.test_convert import run as run_checked
+
+    run_dir = moe_runs / "tp2_pp2_vp2_ep2"
+    out = tmp_path / "hf"
+    run_checked([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
+                 "--no-progress"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
+    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    ref = megatron_logits(run_dir, tokens, tmp_path)
+    got = hf_logits(out, tokens)
+    diff = (got - ref).abs().max().item()
+    print(f"trained at TP2×PP2×VP2×EP2 (4 ranks, experts folded into TP): transformers vs Megatron logits max abs "
+          f"diff {diff:.3g}")
+    assert got.shape == ref.shape and diff <= 1e-4

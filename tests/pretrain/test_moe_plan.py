@@ -1,0 +1,95 @@
+"""The planner on MoE models: total and active parameters from first principles (and transformers), FLOPs per
+token from the active parameters, per-rank memory with expert parallelism (experts split over EP, their
+optimizer state over expert DP), the token all-to-all in the cost model, and the shipped Qwen3-30B-A3B layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain import plan
+from pretrain.config import load_config
+from pretrain.flops import flops_per_token
+
+
+def first_principles(preset: str) -> tuple[int, int, int]:
+    """(total, active, active GEMM) parameters of a Llama-like MoE preset, counted by hand."""
+    m = load_config(None, [f"model.preset={preset}"]).model
+    h, a, g, L, V = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.num_layers, m.vocab_size
+    d = m.kv_channels or h // a
+    fe = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    attention = h * a * d + 2 * h * g * d + a * d * h  # q, k, v, o
+    expert = 3 * h * fe  # gate, up, down
+    norms = 2 * h + (2 * d if m.qk_layernorm else 0)
+    router = m.num_moe_experts * h
+    embeddings = 2 * V * h  # untied
+    total = embeddings + h + L * (attention + norms + router + m.num_moe_experts * expert)
+    active = embeddings + h + L * (attention + norms + router + m.moe_router_topk * expert)
+    gemm = V * h + L * (attention + router + m.moe_router_topk * expert)  # the embedding lookup is not a GEMM
+    return total, active, gemm
+
+
+@pytest.mark.parametrize("preset,total_b,active_b", [("mixtral_8x7b", "46.7", "12.9"), ("qwen3_30b_a3b", "30.5", "3.3"),
+                                                     ("qwen3_235b_a22b", "235", "22")])
+def test_total_and_active_parameters(preset, total_b, active_b):
+    cfg = load_config(None, [f"model.preset={preset}"])
+    total, active, _ = first_principles(preset)
+    vocab = cfg.model.vocab_size
+    assert plan.count_parameters(cfg, vocab) == total
+    assert plan.count_active_parameters(cfg, vocab) == active
+    digits = len(total_b.split(".")[1]) if "." in total_b else 0
+    print(f"{preset}: {total:,} parameters ({total / 1e9:.{digits}f}B), {active:,} active ({active / 1e9:.2f}B)")
+    assert f"{total / 1e9:.{digits}f}" == total_b
+    digits = len(active_b.split(".")[1]) if "." in active_b else 0
+    assert f"{active / 1e9:.{digits}f}" == active_b
+
+
+@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b"])
+def test_flops_per_token_come_from_the_active_parameters(preset):
+    """6 FLOPs per active GEMM parameter and token (forward + backward), plus causal attention's scores."""
+    m = load_config(None, [f"model.preset={preset}"]).model
+    _, _, gemm = first_principles(preset)
+    d = m.kv_channels or m.hidden_size // m.num_attention_heads
+    expected = 6 * gemm + 6 * m.num_layers * m.seq_length * m.num_attention_heads * d
+    assert flops_per_token(m, m.vocab_size) == pytest.approx(expected, rel=1e-12)
+
+
+def _static(overrides: list[str], world: int):
+    cfg = load_config(None, ["model.preset=qwen3_30b_a3b", "train.precision=bf16", "optimizer.distributed=true",
+                             "train.global_batch_size=256", *overrides])
+    lay = plan.layout_of(cfg, world, on_gpu=True, use_te=True)
+    return cfg, lay, plan.static_memory(cfg, lay, plan.padded_vocab_for(cfg), 0)
+
+
+def test_expert_parallel_splits_experts_and_expert_data_parallel_their_optimizer():
+    per_expert_layer = 3 * 2048 * 768
+    # 16 GPUs, PP2: EP8 (EDP1) holds 16 experts of each of its 24 layers; EP4 (EDP2) 32, optimizer sharded in two.
+    _, lay8, ep8 = _static(["parallel.pipeline=2", "parallel.expert=8", "parallel.expert_tensor=1"], 16)
+    _, lay4, ep4 = _static(["parallel.pipeline=2", "parallel.expert=4", "parallel.expert_tensor=1"], 16)
+    assert (lay8.edp, lay4.edp) == (1, 2)
+    assert ep8.expert_params == 24 * 16 * per_expert_layer and ep4.expert_params == 2 * ep8.expert_params
+    dense = ep8.params - ep8.expert_params
+    assert ep4.params - ep4.expert_params == dense
+    # Adam moments + fp32 main parameters (12 bytes) of the rank's shard: dense over DP8, experts over EDP.
+    assert ep8.optimizer == pytest.approx(12 * (dense / 8 + ep8.expert_params), rel=1e-3)
+    assert ep4.optimizer == pytest.approx(12 * (dense / 8 + ep4.expert_params / 2), rel=1e-3)
+    # Expert TP 2 at EP4 (EDP1) halves each expert instead.
+    _, _, etp2 = _static(["parallel.pipeline=2", "parallel.expert=4", "parallel.expert_tensor=2",
+                          "parallel.tensor=2", "parallel.sequence_parallel=true"], 16)
+    assert etp2.expert_params == ep8.expert_params
+
+
+def test_all_to_all_volume_and_the_shipped_layout():
+    """launch/pretrain_moe.sh's layout (2 nodes x 8 H100: PP2 × EP8, expert TP 1) fits and plans its all-to-all:
+    per layer and microbatch 4 all-to-alls of (EP−1)/EP of the rank's T·k token copies of h values."""
+    cfg = load_config("qwen3_30b_a3b", ["parallel.pipeline=2", "parallel.expert=8", "parallel.expert_tensor=1",
+                                        "train.global_batch_size=256", "train.micro_batch_size=1"])
+    p = plan.make_plan(cfg, nodes=2, gpus_per_node=8, gpu="h100")
+    assert p["fits"] and p["moe"]["experts_per_rank"] == 16 and p["moe"]["expert_data_parallel"] == 1
+    tokens, k, h, layers, microbatches = 4096, 8, 2048, 24, 32
+    per_layer = 4 * tokens * k * h * 2 * 7 / 8
+    assert p["moe"]["all_to_all_bytes_per_step"] == int(microbatches * layers * per_layer)
+    assert p["cost_model"]["ep_comm_s"] == pytest.approx(p["moe"]["all_to_all_bytes_per_step"] / 450e9)
+    assert p["num_parameters"] == first_principles("qwen3_30b_a3b")[0]
+    text = plan.format_plan(p)
+    assert "experts    128 per layer, top-8; ETP1 × EP8 × EDP1: 16 experts per rank" in text
+    assert "active per token" in text and " + EP " in text
