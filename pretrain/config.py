@@ -105,6 +105,8 @@ class DataConfig:
     merge_file: str | None = None
     num_workers: int = 0
     cache_dir: str | None = None  # None: run.dir/data_cache
+    # True: train on datasets whose PREFIX.meta.json names another tokenizer than the run's (checked otherwise).
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass

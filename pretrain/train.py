@@ -266,7 +266,7 @@ def train(cfg: Config) -> dict:
 
     from model_providers.core.builder import build_model
     from pretrain import checkpointing
-    from pretrain.data import build_datasets, build_tokenizer, microbatches
+    from pretrain.data import DataError, build_datasets, build_tokenizer, microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
@@ -288,9 +288,8 @@ def train(cfg: Config) -> dict:
     init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, dp_size)
     num_microbatches = get_num_microbatches()
     run_dir = Path(cfg.run.dir)
-    if rt.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
+        log0(f"[pretrain] {line}")
     log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {num_microbatches} microbatches "
          f"of {t.micro_batch_size}; precision {layout.precision}")
 
@@ -321,6 +320,11 @@ def train(cfg: Config) -> dict:
         # Distributed optimizer: main params are copies of the model params made at construction.
         optimizer.reload_model_params()
         log0(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
+    # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
+    # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
+    if rt.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     # 4. Data.
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
@@ -366,9 +370,19 @@ def train(cfg: Config) -> dict:
         return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
-                               micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                               device=rt.device)
+        bad = None
+        try:
+            batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
+                                   micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                   device=rt.device, vocab_size=layout.vocab_size if problems.ids_unchecked else None)
+        except DataError as exc:
+            bad = str(exc)
+        if problems.ids_unchecked:  # every rank stops together when one read a bad id
+            flag = torch.tensor([1.0 if bad else 0.0], device=rt.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                raise TrainingStopped(f"{bad or 'another rank read a token id outside the vocabulary'}. "
+                                      "The last checkpoint is intact.")
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=num_microbatches, seq_length=seq,
