@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pretrain.data_check import parse_blend, tokenizer_args, uses_mock
 
@@ -98,3 +99,21 @@ def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_bat
                                                                            "loss_mask", "position_ids")}
         out.append(batch)
     return out
+
+
+def checked_microbatches(dataset, start_sample: int, *, vocab_size: int | None, device: torch.device,
+                         **kwargs) -> list[dict[str, torch.Tensor]]:
+    """`microbatches` with every token id checked against `vocab_size` (None: no check). All ranks agree:
+    when one reads a bad id, every rank raises `DataError` (no rank is left waiting in a collective)."""
+    if vocab_size is None:
+        return microbatches(dataset, start_sample, device=device, **kwargs)
+    bad, batches = None, []
+    try:
+        batches = microbatches(dataset, start_sample, device=device, vocab_size=vocab_size, **kwargs)
+    except DataError as exc:
+        bad = str(exc)
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        raise DataError(bad or "another rank read a token id outside the model's vocabulary")
+    return batches

@@ -266,7 +266,7 @@ def train(cfg: Config) -> dict:
 
     from model_providers.core.builder import build_model
     from pretrain import checkpointing
-    from pretrain.data import DataError, build_datasets, build_tokenizer, microbatches
+    from pretrain.data import DataError, build_datasets, build_tokenizer, checked_microbatches
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.runtime import env_world_size, init_distributed, init_model_parallel
@@ -370,19 +370,13 @@ def train(cfg: Config) -> dict:
         return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        bad = None
-        try:
-            batches = microbatches(dataset, start_sample, num_microbatches=num_microbatches,
-                                   micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                   device=rt.device, vocab_size=layout.vocab_size if problems.ids_unchecked else None)
+        try:  # every batch is checked when some dataset's ids could not be checked up front
+            batches = checked_microbatches(
+                dataset, start_sample, num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size,
+                dp_rank=dp_rank, dp_size=dp_size, device=rt.device,
+                vocab_size=layout.vocab_size if problems.ids_unchecked else None)
         except DataError as exc:
-            bad = str(exc)
-        if problems.ids_unchecked:  # every rank stops together when one read a bad id
-            flag = torch.tensor([1.0 if bad else 0.0], device=rt.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0:
-                raise TrainingStopped(f"{bad or 'another rank read a token id outside the vocabulary'}. "
-                                      "The last checkpoint is intact.")
+            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=num_microbatches, seq_length=seq,
