@@ -124,11 +124,11 @@ def test_shipped_production_layouts_are_valid_on_their_clusters():
 def test_every_family_preset_is_valid_and_context_is_a_note():
     from model_providers import all_presets
 
-    gpu = {"te_on_gpu": True, "cuda_available": True}
+    gpu = {"te_on_gpu": True, "cuda_available": True, "files": False}  # model rules; /d is not a dataset
     for name in all_presets():
         assert problems(["data.blend=[/d]", f"model.preset={name}"], 1, **gpu) == [], name
     report = validate(load_config("tiny_llama", ["model.preset=qwen3_8b", "model.seq_length=65536", "data.blend=[/d]"]),
-                      1, te_on_gpu=True, cuda_available=True)
+                      1, te_on_gpu=True, cuda_available=True, files=False)
     assert report.ok and any("model.seq_length=65536 is beyond the model's context length "
                              "model.max_position_embeddings=40960" in n for n in report.notes)
 
