@@ -203,6 +203,30 @@ def check_consistency(prefix: str | os.PathLike, info: IndexInfo | None = None) 
     return info
 
 
+def find_token_outside(prefix: str | os.PathLike, vocab_size: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """``(position, id)`` of the first token of ``PREFIX.bin`` outside ``[0, vocab_size)``, or None.
+
+    Reads the memory-mapped file in chunks of ``chunk`` tokens (bounded memory on any size).
+    """
+    tokens = read_tokens(prefix)
+    for start in range(0, tokens.size, chunk):
+        part = np.asarray(tokens[start : start + chunk]).astype(np.int64)
+        bad = np.flatnonzero((part >= vocab_size) | (part < 0))
+        if bad.size:
+            return start + int(bad[0]), int(part[bad[0]])
+    return None
+
+
+def max_token_id(prefix: str | os.PathLike, chunk: int = 1 << 24) -> int | None:
+    """The largest token id in ``PREFIX.bin`` (chunked scan), None for an empty dataset."""
+    tokens = read_tokens(prefix)
+    top = None
+    for start in range(0, tokens.size, chunk):
+        m = int(np.asarray(tokens[start : start + chunk]).max())
+        top = m if top is None else max(top, m)
+    return top
+
+
 def read_tokens(prefix: str | os.PathLike) -> np.ndarray:
     """Memory-map the whole ``.bin`` of ``prefix`` with its index dtype."""
     info = read_index(prefix)

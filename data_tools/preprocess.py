@@ -25,6 +25,7 @@ import numpy as np
 
 from data_tools.indexed import IndexedWriter, optimal_dtype
 from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
+from data_tools.metadata import commit_meta, dataset_record, meta_path, tokenizer_identity, write_meta_tmp
 from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
 
 STATE_SUFFIX = ".preprocess-state.json"
@@ -69,7 +70,7 @@ class Summary:
             lines.append("skipped:   none")
         if self.encoder_resets:
             lines.append(f"memory:    encoder caches dropped {self.encoder_resets} times to bound RSS")
-        lines += [f"output:    {p}.bin/.idx" for p in self.outputs.values()]
+        lines += [f"output:    {p}.bin/.idx (+ .meta.json: tokenizer, options, counts)" for p in self.outputs.values()]
         return "\n".join(lines)
 
 
@@ -264,6 +265,7 @@ def preprocess(
         if append_eod and enc.eod is None:
             raise PreprocessError(f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token")
         dtype = optimal_dtype(enc.vocab_size)
+        max_ids: dict[str, int | None] = dict.fromkeys(keys, -1)  # None: unknown (resumed from an older state)
         summary = Summary(outputs=prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
         if state is not None:
             summary.documents, summary.tokens, summary.input_bytes = (
@@ -272,6 +274,7 @@ def preprocess(
                 state["bytes"],
             )
             skipped.update(state["skipped"])
+            max_ids.update(state.get("max_ids") or dict.fromkeys(keys))
             summary.resumed = True
             print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
         for k, p in prefixes.items():
@@ -348,6 +351,8 @@ def preprocess(
                             print(f"\rskipped {where}: empty document{what}", file=log)
                     if not keep_empty:
                         skipped["empty document"] += int(empty.sum())
+                if out_t.size and max_ids[k] is not None:
+                    max_ids[k] = max(max_ids[k], int(out_t.max()))
                 try:
                     writers[k].add_batch(out_t, lengths, per_doc)
                 except OSError as e:
@@ -368,6 +373,7 @@ def preprocess(
                         "tokens": summary.tokens,
                         "bytes": summary.input_bytes,
                         "skipped": dict(skipped),
+                        "max_ids": max_ids,
                     },
                 )
             except OSError as e:
@@ -385,14 +391,23 @@ def preprocess(
             )
         # Every key's index is written before any dataset is renamed into place: a failure (disk
         # full) leaves no key's dataset behind.
+        identity = tokenizer_identity(spec, enc.vocab_size, enc.eod)
+        sources = [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in files]
         for k, w in writers.items():
             try:
                 w.prepare()
+                write_meta_tmp(prefixes[k], dataset_record(
+                    tool="data_tools preprocess", tokenizer=identity, append_eod=append_eod,
+                    dtype=np.dtype(dtype).name, documents=w.num_documents, sequences=w.num_sequences,
+                    tokens=w.num_tokens, max_token_id=max_ids[k] if max_ids[k] != -1 else None, inputs=sources,
+                    json_key=k, keep_empty=keep_empty))
             except OSError as e:
                 raise PreprocessError(f"finalizing {e.filename or prefixes[k]} failed: {e.strerror}") from e
         for k, w in writers.items():
             try:
+                meta_path(prefixes[k]).unlink(missing_ok=True)  # never an old description beside new data
                 w.commit()
+                commit_meta(prefixes[k])
             except OSError as e:
                 raise PreprocessError(f"renaming {prefixes[k]} into place failed: {e.strerror}") from e
         state_path.unlink(missing_ok=True)
@@ -407,8 +422,9 @@ def preprocess(
             # Keep temporaries + state only when a resume is possible (interrupted, not rejected input).
             exc = sys.exc_info()[1]
             if not isinstance(exc, KeyboardInterrupt):
-                for w in writers.values():
+                for k, w in writers.items():
                     w.discard()
+                    Path(f"{meta_path(prefixes[k])}.tmp").unlink(missing_ok=True)
                 state_path.unlink(missing_ok=True)
                 state_path.with_name(state_path.name + ".tmp").unlink(missing_ok=True)
     summary.skipped = dict(skipped)

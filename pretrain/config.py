@@ -132,6 +132,8 @@ class DataConfig:
     eod_mask_loss: bool = False  # no loss on predicting across a document boundary
     reset_position_ids: bool = False  # positions restart at 0 after each end-of-document token
     reset_attention_mask: bool = False  # tokens attend only within their own document
+    # True: train on datasets whose PREFIX.meta.json names another tokenizer than the run's (checked otherwise).
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass

@@ -12,34 +12,25 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+from pretrain.data_check import parse_blend, tokenizer_args, uses_mock
 
-_SENTENCEPIECE_TYPES = {"sentencepiece", "GPTSentencePieceTokenizer", "SentencePieceTokenizer"}
-_GPT2_TYPES = {"GPT2BPETokenizer", "huggingface", "HuggingFaceTokenizer"}
+
+class DataError(RuntimeError):
+    """Training data that cannot be used as read (e.g. a token id outside the model's vocabulary)."""
 
 
 def build_tokenizer(data_cfg):
     """The run's tokenizer via data_tools (embedded Mistral / GPT-2 files when no path is given)."""
     from data_tools.tokenizers import load_tokenizer
 
-    ttype = data_cfg.tokenizer_type
-    model, vocab, merges = data_cfg.tokenizer_model, data_cfg.vocab_file, data_cfg.merge_file
-    if ttype in _SENTENCEPIECE_TYPES and model is None:
-        model = str(MISTRAL_TOKENIZER)
-    if ttype in _GPT2_TYPES and model is None and vocab is None:
-        vocab, merges = str(GPT2_VOCAB), str(GPT2_MERGES)
-        if ttype != "GPT2BPETokenizer":
-            ttype = "GPT2BPETokenizer"
+    ttype, model, vocab, merges, _embedded = tokenizer_args(data_cfg)
     return load_tokenizer(ttype, model, vocab_file=vocab, merge_file=merges)
 
 
 def _blend(items: list | None):
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    if not items:
-        return None
-    return get_blend_from_list([str(x) for x in items])
+    return parse_blend(items) if items else None
 
 
 def data_cache_dir(cfg) -> str:
@@ -48,20 +39,27 @@ def data_cache_dir(cfg) -> str:
 
 
 def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0):
-    """(train, valid) datasets sized for the run; valid is None without evaluation."""
+    """(train, valid) datasets sized for the run; valid is None without evaluation.
+
+    Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads)
+    and the splits the run does not read are left out of the split matrix, so Megatron-Core never builds
+    them (it loops forever on a split that holds no documents). Pre-flight validation has checked that the
+    splits read hold tokens.
+    """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     d = cfg.data
+    mock = uses_mock(d)
     cache = data_cache_dir(cfg)
     Path(cache).mkdir(parents=True, exist_ok=True)
     per_split = None
-    if d.train_blend:
-        per_split = [_blend(d.train_blend), _blend(d.valid_blend), _blend(d.test_blend)]
+    if d.train_blend and not mock:
+        per_split = [_blend(d.train_blend), _blend(d.valid_blend) if num_eval_samples else None, None]
     ds_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,
-        blend=None if (d.mock or per_split) else _blend(d.blend),
+        blend=None if (mock or per_split) else _blend(d.blend),
         blend_per_split=per_split,
         split=None if per_split else d.split,
         path_to_cache=cache,
@@ -72,21 +70,55 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
         create_attention_mask=d.reset_attention_mask,  # the per-document mask; else attention is causal
         mmap_bin_files=True,
     )
-    cls = MockGPTDataset if d.mock else GPTDataset
-    # None: a split we never read (Megatron loops forever sizing a split that holds no documents).
-    sizes = [num_train_samples, num_eval_samples or None, None]
+    if per_split is None:
+        train_range, valid_range, _ = ds_config.split_matrix
+        ds_config.split_matrix = [train_range, valid_range if num_eval_samples else None, None]
+    cls = MockGPTDataset if mock else GPTDataset
+    sizes = [num_train_samples, num_eval_samples, 0]
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, ds_config).build()
     return train, valid
 
 
+def _check_ids(samples: list[dict], first: int, vocab_size: int | None) -> None:
+    """Token ids must index the model's vocabulary (the pre-flight check could not scan every dataset)."""
+    if vocab_size is None:
+        return
+    for i, sample in enumerate(samples):
+        top = int(sample["tokens"].max()), int(sample["labels"].max())
+        if max(top) >= vocab_size:
+            raise DataError(f"sample {first + i} holds token id {max(top)}, outside the model's vocabulary of "
+                            f"{vocab_size} (data made with another tokenizer? check it with `python -m data_tools "
+                            "verify PREFIX --tokenizer-type ...`)")
+
+
 def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+                 dp_rank: int, dp_size: int, device: torch.device,
+                 vocab_size: int | None = None) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's microbatches of the global batch starting at `start_sample`."""
     out = []
     for j in range(num_microbatches):
         first = start_sample + (j * dp_size + dp_rank) * micro_batch_size
         samples = [dataset[first + i] for i in range(micro_batch_size)]
+        _check_ids(samples, first, vocab_size)
         # tokens, labels, loss_mask, position_ids (and attention_mask with data.reset_attention_mask)
         batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
         out.append(batch)
     return out
+
+
+def checked_microbatches(dataset, start_sample: int, *, vocab_size: int | None, device: torch.device,
+                         **kwargs) -> list[dict[str, torch.Tensor]]:
+    """`microbatches` with every token id checked against `vocab_size` (None: no check). All ranks agree:
+    when one reads a bad id, every rank raises `DataError` (no rank is left waiting in a collective)."""
+    if vocab_size is None:
+        return microbatches(dataset, start_sample, device=device, **kwargs)
+    bad, batches = None, []
+    try:
+        batches = microbatches(dataset, start_sample, device=device, vocab_size=vocab_size, **kwargs)
+    except DataError as exc:
+        bad = str(exc)
+    flag = torch.tensor([1.0 if bad else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        raise DataError(bad or "another rank read a token id outside the model's vocabulary")
+    return batches

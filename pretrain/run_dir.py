@@ -44,17 +44,24 @@ def write_exit_status(cfg, reason: str, step: int | None, signal_name: str | Non
 
 
 def prepare_run_dir(cfg) -> str | None:
-    """Create run.dir, write config.yaml and mark the run as running (rank 0). Returns the error, if any."""
+    """Create run.dir and mark the run as running (rank 0). Returns the error, if any.
+
+    config.yaml is written later (`write_config`), once any checkpoint has loaded into this run's model.
+    """
     run_dir = Path(cfg.run.dir)
     if run_dir.exists() and not run_dir.is_dir():
         return f"run.dir {run_dir}: exists and is not a directory"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
         write_exit_status(cfg, "running", None)
     except OSError as exc:
         return f"run.dir {run_dir}: cannot write {exc.filename or run_dir} ({exc.strerror or exc})"
     return None
+
+
+def write_config(cfg) -> None:
+    """run.dir/config.yaml: the config this run trains with (rank 0)."""
+    (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
 
 
 def report_failure(cfg, message: str) -> int:

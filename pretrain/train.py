@@ -258,14 +258,14 @@ def train(cfg: Config) -> dict:
 
     from model_providers.core.builder import build_model
     from pretrain import checkpointing
-    from pretrain.data import build_datasets, build_tokenizer, data_cache_dir, microbatches
+    from pretrain.data import DataError, build_datasets, build_tokenizer, checked_microbatches, data_cache_dir
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.moe_metrics import MoEMetrics
     from pretrain.profiling import StepProfiler
     from pretrain.rank_timing import RankTiming
-    from pretrain.run_dir import prepare_run_dir, write_failure
+    from pretrain.run_dir import prepare_run_dir, write_config, write_failure
     from pretrain.runtime import any_rank_error, env_world_size, init_distributed, init_model_parallel
     from pretrain.wandb_logger import wandb_sinks
 
@@ -290,6 +290,8 @@ def train(cfg: Config) -> dict:
     run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
     if run_dir_error:
         raise StorageError(run_dir_error)
+    for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
+        log0(f"[pretrain] {line}")
     log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {num_microbatches} microbatches "
          f"of {t.micro_batch_size}; precision {layout.precision}")
 
@@ -311,6 +313,10 @@ def train(cfg: Config) -> dict:
 
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
     step, consumed, resumed = checkpointing.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
+    # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
+    # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
+    if rt.rank == 0:
+        write_config(cfg)
 
     # 4. Data.
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
@@ -329,7 +335,7 @@ def train(cfg: Config) -> dict:
         writer.truncate_after(step)
 
     forward_backward = profiler.wrap("forward_backward", get_forward_backward_func())
-    load_microbatches = profiler.wrap("data", timing.wrap("data", microbatches))
+    load_microbatches = profiler.wrap("data", timing.wrap("data", checked_microbatches))
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
     seq = cfg.model.seq_length
     tokens_per_step = t.global_batch_size * seq
@@ -365,9 +371,13 @@ def train(cfg: Config) -> dict:
         return why is not None
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        batches = load_microbatches(dataset, start_sample, num_microbatches=num_microbatches,
-                                    micro_batch_size=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                    device=rt.device)
+        try:  # every batch is checked when some dataset's ids could not be checked up front
+            batches = load_microbatches(
+                dataset, start_sample, num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size,
+                dp_rank=dp_rank, dp_size=dp_size, device=rt.device,
+                vocab_size=layout.vocab_size if problems.ids_unchecked else None)
+        except DataError as exc:
+            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=num_microbatches, seq_length=seq,

@@ -7,6 +7,7 @@ same checks first; `python -m pretrain validate CONFIG [overrides] --world-size 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pretrain.config import Config
@@ -37,6 +38,8 @@ class Report:
     world_size: int
     errors: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # not fatal, but the user should act (e.g. unchecked data)
+    ids_unchecked: bool = False  # a dataset's largest token id is unknown: the trainer checks every batch
 
     def error(self, keys: tuple[str, ...] | str, message: str, fix: str) -> None:
         self.errors.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), message, fix))
@@ -52,6 +55,7 @@ class Report:
             lines += [f"  {i}. {p}" for i, p in enumerate(self.errors, 1)]
         else:
             lines.append(f"config OK (world size {self.world_size})")
+        lines += [f"  warning: {w}" for w in self.warnings]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -72,11 +76,13 @@ def _divisors(n: int) -> str:
 
 
 def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
-             cuda_available: bool | None = None) -> Report:
+             cuda_available: bool | None = None, files: bool = True) -> Report:
     """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
-    that combine fields, the world size and this machine.
+    that combine fields, the world size and this machine. `files=False` checks the config alone: the data
+    section (blends, tokenizer, dataset files) and `checkpoint.pretrained` are skipped (the planner sizes
+    layouts of configs whose data lives elsewhere).
     """
     if cuda_available is None:
         import torch
@@ -85,15 +91,18 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    if not _sizes_positive(r, cfg, world_size):
-        return r
-    try:
-        lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
-    except LayoutError:
-        lay = None
-    for rules in (_layout_rules, _moe_rules, _precision_rules, _model_rules, _optimizer_rules, _run_rules,
-                  _data_rules, _document_rules, _recompute_module_rules, _fsdp_rules, _logging_rules):
-        rules(r, cfg, lay, te_on_gpu)
+    lay, rules = None, [_precision_rules, _optimizer_rules, _run_rules, _logging_rules]
+    if _sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
+        try:
+            lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
+        except LayoutError:
+            pass
+        rules = [_layout_rules, _moe_rules, _model_rules, *rules, _document_rules, _recompute_module_rules,
+                 _fsdp_rules]
+    if files:
+        rules.append(_data_rules)
+    for rule in rules:
+        rule(r, cfg, lay, te_on_gpu)
     return r
 
 
@@ -367,6 +376,11 @@ def _optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
         r.error(("optimizer.overlap_param_gather", "optimizer.overlap_grad_reduce"),
                 "optimizer.overlap_param_gather needs optimizer.overlap_grad_reduce",
                 "set optimizer.overlap_grad_reduce=true")
+    for key, value in (("optimizer.lr", o.lr), ("optimizer.min_lr", o.min_lr),
+                       ("optimizer.weight_decay", o.weight_decay)):
+        if not math.isfinite(value) or value < 0 or (key == "optimizer.lr" and value == 0):
+            need = "positive" if key == "optimizer.lr" else "0 or more"
+            r.error(key, f"{key}={value} must be {need}", f"set {key} to a number that is {need}")
     if o.min_lr > o.lr:
         r.error(("optimizer.min_lr", "optimizer.lr"), f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}",
                 "set min_lr <= lr")
@@ -399,21 +413,24 @@ def _run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
 
 
 def _data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Data sources."""
-    d = cfg.data
-    if not d.mock and not d.blend and not d.train_blend:
-        r.error(("data.blend", "data.mock"), "no training data: data.blend and data.train_blend are empty and "
-                "data.mock is false", "set data.blend=[PREFIX] (from `python -m data_tools preprocess`) or "
-                "data.mock=true")
-    for key, blend in (("data.blend", d.blend), ("data.train_blend", d.train_blend),
-                       ("data.valid_blend", d.valid_blend), ("data.test_blend", d.test_blend)):
-        if blend and len(blend) > 1 and all(isinstance(x, (int, float)) for x in blend[0::2]):
-            if len(blend) % 2 != 0:
-                r.error(key, f"{key} alternates weight, prefix but has an odd number of items ({len(blend)})",
-                        "give a prefix after every weight")
-    if d.train_blend and d.blend:
-        r.error(("data.blend", "data.train_blend"), "set either data.blend (with data.split) or per-split blends "
-                "(data.train_blend, ...), not both", "remove one of them")
+    """Data sources, tokenizer and dataset files (pretrain/data_check.py), and the pretrained checkpoint."""
+    from pretrain.data_check import check_data_config, check_data_files
+
+    check_data_files(cfg, r, check_data_config(cfg, r))
+    _check_pretrained(cfg, r)
+
+
+def _check_pretrained(cfg: Config, r: Report) -> None:
+    """checkpoint.pretrained names a complete checkpoint (a run dir, a checkpoints dir or an iteration dir)."""
+    if not cfg.checkpoint.pretrained:
+        return
+    from pretrain.checkpointing import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(cfg.checkpoint.pretrained)
+    except (CheckpointError, OSError) as e:
+        r.error("checkpoint.pretrained", f"checkpoint.pretrained: {e}",
+                "give a run directory, its checkpoints/ directory or an iter_NNNNNNN directory, or remove the key")
 
 
 def _document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:

@@ -1,6 +1,10 @@
 """Quickstart step 3: export a run's latest checkpoint to RUN_DIR/hf and generate with transformers.
 
-    .venv/bin/python scripts/quickstart_hf.py RUN_DIR [--prompt TEXT] [--tokens N]
+    .venv/bin/python scripts/quickstart_hf.py RUN_DIR [--prompt TEXT ...] [--tokens N] [--temperature T]
+
+Text is sampled (temperature 0.7, top-p 0.9, repetition penalty 1.2, seed 0: the same text on every run
+of the same model); `--temperature 0` decodes greedily. A small model decoded greedily tends to repeat its
+most likely token (often a newline) forever; sampling shows what it learned.
 
 The exported directory is a plain transformers model (no custom code): AutoModelForCausalLM and
 AutoTokenizer load it directly.
@@ -20,8 +24,13 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
-    ap.add_argument("--prompt", default="The Python standard library")
-    ap.add_argument("--tokens", type=int, default=20)
+    ap.add_argument("--prompt", action="append", default=None,
+                    help="prompt (repeatable; default: two openings in the corpus's style)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy decoding")
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--repetition-penalty", type=float, default=1.2)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     from data_tools.convert import export_to_hf
@@ -44,14 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, dtype=torch.float32)
     model.eval()
-    inputs = tokenizer(args.prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=args.tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    new = out[0, inputs["input_ids"].shape[1]:]
-    print(f"[quickstart_hf] {type(model).__name__} greedy continuation of {args.prompt!r} ({len(new)} tokens):")
-    print(f"  ids:  {new.tolist()}")
-    print(f"  text: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
+    if args.temperature > 0:
+        how = (f"sampled (temperature {args.temperature}, top-p {args.top_p}, repetition penalty "
+               f"{args.repetition_penalty}, seed {args.seed})")
+        decoding = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    else:
+        how, decoding = f"greedy (repetition penalty {args.repetition_penalty})", {"do_sample": False}
+    for prompt in args.prompt or ["The Python standard library", "The :mod:`os` module provides"]:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        torch.manual_seed(args.seed)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=args.tokens, repetition_penalty=args.repetition_penalty,
+                                 pad_token_id=tokenizer.eos_token_id, **decoding)
+        new = out[0, inputs["input_ids"].shape[1]:]
+        print(f"[quickstart_hf] {type(model).__name__}, {len(new)} tokens {how} after {prompt!r}:")
+        print("  | " + tokenizer.decode(out[0], skip_special_tokens=True).replace("\n", "\n  | "))
     print(f"[quickstart_hf] done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

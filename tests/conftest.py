@@ -20,3 +20,27 @@ def embedded_dataset(tmp_path_factory) -> str:
     preprocess([str(DEFAULT_CORPUS)], str(out), "sentencepiece", str(MISTRAL_TOKENIZER), append_eod=True,
                workers=1)
     return f"{out}_text_document"
+
+
+@pytest.fixture(scope="session")
+def small_datasets(tmp_path_factory) -> dict[str, str]:
+    """Small datasets made by `preprocess` from the embedded corpus (with their PREFIX.meta.json):
+    `a`, `b` (40 documents each, Mistral SentencePiece, EOD appended) and `gpt2` (a's text with GPT-2 BPE,
+    ids up to 50,256). Values are `..._text_document` prefixes."""
+    import json
+
+    from data_tools.assets import DEFAULT_CORPUS, GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+    from data_tools.preprocess import preprocess
+
+    root = Path(tmp_path_factory.mktemp("small_datasets"))
+    with open(DEFAULT_CORPUS, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"][:6000] for line, _ in zip(f, range(80))]
+    sp = {"tokenizer_type": "sentencepiece", "tokenizer_model": str(MISTRAL_TOKENIZER)}
+    gpt2 = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(GPT2_VOCAB), "merge_file": str(GPT2_MERGES)}
+    out = {}
+    for name, part, tok in (("a", texts[:40], sp), ("b", texts[40:], sp), ("gpt2", texts[:40], gpt2)):
+        src = root / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": t}) + "\n" for t in part), encoding="utf-8")
+        preprocess([str(src)], str(root / name), append_eod=True, progress=False, **tok)
+        out[name] = str(root / f"{name}_text_document")
+    return out

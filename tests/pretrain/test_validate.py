@@ -112,28 +112,30 @@ def test_all_problems_reported_at_once():
 
 
 def test_shipped_production_layouts_are_valid_on_their_clusters():
-    gpu = {"te_on_gpu": True, "cuda_available": True}
+    # Layouts only: the data and tokenizer live on the cluster (files=False opens none of them).
+    gpu = {"te_on_gpu": True, "cuda_available": True, "files": False}
     blend = ["data.blend=[/data/x_text_document]"]
     assert problems(blend, 64, config="llama3_70b", **gpu) == []
     assert problems(blend + ["model.fp8=tensorwise", "model.fp8_param_gather=true"], 64, "llama3_70b", **gpu) == []
     assert problems(blend, 8, config="llama3_8b", **gpu) == []
-    assert problems([], 1) == [] and problems([], 2, config="tiny_gpt") == []
+    assert problems([], 1) == [] and problems([], 2, config="tiny_gpt") == []  # these open their embedded files
 
 
 def test_every_family_preset_is_valid_and_context_is_a_note():
     from model_providers import all_presets
 
-    gpu = {"te_on_gpu": True, "cuda_available": True}
+    gpu = {"te_on_gpu": True, "cuda_available": True, "files": False}  # model rules; /d is not a dataset
     for name in all_presets():
         assert problems(["data.blend=[/d]", f"model.preset={name}"], 1, **gpu) == [], name
     report = validate(load_config("tiny_llama", ["model.preset=qwen3_8b", "model.seq_length=65536", "data.blend=[/d]"]),
-                      1, te_on_gpu=True, cuda_available=True)
+                      1, te_on_gpu=True, cuda_available=True, files=False)
     assert report.ok and any("model.seq_length=65536 is beyond the model's context length "
                              "model.max_position_embeddings=40960" in n for n in report.notes)
 
 
 def test_vocab_padding_is_reported_as_a_note():
-    report = validate(load_config("llama3_70b", ["data.blend=[/d]"]), 64, te_on_gpu=True, cuda_available=True)
+    report = validate(load_config("llama3_70b", ["data.blend=[/d]"]), 64, te_on_gpu=True, cuda_available=True,
+                      files=False)
     assert any("vocabulary 128256 is padded to 128512" in n for n in report.notes)
 
 

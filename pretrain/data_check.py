@@ -1,0 +1,286 @@
+"""The data section of pre-flight validation: blends, split, tokenizer and every dataset file, checked before
+any process group or model exists, every problem reported at once.
+
+Rules owned here (the trainer's data code uses the same functions):
+- `uses_mock`: synthetic tokens only when asked *and* no blend is given — a blend wins over `data.mock: true`,
+  as Megatron-LM trains on `--data-path` and uses mock data only without one.
+- `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite weights >= 0 that do not sum to 0.
+- `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE) apply only to the
+  `sentencepiece` and `GPT2BPETokenizer` types; `huggingface` and `tiktoken` need their files.
+- every prefix: files present, index header/version/dtype/pointers, `.bin` size, `PREFIX.meta.json` counts
+  and tokenizer (`data.allow_tokenizer_mismatch` overrides), largest token id below the model's vocabulary
+  (from the metadata; without it a chunked scan of `.bin` files up to `SCAN_LIMIT_BYTES`), and documents in
+  every split the run reads (Megatron-Core loops forever on a split without tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pretrain.config import Config, DataConfig
+    from pretrain.validate import Report
+
+SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
+SPLIT_NAMES = ("training", "validation", "test")
+_SENTENCEPIECE_TYPES = {"sentencepiece", "GPTSentencePieceTokenizer", "SentencePieceTokenizer"}
+_HF_TYPES = {"huggingface", "HuggingFaceTokenizer"}
+_TIKTOKEN_TYPES = {"tiktoken", "TikTokenizer"}
+
+
+def uses_mock(d: DataConfig) -> bool:
+    """True when the run trains on synthetic tokens: `data.mock` and no blend."""
+    return bool(d.mock) and not (d.blend or d.train_blend)
+
+
+def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
+    """`[prefix, ...]` -> (prefixes, None); `[w, prefix, w, prefix, ...]` -> (prefixes, weights).
+
+    Raises ValueError with the reason (the caller names the key).
+    """
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not items:
+        raise ValueError("is empty")
+    if all(isinstance(x, str) for x in items):
+        return [str(x) for x in items], None
+    if not number(items[0]):
+        raise ValueError(f"mixes prefixes and numbers ({items!r}); use [prefix, ...] or [weight, prefix, ...]")
+    if len(items) % 2 != 0:
+        raise ValueError(f"alternates weight, prefix but has an odd number of items ({len(items)})")
+    weights, prefixes = items[0::2], items[1::2]
+    for w, p in zip(weights, prefixes):
+        if not number(w) or not isinstance(p, str):
+            raise ValueError(f"must alternate weight, prefix; got {w!r}, {p!r}")
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(f"weight {w} of {p} is negative or not finite")
+    if sum(weights) <= 0:
+        raise ValueError("weights sum to 0")
+    return list(prefixes), [float(w) for w in weights]
+
+
+def split_ranges(split: str) -> list[tuple[float, float] | None]:
+    """Megatron's split matrix for a `data.split` string: [start, end) fractions per split, None for a split
+    with no share. Raises ValueError for a malformed string."""
+    values = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
+    if not values or len(values) > 3 or sum(values) <= 0:
+        raise ValueError(f"data.split={split!r} must be up to three non-negative shares, e.g. '969,30,1'")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    ranges, start = [], 0.0
+    for v in values:
+        end = start + v / total
+        ranges.append((start, end) if end > start else None)
+        start = end
+    return ranges
+
+
+def tokenizer_args(d: DataConfig) -> tuple[str, str | None, str | None, str | None, str | None]:
+    """(type, model, vocab, merges, embedded) for the run's tokenizer; `embedded` names the embedded
+    tokenizer used because no file was given (None when the config names its files)."""
+    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+
+    ttype, model, vocab, merges = d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file
+    if ttype in _SENTENCEPIECE_TYPES and model is None:
+        return ttype, str(MISTRAL_TOKENIZER), vocab, merges, "Mistral-7B SentencePiece (32,000 tokens)"
+    if ttype == "GPT2BPETokenizer" and vocab is None and model is None:
+        return ttype, model, str(GPT2_VOCAB), str(GPT2_MERGES), "GPT-2 BPE (50,257 tokens)"
+    return ttype, model, vocab, merges, None
+
+
+def eval_is_on(cfg: Config) -> bool:
+    """The trainer reads the validation split: evaluation runs at least once."""
+    t = cfg.train
+    return bool(t.eval_interval) and t.eval_interval >= 1 and t.steps // t.eval_interval > 0
+
+
+def used_blends(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float] | None]]:
+    """The parsed blends by key (syntax errors reported); empty for mock data."""
+    d = cfg.data
+    out = {}
+    for key in ("data.blend", "data.train_blend", "data.valid_blend", "data.test_blend"):
+        items = getattr(d, key.split(".")[1])
+        if not items:
+            continue
+        try:
+            out[key] = parse_blend(items)
+        except ValueError as e:
+            r.error(key, f"{key} {e}", "write [prefix, ...] or [weight, prefix, weight, prefix, ...] with weights "
+                    ">= 0, e.g. data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]")
+    return {} if uses_mock(d) else out
+
+
+def check_data_config(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float] | None]]:
+    """Rules that need no file: data present, mock vs blend, blend syntax, split. Returns the used blends."""
+    d = cfg.data
+    if not d.mock and not d.blend and not d.train_blend:
+        r.error(("data.blend", "data.mock"), "no training data: data.blend and data.train_blend are empty and "
+                "data.mock is false", "set data.blend=[PREFIX] (from `python -m data_tools preprocess`) or "
+                "data.mock=true")
+    if d.mock and not uses_mock(d):
+        r.notes.append("data.mock=true is ignored because a blend is given: training reads the blend (mock data "
+                       "is used only without one, as Megatron-LM's --mock-data)")
+    if d.train_blend and d.blend:
+        r.error(("data.blend", "data.train_blend"), "set either data.blend (with data.split) or per-split blends "
+                "(data.train_blend, ...), not both", "remove one of them")
+    blends = used_blends(cfg, r)
+    if "data.blend" in blends:
+        try:
+            ranges = split_ranges(d.split)
+        except ValueError as e:
+            r.error("data.split", str(e), "set data.split like '969,30,1' (training, validation, test shares)")
+        else:
+            if ranges[0] is None:
+                r.error("data.split", f"data.split={d.split!r} gives the training split no share",
+                        "give training a share, e.g. '969,30,1'")
+            if eval_is_on(cfg) and ranges[1] is None:
+                r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
+                        f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
+                        "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
+    if d.tokenizer_type in _HF_TYPES and d.tokenizer_model is None and d.vocab_file is None:
+        r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
+                "data.tokenizer_model (a tokenizer.json or its directory); no HuggingFace tokenizer is embedded",
+                "set data.tokenizer_model to the model's tokenizer (e.g. the Llama-3 tokenizer directory)")
+    if d.tokenizer_type in _TIKTOKEN_TYPES and d.tokenizer_model is None:
+        r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
+                "data.tokenizer_model (a Megatron tiktoken .json)", "set data.tokenizer_model")
+    return blends
+
+
+def _tokenizer_problem_reported(r: Report) -> bool:
+    return any("data.tokenizer_type" in p.keys for p in r.errors)
+
+
+def check_tokenizer(cfg: Config, r: Report):
+    """Load the run's tokenizer the light way; report unusable files, a silent fallback and a missing EOD.
+
+    Returns its `TokenizerIdentity`, or None when it cannot be loaded."""
+    from data_tools.metadata import describe_tokenizer
+    from data_tools.tokenizers import TokenizerError
+
+    d, m = cfg.data, cfg.model
+    if _tokenizer_problem_reported(r):
+        return None
+    ttype, model, vocab, merges, embedded = tokenizer_args(d)
+    try:
+        ident = describe_tokenizer(ttype, model, vocab, merges)
+    except (TokenizerError, OSError) as e:
+        r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
+                "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
+        return None
+    if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
+        preset = f" (model.preset={m.preset})" if m.preset else ""
+        msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
+               f"{embedded} tokenizer would be used")
+        if uses_mock(d):
+            r.notes.append(f"{msg}: fine for synthetic tokens; name the model's tokenizer for a real run")
+        else:
+            r.error(("data.tokenizer_model", "model.vocab_size"), msg,
+                    "set data.tokenizer_type and data.tokenizer_model to the tokenizer the model is meant for")
+    if uses_mock(d) and ident.eod is None:
+        r.error(("data.mock", "data.tokenizer_model"), f"mock data ends every document with the tokenizer's EOD "
+                f"token, but {ident.describe()} defines none", "use a tokenizer with an EOS token (for a "
+                "tokenizer.json: eos_token in tokenizer_config.json beside it)")
+    return ident
+
+
+def _missing_hint(prefix: str) -> str:
+    for ext in (".bin", ".idx", ".meta.json"):
+        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
+            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
+    if os.path.isfile(prefix + "_text_document.idx"):
+        return f" (did you mean {prefix}_text_document? preprocess adds _KEY_document)"
+    return ""
+
+
+def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
+    """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
+    from data_tools.indexed import bin_path, idx_path
+    from data_tools.metadata import meta_path, record_tokenizer
+    from data_tools.verify import check_dataset
+
+    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
+    if missing:
+        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){_missing_hint(prefix)}",
+                "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
+        return None
+    try:
+        facts = check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES)
+    except ValueError as e:  # IndexedFormatError, MetadataError: the message names the file
+        r.error(key, str(e), f"re-create the dataset (`python -m data_tools verify {prefix}` checks it)")
+        return None
+    except OSError as e:
+        r.error(key, f"{prefix}: cannot be read ({e.strerror}: {e.filename})", "check the path and permissions")
+        return None
+    if facts.meta is None:
+        r.warnings.append(f"{prefix} has no {meta_path(prefix).name} (made by another tool?): its tokenizer cannot "
+                          "be checked against the run's")
+    elif ident is not None:
+        made = record_tokenizer(facts.meta)
+        if made.sha256 != ident.sha256:
+            msg = f"{prefix} was made with {made.describe()} but this run uses {ident.describe()}"
+            if cfg.data.allow_tokenizer_mismatch:
+                r.warnings.append(f"{msg}; allowed by data.allow_tokenizer_mismatch=true")
+            else:
+                r.error((key, "data.tokenizer_model"), msg, "preprocess the data with the run's tokenizer, set "
+                        "data.tokenizer_* to the dataset's, or set data.allow_tokenizer_mismatch=true if you know "
+                        "the ids mean the same")
+    if vocab is not None and facts.max_token_id is not None and facts.max_token_id >= vocab:
+        where = meta_path(prefix).name if facts.max_id_from == "metadata" else f"a scan of {bin_path(prefix).name}"
+        r.error((key, "model.vocab_size"), f"{prefix}: largest token id {facts.max_token_id:,} (from {where}) is "
+                f"not below the model's vocabulary of {vocab:,}", "train with the tokenizer the data was made with "
+                "(or a model.vocab_size above its largest id)")
+    elif vocab is not None and facts.max_id_from == "unchecked":
+        r.ids_unchecked = True
+        r.notes.append(f"{prefix}: no metadata and {bin_path(prefix).stat().st_size / 2**30:.1f} GiB, so its token "
+                       "ids are checked batch by batch while training instead of up front")
+    return facts
+
+
+def _empty_split(prefix: str, facts, rng: tuple[float, float] | None) -> tuple[int, int]:
+    """(documents, tokens) of `prefix` in the split range `rng` (Megatron-Core's document bookends)."""
+    n = facts.info.num_documents
+    if rng is None:
+        return 0, 0
+    beg, end = int(round(rng[0] * float(n))), int(round(rng[1] * float(n)))
+    return end - beg, int(facts.info.sequence_lengths[beg:end].sum(dtype="int64"))
+
+
+def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
+    """Tokenizer, every prefix of every blend, and the documents of each split the run reads."""
+    ident = check_tokenizer(cfg, r)
+    vocab = cfg.model.vocab_size or (ident.vocab_size if ident is not None else None)
+    try:
+        ranges = split_ranges(cfg.data.split)
+    except ValueError:
+        ranges = None  # reported by check_data_config
+    eval_on = eval_is_on(cfg)
+    seen: dict[str, object] = {}
+    for key, (prefixes, _weights) in blends.items():
+        for prefix in prefixes:
+            if prefix not in seen:
+                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab)
+            facts = seen[prefix]
+            if facts is None:
+                continue
+            if key == "data.blend":
+                needed = [(i, ranges[i]) for i in ((0, 1) if eval_on else (0,))] if ranges else []
+            elif key == "data.train_blend" or (key == "data.valid_blend" and eval_on):
+                needed = [(0 if key == "data.train_blend" else 1, (0.0, 1.0))]
+            else:
+                needed = []
+            for i, rng in needed:
+                if rng is None:
+                    continue  # a split with no share is reported by check_data_config
+                docs, tokens = _empty_split(prefix, facts, rng)
+                if tokens == 0:
+                    where = f"data.split={cfg.data.split!r} leaves" if key == "data.blend" else "that leaves"
+                    r.error((key, "data.split") if key == "data.blend" else key,
+                            f"{prefix}: {facts.info.num_documents} document(s); {where} the {SPLIT_NAMES[i]} split "
+                            f"{docs} document(s) with {tokens} tokens, and Megatron-Core cannot sample from an empty "
+                            "split", "add documents, change data.split, or use per-split blends (data.train_blend, "
+                            "data.valid_blend)" + (" or set train.eval_interval=null" if i == 1 else ""))

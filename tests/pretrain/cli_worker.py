@@ -1,0 +1,77 @@
+"""Run several `python -m pretrain ...` command lines in one process (start-up dominates on CPU).
+
+    python -m tests.pretrain.cli_worker CASES.json RESULTS.json
+
+CASES.json: {name: argv or {"argv": argv, "set": {...}}} (argv after `python -m pretrain`; see `run_case`).
+Each case is `pretrain.__main__.main(argv)`, exactly what the CLI runs, with its stdout and stderr captured.
+RESULTS.json: {name: {"rc": exit status, or null when an exception escaped (a traceback the user would see),
+"stdout", "stderr", "traceback"}}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+
+
+def run_cases(cases: dict, root, timeout: float = 300) -> dict[str, dict]:
+    """Run `cases` in one worker process (its own session, ended with its leftovers); return the results."""
+    from pathlib import Path
+
+    from tests.pretrain.ckpt_helpers import command, log_text, run
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    plan, results, log = root / "cases.json", root / "results.json", root / "worker.log"
+    plan.write_text(json.dumps(cases))
+    rc = run(command([], module="tests.pretrain.cli_worker", args=[str(plan), str(results)]), log, timeout=timeout)
+    assert rc == 0, log_text(log)[-4000:]
+    return json.loads(results.read_text())
+
+
+def run_case(case: list[str] | dict) -> dict:
+    """One command line; a dict case {"argv": [...], "set": {"module:NAME": value}} first sets module
+    constants (e.g. a size threshold, to reach a path that otherwise needs a huge file) and restores them."""
+    import importlib
+
+    from pretrain.__main__ import main
+
+    argv, settings = (case, {}) if isinstance(case, list) else (case["argv"], case.get("set", {}))
+    saved = []
+    for target, value in settings.items():
+        module, name = target.split(":")
+        mod = importlib.import_module(module)
+        saved.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, value)
+    out, err = io.StringIO(), io.StringIO()
+    rc, tb = None, None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - recorded for the test to report
+            tb = traceback.format_exc()
+    for mod, name, value in saved:
+        setattr(mod, name, value)
+    return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "traceback": tb}
+
+
+def main() -> int:
+    cases = json.loads(open(sys.argv[1]).read())
+    results = {}
+    for name, argv in cases.items():
+        results[name] = run_case(argv)
+        with open(sys.argv[2], "w") as f:  # written after every case: a hang still leaves the others
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
