@@ -1,4 +1,4 @@
-"""Process groups and devices: NCCL on GPU, gloo on CPU (with the CPU shims applied in one call)."""
+"""Process groups and devices: NCCL on GPU, gloo on CPU (the CPU shims are applied by `pretrain.compat.apply`)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,6 @@ def env_world_size() -> int:
 def init_distributed(timeout_minutes: float = 10.0) -> Runtime:
     """Join (or create) the default process group from torchrun-style environment variables."""
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        from pretrain.cpu_shims import apply_cpu_shims
-
-        apply_cpu_shims()
     rank = int(os.environ.get("RANK", "0"))
     world_size = env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

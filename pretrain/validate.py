@@ -63,11 +63,13 @@ def _divisors(n: int) -> str:
 
 
 def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
-             cuda_available: bool | None = None) -> Report:
+             cuda_available: bool | None = None, versions=None) -> Report:
     """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine.
+
+    `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
     """
     if cuda_available is None:
         import torch
@@ -84,6 +86,10 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         lay = None
     for rules in (_layout_rules, _precision_rules, _model_rules, _optimizer_rules, _run_rules, _data_rules):
         rules(r, cfg, lay, te_on_gpu)
+    # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
+    from pretrain.compat import matrix
+
+    matrix.check(r, versions, allow_untested=cfg.run.allow_untested_versions)
     return r
 
 
