@@ -174,6 +174,7 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
     state["consumed_samples"] = consumed_samples
     state["layout"] = list(_layout_key(cfg))
     state["config"] = cfg.to_dict()
+    state["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
     return state
 
 
@@ -559,6 +560,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
+    written_by = common.get("megatron_core")
+    if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
+        print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
+              flush=True)
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])

@@ -99,3 +99,16 @@ def test_refusal_is_one_clear_error_unless_allowed():
     assert ("versions: Python 3.12.3, megatron-core 0.20.1, Transformer Engine 2.17.1, torch 2.13.0 "
             "(outside the supported matrix)") in report.notes
     assert "warning: running outside the supported matrix (run.allow_untested_versions=true)" in report.notes
+
+
+def test_installing_the_project_keeps_the_installed_megatron_core(tmp_path):
+    """`pip install -e .` in an environment that already has a supported megatron-core (a container's, or
+    the 0.19.2 venv) installs nothing but the project: the release stays."""
+    report = tmp_path / "report.json"
+    done = _run("-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check", "--report",
+                str(report), "-e", str(REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned = {item["metadata"]["name"]: item["metadata"]["version"]
+               for item in json.loads(report.read_text())["install"]}
+    assert "megatron-core" not in planned and "torch" not in planned, planned
+    assert "megapretrain" in planned, planned
