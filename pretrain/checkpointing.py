@@ -279,7 +279,6 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     With `async_saves` the tensors are written by a background process and the checkpoint is committed
     by a later `async_saves.finalize()`; otherwise it is committed before this returns.
     """
-
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
     start_writer_helper()
@@ -500,7 +499,7 @@ def _agree(error: CheckpointError | None) -> None:
 
 
 def inspect_checkpoint(path: str | Path) -> tuple[dict, Any]:
-    """Format, `common.pt` and index of a checkpoint directory, checked without untrusted unpickling."""
+    """Common state and index of a checkpoint directory, checked without untrusted unpickling."""
     path = Path(path)
     _check_format(path)
     index = read_index(path)

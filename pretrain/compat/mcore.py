@@ -2,7 +2,8 @@
 
 The installed release is read once (from the package metadata: `megatron.core.__version__` gains a
 `+<git hash>` suffix when the package sits inside a git checkout) and each adapter is chosen by
-`_pick` below — the only place that compares versions. Callers import the adapter, never the version.
+`_pick` below. Callers import the adapter, never the version: releases are compared only inside
+`pretrain/compat/` (here, `matrix.py`, and the `since`/`fixed_in` of each CPU shim and Megatron fix).
 """
 
 from __future__ import annotations
@@ -112,14 +113,17 @@ def _loader_substituting(common_reader_name: str):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import serialization
 
-        with _substituted(serialization, common_reader_name, lambda checkpoint_dir: read_common(Path(checkpoint_dir))):
+        def reader(checkpoint_dir):
+            return read_common(Path(checkpoint_dir))
+
+        with _substituted(serialization, common_reader_name, reader):
             return dist_checkpointing.load(state, path, sharded_strategy=strategy)
 
     return load
 
 
 # --------------------------------------------------------------------------------------------------
-# The selection (the only version comparisons of the project outside compat/matrix.py)
+# The selection
 # --------------------------------------------------------------------------------------------------
 
 cp_batch: Callable[[dict], dict] = _pick({"0.16.1": _cp_batch_0_16, "0.18.0": _cp_batch_0_18})

@@ -78,8 +78,10 @@ def _mutate(run_dir: str, ops: list) -> None:
                 del data[offset + length // 2:]
             data_file.write_bytes(bytes(data))
             continue
-        if op in ("evil_common", "truncate_common"):
-            op, f = ("evil_pickle" if op == "evil_common" else "truncate"), f / "common.pt"
+        if op == "evil_common":
+            op, f = "evil_pickle", f / "common.pt"
+        elif op == "truncate_common":
+            op, f, arg = "truncate", f / "common.pt", [0.5]
         if op == "truncate":
             data = f.read_bytes()
             f.write_bytes(data[: int(len(data) * arg[0])])
