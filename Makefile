@@ -1,15 +1,21 @@
 # Set-up commands (see README):  make quickstart   |   make test
+# MCORE=X (a megatron-core release, e.g. 0.19.2): use a separate venv .venv-mcore-X holding exactly that release.
+MCORE ?=
+ifeq ($(strip $(MCORE)),)
 VENV ?= .venv
+else
+VENV ?= .venv-mcore-$(MCORE)
+endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test test-quick test-slurm lint clean-runs wheelhouse
+.PHONY: install quickstart test test-quick test-mcore test-slurm lint clean-runs wheelhouse
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/install.sh
-	bash scripts/install.sh $(VENV)
+	MCORE=$(MCORE) bash scripts/install.sh $(VENV)
 
 ## Preprocess the embedded corpus, train tiny_llama on 2 CPU processes, export to HF, generate.
 quickstart: install
@@ -18,6 +24,11 @@ quickstart: install
 ## The whole test suite (CPU; GPU tests skip without CUDA; Slurm tests start a local cluster as root).
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The tests that exercise Megatron-Core (layouts, resume, resharding, distributed optimizer, HF bridge,
+## quickstart, Megatron fixes, cross-version checkpoints): run on a second release with MCORE=X.
+test-mcore: install
+	$(PY) -m pytest -m mcore $(PYTEST_ARGS)
 
 ## Fast subset: no multi-process or Slurm tests.
 test-quick: install

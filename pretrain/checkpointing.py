@@ -32,10 +32,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from pretrain.compat import mcore
+
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = "fully_reshardable"
 COMMON_FILE = "common.pt"
 INDEX_FILE = ".metadata"
+COMMON_OBJECT = "common_state/shard_0_1"  # megatron-core 0.19+: common state inside the torch_dist files
 FORMAT_FILE = "metadata.json"
 RUN_CONFIG_FILE = "run_config.yaml"  # written by the commit: its presence marks a complete checkpoint
 
@@ -236,9 +239,6 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
                    with_optimizer: bool, is_loading: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from pretrain.megatron_patches import apply_megatron_patches
-
-    apply_megatron_patches()
     state = _model_state(model, is_loading=is_loading)
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -253,6 +253,7 @@ def _sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samp
     state["consumed_samples"] = consumed_samples
     state["layout"] = list(_layout_key(cfg))
     state["config"] = cfg.to_dict()
+    state["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
     return state
 
 
@@ -385,7 +386,6 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     With `async_saves` the tensors are written by a background process and the checkpoint is committed
     by a later `async_saves.finalize()`; otherwise it is committed before this returns.
     """
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     if async_saves is not None and async_saves.pending is not None:
@@ -404,11 +404,10 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
                            with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
     try:
         if async_saves is None:
-            dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(False))
+            mcore.save_sharded(state, str(path), _save_strategy(False), async_save=False)
             _commit(cfg, root, path, step)
         else:
-            request = dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(True),
-                                              async_sharded_save=True)
+            request = mcore.save_sharded(state, str(path), _save_strategy(True), async_save=True)
             request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
             async_saves.schedule(request)
             async_saves.pending, async_saves.pending_path = step, path
@@ -484,25 +483,38 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 def _reason(exc: BaseException) -> str:
-    from pretrain.megatron_patches import informative_line
+    from pretrain.compat.megatron_fixes import informative_line
 
     return informative_line(exc)
 
 
-def read_common(path: Path) -> dict:
-    """`common.pt` through torch's weights-only loader (a pickle of arbitrary objects is refused)."""
+def read_common(path: Path, index=None) -> dict:
+    """The checkpoint's common (non-sharded) state through torch's weights-only loader.
+
+    megatron-core ≤ 0.18 writes it to `common.pt`; 0.19+ stores it as the `common_state` object inside the
+    torch_dist files. A pickle of arbitrary objects is refused in both.
+    """
     f = path / COMMON_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{f}: missing (incomplete checkpoint)")
+    if f.is_file():
+        what, source = f, f
+    else:
+        if index is None and (path / INDEX_FILE).is_file():
+            index = read_index(path)
+        data = _read_object_bytes(path, index, COMMON_OBJECT) if index is not None else None
+        if data is None:
+            raise CheckpointError(f"{f}: missing (incomplete checkpoint)")
+        what, source = f"{path}: object '{COMMON_OBJECT}'", io.BytesIO(data)
     try:
-        common = torch.load(f, map_location="cpu", weights_only=True)
+        common = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{f}: refused by the weights-only loader, untrusted pickles are never loaded "
+        raise CheckpointError(f"{what}: refused by the weights-only loader, untrusted pickles are never loaded "
                               f"({_reason(exc)})") from None
     except Exception as exc:
-        raise CheckpointError(f"{f}: unreadable, truncated or not a torch file ({_reason(exc)})") from None
+        raise CheckpointError(f"{what}: unreadable, truncated or not a torch file ({_reason(exc)})") from None
+    if not isinstance(source, Path) and isinstance(common, list) and len(common) == 1:
+        common = common[0]  # a ShardedObject's data is stored wrapped in a one-element list
     if not isinstance(common, dict):
-        raise CheckpointError(f"{f}: expected a dict of common state, found {type(common).__name__}")
+        raise CheckpointError(f"{what}: expected a dict of common state, found {type(common).__name__}")
     return common
 
 
@@ -629,29 +641,17 @@ def _agree(error: CheckpointError | None) -> None:
 
 
 def inspect_checkpoint(path: str | Path) -> tuple[dict, Any]:
-    """Format, `common.pt` and index of a checkpoint directory, checked without untrusted unpickling."""
+    """Common state and index of a checkpoint directory, checked without untrusted unpickling."""
     path = Path(path)
     _check_format(path)
-    common = read_common(path)
     index = read_index(path)
     _check_files(path, index)
-    return common, index
+    return read_common(path, index), index
 
 
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
-
-
-def _safe_common_strategy():
-    """Megatron's torch common-load strategy, reading `common.pt` with the weights-only loader."""
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-
-    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-        def load_common(self, checkpoint_dir):
-            return read_common(Path(checkpoint_dir))
-
-    return SafeCommonLoadStrategy()
 
 
 def _non_finite(tree, name: str = "") -> str | None:
@@ -676,7 +676,6 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     Returns (step, consumed_samples); (0, 0) for a weights-only load. Raises CheckpointError naming the
     file and the mismatch for missing, truncated, foreign, unsafe or incompatible checkpoints.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -699,8 +698,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     _agree(error)
 
     try:
-        loaded = dist_checkpointing.load(state, str(path), sharded_strategy=get_default_load_sharded_strategy(
-            str(path)), common_strategy=_safe_common_strategy())
+        loaded = mcore.load_sharded(state, str(path), get_default_load_sharded_strategy(str(path)), read_common)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
@@ -721,6 +719,10 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
+    written_by = common.get("megatron_core")
+    if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
+        print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
+              flush=True)
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])

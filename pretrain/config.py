@@ -225,6 +225,9 @@ class RunConfig:
 
     dir: str = "runs/default"
     name: str | None = None
+    # Run on a Python/megatron-core/Transformer Engine/torch combination outside the supported matrix
+    # (docs/compatibility.md): validation then warns instead of refusing.
+    allow_untested_versions: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Process groups and devices: NCCL on GPU, gloo on CPU (with the CPU shims applied in one call)."""
+"""Process groups and devices: NCCL on GPU, gloo on CPU (the CPU shims are applied by `pretrain.compat.apply`)."""
 
 from __future__ import annotations
 
@@ -40,14 +40,10 @@ def env_world_size() -> int:
 
 def init_distributed(timeout_minutes: float = 10.0) -> Runtime:
     """Join (or create) the default process group from torchrun-style environment variables."""
-    from pretrain.megatron_patches import apply_moe_fixes
+    from pretrain import compat
 
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        from pretrain.cpu_shims import apply_cpu_shims
-
-        apply_cpu_shims()
-    apply_moe_fixes()
+    compat.apply(on_gpu)  # idempotent: train() already did; workers and tools that build Megatron objects too
     rank = int(os.environ.get("RANK", "0"))
     world_size = env_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain import compat
+from pretrain.compat import mcore
 from pretrain.config import Config
 from pretrain.layout import Layout, derive_layout
 from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
@@ -146,9 +148,7 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One microbatch through one model chunk (Megatron-Core schedule callback)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    batch = get_batch_on_this_cp_rank(next(data_iterator))
+    batch = mcore.cp_batch(next(data_iterator))
     unwrapped = model.module if hasattr(model, "module") else model
     pre, post = unwrapped.pre_process, unwrapped.post_process
     output = model(
@@ -260,7 +260,6 @@ def train(cfg: Config) -> dict:
     from pretrain import checkpointing
     from pretrain.data import DataError, build_datasets, build_tokenizer, checked_microbatches, data_cache_dir
     from pretrain.flops import flops_per_token, gpu_peak_tflops
-    from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.metrics import MetricsWriter, format_step_line
     from pretrain.moe_metrics import MoEMetrics
     from pretrain.profiling import StepProfiler
@@ -276,7 +275,8 @@ def train(cfg: Config) -> dict:
 
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
-    apply_megatron_patches()  # run-time fixes of megatron-core 0.16.1 (norm recompute without TE, loading)
+    # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
+    compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
     tokenizer = build_tokenizer(cfg.data)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)

@@ -76,13 +76,15 @@ def _divisors(n: int) -> str:
 
 
 def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
-             cuda_available: bool | None = None, files: bool = True) -> Report:
+             cuda_available: bool | None = None, files: bool = True, versions=None) -> Report:
     """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
     section (blends, tokenizer, dataset files) and `checkpoint.pretrained` are skipped (the planner sizes
     layouts of configs whose data lives elsewhere).
+
+    `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
     """
     if cuda_available is None:
         import torch
@@ -103,6 +105,10 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         rules.append(_data_rules)
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
+    # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
+    from pretrain.compat import matrix
+
+    matrix.check(r, versions, allow_untested=cfg.run.allow_untested_versions)
     return r
 
 

@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Install the project into a virtual environment (idempotent).
+#   scripts/install.sh [VENV]          MCORE=0.19.2 scripts/install.sh .venv-mcore-0.19.2
 #   - creates the venv if missing;
 #   - keeps an existing torch (e.g. a CUDA build on a GPU machine);
 #   - otherwise installs torch 2.13.0: the CUDA build when an NVIDIA GPU is visible, else the CPU build
 #     (set TORCH_INDEX_URL to PyTorch's CPU wheel index if your pip would fetch the CUDA build);
+#   - megatron-core: MCORE=X installs exactly X. Without MCORE, an installed megatron-core inside the
+#     supported range (>=0.16.1,<0.20: e.g. a container's) is kept; otherwise the newest supported release
+#     this Python can use is installed (3.10/3.11: 0.16.1; >=3.12: 0.19.x). Releases >= 0.17 declare
+#     Python >= 3.12: on an older Python they are installed with --ignore-requires-python (a test
+#     configuration), their dependencies first and normally;
+#   - triton for megatron-core >= 0.18 when missing (its schedules import it unconditionally);
 #   - installs the project in editable mode with the dev extras (pytest, ruff) and wandb (W&B logging);
 #   - never installs Transformer Engine or apex on CPU (a partial TE install breaks `import megatron.core`).
 set -euo pipefail
 VENV=${1:-.venv}
 BASE_PYTHON=${BASE_PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+MCORE=${MCORE:-}
+SUPPORTED=">=0.16.1,<0.20"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[install] creating $VENV"
@@ -32,9 +41,49 @@ else
   fi
 fi
 
-echo "[install] installing the project (megatron-core==0.16.1 and friends)"
+# version_ge A B: A >= B (release numbers only)
+version_ge() { "$PY" -c "import sys; from packaging.version import Version as V; sys.exit(0 if V('$1') >= V('$2') else 1)"; }
+"$PY" -c "import packaging" 2>/dev/null || "${PIP[@]}" "packaging>=24.2"
+
+INSTALLED=$("$PY" -c "from importlib import metadata as m; print(m.version('megatron-core'))" 2>/dev/null || true)
+PY_MINOR=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+if [ -n "$MCORE" ]; then
+  WANT="$MCORE"
+elif [ -n "$INSTALLED" ] && "$PY" -c "import sys; from packaging.specifiers import SpecifierSet; sys.exit(0 if '$INSTALLED' in SpecifierSet('$SUPPORTED') else 1)"; then
+  WANT="$INSTALLED"
+  echo "[install] keeping megatron-core $INSTALLED (inside the supported range $SUPPORTED)"
+else
+  if [ -n "$INSTALLED" ]; then
+    echo "[install] WARNING: megatron-core $INSTALLED is outside the supported range $SUPPORTED; replacing it"
+  fi
+  if version_ge "$PY_MINOR" 3.12; then WANT="0.19"; else WANT="0.16.1"; fi
+fi
+
+if [ "$WANT" != "$INSTALLED" ]; then
+  if [ "$WANT" = "0.19" ]; then SPEC="megatron-core>=0.19,<0.20"; else SPEC="megatron-core==$WANT"; fi
+  if version_ge "${WANT}" 0.17 && ! version_ge "$PY_MINOR" 3.12; then
+    echo "[install] $SPEC declares Python >= 3.12; installing it on Python $PY_MINOR with --ignore-requires-python (test configuration)"
+    "${PIP[@]}" numpy "packaging>=24.2"
+    "${PIP[@]}" --no-deps --ignore-requires-python "$SPEC"
+  else
+    echo "[install] installing $SPEC"
+    "${PIP[@]}" "$SPEC"
+  fi
+fi
+MCORE_NOW=$("$PY" -c "from importlib import metadata as m; print(m.version('megatron-core'))")
+if version_ge "$MCORE_NOW" 0.18 && ! "$PY" -c "import triton" 2>/dev/null; then
+  echo "[install] megatron-core $MCORE_NOW imports triton: installing it"
+  "${PIP[@]}" triton
+fi
+
+echo "[install] installing the project (megatron-core$SUPPORTED and friends)"
 "${PIP[@]}" -e ".[dev,wandb]"
-"$PY" -W ignore - <<'PY'
+MCORE_AFTER=$("$PY" -c "from importlib import metadata as m; print(m.version('megatron-core'))")
+if [ "$MCORE_AFTER" != "$MCORE_NOW" ]; then
+  echo "[install] error: installing the project replaced megatron-core $MCORE_NOW by $MCORE_AFTER" >&2
+  exit 1
+fi
+NO_VCS_VERSION=1 "$PY" -W ignore - <<'PY'
 import megatron.core, torch
 print(f"[install] ready: torch {torch.__version__} (cuda={torch.cuda.is_available()}), megatron-core {megatron.core.__version__}")
 PY

@@ -24,11 +24,12 @@ def megatron_logits(*jobs: str) -> None:
     """jobs: CKPT_DIR TOKENS.pt OUT.pt, repeated; all in this one process."""
     from data_tools.convert import CheckpointReader
     from model_providers.core.builder import build_model
-    from pretrain import checkpointing
+    from pretrain import checkpointing, compat
     from pretrain.config import config_from_dict
     from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
 
+    compat.apply()
     init_distributed()
     try:
         for ckpt_dir, tokens_file, out_file in zip(jobs[0::3], jobs[1::3], jobs[2::3]):

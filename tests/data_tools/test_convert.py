@@ -25,6 +25,8 @@ from data_tools.convert import (
 from model_providers import get_family
 from model_providers.core.family import dims, hf_parameter_shapes
 
+pytestmark = pytest.mark.mcore  # the HF bridge over Megatron-Core checkpoints
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("convert_worker.py")
 PY = sys.executable

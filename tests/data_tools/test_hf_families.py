@@ -31,6 +31,8 @@ from .hf_families import (
     write_hf_model,
 )
 
+pytestmark = pytest.mark.mcore  # the HF bridge and the trainer for every family (CI: also on megatron-core 0.19.2)
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("convert_worker.py")
 TRAIN_WORKER = Path(__file__).with_name("train_worker.py")

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from pretrain.cpu_shims import apply_cpu_shims  # Megatron-Core's CUDA assumptions, on CPU only
+        from pretrain.compat.cpu_shims import apply_cpu_shims  # Megatron-Core's CUDA assumptions, on CPU only
 
         apply_cpu_shims()
     from megatron.core import parallel_state

@@ -12,7 +12,10 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
     mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
                  delete, evil_pickle (arg: marker file), write (arg: text), write_bytes (arg: hex),
-                 nan (path: a checkpoint dir, arg: tensor key; NaN into every 7th value)
+                 nan (path: a checkpoint dir, arg: tensor key; NaN into every 7th value); evil_common / truncate_common
+                 (path: an iteration dir) act on whatever holds the common state: `common.pt` (megatron-core
+                 ≤ 0.18) or the `common_state` object inside the torch_dist files (0.19+)
+    without_fixes  [fix name, ...]: run the case with these Megatron fixes undone (pretrain.compat.megatron_fixes)
 Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | None}}.
 """
 
@@ -56,11 +59,36 @@ def _copy_checkpoint(src_run: str, steps: int | list[int], dst_run: str) -> None
     (Path(dst_run) / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines))
 
 
+def _common_object(ckpt: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of the `common_state` object inside a 0.19+ torch_dist checkpoint."""
+    from pretrain.checkpointing import COMMON_OBJECT, read_index
+
+    for key, info in read_index(ckpt).storage_data.items():
+        if key.fqn == COMMON_OBJECT:
+            return ckpt / info.relative_path, info.offset, info.length
+    raise FileNotFoundError(f"{ckpt}: no common.pt and no {COMMON_OBJECT} object")
+
+
 def _mutate(run_dir: str, ops: list) -> None:
     import pickle
 
     for op, rel, *arg in ops:
         f = Path(run_dir) / rel
+        if op in ("evil_common", "truncate_common") and not (f / "common.pt").exists():
+            data_file, offset, length = _common_object(f)
+            data = bytearray(data_file.read_bytes())
+            if op == "evil_common":  # same length: the index stays valid, only the object is replaced
+                evil = pickle.dumps(Evil(arg[0]))
+                assert len(evil) <= length
+                data[offset:offset + length] = evil + b"\0" * (length - len(evil))
+            else:  # cut the file inside the object
+                del data[offset + length // 2:]
+            data_file.write_bytes(bytes(data))
+            continue
+        if op == "evil_common":
+            op, f = "evil_pickle", f / "common.pt"
+        elif op == "truncate_common":
+            op, f, arg = "truncate", f / "common.pt", [0.5]
         if op == "truncate":
             data = f.read_bytes()
             f.write_bytes(data[: int(len(data) * arg[0])])
@@ -160,9 +188,9 @@ def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from pretrain.megatron_patches import apply_megatron_patches
+    from pretrain import compat
 
-    apply_megatron_patches()
+    compat.apply()
     state = {key: ShardedObject(key, None, (world,), (rank,), replica_id=0)}
     dist_checkpointing.load(state, checkpoint)
 
@@ -171,6 +199,7 @@ def run_case(case: dict, results: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from pretrain import checkpointing
+    from pretrain.compat import megatron_fixes
     from pretrain.config import load_config
     from pretrain.train import train
 
@@ -191,11 +220,12 @@ def run_case(case: dict, results: dict) -> None:
     if case.get("stall_in_save"):
         _install_stall(int(case["stall_in_save"]))
     try:
-        if case.get("load_object"):
-            _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
-            summary = None
-        else:
-            summary = train(cfg)
+        with megatron_fixes.disabled(*case.get("without_fixes", [])):
+            if case.get("load_object"):
+                _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
+                summary = None
+            else:
+                summary = train(cfg)
         results[name] = {"ok": True, "error": None, "summary": summary}
     except (Exception, CheckpointException) as exc:  # recorded for the test to assert on
         results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "summary": None,

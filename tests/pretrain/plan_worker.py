@@ -233,9 +233,11 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
 def main() -> int:
     import torch.distributed as dist
 
+    from pretrain import compat
     from pretrain.runtime import init_distributed, shutdown
 
     out = sys.argv[1]
+    compat.apply()
     only = set(sys.argv[2:])
     rt = init_distributed()
     results: dict[str, list] = {"static": [], "activations": []}

@@ -41,14 +41,14 @@ def main() -> int:
     )
 
     from model_providers.core.builder import build_model
+    from pretrain import compat
     from pretrain.config import load_config
     from pretrain.data import build_datasets, build_tokenizer, microbatches
     from pretrain.layout import derive_layout
-    from pretrain.megatron_patches import apply_megatron_patches
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
     from pretrain.train import forward_step
 
-    apply_megatron_patches()  # as the trainer does at start-up
+    compat.apply()  # as the trainer does at start-up
     cases = json.loads(open(sys.argv[1]).read())
     out = {}
     rt = init_distributed()

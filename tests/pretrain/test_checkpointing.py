@@ -15,8 +15,10 @@ import torch
 
 from tests.pretrain.ckpt_helpers import DETERMINISTIC, SMALL, command, log_text, metrics, run
 
+pytestmark = pytest.mark.mcore
+
 # --------------------------------------------------------------------------------------------------
-# In-process: tracker, pruning, safe readers, version pin
+# In-process: tracker, pruning, safe readers
 # --------------------------------------------------------------------------------------------------
 
 
@@ -97,17 +99,6 @@ def test_foreign_directories(tmp_path):
         resolve_checkpoint(tmp_path / "missing")
 
 
-def test_patches_pinned_to_megatron_version(monkeypatch):
-    import megatron.core
-
-    from pretrain import megatron_patches
-
-    assert megatron.core.__version__ == megatron_patches.MEGATRON_CORE_VERSION
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match="targets megatron-core 0.16.1, found 0.17.0"):
-        megatron_patches._check_version()
-
-
 # --------------------------------------------------------------------------------------------------
 # One single-process launch: bad checkpoints, NaN policy, time limit
 # --------------------------------------------------------------------------------------------------
@@ -118,17 +109,19 @@ BAD = [
      r"names iteration 5 but .*iter_0000005 does not exist"),
     ("truncated_data", [["truncate", "checkpoints/iter_0000002/__0_0.distcp", 0.5]],
      r"iter_0000002/__0_0.distcp: truncated, \d+ bytes but the checkpoint index needs \d+"),
-    ("missing_data", [["delete", "checkpoints/iter_0000002/__0_1.distcp"]],
-     r"iter_0000002/__0_1.distcp: missing, the checkpoint index refers to it"),
+    ("missing_data", [["delete", "checkpoints/iter_0000002/__0_0.distcp"]],
+     r"iter_0000002/__0_0.distcp: missing, the checkpoint index refers to it"),
     ("foreign_dir", [["delete", "checkpoints/iter_0000002"],
                      ["write", "checkpoints/iter_0000002/pytorch_model.bin", "not ours"]],
      r"iter_0000002: not a Megatron-Core distributed checkpoint, metadata.json missing"),
-    ("truncated_common", [["truncate", "checkpoints/iter_0000002/common.pt", 0.5]],
-     r"iter_0000002/common.pt: unreadable, truncated or not a torch file"),
+    # The common state: common.pt (megatron-core <= 0.18) or the common_state object in __0_0.distcp (0.19+).
+    ("truncated_common", [["truncate_common", "checkpoints/iter_0000002"]],
+     r"iter_0000002/(common.pt: unreadable, truncated or not a torch file|__0_0.distcp: truncated, \d+ bytes but "
+     r"the checkpoint index needs \d+)"),
     ("truncated_index", [["truncate", "checkpoints/iter_0000002/.metadata", 0.5]],
      r"iter_0000002/.metadata: unreadable or truncated checkpoint index"),
-    ("pickle_as_common", [["evil_pickle", "checkpoints/iter_0000002/common.pt", "MARKER"]],
-     r"iter_0000002/common.pt: refused by the weights-only loader"),
+    ("pickle_as_common", [["evil_common", "checkpoints/iter_0000002", "MARKER"]],
+     r"iter_0000002(/common.pt|: object 'common_state/shard_0_1'): refused by the weights-only loader, untrusted"),
     ("pickle_as_index", [["evil_pickle", "checkpoints/iter_0000002/.metadata", "MARKER"]],
      r"iter_0000002/.metadata: refused, not a torch_dist checkpoint index \(global 'builtins.exec'"),
 ]

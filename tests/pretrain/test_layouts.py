@@ -13,7 +13,7 @@ import pytest
 
 from tests.pretrain.ckpt_helpers import command, metrics, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
 STEPS = 3
 TOLERANCE = 1e-4

@@ -32,7 +32,7 @@ from tests.pretrain.ckpt_helpers import (
     worker_ranks,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
 STEPS = 8
 ONE_RANK = SMALL + [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=2",

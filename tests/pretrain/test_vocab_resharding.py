@@ -9,7 +9,7 @@ import pytest
 
 from tests.pretrain.ckpt_helpers import command, metrics, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
 COMMON = ["logging.tensorboard=false", "checkpoint.interval=2", "train.steps=4", "optimizer.distributed=true"]
 

@@ -1,23 +1,26 @@
-"""Run Megatron-Core 0.16.1 on CPU (gloo): the CUDA assumptions it makes, worked around in one place.
+"""Run Megatron-Core on CPU (gloo): the CUDA assumptions it makes, worked around in one place.
 
-`apply_cpu_shims()` is called by the runtime only when `torch.cuda.is_available()` is False. It edits
-nothing on disk; every change is a run-time substitution listed below (facts measured in
-shared/docs/megatron_on_cpu.md):
+`apply_cpu_shims()` is called at start-up (`pretrain.compat.apply`) only when `torch.cuda.is_available()`
+is False. It edits nothing on disk; every change is a run-time substitution listed in `SHIMS` with the
+megatron-core releases that need it (facts measured in shared/docs/megatron_on_cpu.md):
 
-- `torch.cuda.current_device()` returns "cpu" (RoPE, global memory buffer, SP mappings).
+- `torch.cuda.current_device()` returns "cpu" (RoPE, global memory buffer, SP mappings). 0.16.1+.
 - Torch factory functions map a CUDA `device=` argument to CPU; `Tensor.cuda()` is the identity
-  (hard-coded `device="cuda"` in schedules, optimizer and grad clipping).
-- `Tensor.type()` reports `torch.cuda.*Tensor` for CPU floating tensors (optimizer type checks).
-- The CUDA RNG used by Megatron's RNG tracker and activation recompute is the CPU generator.
-- `torch.cuda.synchronize()` is a no-op.
-
-MoE additions (`_apply_moe_shims`, kept separate): the all-to-all token dispatcher's CUDA streams and
-events become synchronous no-op stand-ins; its split sizes, which it turns into host numpy arrays only
-when they are CUDA tensors (`maybe_move_tensor_to_cpu(as_numpy=True)`), become numpy arrays for CPU
-tensors too (gloo's `all_to_all_single` takes a sequence of ints, not a tensor); `all_reduce(op=AVG)` —
-NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on gloo; and
-`all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's routed
-tokens), which gloo refuses, pads every piece to the longest.
+  (hard-coded `device="cuda"` in schedules, optimizer and grad clipping). 0.16.1+.
+- `Tensor.type()` reports `torch.cuda.*Tensor` for CPU floating tensors (optimizer type checks). 0.16.1+.
+- The CUDA RNG used by Megatron's RNG tracker and activation recompute is the CPU generator. 0.16.1+.
+- `torch.cuda.synchronize()` is a no-op. 0.16.1+.
+- `torch.cuda.current_stream()` is a stream whose waits are no-ops: 0.19 calls it on every gradient
+  sync (`ParamAndGradBuffer.start_grad_sync`, for CUDA-graph events). 0.19.0+.
+- CUDA streams and events are synchronous no-op stand-ins: the all-to-all MoE dispatcher's device-to-host
+  stream and events (0.16.1+), and `torch.cuda.current_stream()`, which 0.19 also calls on every gradient
+  sync (`ParamAndGradBuffer.start_grad_sync`, for CUDA-graph events). 0.16.1+.
+- MoE dispatch on gloo (0.16.1+): the all-to-all dispatcher's split sizes, which it turns into host numpy
+  arrays only when they are CUDA tensors (`maybe_move_tensor_to_cpu(as_numpy=True)`), become numpy arrays
+  for CPU tensors too (gloo's `all_to_all_single` takes a sequence of ints, not a tensor);
+  `all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on
+  gloo; and `all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's
+  routed tokens), which gloo refuses, pads every piece to the longest.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-_APPLIED = False
+_APPLIED: list[str] = []
 
 _FACTORIES = (
     "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
@@ -60,24 +65,18 @@ def _cpu_factory(fn):
     return wrapper
 
 
-def apply_cpu_shims() -> None:
-    """Patch the CUDA assumptions of megatron-core 0.16.1 so it trains on CPU. Idempotent."""
-    global _APPLIED
-    if _APPLIED:
-        return
-    if torch.cuda.is_available():
-        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
-
+def _device_and_sync() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
 
+
+def _factories() -> None:
     for name in _FACTORIES:
         setattr(torch, name, _cpu_factory(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *a, **k: self
 
+
+def _type_strings() -> None:
     original_type = torch.Tensor.type
 
     def _type(self, dtype=None, non_blocking=False, **kwargs):
@@ -91,14 +90,18 @@ def apply_cpu_shims() -> None:
 
     torch.Tensor.type = _type
 
+
+def _rng() -> None:
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # On CPU the tracker's "GPU" generator is the CPU one; its "CPU state changed" warning is noise.
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
-    _apply_moe_shims()
-    _APPLIED = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,14 +160,17 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
-def _apply_moe_shims() -> None:
-    import torch.distributed as dist
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
+def _streams_and_events() -> None:
     torch.cuda.Stream = _HostStream
     torch.cuda.Event = _HostEvent
     torch.cuda.current_stream = lambda *a, **k: _CURRENT_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _moe_dispatch() -> None:
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
@@ -197,3 +203,40 @@ def _apply_moe_shims() -> None:
         return work
 
     dist.all_gather = all_gather
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    since: str  # first megatron-core release that needs it (0.16.1: every supported release)
+    apply: Callable[[], None]
+
+
+SHIMS = (
+    Shim("current_device_and_synchronize", "0.16.1", _device_and_sync),
+    Shim("cuda_factories", "0.16.1", _factories),
+    Shim("cuda_type_strings", "0.16.1", _type_strings),
+    Shim("cuda_rng", "0.16.1", _rng),
+    Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
+    Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
+)
+
+
+def apply_cpu_shims() -> list[str]:
+    """Patch the CUDA assumptions of the installed megatron-core so it trains on CPU. Idempotent.
+
+    Returns the names of the shims in effect.
+    """
+    from packaging.version import Version
+
+    from pretrain.compat.mcore import MCORE
+
+    if _APPLIED:
+        return list(_APPLIED)
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
+    for shim in SHIMS:
+        if MCORE >= Version(shim.since):
+            shim.apply()
+            _APPLIED.append(shim.name)
+    return list(_APPLIED)

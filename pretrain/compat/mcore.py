@@ -1,0 +1,132 @@
+"""Megatron-Core APIs that differ between the supported releases (0.16.1 – 0.19.x), one adapter each.
+
+The installed release is read once (from the package metadata: `megatron.core.__version__` gains a
+`+<git hash>` suffix when the package sits inside a git checkout) and each adapter is chosen by
+`_pick` below. Callers import the adapter, never the version: releases are compared only inside
+`pretrain/compat/` (here, `matrix.py`, and the `since`/`fixed_in` of each CPU shim and Megatron fix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+from packaging.version import Version
+
+SUPPORTED_MIN = Version("0.16.1")
+SUPPORTED_BELOW = Version("0.20")
+
+
+def installed_version() -> Version:
+    """The installed megatron-core release (raises PackageNotFoundError when it is not installed)."""
+    return Version(metadata.version("megatron-core"))
+
+
+MCORE = installed_version()
+
+
+def _pick(impls: dict[str, Callable]) -> Callable:
+    """The implementation for the newest release in `impls` that is not newer than the installed one."""
+    chosen = None
+    for since, impl in sorted(impls.items(), key=lambda kv: Version(kv[0])):
+        if Version(since) <= MCORE:
+            chosen = impl
+    if chosen is None:  # older than every listed release: validation refuses it; use the oldest
+        chosen = min(impls.items(), key=lambda kv: Version(kv[0]))[1]
+    return chosen
+
+
+# --------------------------------------------------------------------------------------------------
+# Context-parallel batch slicing: `megatron.core.utils.get_batch_on_this_cp_rank`
+#   0.16–0.17: (batch, cp_group=None); None means parallel_state's CP group.
+#   0.18+:     (batch, is_hybrid_cp, cp_group=None, ...); is_hybrid_cp is required, and a None cp_group
+#              reaches torch.distributed as the WORLD group, so the CP group is always passed.
+# --------------------------------------------------------------------------------------------------
+
+
+def _cp_batch_0_16(batch: dict) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
+
+
+def _cp_batch_0_18(batch: dict) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+
+
+# --------------------------------------------------------------------------------------------------
+# Distributed checkpoints: `megatron.core.dist_checkpointing.save` / `load`
+#   save, 0.17+: `async_strategy` defaults to "nvrx" (needs nvidia-resiliency-ext and its own queue);
+#                our queue is Megatron's `AsyncCallsQueue`, so "mcore" is asked for.
+#   load: where the common (non-sharded) state comes from, always through the caller's weights-only
+#         reader `read_common(path)`:
+#     0.16:      the `common_strategy=` argument (a `LoadCommonStrategy`);
+#     0.17–0.18: the argument must be None; `serialization.load_common(dir)` reads `common.pt`;
+#     0.19+:     `serialization.load_common_state_dict(dir)` reads the `common_state` object inside the
+#                torch_dist files (or a legacy `common.pt`) — with `weights_only=False` for the former.
+#   0.17+ keep reading `common.pt` of older checkpoints; 0.16 reads 0.19's through `read_common`.
+# --------------------------------------------------------------------------------------------------
+
+
+def _save_0_16(state: dict, path: str, strategy, async_save: bool):
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=async_save)
+
+
+def _save_0_17(state: dict, path: str, strategy, async_save: bool):
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.save(state, path, sharded_strategy=strategy, async_sharded_save=async_save,
+                                   async_strategy="mcore")
+
+
+def _load_0_16(state: dict, path: str, strategy, read_common: Callable[[Path], dict]) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return read_common(Path(checkpoint_dir))
+
+    return dist_checkpointing.load(state, path, sharded_strategy=strategy, common_strategy=SafeCommonLoadStrategy())
+
+
+@contextlib.contextmanager
+def _substituted(module, name: str, value):
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _loader_substituting(common_reader_name: str):
+    def load(state: dict, path: str, strategy, read_common: Callable[[Path], dict]) -> dict:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import serialization
+
+        def reader(checkpoint_dir):
+            return read_common(Path(checkpoint_dir))
+
+        with _substituted(serialization, common_reader_name, reader):
+            return dist_checkpointing.load(state, path, sharded_strategy=strategy)
+
+    return load
+
+
+# --------------------------------------------------------------------------------------------------
+# The selection
+# --------------------------------------------------------------------------------------------------
+
+cp_batch: Callable[[dict], dict] = _pick({"0.16.1": _cp_batch_0_16, "0.18.0": _cp_batch_0_18})
+save_sharded = _pick({"0.16.1": _save_0_16, "0.17.0": _save_0_17})
+load_sharded = _pick({"0.16.1": _load_0_16, "0.17.0": _loader_substituting("load_common"),
+                      "0.19.0": _loader_substituting("load_common_state_dict")})

@@ -1,0 +1,114 @@
+"""The compatibility layer: installed versions against the supported matrix, and what start-up applies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from pretrain.compat.matrix import Installed, assess
+from pretrain.config import load_config
+from pretrain.validate import validate
+
+pytestmark = pytest.mark.mcore
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_CMD = {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "NO_VCS_VERSION": "1"}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, *args], cwd=REPO, env={**os.environ, **ENV_CMD}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_validate_reports_installed_versions():
+    done = _run("-m", "pretrain", "validate", "tiny_llama", "data.mock=true")
+    assert done.returncode == 0, done.stderr
+    py = ".".join(str(x) for x in sys.version_info[:3])
+    line = (f"note: versions: Python {py}, megatron-core {metadata.version('megatron-core')}, Transformer Engine "
+            f"none, torch {metadata.version('torch')} (tested in CI)")
+    assert line in done.stdout, done.stdout
+
+
+# Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
+APPLIED = {
+    "0.16.1": ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
+               "distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step",
+               "load_bytes_weights_only"],
+    "0.19.2": ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
+               "cpu:current_stream", "distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step",
+               "load_bytes_weights_only"],
+}
+
+
+def test_startup_applies_what_the_release_needs():
+    version = metadata.version("megatron-core")
+    if version not in APPLIED:
+        pytest.skip(f"megatron-core {version} is not a release CI runs")
+    done = _run("-c", "import json; from pretrain import compat; print(json.dumps(compat.apply()))")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == APPLIED[version]
+
+
+@pytest.mark.parametrize("installed,level,reason", [
+    (Installed("3.11.7", "0.16.1", None, "2.13.0+cpu"), "tested", None),
+    (Installed("3.11.7", "0.19.2", None, "2.13.0+cpu"), "tested",
+     "megatron-core 0.19.2 declares Python >= 3.12; on Python 3.11 it runs as a test configuration only"),
+    (Installed("3.12.3", "0.18.2", "2.16.0", "2.8.0"), "untested", "this combination is not run by CI"),
+    (Installed("3.12.3", "0.19.2", "2.18.0", "2.13.0"), "untested",
+     "Transformer Engine 2.18.0 is newer than the pairing (megatron-core 0.19.x pairs with Transformer Engine "
+     ">=2.17,<2.18)"),
+    (Installed("3.12.3", "0.19.2", "2.12.0", "2.13.0"), "refused",
+     "Transformer Engine 2.12.0: megatron-core 0.19.x pairs with Transformer Engine >=2.17,<2.18"),
+    (Installed("3.12.3", "0.16.1", "2.14.1", "2.9.0"), "refused",
+     "Transformer Engine 2.14.1: megatron-core 0.16.x pairs with Transformer Engine >=2.9,<2.12"),
+    (Installed("3.12.3", "0.20.0", None, "2.13.0"), "refused",
+     "megatron-core 0.20.0 is outside the supported range >=0.16.1,<0.20"),
+    (Installed("3.12.3", "0.15.2", None, "2.13.0"), "refused",
+     "megatron-core 0.15.2 is outside the supported range >=0.16.1,<0.20"),
+    (Installed("3.10.12", "0.19.2", None, "2.13.0"), "refused",
+     "megatron-core 0.19.2 needs Python >= 3.12, found 3.10.12"),
+    (Installed("3.12.3", "0.19.2", None, "2.5.1"), "refused", "torch 2.5.1: megatron-core needs torch >= 2.6"),
+])
+def test_matrix(installed, level, reason):
+    got_level, reasons = assess(installed)
+    assert got_level == level, reasons
+    if reason is None:
+        assert reasons == []
+    else:
+        assert any(r.startswith(reason) for r in reasons), reasons
+
+
+def test_refusal_is_one_clear_error_unless_allowed():
+    cfg = load_config("tiny_llama", ["data.mock=true"])
+    newer = Installed("3.12.3", "0.20.1", "2.17.1", "2.13.0")
+    report = validate(cfg, 1, versions=newer)
+    assert [str(p) for p in report.errors] == [
+        "[run.allow_untested_versions] unsupported versions: megatron-core 0.20.1 is outside the supported range "
+        ">=0.16.1,<0.20. Fix: install a supported combination (docs/compatibility.md), or set "
+        "run.allow_untested_versions=true to run anyway"]
+    cfg = load_config("tiny_llama", ["data.mock=true", "run.allow_untested_versions=true"])
+    report = validate(cfg, 1, versions=newer)
+    assert report.ok
+    assert ("versions: Python 3.12.3, megatron-core 0.20.1, Transformer Engine 2.17.1, torch 2.13.0 "
+            "(outside the supported matrix)") in report.notes
+    assert "warning: running outside the supported matrix (run.allow_untested_versions=true)" in report.notes
+
+
+def test_installing_the_project_keeps_the_installed_megatron_core(tmp_path):
+    """`pip install -e .` in an environment that already has a supported megatron-core (a container's, or
+    the 0.19.2 venv) installs nothing but the project: the release stays."""
+    report = tmp_path / "report.json"
+    done = _run("-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check", "--report",
+                str(report), "-e", str(REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned = {item["metadata"]["name"]: item["metadata"]["version"]
+               for item in json.loads(report.read_text())["install"]}
+    assert "megatron-core" not in planned and "torch" not in planned, planned
+    assert "megapretrain" in planned, planned
