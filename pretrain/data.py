@@ -100,8 +100,10 @@ def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_bat
         first = start_sample + (j * dp_size + dp_rank) * micro_batch_size
         samples = [dataset[first + i] for i in range(micro_batch_size)]
         _check_ids(samples, first, vocab_size)
-        # tokens, labels, loss_mask, position_ids (and attention_mask with data.reset_attention_mask)
-        batch = {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+        # tokens, labels, loss_mask, position_ids (and attention_mask with data.reset_attention_mask); a
+        # blend's samples also carry their dataset's index (a numpy integer), which the model does not read
+        batch = {k: torch.stack([s[k] for s in samples]).to(device) for k, v in samples[0].items()
+                 if torch.is_tensor(v)}
         out.append(batch)
     return out
 

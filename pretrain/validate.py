@@ -384,9 +384,10 @@ def _optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
                 "set optimizer.overlap_grad_reduce=true")
     for key, value in (("optimizer.lr", o.lr), ("optimizer.min_lr", o.min_lr),
                        ("optimizer.weight_decay", o.weight_decay)):
-        if not math.isfinite(value) or value < 0 or (key == "optimizer.lr" and value == 0):
-            need = "positive" if key == "optimizer.lr" else "0 or more"
-            r.error(key, f"{key}={value} must be {need}", f"set {key} to a number that is {need}")
+        if not math.isfinite(value) or value < 0:
+            r.error(key, f"{key}={value} must be 0 or more", f"set {key} to a number that is 0 or more")
+    if o.lr == 0:
+        r.notes.append("optimizer.lr=0: the weights never change (an evaluation-only run)")
     if o.min_lr > o.lr:
         r.error(("optimizer.min_lr", "optimizer.lr"), f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}",
                 "set min_lr <= lr")

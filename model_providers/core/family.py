@@ -59,6 +59,8 @@ class Family:
         """
         if not original:
             return self.config_json(hf_cfg), []
+        if not original.get("architectures"):  # a config saved without a model: naming ours adds, departs from nothing
+            original = {**original, "architectures": [self.hf_architecture]}
         ours, theirs = _comparable(hf_cfg), _comparable(type(hf_cfg).from_dict(dict(original)))
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
