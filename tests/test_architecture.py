@@ -3,7 +3,8 @@
 - packages depend one way: data_tools → pretrain → model_providers (no package imports one that imports it back);
 - no import cycle between files (lazy imports inside functions count too);
 - no source file over 500 lines, no function over 150 lines;
-- no model-family name (family, HF architecture or model_type) outside model_providers/.
+- no model-family name (family, HF architecture or model_type) outside model_providers/ (a line may say why a
+  literal that happens to equal one is not about a model family: `# family-name-ok: <reason>`).
 """
 
 from __future__ import annotations
@@ -123,8 +124,11 @@ def test_no_family_name_outside_model_providers(package):
     for name, tree in TREES.items():
         if not name.startswith(package):
             continue
+        lines = MODULES[name].read_text().splitlines()
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if any("# family-name-ok:" in ln for ln in lines[node.lineno - 1: node.end_lineno]):
+                    continue
                 words = set(node.value.replace("'", " ").replace('"', " ").split())
                 if node.value in names or words & names:
                     hits.append(f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {node.value!r}")

@@ -37,14 +37,11 @@ def test_validate_reports_installed_versions():
 
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
-APPLIED = {
-    "0.16.1": ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-               "distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step",
-               "load_bytes_weights_only"],
-    "0.19.2": ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-               "cpu:current_stream", "distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step",
-               "load_bytes_weights_only"],
-}
+_CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
+        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo"]
+_FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
+          "recompute_norms_without_te", "moe_router_without_te"]
+APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": _CPU + _FIXES}
 
 
 def test_startup_applies_what_the_release_needs():
