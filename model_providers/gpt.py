@@ -102,6 +102,16 @@ class GPTFamily(Family):
         }
 
 
+def _norm(megatron: str, hf: str) -> tuple:
+    """A LayerNorm's weight and bias (`megatron` + weight/bias, `hf` + weight/bias)."""
+    return Copy(megatron + "weight", hf + "weight"), Copy(megatron + "bias", hf + "bias")
+
+
+def _conv1d(megatron: str, hf: str) -> tuple:
+    """A linear layer GPT-2 stores as Conv1D (weight transposed) and its bias."""
+    return Transpose(megatron + "weight", hf + "weight"), Copy(megatron + "bias", hf + "bias")
+
+
 FAMILY = GPTFamily(
     name="gpt",
     hf_architecture="GPT2LMHeadModel",
@@ -111,20 +121,14 @@ FAMILY = GPTFamily(
     mapping=(
         Vocab("embedding.word_embeddings.weight", "transformer.wte.weight"),
         Copy("embedding.position_embeddings.weight", "transformer.wpe.weight"),
-        Copy(_M + "self_attention.linear_qkv.layer_norm_weight", _H + "ln_1.weight"),
-        Copy(_M + "self_attention.linear_qkv.layer_norm_bias", _H + "ln_1.bias"),
+        *_norm(_M + "self_attention.linear_qkv.layer_norm_", _H + "ln_1."),
         FusedQKV(_M + "self_attention.linear_qkv.weight", _H + "attn.c_attn.weight"),
         FusedQKVBias(_M + "self_attention.linear_qkv.bias", _H + "attn.c_attn.bias"),
-        Transpose(_M + "self_attention.linear_proj.weight", _H + "attn.c_proj.weight"),
-        Copy(_M + "self_attention.linear_proj.bias", _H + "attn.c_proj.bias"),
-        Copy(_M + "mlp.linear_fc1.layer_norm_weight", _H + "ln_2.weight"),
-        Copy(_M + "mlp.linear_fc1.layer_norm_bias", _H + "ln_2.bias"),
-        Transpose(_M + "mlp.linear_fc1.weight", _H + "mlp.c_fc.weight"),
-        Copy(_M + "mlp.linear_fc1.bias", _H + "mlp.c_fc.bias"),
-        Transpose(_M + "mlp.linear_fc2.weight", _H + "mlp.c_proj.weight"),
-        Copy(_M + "mlp.linear_fc2.bias", _H + "mlp.c_proj.bias"),
-        Copy("decoder.final_layernorm.weight", "transformer.ln_f.weight"),
-        Copy("decoder.final_layernorm.bias", "transformer.ln_f.bias"),
+        *_conv1d(_M + "self_attention.linear_proj.", _H + "attn.c_proj."),
+        *_norm(_M + "mlp.linear_fc1.layer_norm_", _H + "ln_2."),
+        *_conv1d(_M + "mlp.linear_fc1.", _H + "mlp.c_fc."),
+        *_conv1d(_M + "mlp.linear_fc2.", _H + "mlp.c_proj."),
+        *_norm("decoder.final_layernorm.", "transformer.ln_f."),
         Vocab("output_layer.weight", "lm_head.weight"),
     ),
     # Causal-mask buffers older GPT-2 checkpoints carry; skipped on import.

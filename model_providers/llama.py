@@ -221,12 +221,11 @@ class LlamaFamily(Family):
         }
 
 
-FAMILY = LlamaFamily(
-    name="llama",
-    hf_architecture="LlamaForCausalLM",
-    hf_model_type="llama",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=MAPPING,
-    hf_ignored=ROTARY_BUFFERS,
-)
+def llama_like(cls: type[LlamaFamily], name: str, hf_architecture: str, presets: dict, fixed_fields: dict,
+               mapping: tuple = MAPPING) -> LlamaFamily:
+    """A family built like Llama: transformers' `model_type` is its name; rotary buffers are not weights."""
+    return cls(name=name, hf_architecture=hf_architecture, hf_model_type=name, presets=presets,
+               fixed_fields=fixed_fields, mapping=mapping, hf_ignored=ROTARY_BUFFERS)
+
+
+FAMILY = llama_like(LlamaFamily, "llama", "LlamaForCausalLM", PRESETS, _FIXED)

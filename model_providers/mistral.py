@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from model_providers.llama import _FIXED, MAPPING, ROTARY_BUFFERS, LlamaFamily
+from model_providers.llama import _FIXED, LlamaFamily, llama_like
 
 _COMMON = {"family": "mistral", **_FIXED, "share_embeddings_and_output_weights": False, "hidden_dropout": 0.0,
            "attention_dropout": 0.0, "layernorm_epsilon": 1e-5}
@@ -36,12 +36,4 @@ class MistralFamily(LlamaFamily):
         return {"sliding_window": cfg.sliding_window}
 
 
-FAMILY = MistralFamily(
-    name="mistral",
-    hf_architecture="MistralForCausalLM",
-    hf_model_type="mistral",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=MAPPING,
-    hf_ignored=ROTARY_BUFFERS,
-)
+FAMILY = llama_like(MistralFamily, "mistral", "MistralForCausalLM", PRESETS, _FIXED)

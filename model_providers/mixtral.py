@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from model_providers.core.mapping import ConversionError, Copy, GateUp
 from model_providers.llama import _FIXED as _LLAMA_FIXED
-from model_providers.llama import MAPPING, ROTARY_BUFFERS
+from model_providers.llama import MAPPING, llama_like
 from model_providers.mistral import MistralFamily
 
 # What makes a model a Mixtral (checked on export, set on import).
@@ -78,18 +78,12 @@ class MixtralFamily(MistralFamily):
         return {**super().fields_from_hf(cfg), **moe_fields(cfg), "moe_ffn_hidden_size": None}  # = ffn_hidden_size
 
 
-FAMILY = MixtralFamily(
-    name="mixtral",
-    hf_architecture="MixtralForCausalLM",
-    hf_model_type="mixtral",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=(
-        *ATTENTION,
-        Copy(_M + "mlp.router.weight", _L + "block_sparse_moe.gate.weight"),
-        GateUp(EXPERTS + "linear_fc1.weight", (_L + "block_sparse_moe.experts.{e}.w1.weight",
-                                               _L + "block_sparse_moe.experts.{e}.w3.weight")),
-        Copy(EXPERTS + "linear_fc2.weight", _L + "block_sparse_moe.experts.{e}.w2.weight"),
-    ),
-    hf_ignored=ROTARY_BUFFERS,
-)
+def moe_rules(router: str, gate: str, up: str, down: str) -> tuple:
+    """The router and per-expert rules, from the HF names of one layer (`{i}`) and expert (`{e}`)."""
+    return (Copy(_M + "mlp.router.weight", router), GateUp(EXPERTS + "linear_fc1.weight", (gate, up)),
+            Copy(EXPERTS + "linear_fc2.weight", down))
+
+
+_E = _L + "block_sparse_moe.experts.{e}."
+FAMILY = llama_like(MixtralFamily, "mixtral", "MixtralForCausalLM", PRESETS, _FIXED, mapping=(
+    *ATTENTION, *moe_rules(_L + "block_sparse_moe.gate.weight", _E + "w1.weight", _E + "w3.weight", _E + "w2.weight")))

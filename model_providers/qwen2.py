@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from model_providers.core.family import shape
 from model_providers.llama import _FIXED as _LLAMA_FIXED
-from model_providers.llama import MAPPING, QKV_BIAS, ROTARY_BUFFERS, LlamaFamily
+from model_providers.llama import MAPPING, QKV_BIAS, LlamaFamily, llama_like
 
 _FIXED = {**_LLAMA_FIXED, "add_qkv_bias": True}
 _COMMON = {"family": "qwen2", **_FIXED, "hidden_dropout": 0.0, "attention_dropout": 0.0, "layernorm_epsilon": 1e-6,
@@ -17,16 +18,12 @@ _COMMON = {"family": "qwen2", **_FIXED, "hidden_dropout": 0.0, "attention_dropou
 _QWEN25 = {**_COMMON, "vocab_size": 152064, "max_position_embeddings": 131072,
            "share_embeddings_and_output_weights": False}
 
-PRESETS: dict[str, dict] = {
-    "tiny_qwen2": {**_COMMON, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 352, "num_attention_heads": 8,
-                   "num_query_groups": 2, "seq_length": 128, "share_embeddings_and_output_weights": True},
-    "qwen25_0p5b": {**_COMMON, "num_layers": 24, "hidden_size": 896, "ffn_hidden_size": 4864,
-                    "num_attention_heads": 14, "num_query_groups": 2, "vocab_size": 151936,
-                    "max_position_embeddings": 32768, "share_embeddings_and_output_weights": True},
-    "qwen25_7b": {**_QWEN25, "num_layers": 28, "hidden_size": 3584, "ffn_hidden_size": 18944,
-                  "num_attention_heads": 28, "num_query_groups": 4},
-    "qwen25_72b": {**_QWEN25, "num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 29568,
-                   "num_attention_heads": 64, "num_query_groups": 8},
+PRESETS: dict[str, dict] = {  # shape(base, layers, hidden, ffn, heads, query groups, **other fields)
+    "tiny_qwen2": shape(_COMMON, 4, 128, 352, 8, 2, seq_length=128, share_embeddings_and_output_weights=True),
+    "qwen25_0p5b": shape(_COMMON, 24, 896, 4864, 14, 2, vocab_size=151936, max_position_embeddings=32768,
+                         share_embeddings_and_output_weights=True),
+    "qwen25_7b": shape(_QWEN25, 28, 3584, 18944, 28, 4),
+    "qwen25_72b": shape(_QWEN25, 80, 8192, 29568, 64, 8),
 }
 
 
@@ -43,12 +40,4 @@ class Qwen2Family(LlamaFamily):
         return {"sliding_window": cfg.sliding_window}  # transformers sets it to None without use_sliding_window
 
 
-FAMILY = Qwen2Family(
-    name="qwen2",
-    hf_architecture="Qwen2ForCausalLM",
-    hf_model_type="qwen2",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=(*MAPPING, QKV_BIAS),
-    hf_ignored=ROTARY_BUFFERS,
-)
+FAMILY = llama_like(Qwen2Family, "qwen2", "Qwen2ForCausalLM", PRESETS, _FIXED, mapping=(*MAPPING, QKV_BIAS))

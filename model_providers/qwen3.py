@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from model_providers.core.family import shape
 from model_providers.core.mapping import ConversionError
 from model_providers.llama import _FIXED as _LLAMA_FIXED
-from model_providers.llama import MAPPING, QK_NORM, ROTARY_BUFFERS
+from model_providers.llama import MAPPING, QK_NORM, llama_like
 from model_providers.qwen2 import Qwen2Family
 
 _FIXED = {**_LLAMA_FIXED, "qk_layernorm": True}
@@ -15,16 +16,12 @@ _COMMON = {"family": "qwen3", **_FIXED, "hidden_dropout": 0.0, "attention_dropou
            "rotary_base": 1000000.0, "seq_length": 4096, "vocab_size": 151936, "max_position_embeddings": 40960,
            "kv_channels": 128, "share_embeddings_and_output_weights": False}
 
-PRESETS: dict[str, dict] = {
-    "tiny_qwen3": {**_COMMON, "num_layers": 4, "hidden_size": 128, "ffn_hidden_size": 352, "num_attention_heads": 8,
-                   "num_query_groups": 4, "kv_channels": 32, "seq_length": 128, "vocab_size": None,
-                   "max_position_embeddings": None},
-    "qwen3_0p6b": {**_COMMON, "num_layers": 28, "hidden_size": 1024, "ffn_hidden_size": 3072,
-                   "num_attention_heads": 16, "num_query_groups": 8, "share_embeddings_and_output_weights": True},
-    "qwen3_8b": {**_COMMON, "num_layers": 36, "hidden_size": 4096, "ffn_hidden_size": 12288,
-                 "num_attention_heads": 32, "num_query_groups": 8},
-    "qwen3_32b": {**_COMMON, "num_layers": 64, "hidden_size": 5120, "ffn_hidden_size": 25600,
-                  "num_attention_heads": 64, "num_query_groups": 8},
+PRESETS: dict[str, dict] = {  # shape(base, layers, hidden, ffn, heads, query groups, **other fields)
+    "tiny_qwen3": shape(_COMMON, 4, 128, 352, 8, 4, kv_channels=32, seq_length=128, vocab_size=None,
+                        max_position_embeddings=None),
+    "qwen3_0p6b": shape(_COMMON, 28, 1024, 3072, 16, 8, share_embeddings_and_output_weights=True),
+    "qwen3_8b": shape(_COMMON, 36, 4096, 12288, 32, 8),
+    "qwen3_32b": shape(_COMMON, 64, 5120, 25600, 64, 8),
 }
 
 
@@ -44,12 +41,4 @@ class Qwen3Family(Qwen2Family):
         return super().fields_from_hf(cfg)
 
 
-FAMILY = Qwen3Family(
-    name="qwen3",
-    hf_architecture="Qwen3ForCausalLM",
-    hf_model_type="qwen3",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=(*MAPPING, *QK_NORM),
-    hf_ignored=ROTARY_BUFFERS,
-)
+FAMILY = llama_like(Qwen3Family, "qwen3", "Qwen3ForCausalLM", PRESETS, _FIXED, mapping=(*MAPPING, *QK_NORM))

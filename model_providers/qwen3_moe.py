@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from model_providers.core.mapping import ConversionError, Copy, GateUp
-from model_providers.llama import QK_NORM, ROTARY_BUFFERS
-from model_providers.mixtral import ATTENTION, EXPERTS, moe_fields, moe_hf_kwargs
+from model_providers.core.mapping import ConversionError
+from model_providers.llama import QK_NORM, llama_like
+from model_providers.mixtral import ATTENTION, moe_fields, moe_hf_kwargs, moe_rules
 from model_providers.qwen3 import _FIXED as _QWEN3_FIXED
 from model_providers.qwen3 import Qwen3Family
 
@@ -71,19 +71,7 @@ class Qwen3MoeFamily(Qwen3Family):
         return out
 
 
-FAMILY = Qwen3MoeFamily(
-    name="qwen3_moe",
-    hf_architecture="Qwen3MoeForCausalLM",
-    hf_model_type="qwen3_moe",
-    presets=PRESETS,
-    fixed_fields=_FIXED,
-    mapping=(
-        *ATTENTION,
-        *QK_NORM,
-        Copy(_M + "mlp.router.weight", _L + "mlp.gate.weight"),
-        GateUp(EXPERTS + "linear_fc1.weight", (_L + "mlp.experts.{e}.gate_proj.weight",
-                                               _L + "mlp.experts.{e}.up_proj.weight")),
-        Copy(EXPERTS + "linear_fc2.weight", _L + "mlp.experts.{e}.down_proj.weight"),
-    ),
-    hf_ignored=ROTARY_BUFFERS,
-)
+_E = _L + "mlp.experts.{e}."
+FAMILY = llama_like(Qwen3MoeFamily, "qwen3_moe", "Qwen3MoeForCausalLM", PRESETS, _FIXED, mapping=(
+    *ATTENTION, *QK_NORM, *moe_rules(_L + "mlp.gate.weight", _E + "gate_proj.weight", _E + "up_proj.weight",
+                                     _E + "down_proj.weight")))

@@ -16,6 +16,12 @@ from typing import Any
 from model_providers.core.mapping import ConversionError, Dims, MappingRule
 
 
+def shape(base: Mapping, layers: int, hidden: int, ffn: int, heads: int, groups: int | None, **fields: Any) -> dict:
+    """A preset: `base` fields plus the transformer shape (layers, hidden, FFN, heads, query groups) and `fields`."""
+    return {**base, "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_attention_heads": heads,
+            "num_query_groups": groups, **fields}
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. Subclasses implement `to_hf_config` and `from_hf_config`."""
