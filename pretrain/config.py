@@ -72,7 +72,8 @@ class ModelConfig:
     # Fused SwiGLU / bias-GELU kernels (torch.compile'd): None = on GPU, off on CPU.
     bias_activation_fusion: bool | None = None
     # Selective recompute: which submodules (Megatron-Core's names); None: ["core_attn"] (Megatron's default).
-    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] | None = None
+    # moe (the whole MoE layer) and moe_act (the experts' activation, grouped GEMM only): MoE models only.
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm", "moe", "moe_act"]] | None = None
     # Transformer Engine / FP8 (GPU only; validated).
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None

@@ -21,6 +21,7 @@ from pretrain.layout import (
     te_available,
     use_transformer_engine,
 )
+from pretrain.recompute_rules import recompute_problems
 
 
 @dataclass
@@ -471,27 +472,10 @@ RECOMPUTE_DEFAULT = ("core_attn",)  # Megatron-Core's default recompute_modules
 
 
 def _recompute_module_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """model.recompute_modules: only with selective recompute, not empty, and not a no-op under the TE spec."""
-    m = cfg.model
-    mods = m.recompute_modules
-    if mods is None:
-        return
-    if m.recompute_granularity != "selective":
-        r.error(("model.recompute_modules", "model.recompute_granularity"),
-                "model.recompute_modules is only used with model.recompute_granularity=selective",
-                "set model.recompute_granularity=selective or model.recompute_modules=null")
-        return
-    if not mods:
-        r.error("model.recompute_modules", "model.recompute_modules=[] recomputes nothing",
-                "list modules (core_attn, mlp, layernorm) or set model.recompute_granularity=null")
-    if len(set(mods)) != len(mods):
-        r.error("model.recompute_modules", f"model.recompute_modules={mods} names a module twice",
-                "list each module once")
-    use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
-    if "layernorm" in mods and use_te:
-        r.error(("model.recompute_modules", "model.transformer_impl"),
-                "recompute of layernorm does nothing with the Transformer Engine spec (both norms are fused into "
-                "the following linear layers)", "remove layernorm, or set model.transformer_impl=local")
+    """model.recompute_modules (`pretrain.recompute_rules`)."""
+    use_te = lay.use_te if lay is not None else use_transformer_engine(cfg.model.transformer_impl, te_on_gpu)
+    for keys, message, fix in recompute_problems(cfg.model, use_te):
+        r.error(keys, message, fix)
 
 
 def _fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:

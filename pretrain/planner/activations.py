@@ -107,23 +107,24 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     out["attention_output"] = a * sbd * kept
     fc2_in = FP8_BYTES if fp8 else p
     if m.num_moe_experts:
-        return {**out, **moe_terms(cfg, lay, s * b // (t if lay.sp else 1))}
-    sbf = s * b * f // t
-    if m.gated_linear_unit:
-        if bias_activation_fusion(m, lay.on_gpu):
-            out["mlp"] = sbf * (2 * p + fc2_in)  # fused SwiGLU keeps its input; fc2 its own input
-        else:
-            out["mlp"] = sbf * (4 * p + fc2_in)  # fc1 output, silu(x1), x2 + 0, fc2 input
+        out.update(moe_terms(cfg, lay, rows, modules))
     else:
-        out["mlp"] = sbf * (p + fc2_in)  # GELU input (fc1 output + bias), fc2 input
-    if "mlp" in modules:
-        out["mlp"] = 0
+        sbf = s * b * f // t
+        if m.gated_linear_unit:
+            if bias_activation_fusion(m, lay.on_gpu):
+                out["mlp"] = sbf * (2 * p + fc2_in)  # fused SwiGLU keeps its input; fc2 its own input
+            else:
+                out["mlp"] = sbf * (4 * p + fc2_in)  # fc1 output, silu(x1), x2 + 0, fc2 input
+        else:
+            out["mlp"] = sbf * (p + fc2_in)  # GELU input (fc1 output + bias), fc2 input
+        if "mlp" in modules:
+            out["mlp"] = 0
     if "layernorm" in modules and not lay.use_te:
         out["norms_and_gemm_inputs"] = 2 * hs * p
     return out
 
 
-def moe_terms(cfg: Config, lay: Layout, tokens: int) -> dict[str, int]:
+def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
     """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank.
 
     Measured on CPU ranks (local spec, `SequentialMLP`, dropless, fp32 and bf16, varying h, f_e, E, k): the
@@ -132,7 +133,13 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int) -> dict[str, int]:
     dispatched input (h) and six f_e-wide values (fc1's output, the activation, the gated product, the input
     of fc2, ...) in the activation dtype. A rank's experts get T·k·ETP copies (expert TP gathers the tokens of
     its group) of width f_e / ETP, counted as if routing were balanced across expert-parallel ranks.
+
+    `modules`: `moe` checkpoints the whole layer (Megatron-Core's `MoELayer`), which keeps only its input, the
+    pre-MLP norm's output already counted with the norms: nothing here. `moe_act` (grouped GEMM only, GPU)
+    discards the activation's output, fc2's input: f_e / ETP values per copy fewer (from the source, not measured).
     """
+    if "moe" in modules:
+        return {"moe_router": 0, "moe_experts": 0}
     m = cfg.model
     p = lay.bytes_per_value
     experts, k = m.num_moe_experts, m.moe_router_topk
@@ -142,7 +149,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int) -> dict[str, int]:
     if m.moe_z_loss_coeff:
         router += 4 * tokens * experts + 4 * tokens + 4
     width = lay.moe_ffn_hidden_size // lay.etp
-    per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width
+    per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width - (width if "moe_act" in modules else 0)
     return {"moe_router": router, "moe_experts": tokens * k * lay.etp * per_copy * p}
 
 
@@ -190,12 +197,12 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     softmax statistics.
     """
     full = layer_terms(cfg, lay)
+    mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"]
     if "core_attn" not in modules:
         norms = full["norms_and_gemm_inputs"] - layer_terms(cfg, lay, modules=("layernorm",))[
             "norms_and_gemm_inputs"]
-        return max(full["mlp"] if "mlp" in modules else 0, norms // 2 if "layernorm" in modules else 0), 0
+        return max(mlp if {"mlp", "moe"} & set(modules) else 0, norms // 2 if "layernorm" in modules else 0), 0
     kept = layer_terms(cfg, lay, recompute_core_attention=True)
-    mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"]
     freed = full["norms_and_gemm_inputs"] // 2 + mlp + kept["attention_output"]
     m = cfg.model
     a = m.num_attention_heads

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.layout import Layout
+from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
@@ -39,7 +40,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     """Step time = compute/(GEMM efficiency) × (1 + bubble) + TP + CP + PP + DP communication (no overlap).
 
     - compute: model FLOPs per step / (world × peak × GEMM_EFFICIENCY), ×4/3 with full recompute and
-      + the core-attention share with selective recompute;
+      + the forward of what selective recompute recomputes (core attention; MoE layers with `moe`);
     - bubble: (P − 1) / (V · M) of the compute;
     - TP: 8 ring collectives per layer per microbatch (4 forward, 4 backward) of (t−1)/t · s·b·h·p bytes,
       over NVLink (TP stays inside a node);
@@ -52,7 +53,8 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     - EP (MoE): per layer and microbatch 4 all-to-alls (dispatch and combine, forward and backward), each
       sending the (EP−1)/EP of this rank's T·k routed token copies that go to other ranks (balanced routing),
       T·k·h·p bytes in all; with expert TP > 1 also 4 gathers/scatters of (ETP−1)·T·k·h·p. NVLink when the
-      expert-TP × EP group (consecutive ranks) fits in a node, else the network.
+      expert-TP × EP group (consecutive ranks) fits in a node, else the network. Full recompute or selective
+      `moe` recompute runs the forward's two again (×1.5), and `moe` the MoE layers' forward FLOPs.
     """
     m = cfg.model
     p = lay.bytes_per_value
@@ -61,16 +63,23 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     f_tok = flops_per_token(m, padded_vocab)
     compute = f_tok * lay.gbs * m.seq_length / (lay.world * peak * GEMM_EFFICIENCY)
     h, a = m.hidden_size, m.num_attention_heads
+    modules = recomputed_modules(cfg)
     d, g = lay.head_dim, lay.num_query_groups
     if m.recompute_granularity == "full":
         compute *= 4 / 3
     elif m.recompute_granularity == "selective":
-        core = 12 * m.num_layers * h * h * (m.seq_length / (2 * h)) * (a * d / h)
-        compute *= 1 + (core / 3) / f_tok
+        again = 0.0  # forward FLOPs per token run again in backward
+        if "core_attn" in modules:
+            again += 12 * m.num_layers * h * h * (m.seq_length / (2 * h)) * (a * d / h) / 3
+        if m.num_moe_experts and "moe" in modules:  # the MoE layers: router and the top-k experts
+            gemms = (3 if m.gated_linear_unit else 2) * h * lay.moe_ffn_hidden_size
+            again += 2 * m.num_layers * (m.moe_router_topk * gemms + m.num_moe_experts * h)
+        compute *= 1 + again / f_tok
     nv, net = NVLINK_GBPS[gpu] * 1e9, NETWORK_GBPS[gpu] * 1e9
     s, b = m.seq_length // lay.cp, lay.mbs
     mb, layers = lay.num_microbatches, m.num_layers // lay.pp
     recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0
+    moe_recompute = "moe" in modules
     tp = mb * layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / nv
     cp_bw = nv if lay.tp * lay.cp <= gpus_per_node else net
     cp = mb * layers * 3 * (lay.cp - 1) * 2 * s * b * g * d // lay.tp * p / cp_bw
@@ -92,7 +101,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     if m.num_moe_experts:
         copies = s * b // (lay.tp if lay.sp else 1) * m.moe_router_topk
         per_layer = 4 * copies * h * p * ((lay.ep - 1) / lay.ep + (lay.etp - 1))
-        ep_bytes = int(mb * layers * recompute_fwd * per_layer)
+        ep_bytes = int(mb * layers * (1.5 if moe_recompute else recompute_fwd) * per_layer)
         ep = ep_bytes / (nv if lay.etp * lay.ep <= gpus_per_node else net)
     bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
     return Cost(compute, bubble, tp, cp, pp, dp, ep, ep_bytes)

@@ -1,7 +1,7 @@
 """Torchrun worker for tests/pretrain/test_plan.py: real Megatron ranks for several layouts (one
 process-group launch per world size), the bytes each rank holds, and the planner's prediction for them.
 
-    torchrun --standalone --nproc-per-node W tests/pretrain/plan_worker.py OUT.json [ACTIVATION-CASE ...]
+    torchrun --standalone --nproc-per-node W tests/pretrain/plan_worker.py OUT.json [LAYOUT-OR-CASE ...]
 
 OUT.json: {"static": [...], "activations": [...]}, one record per rank and layout.
 
@@ -17,8 +17,9 @@ build_model → wrap_with_ddp → build_optimizer), takes one optimizer step so 
 Activations (ACTIVATION_CASES): each rank trains one step through `train()` with
 `pretrain.planner.measure.SavedTensorMeter` around it (saved_tensors_hooks; storages counted once, parameters
 excluded) and records `peak`, the most bytes autograd held at once, and `layers`, the bytes first saved inside
-each decoder layer's forward of the first microbatch; predicted: the planner's peak for this pipeline stage
-(stored activations + the recompute working set beyond them) and its per-layer bytes.
+each decoder layer's forward of the first microbatch (MoE at EP > 1: the expert-parallel group's mean);
+predicted: the planner's peak for this pipeline stage (stored activations + the recompute working set beyond them)
+and its per-layer bytes.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
         "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
         "parallel.virtual_pipeline=2", "train.micro_batch_size=1", "train.global_batch_size=4"]),
     ("moe bf16 DP2 EP1", 2, "tiny_moe", MOE + BF16 + ["train.micro_batch_size=1", "train.global_batch_size=2"]),
+    # EP > 1: a rank's experts get the tokens routed to them; the planner counts balanced routing, so the mean over
+    # the expert-parallel group is compared (the all-to-all moves T·k copies in all).
+    ("moe bf16 EP2", 2, "tiny_moe", MOE + BF16 + ["parallel.expert=2", "train.micro_batch_size=1",
+                                                  "train.global_batch_size=2"]),
+    ("moe fp32 EP2 selective moe", 2, "tiny_moe", MOE + ["parallel.expert=2", "model.recompute_granularity=selective",
+                                                         "model.recompute_modules=[moe]", "train.micro_batch_size=1",
+                                                         "train.global_batch_size=2"]),
+    ("moe bf16 TP2 SP EP2 ETP2", 4, "tiny_moe", MOE + BF16 + [
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "train.micro_batch_size=1",
+        "train.global_batch_size=2"]),
 ]  # fmt: skip
 
 RUN = ["data.mock=true", "train.steps=1", "optimizer.warmup_steps=0", "checkpoint.save_at_end=false",
@@ -153,9 +164,16 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
     pp_rank = ps.get_pipeline_model_parallel_rank()
     act = planner.activation_memory(cfg, lay, vocab, pp_rank)
     layers = [meter.by_label[k] for k in sorted(meter.by_label)]
+    measured = {"peak": meter.peak, "layers": layers}
+    if lay.ep > 1:  # routing is not balanced: the expert-parallel group's mean (its sum is what was routed)
+        group: list = [None] * lay.ep
+        dist.all_gather_object(group, measured, group=ps.get_expert_model_parallel_group())
+        measured = {"peak": sum(g["peak"] for g in group) // lay.ep, "peak_ranks": [g["peak"] for g in group],
+                    "layers": [sum(col) // lay.ep for col in zip(*(g["layers"] for g in group))],
+                    "layers_ranks": [g["layers"] for g in group]}
     return {
         "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "measured": {"peak": meter.peak, "layers": layers},
+        "measured": measured,
         "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
                       "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg))},
         "recompute": cfg.model.recompute_granularity,
@@ -243,7 +261,7 @@ def main() -> int:
     results: dict[str, list] = {"static": [], "activations": []}
     try:
         for name, world, config, overrides in LAYOUTS:
-            if world != rt.world_size or only:
+            if world != rt.world_size or (only and name not in only):
                 continue
             record = run_layout(name, config, overrides)
             gathered: list = [None] * rt.world_size

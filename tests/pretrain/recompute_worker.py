@@ -2,9 +2,10 @@
 
     python -m tests.pretrain.recompute_worker CASES.json OUT.json
 
-CASES.json: [{"name": ..., "overrides": [...]}, ...] on tiny_llama. Each case builds the model the trainer builds
-(`model_providers.core.builder.build_model` from the config and its derived layout), reads the trainer's first
-microbatch (`pretrain.data`), and runs the trainer's `forward_step` under `torch.autograd.graph.saved_tensors_hooks`.
+CASES.json: [{"name": ..., "overrides": [...], "config": ...}, ...] (config: tiny_llama unless given). Each case
+builds the model the trainer builds (`model_providers.core.builder.build_model` from the config and its derived
+layout), reads the trainer's first microbatch (`pretrain.data`), and runs the trainer's `forward_step` under
+`torch.autograd.graph.saved_tensors_hooks`.
 Held bytes: the planner's `SavedTensorMeter` (distinct storages saved for backward, parameters excluded), sized when
 the forward has returned (selective recompute of norms frees its outputs' storage after use). Backward then runs, so
 recompute is exercised.
@@ -54,7 +55,7 @@ def main() -> int:
     rt = init_distributed()
     try:
         for case in cases:
-            cfg = load_config("tiny_llama", case["overrides"])
+            cfg = load_config(case.get("config", "tiny_llama"), case["overrides"])
             tokenizer = build_tokenizer(cfg.data)
             layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
             init_model_parallel(layout, cfg.train.seed)

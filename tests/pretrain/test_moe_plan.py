@@ -4,6 +4,8 @@ optimizer state over expert DP), the token all-to-all in the cost model, and the
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pretrain import plan
@@ -39,8 +41,11 @@ def test_total_and_active_parameters(preset, total_b, active_b):
     digits = len(total_b.split(".")[1]) if "." in total_b else 0
     print(f"{preset}: {total:,} parameters ({total / 1e9:.{digits}f}B), {active:,} active ({active / 1e9:.2f}B)")
     assert f"{total / 1e9:.{digits}f}" == total_b
+    # Active counts as published: Mistral rounds (12.88B -> "12.9B"), Qwen truncates (3.35B -> "3.3B", 22.19B ->
+    # "22B"); the figure is one of the two.
     digits = len(active_b.split(".")[1]) if "." in active_b else 0
-    assert f"{active / 1e9:.{digits}f}" == active_b
+    truncated = f"{math.floor(active / 10 ** (9 - digits)) / 10 ** digits:.{digits}f}"
+    assert active_b in (f"{active / 1e9:.{digits}f}", truncated)
 
 
 @pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b"])

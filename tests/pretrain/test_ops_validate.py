@@ -102,9 +102,10 @@ def test_wandb_missing_is_reported(monkeypatch):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("model.recompute_modules=[core_attn,moe]",
-     "model.recompute_modules: 'moe' is not one of core_attn, mlp, layernorm"),
-    ("model.recompute_modules=mlp", "'model.recompute_modules' must be a list of core_attn, mlp, layernorm, got 'mlp'"),
+    ("model.recompute_modules=[core_attn,shared_experts]",
+     "model.recompute_modules: 'shared_experts' is not one of core_attn, mlp, layernorm, moe, moe_act"),
+    ("model.recompute_modules=mlp",
+     "'model.recompute_modules' must be a list of core_attn, mlp, layernorm, moe, moe_act, got 'mlp'"),
     ("logging.wandb.mode=cloud", "logging.wandb.mode='cloud' is not one of online, offline, disabled"),
     ("logging.profile.ranks=[zero]", "'logging.profile.ranks' must be of type list of int, got ['zero'] (list)"),
     ("data.eod_mask_loss=yes please", "'data.eod_mask_loss' must be of type bool, got 'yes please' (str)"),
@@ -113,3 +114,35 @@ def test_new_keys_checked_at_parse_time(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("tiny_llama", [override])
     assert str(err.value) == message
+
+
+SEL = "model.recompute_granularity=selective"
+
+
+@pytest.mark.parametrize("config,overrides,gpu,te,expected", [
+    # moe / moe_act: MoE models only, one line on a dense model.
+    ("tiny_llama", [SEL, "model.recompute_modules=[core_attn,moe]"], False, False,
+     ["[model.recompute_modules, model.num_moe_experts] recompute of moe needs MoE layers and this model is dense "
+      "(model.num_moe_experts=null). Fix: remove moe (mlp recomputes a dense model's MLP)"]),
+    ("tiny_llama", [SEL, "model.recompute_modules=[moe,moe_act]"], True, True,
+     ["[model.recompute_modules, model.num_moe_experts] recompute of moe, moe_act needs MoE layers and this model is "
+      "dense (model.num_moe_experts=null). Fix: remove moe, moe_act (mlp recomputes a dense model's MLP)"]),
+    ("tiny_moe", [SEL, "model.recompute_modules=[core_attn,moe,layernorm]"], False, False, []),
+    ("tiny_moe", [SEL, "model.recompute_modules=[moe]"], True, True, []),
+    ("tiny_moe", [SEL, "model.recompute_modules=[moe_act]"], True, True, []),  # TE spec: grouped GEMM
+    # moe_act: megatron-core 0.16.1 refuses it without grouped GEMM (the local spec's SequentialMLP).
+    ("tiny_moe", [SEL, "model.recompute_modules=[moe_act]"], False, False,
+     ["[model.recompute_modules, model.moe_grouped_gemm] recompute of moe_act needs the grouped-GEMM experts of the "
+      "Transformer Engine spec (megatron-core refuses it with the local spec's SequentialMLP). Fix: use moe (the "
+      "whole MoE layer), or run on a GPU with transformer-engine"]),
+    ("tiny_moe", [SEL, "model.recompute_modules=[moe_act]", "model.fp8=delayed"], True, True,
+     ["[model.recompute_modules, model.fp8] recompute of moe_act does not work with delayed FP8 scaling "
+      "(megatron-core). Fix: set model.fp8=tensorwise, or remove moe_act"]),
+    # mlp is a no-op on MoE layers (TransformerLayer recomputes only a dense MLP).
+    ("tiny_moe", [SEL, "model.recompute_modules=[mlp]"], False, False,
+     ["[model.recompute_modules] recompute of mlp does nothing on MoE layers (Megatron-Core skips them). Fix: use moe "
+      "(the whole MoE layer) instead of mlp"]),
+])  # fmt: skip
+def test_moe_recompute_modules(config, overrides, gpu, te, expected):
+    report = validate(load_config(config, overrides), 1, te_on_gpu=te, cuda_available=gpu)
+    assert [str(p) for p in report.errors] == expected
