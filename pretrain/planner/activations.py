@@ -131,8 +131,9 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     router keeps fp32 logits and index/mask tensors, 5·T·E + 24·T·k bytes, plus 4·T·E + 8·T·k + 8·E + 4 with
     the load-balancing loss and 4·T·E + 4·T + 4 with the z-loss; the experts keep, per routed token copy, the
     dispatched input (h) and six f_e-wide values (fc1's output, the activation, the gated product, the input
-    of fc2, ...) in the activation dtype. A rank's experts get T·k·ETP copies (expert TP gathers the tokens of
-    its group) of width f_e / ETP, counted as if routing were balanced across expert-parallel ranks.
+    of fc2, ...) in the activation dtype (TE's grouped GEMM with the fused SwiGLU: three, see below). A rank's
+    experts get T·k·ETP copies (expert TP gathers the tokens of its group) of width f_e / ETP, counted as if
+    routing were balanced across expert-parallel ranks (measured at EP2: the group's mean exact, ranks ±3%).
 
     `modules`: `moe` checkpoints the whole layer (Megatron-Core's `MoELayer`), which keeps only its input, the
     pre-MLP norm's output already counted with the norms: nothing here. `moe_act` (grouped GEMM only, GPU)
@@ -149,6 +150,12 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     if m.moe_z_loss_coeff:
         router += 4 * tokens * experts + 4 * tokens + 4
     width = lay.moe_ffn_hidden_size // lay.etp
+    grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
+    if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu):
+        # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
+        # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
+        per_copy = m.hidden_size + 3 * width - (width if "moe_act" in modules else 0)
+        return {"moe_router": router, "moe_experts": tokens * k * lay.etp * (per_copy * p + 4)}
     per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width - (width if "moe_act" in modules else 0)
     return {"moe_router": router, "moe_experts": tokens * k * lay.etp * per_copy * p}
 

@@ -33,7 +33,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.insert(3, f"  experts    {moe['experts']} per layer, top-{moe['topk']}; "
                         f"ETP{moe['expert_tensor_parallel']} × EP{moe['expert_parallel']} × "
                         f"EDP{moe['expert_data_parallel']}: {moe['experts_per_rank']} "
-                        f"experts per rank ({moe['expert_parameters_on_rank']:,} expert parameters on the most loaded "
+                        f"expert{'s' if moe['experts_per_rank'] > 1 else ''} per rank "
+                        f"({moe['expert_parameters_on_rank']:,} expert parameters on the most loaded "
                         f"rank); all-to-all {moe['all_to_all_bytes_per_step'] / 1e9:.2f} GB sent per rank per step")
     header = ("stage", "weights", "gradients", "optimizer", "activations", "fp8", "buffers", "total")
     lines.append("    " + "".join(f"{h:>12}" for h in header))

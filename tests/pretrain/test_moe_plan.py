@@ -98,3 +98,49 @@ def test_all_to_all_volume_and_the_shipped_layout():
     text = plan.format_plan(p)
     assert "experts    128 per layer, top-8; ETP1 × EP8 × EDP1: 16 experts per rank" in text
     assert "active per token" in text and " + EP " in text
+
+
+MIXTRAL_2X8 = ["model.preset=mixtral_8x7b", "parallel.pipeline=2", "parallel.expert=8", "parallel.expert_tensor=1",
+               "train.precision=bf16", "optimizer.distributed=true", "train.global_batch_size=256",
+               "train.micro_batch_size=1"]
+
+
+def test_mixtral_plan_from_the_command_line():
+    """`python -m pretrain plan` for Mixtral 8x7B on 2 × 8 H100 (PP2 × EP8: one expert per rank): the parameter
+    counts, the rank's experts and optimizer shard, and the all-to-all bytes, each from first principles."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pretrain", "plan", "tiny_moe", *MIXTRAL_2X8, *args, "--nodes",
+                               "2", "--gpus-per-node", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+
+    out = run("--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    total, active, _ = first_principles("mixtral_8x7b")
+    assert (p["num_parameters"], p["num_active_parameters"]) == (total, active)
+    h, f, layers = 4096, 14336, 16  # per pipeline stage
+    assert p["moe"]["experts_per_rank"] == 1 and p["moe"]["expert_parameters_on_rank"] == layers * 3 * h * f
+    # bf16 weights and grads (2 + 2 bytes... grads fp32 in DDP: 4), Adam moments + fp32 main params (12 bytes) of
+    # the dense part sharded over DP8 and the experts over EDP1.
+    on_rank = p["most_loaded_rank"]["parameters"]
+    experts = p["moe"]["expert_parameters_on_rank"]
+    stage0 = p["stages"][0]
+    assert stage0["weights"] * 2**30 == pytest.approx(2 * on_rank, rel=1e-3)
+    assert stage0["optimizer"] * 2**30 == pytest.approx(12 * ((on_rank - experts) / 8 + experts), rel=1e-3)
+    # 4 all-to-alls per layer and microbatch (dispatch, combine; forward, backward) of 7/8 of T·k·h bf16 values.
+    assert p["moe"]["all_to_all_bytes_per_step"] == int(32 * layers * 4 * 4096 * 2 * h * 2 * 7 / 8)
+    text = run().stdout
+    assert f"{total:,} parameters, {active:,} active per token (27.6%)" in text
+    assert "experts    8 per layer, top-2; ETP1 × EP8 × EDP1: 1 expert per rank" in text
+    # Selective recompute of the MoE layers runs their forward all-to-alls again: 6 instead of 4 per layer.
+    again = json.loads(run("model.recompute_granularity=selective", "model.recompute_modules=[moe]", "--json").stdout)
+    assert again["moe"]["all_to_all_bytes_per_step"] == p["moe"]["all_to_all_bytes_per_step"] * 3 // 2
+    assert again["stages"][0]["activations"] < stage0["activations"]
+    print(f"mixtral_8x7b PP2×EP8 on 16 H100: {p['memory_gib']['total']:.2f} GiB/GPU, all-to-all "
+          f"{p['moe']['all_to_all_bytes_per_step'] / 1e9:.2f} GB/step/rank, EP {p['cost_model']['ep_comm_s']:.2f} s")
