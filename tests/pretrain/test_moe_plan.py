@@ -144,3 +144,30 @@ def test_mixtral_plan_from_the_command_line():
     assert again["stages"][0]["activations"] < stage0["activations"]
     print(f"mixtral_8x7b PP2×EP8 on 16 H100: {p['memory_gib']['total']:.2f} GiB/GPU, all-to-all "
           f"{p['moe']['all_to_all_bytes_per_step'] / 1e9:.2f} GB/step/rank, EP {p['cost_model']['ep_comm_s']:.2f} s")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_launch_script_layout_fits_as_planned(precision):
+    """What `sbatch launch/pretrain_moe.sh` passes (its LAUNCH_PRINT_OVERRIDES mode), planned by the command line
+    for 2 × 8 H100: it fits, with 16 experts per rank and the all-to-all on NVLink."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    printed = subprocess.run(["bash", str(root / "launch/pretrain_moe.sh")], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "LAUNCH_PRINT_OVERRIDES": "1", "PRECISION": precision})
+    assert printed.returncode == 0, printed.stderr
+    config, *overrides = printed.stdout.split()
+    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", config, *overrides, "--nodes", "2",
+                          "--gpus-per-node", "8", "--gpu", "h100", "--json"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    print(f"launch/pretrain_moe.sh {precision}: {p['memory_gib']['total']:.2f} GiB of {p['gpu_memory_gib']:.1f}, "
+          f"{p['moe']['expert_parameters_on_rank']:,} expert parameters per rank, all-to-all "
+          f"{p['moe']['all_to_all_bytes_per_step'] / 1e9:.2f} GB/step/rank ({p['cost_model']['ep_comm_s']:.2f} s)")
+    assert p["fits"] and p["moe"]["experts_per_rank"] == 16 and p["moe"]["expert_data_parallel"] == 1
+    assert p["cost_model"]["ep_comm_s"] == pytest.approx(p["moe"]["all_to_all_bytes_per_step"] / 450e9)
