@@ -257,7 +257,8 @@ def train(cfg: Config) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from model_providers.core.builder import build_model
-    from pretrain import checkpointing
+    from pretrain.checkpoint import resume as checkpoint_resume
+    from pretrain.checkpoint import save as checkpoint_save
     from pretrain.data import DataError, build_datasets, build_tokenizer, checked_microbatches, data_cache_dir
     from pretrain.flops import flops_per_token, gpu_peak_tflops
     from pretrain.metrics import MetricsWriter, format_step_line
@@ -312,7 +313,7 @@ def train(cfg: Config) -> dict:
     log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
-    step, consumed, resumed = checkpointing.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
@@ -343,15 +344,15 @@ def train(cfg: Config) -> dict:
     peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
     reason, signal_name, message = "completed", None, None
     last_saved = step if resumed else None
-    async_saves = checkpointing.AsyncSaves() if cfg.checkpoint.async_save else None
+    async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
 
     def save(at_step: int) -> None:
         nonlocal last_saved
         if last_saved == at_step:
             return
         t0 = time.perf_counter()
-        path = checkpointing.save_checkpoint(cfg, model, optimizer, scheduler, step=at_step,
-                                             consumed_samples=consumed, async_saves=async_saves)
+        path = checkpoint_save.save_checkpoint(cfg, model, optimizer, scheduler, step=at_step,
+                                               consumed_samples=consumed, async_saves=async_saves)
         last_saved = at_step
         how = "started async save of" if async_saves is not None else "saved"
         log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
@@ -495,7 +496,7 @@ def main(cfg: Config) -> int:
     Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory, or a
     full / read-only / forbidden file system (the message names the path).
     """
-    from pretrain.checkpointing import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError
     from pretrain.run_dir import environment_error, os_error_line, report_failure
     from pretrain.runtime import shutdown
 

@@ -431,7 +431,7 @@ def _check_pretrained(cfg: Config, r: Report) -> None:
     """checkpoint.pretrained names a complete checkpoint (a run dir, a checkpoints dir or an iteration dir)."""
     if not cfg.checkpoint.pretrained:
         return
-    from pretrain.checkpointing import CheckpointError, resolve_checkpoint
+    from pretrain.checkpoint.format import CheckpointError, resolve_checkpoint
 
     try:
         resolve_checkpoint(cfg.checkpoint.pretrained)
