@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import yaml
 
+from pretrain.files import write_atomic
+
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.pt"
 INDEX_FILE = ".metadata"
@@ -83,20 +85,6 @@ def is_committed(path: Path) -> bool:
     return (path / RUN_CONFIG_FILE).is_file()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit_files(path: Path, run_config_yaml: str, root: Path | None = None, step: int | None = None) -> None:
     """Mark `path` complete: write its `run_config.yaml`, then (given `root`) point the tracker at `step`.
 
@@ -104,10 +92,10 @@ def commit_files(path: Path, run_config_yaml: str, root: Path | None = None, ste
     """
     target = path / RUN_CONFIG_FILE
     try:
-        _write_atomic(target, run_config_yaml)
+        write_atomic(target, run_config_yaml)
         if root is not None:
             target = root / TRACKER
-            _write_atomic(target, f"{step}\n")
+            write_atomic(target, f"{step}\n")
     except OSError as exc:
         raise CheckpointError(f"{target}: committing the checkpoint failed ({exc.strerror or exc}); "
                               "the tracker was not moved") from None
@@ -118,7 +106,7 @@ def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> No
     `metadata.json`, `common.pt` and, last, `run_config.yaml`."""
     (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
     torch.save(common, path / COMMON_FILE)
-    _write_atomic(path / RUN_CONFIG_FILE, run_config_yaml)
+    write_atomic(path / RUN_CONFIG_FILE, run_config_yaml)
 
 
 def agree(error: CheckpointError | None) -> None:
