@@ -18,6 +18,7 @@ from pretrain.checkpoint.format import (
 )
 from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, layout_key, set_rng_state, sharded_state, unwrap
 from pretrain.compat import mcore
+from pretrain.layout import resolve_vocab_size
 
 
 def _model_config_diff(cfg, common: dict) -> str:
@@ -26,15 +27,6 @@ def _model_config_diff(cfg, common: dict) -> str:
     diffs = [f"{k} {saved[k]!r} → {ours[k]!r}" for k in ours if k in saved and saved[k] != ours[k]]
     return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 
-
-
-def _true_vocab_size(cfg) -> int:
-    """The unpadded vocabulary: model.vocab_size, else the tokenizer's."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    from pretrain.data import build_tokenizer
-
-    return build_tokenizer(cfg.data).vocab_size
 
 
 def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
@@ -55,7 +47,7 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
             if item.allow_shape_mismatch and item.key.endswith(VOCAB_PADDED_KEYS):
-                vocab = _true_vocab_size(cfg)
+                vocab = resolve_vocab_size(cfg)
                 if tuple(found.size[1:]) != tuple(item.global_shape[1:]) or found.size[0] < vocab:
                     raise CheckpointError(
                         f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
