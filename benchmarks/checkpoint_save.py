@@ -26,14 +26,15 @@ sys.path.insert(0, str(REPO))
 def _measure(overrides: list[str], async_save: bool, run_dir: Path) -> dict:
     import torch.distributed as dist
 
-    from pretrain import checkpointing
+    from pretrain.checkpoint import format as checkpoint_format
+    from pretrain.checkpoint import save as checkpoint_save
     from pretrain.config import load_config
     from pretrain.train import train
 
     blocked: list[float] = []
     started: dict[int, float] = {}
     committed: list[float] = []
-    original_save, original_commit = checkpointing.save_checkpoint, checkpointing._commit
+    original_save, original_commit = checkpoint_save.save_checkpoint, checkpoint_save._commit
 
     def timed_save(*args, **kwargs):
         t0 = time.perf_counter()
@@ -46,16 +47,16 @@ def _measure(overrides: list[str], async_save: bool, run_dir: Path) -> dict:
         original_commit(cfg, root, path, step)
         committed.append(time.perf_counter() - started[step])
 
-    checkpointing.save_checkpoint, checkpointing._commit = timed_save, timed_commit
+    checkpoint_save.save_checkpoint, checkpoint_save._commit = timed_save, timed_commit
     try:
         cfg = load_config("tiny_llama", overrides + [f"checkpoint.async_save={str(async_save).lower()}",
                                                      f"run.dir={run_dir}"])
         train(cfg)
     finally:
-        checkpointing.save_checkpoint, checkpointing._commit = original_save, original_commit
+        checkpoint_save.save_checkpoint, checkpoint_save._commit = original_save, original_commit
     interval = cfg.checkpoint.interval
-    size = sum(f.stat().st_size for f in checkpointing.iteration_dir(
-        checkpointing.checkpoint_root(cfg), cfg.train.steps).iterdir())
+    size = sum(f.stat().st_size for f in checkpoint_format.iteration_dir(
+        checkpoint_format.checkpoint_root(cfg), cfg.train.steps).iterdir())
     result = {"blocked_s": blocked, "commit_s": committed, "checkpoint_mb": size / 2**20}
     if dist.get_rank() == 0 and (run_dir / "metrics.jsonl").exists():
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.runtime import init_distributed, shutdown
 
     rt = init_distributed()
-    from pretrain.checkpointing import start_writer_helper
+    from pretrain.checkpoint.save import start_writer_helper
 
     start_writer_helper()  # a one-time start (a spawned process), outside both measurements
     base = [f"train.steps={args.steps}", f"checkpoint.interval={args.interval}", "checkpoint.keep_last=2",

@@ -46,8 +46,6 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                 "common_backend_version": 1}
 # Optimizer state keys; MoE models chain a dense and an expert optimizer (`chained_<i>.optimizer...`).
 _OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
 # Megatron linear modules (`...linear_*.weight` in the mapping) carry an (empty) `_extra_state` that the
@@ -141,7 +139,7 @@ class CheckpointReader:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from pretrain.checkpointing import inspect_checkpoint
+        from pretrain.checkpoint.format import inspect_checkpoint
 
         self.path = path
         _, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
@@ -203,7 +201,7 @@ class _IntoTensor:
 
 def load_run_config(ckpt: Path):
     """The `Config` the checkpoint was saved with (run_config.yaml beside it)."""
-    from pretrain.checkpointing import read_saved_config
+    from pretrain.checkpoint.format import read_saved_config
     from pretrain.config import config_from_dict
 
     return config_from_dict(read_saved_config(ckpt))
@@ -408,7 +406,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     from transformers import GenerationConfig
 
     from data_tools.hf_assets import TOKENIZER_FILES, find_assets, original_config, write_assets
-    from pretrain.checkpointing import resolve_checkpoint
+    from pretrain.checkpoint.format import resolve_checkpoint
     from pretrain.data import build_tokenizer
 
     started = time.perf_counter()
@@ -661,6 +659,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     from transformers import AutoConfig
 
+    from pretrain.checkpoint.format import write_checkpoint_files
     from pretrain.layout import padded_vocab_size
 
     started = time.perf_counter()
@@ -757,9 +756,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve), no_dist=True)
         common = {"iteration": 0, "consumed_samples": 0, "layout": [0, 0, 0, 0, 0], "config": cfg.to_dict()}
-        torch.save(common, staging / "common.pt")
-        (staging / "metadata.json").write_text(json.dumps(METADATA_JSON))
-        (staging / "run_config.yaml").write_text(cfg.to_yaml())
+        write_checkpoint_files(staging, common, cfg.to_yaml())
         assets = copy_assets(hf_dir, staging)
         _commit(staging, output)
     except BaseException as exc:
@@ -835,7 +832,7 @@ def _report(summary: dict, what: str) -> None:
 
 def main(argv: list[str]) -> int:
     """`python -m data_tools convert ...`; returns the exit status."""
-    from pretrain.checkpointing import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
 
     args = build_parser().parse_args(argv)

@@ -43,7 +43,7 @@ def copy_assets(hf_dir: Path, checkpoint_dir: Path) -> list[str]:
 
 def find_assets(checkpoint: Path, max_hops: int = 16) -> Path | None:
     """The `hf_assets` directory of `checkpoint` or of the checkpoint its run started from (None: none)."""
-    from pretrain.checkpointing import CheckpointError, read_saved_config, resolve_checkpoint
+    from pretrain.checkpoint.format import CheckpointError, read_saved_config, resolve_checkpoint
 
     path, seen = checkpoint, set()
     for _ in range(max_hops):

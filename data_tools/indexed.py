@@ -19,6 +19,8 @@ from typing import BinaryIO
 
 import numpy as np
 
+from pretrain.files import commit
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 # Megatron-Core's DType enum codes.
@@ -315,8 +317,8 @@ class IndexedWriter:
         """Rename the prepared temporaries into place (``.bin`` then ``.idx``)."""
         final_idx, final_bin = idx_path(self.prefix), bin_path(self.prefix)
         final_idx.unlink(missing_ok=True)  # never leave an old index next to a new .bin
-        os.replace(self.tmp_bin, final_bin)
-        os.replace(Path(f"{self.prefix}.idx.tmp"), final_idx)
+        commit(self.tmp_bin, final_bin)
+        commit(Path(f"{self.prefix}.idx.tmp"), final_idx)
         self.tmp_lengths.unlink(missing_ok=True)
         self.tmp_docs.unlink(missing_ok=True)
 

@@ -21,6 +21,7 @@ from data_tools.metadata import (
     record_tokenizer,
     write_meta_tmp,
 )
+from pretrain.files import commit
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -96,8 +97,8 @@ def merge(inputs: list[str], output_prefix: str, log: Callable[[str], None] | No
             write_meta_tmp(out, record)
         meta_path(out).unlink(missing_ok=True)  # never leave an old description next to new data
         Path(f"{out}.idx").unlink(missing_ok=True)
-        os.replace(tmp_bin, f"{out}.bin")
-        os.replace(tmp_idx, f"{out}.idx")
+        commit(tmp_bin, f"{out}.bin")
+        commit(tmp_idx, f"{out}.idx")
         if record is not None:
             commit_meta(out)
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from data_tools.indexed import IndexInfo
+from pretrain.files import commit, tmp_path, write_synced
 
 META_SUFFIX = ".meta.json"
 META_FORMAT = "megapretrain-dataset-meta"
@@ -122,17 +123,12 @@ def dataset_record(*, tool: str, tokenizer: TokenizerIdentity, append_eod: bool 
 
 def write_meta_tmp(prefix: str | os.PathLike, record: dict[str, Any]) -> Path:
     """Write ``PREFIX.meta.json.tmp`` (synced); :func:`commit_meta` renames it into place."""
-    tmp = Path(f"{meta_path(prefix)}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
+    return write_synced(tmp_path(meta_path(prefix)), json.dumps(record, indent=1) + "\n")
 
 
 def commit_meta(prefix: str | os.PathLike) -> None:
     """Rename ``PREFIX.meta.json.tmp`` into place."""
-    os.replace(f"{meta_path(prefix)}.tmp", meta_path(prefix))
+    commit(tmp_path(meta_path(prefix)), meta_path(prefix))
 
 
 def read_meta(prefix: str | os.PathLike) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ from data_tools.indexed import IndexedWriter, optimal_dtype
 from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
 from data_tools.metadata import commit_meta, dataset_record, meta_path, tokenizer_identity, write_meta_tmp
 from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
+from pretrain.files import write_atomic
 
 STATE_SUFFIX = ".preprocess-state.json"
 _MAX_REPORTED = 10  # skipped lines printed per reason
@@ -436,6 +437,5 @@ def preprocess(
 
 
 def _write_state(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    # Not fsynced: it describes temporaries that are flushed, not synced, until the output is committed.
+    write_atomic(path, json.dumps(state), durable=False)

@@ -3,7 +3,7 @@
 Megatron-Core's `torch_dist` writer uses helper processes: a multiprocessing Manager (spawned, ~270 MB) that
 carries write results, the forked asynchronous writer (a copy-on-write snapshot of the trainer, ~600 MB) and
 the writer's own forked workers. Killed with SIGKILL, the trainer cannot stop them; they are reparented to
-PID 1 and the Manager ignores SIGTERM (see `checkpointing.start_writer_helper`). On Linux each helper asks
+PID 1 and the Manager ignores SIGTERM (see `pretrain.checkpoint.save.start_writer_helper`). On Linux each helper asks
 the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`); multiprocessing's resource tracker
 then sees its pipe close and exits by itself. Elsewhere these functions do nothing.
 

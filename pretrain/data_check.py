@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pretrain.config import Config, DataConfig
-    from pretrain.validate import Report
+    from pretrain.problems import Report
 
 SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
 SPLIT_NAMES = ("training", "validation", "test")

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pretrain.files import write_atomic
+
 # One line per step, these keys first (external tools read them).
 METRICS_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples")
 
@@ -50,9 +52,7 @@ class MetricsWriter:
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line from a killed run
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(k + "\n" for k in kept))
         self._file = open(self.path, "a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pretrain.files import atomic_path
+
 
 class StepProfiler:
     """Starts/stops the profilers at the window's edges and marks steps and phases. A no-op elsewhere."""
@@ -104,7 +106,6 @@ class StepProfiler:
         prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"rank{self.rank}_steps{self._first}-{last}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            prof.export_chrome_trace(str(tmp))
         print(f"[pretrain] rank {self.rank}: profile of steps {self._first}-{last} written to {path}", flush=True)

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.files import write_atomic
+
 EXIT_STATUS_FILE = "exit_status.json"
 # Errors of the environment (full or read-only disks, permissions), reported as one line naming the path.
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
@@ -38,9 +40,7 @@ def write_exit_status(cfg, reason: str, step: int | None, signal_name: str | Non
     if reason == "running":
         record.update(pid=os.getpid(), host=socket.gethostname(),
                       started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record) + "\n")
 
 
 def prepare_run_dir(cfg) -> str | None:

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import compat
+from pretrain import compat, setup
+from pretrain.checkpoint import resume as checkpoint_resume
+from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
 from pretrain.config import Config
-from pretrain.layout import Layout, derive_layout
 from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.validate import ValidationFailed, validate
 
@@ -35,105 +36,6 @@ class TrainingStopped(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------
-
-
-def wrap_with_ddp(cfg: Config, chunks, transformer_config):
-    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
-    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    fsdp = cfg.optimizer.fsdp
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
-        overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
-        overlap_param_gather=cfg.optimizer.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
-        check_for_nan_in_grad=False,
-        average_in_collective=False,
-        use_megatron_fsdp=fsdp,
-        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
-    )
-    if not fsdp:
-        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
-                                        disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-    device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
-    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
-                                     disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
-
-
-def build_optimizer(cfg: Config, model, layout: Layout):
-    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    o = cfg.optimizer
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=layout.precision == "bf16",
-        fp16=layout.precision == "fp16",
-        params_dtype=layout.params_dtype,
-        use_distributed_optimizer=o.distributed or o.fsdp,
-        overlap_param_gather_with_optimizer_step=False,
-    )
-    return get_megatron_optimizer(opt_config, model)
-
-
-def build_scheduler(cfg: Config, optimizer):
-    """Warmup then cosine / linear / WSD / constant decay, stepped once per training step."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    o = cfg.optimizer
-    decay_steps = o.decay_steps or cfg.train.steps
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if o.warmup_steps else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.warmup_steps,
-        lr_decay_steps=max(decay_steps, o.warmup_steps + 1),
-        lr_decay_style=o.decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(decay_steps, 1),
-        wd_incr_style="constant",
-        wsd_decay_steps=o.wsd_decay_steps,
-        lr_wsd_decay_style=o.lr_wsd_decay_style,
-    )
-
-
-def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) -> None:
-    """What Megatron-Core's schedules call back into: grad scaling, grad sync/finalise, param sync."""
-    from megatron.core.distributed import finalize_model_grads
-
-    transformer_config.grad_scale_func = optimizer.scale_loss
-    transformer_config.finalize_model_grads_func = finalize_model_grads
-    no_sync = [chunk.no_sync for chunk in model]
-    transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if cfg.optimizer.overlap_grad_reduce:
-        sync = [chunk.start_grad_sync for chunk in model]
-        transformer_config.grad_sync_func = sync[0] if len(sync) == 1 else sync
-    if cfg.optimizer.overlap_param_gather and cfg.optimizer.distributed:
-        sync = [chunk.start_param_sync for chunk in model]
-        transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
-
-
-def initialize_tp_comm_overlap(cfg: Config) -> None:
-    """Transformer Engine userbuffers for TP communication overlap (GPU + TE only; the validator checks).
-
-    Buffers are sized for one microbatch's sequence-parallel activations: [seq·mbs/CP, hidden].
-    """
-    from transformer_engine.pytorch import module as te_module
-
-    shape = [cfg.model.seq_length * cfg.train.micro_batch_size // cfg.parallel.context, cfg.model.hidden_size]
-    te_module.base.initialize_ub(shape=shape, tp_size=cfg.parallel.tensor, use_fp8=cfg.model.fp8 is not None)
 
 
 def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -246,155 +148,161 @@ def broadcast_from_last_stage(value: float, device: torch.device) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config) -> dict:
-    """Run (or resume) training as configured. Returns a summary on every rank."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.num_microbatches_calculator import (
-        get_num_microbatches,
-        init_num_microbatches_calculator,
-        unset_num_microbatches_calculator,
-    )
+class _Saves:
+    """Checkpoints during the loop: periodic and final saves (a step is saved once), asynchronous commits, and
+    the stop decision all ranks agree on (signal or time limit), with the reason the run ends."""
+
+    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None):
+        self.cfg, self.run, self.stops, self.last_saved = cfg, run, stops, last_saved
+        self.async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
+        self.reason, self.signal_name = "completed", None
+
+    def save(self, step: int, consumed: int) -> None:
+        if self.last_saved == step:
+            return
+        t0 = time.perf_counter()
+        run = self.run
+        path = checkpoint_save.save_checkpoint(self.cfg, run.model, run.optimizer, run.scheduler, step=step,
+                                               consumed_samples=consumed, async_saves=self.async_saves)
+        self.last_saved = step
+        how = "started async save of" if self.async_saves is not None else "saved"
+        log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
+
+    def save_or_stop(self, step: int, consumed: int) -> bool:
+        """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
+        if self.async_saves is not None:
+            self.async_saves.finalize(blocking=False)
+        if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0:
+            self.save(step, consumed)
+        why, self.signal_name = self.stops.agreed_reason(self.run.rt.device)
+        if why is not None:
+            self.reason = why
+            log0(f"[pretrain] {why}{f' ({self.signal_name})' if self.signal_name else ''} at step {step}: "
+                 "saving and exiting")
+        return why is not None
+
+    def finalize(self) -> None:
+        """Commit the save in flight (all ranks together)."""
+        if self.async_saves is not None:
+            self.async_saves.finalize(blocking=True)
+
+    def abort(self) -> None:
+        """After an error: a save in flight stays uncommitted; the previous one is used."""
+        if self.async_saves is not None:
+            self.async_saves.abort()
+
+
+class _StepMetrics:
+    """The per-step metrics record on the rank that holds the loss: throughput, TFLOP/s, MFU, memory."""
+
+    def __init__(self, cfg: Config, run):
+        from pretrain.flops import flops_per_token, gpu_peak_tflops
+
+        self.cfg, self.run = cfg, run
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.flops_tok = flops_per_token(cfg.model, run.layout.padded_vocab)
+        self.peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if run.rt.on_gpu else None
+
+    def write(self, step: int, loss: float, grad_norm: float, step_time: float, consumed: int, extra: dict) -> None:
+        """Write the step's record (and print it every logging.log_interval steps and at the last one)."""
+        from pretrain.metrics import format_step_line
+
+        run, total = self.run, self.cfg.train.steps
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": run.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "consumed_samples": consumed,
+        }
+        record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / run.rt.world_size
+        record["tflops_per_gpu"] = self.flops_tok * record["tokens_per_s_per_gpu"] / 1e12
+        if self.peak:
+            record["mfu"] = record["tflops_per_gpu"] / self.peak
+        if run.rt.on_gpu:
+            record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        record.update(extra)  # the slowest ranks' compute/wait split, MoE routing
+        run.writer.write(record)
+        if step % self.cfg.logging.log_interval == 0 or step == total:
+            print("[pretrain] " + format_step_line(record, total), flush=True)
+
+
+def _microbatch_runner(cfg: Config, run):
+    """`run_microbatches(start_sample, forward_only, dataset) -> losses`: one global batch through Megatron's
+    forward/backward schedule (every batch checked when some dataset's ids could not be checked up front)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from model_providers.core.builder import build_model
-    from pretrain import checkpointing
-    from pretrain.data import DataError, build_datasets, build_tokenizer, checked_microbatches, data_cache_dir
-    from pretrain.flops import flops_per_token, gpu_peak_tflops
-    from pretrain.metrics import MetricsWriter, format_step_line
-    from pretrain.moe_metrics import MoEMetrics
-    from pretrain.profiling import StepProfiler
-    from pretrain.rank_timing import RankTiming
-    from pretrain.run_dir import prepare_run_dir, write_config, write_failure
-    from pretrain.runtime import any_rank_error, env_world_size, init_distributed, init_model_parallel
-    from pretrain.wandb_logger import wandb_sinks
+    from pretrain.data import DataError, checked_microbatches
+
+    forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
+    load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
+    t, n, model = cfg.train, run.num_microbatches, run.model
+
+    def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
+        try:
+            batches = load_microbatches(
+                dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
+                dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device,
+                vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None)
+        except DataError as exc:
+            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
+        iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
+        return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
+                                num_microbatches=n, seq_length=cfg.model.seq_length,
+                                micro_batch_size=t.micro_batch_size, forward_only=forward_only)
+
+    return run_microbatches
+
+
+def train(cfg: Config) -> dict:
+    """Run (or resume) training as configured. Returns a summary on every rank."""
+    from pretrain.run_dir import write_config
+    from pretrain.runtime import env_world_size, init_distributed
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
     if problems.errors:
         raise ValidationFailed(problems)
-
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
-    tokenizer = build_tokenizer(cfg.data)
-    layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
-    init_model_parallel(layout, cfg.train.seed)
-    dp_size, dp_rank = layout.dp, ps.get_data_parallel_rank()
-    t = cfg.train
-    unset_num_microbatches_calculator()
-    init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, dp_size)
-    num_microbatches = get_num_microbatches()
-    run_dir = Path(cfg.run.dir)
-    run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
-    if run_dir_error:
-        raise StorageError(run_dir_error)
-    for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
-        log0(f"[pretrain] {line}")
-    log0(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {num_microbatches} microbatches "
-         f"of {t.micro_batch_size}; precision {layout.precision}")
+    run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
 
     # 2. Model, optimizer, schedule.
-    if cfg.parallel.tp_comm_overlap:
-        initialize_tp_comm_overlap(cfg)
-    chunks = build_model(cfg, layout)
-    tconfig = chunks[0].config
-    model = wrap_with_ddp(cfg, chunks, tconfig)
-    optimizer = build_optimizer(cfg, model, layout)
-    scheduler = build_scheduler(cfg, optimizer)
-    connect_schedule_hooks(tconfig, model, optimizer, cfg)
-    profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
-    timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
-    timing.install(tconfig, optimizer)
-    moe = MoEMetrics.attach(chunks)  # None for a dense model
-    n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    log0(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
+    setup.build_training(cfg, run, log0)
+    model, optimizer, scheduler, profiler = run.model, run.optimizer, run.scheduler, run.profiler
 
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
-    step, consumed, resumed = checkpointing.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
         write_config(cfg)
 
     # 4. Data.
-    eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
-    try:
-        train_ds, valid_ds = build_datasets(cfg, tokenizer, t.steps * t.global_batch_size,
-                                            eval_steps * t.global_batch_size)
-    except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
-        why = write_failure(exc, data_cache_dir(cfg))
-        if why is None:
-            raise
-        raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
-    is_writer = holds_the_loss()
-    writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
-        if is_writer else None
-    if writer is not None:
-        writer.truncate_after(step)
-
-    forward_backward = profiler.wrap("forward_backward", get_forward_backward_func())
-    load_microbatches = profiler.wrap("data", timing.wrap("data", checked_microbatches))
+    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss())
+    run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
-    seq = cfg.model.seq_length
-    tokens_per_step = t.global_batch_size * seq
-    flops_tok = flops_per_token(cfg.model, layout.padded_vocab)
-    peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if rt.on_gpu else None
-    reason, signal_name, message = "completed", None, None
-    last_saved = step if resumed else None
-    async_saves = checkpointing.AsyncSaves() if cfg.checkpoint.async_save else None
-
-    def save(at_step: int) -> None:
-        nonlocal last_saved
-        if last_saved == at_step:
-            return
-        t0 = time.perf_counter()
-        path = checkpointing.save_checkpoint(cfg, model, optimizer, scheduler, step=at_step,
-                                             consumed_samples=consumed, async_saves=async_saves)
-        last_saved = at_step
-        how = "started async save of" if async_saves is not None else "saved"
-        log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
-
-    def save_or_stop() -> bool:
-        """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
-        nonlocal reason, signal_name
-        if async_saves is not None:
-            async_saves.finalize(blocking=False)
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            save(step)
-        why, signal_name = stops.agreed_reason(rt.device)
-        if why is not None:
-            reason = why
-            log0(f"[pretrain] {why}{f' ({signal_name})' if signal_name else ''} at step {step}: "
-                 "saving and exiting")
-        return why is not None
-
-    def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
-        try:  # every batch is checked when some dataset's ids could not be checked up front
-            batches = load_microbatches(
-                dataset, start_sample, num_microbatches=num_microbatches, micro_batch_size=t.micro_batch_size,
-                dp_rank=dp_rank, dp_size=dp_size, device=rt.device,
-                vocab_size=layout.vocab_size if problems.ids_unchecked else None)
-        except DataError as exc:
-            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
-        iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
-        return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
-                                num_microbatches=num_microbatches, seq_length=seq,
-                                micro_batch_size=t.micro_batch_size, forward_only=forward_only)
+    metrics = _StepMetrics(cfg, run)
+    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None)
+    t = cfg.train
 
     # 5. Steps.
     try:
         while step < t.steps:
             started = time.perf_counter()
             profiler.step_begin(step + 1)
-            timing.begin(step + 1)
+            run.timing.begin(step + 1)
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            losses = run_microbatches(consumed, False, train_ds)
+            losses = run_microbatches(consumed, False, run.train_ds)
             loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
-            moe_record = moe.step(num_microbatches) if moe is not None else {}
+            moe_record = run.moe.step(run.num_microbatches) if run.moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -404,7 +312,7 @@ def train(cfg: Config) -> dict:
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
                 consumed += t.global_batch_size
                 step += 1
-                if save_or_stop():
+                if saves.save_or_stop(step, consumed):
                     break
                 continue
             ok, grad_norm, _ = step_optimizer()
@@ -417,56 +325,33 @@ def train(cfg: Config) -> dict:
             step += 1
             consumed += t.global_batch_size
             step_time = time.perf_counter() - started
-            timing_fields = timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
+            timing_fields = run.timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
             profiler.step_end(step)
-            if writer is not None:
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / step_time,
-                    "step_time_s": step_time,
-                    "consumed_samples": consumed,
-                }
-                record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / rt.world_size
-                record["tflops_per_gpu"] = flops_tok * record["tokens_per_s_per_gpu"] / 1e12
-                if peak:
-                    record["mfu"] = record["tflops_per_gpu"] / peak
-                if rt.on_gpu:
-                    record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                record.update(timing_fields)
-                record.update(moe_record)
-                writer.write(record)
-                if step % cfg.logging.log_interval == 0 or step == t.steps:
-                    print("[pretrain] " + format_step_line(record, t.steps), flush=True)
-            if t.eval_interval and step % t.eval_interval == 0 and valid_ds is not None:
-                evaluate(cfg, run_microbatches, valid_ds, step, writer, rt.device)
-            if save_or_stop():
+            if run.writer is not None:
+                metrics.write(step, loss, grad_norm, step_time, consumed, {**timing_fields, **moe_record})
+            if t.eval_interval and step % t.eval_interval == 0 and run.valid_ds is not None:
+                evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
+            if saves.save_or_stop(step, consumed):
                 break
-        if cfg.checkpoint.save_at_end or reason != "completed":
-            save(step)
-        if async_saves is not None:
-            async_saves.finalize(blocking=True)
+        if cfg.checkpoint.save_at_end or saves.reason != "completed":
+            saves.save(step, consumed)
+        saves.finalize()
     except TrainingStopped as exc:
-        reason, message = "failed", str(exc)
-        if async_saves is not None:  # all ranks stop together here: commit the save in flight
-            async_saves.finalize(blocking=True)
+        saves.finalize()  # all ranks stop together here: commit the save in flight
         if rt.rank == 0:
-            write_exit_status(cfg, reason, step, None, message)
+            write_exit_status(cfg, "failed", step, None, str(exc))
         raise
     except BaseException:
-        if async_saves is not None:  # a save in flight stays uncommitted; the previous one is used
-            async_saves.abort()
+        saves.abort()
         raise
     finally:
         profiler.close(step)
-        if writer is not None:
-            writer.close()
+        if run.writer is not None:
+            run.writer.close()
     if rt.rank == 0:
-        write_exit_status(cfg, reason, step, signal_name, message)
-    log0(f"[pretrain] {reason} at step {step}; run dir {run_dir.resolve()}")
-    return {"reason": reason, "step": step, "consumed_samples": consumed}
+        write_exit_status(cfg, saves.reason, step, saves.signal_name, None)
+    log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
+    return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
 
 def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device) -> float:
@@ -495,7 +380,7 @@ def main(cfg: Config) -> int:
     Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory, or a
     full / read-only / forbidden file system (the message names the path).
     """
-    from pretrain.checkpointing import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError
     from pretrain.run_dir import environment_error, os_error_line, report_failure
     from pretrain.runtime import shutdown
 

@@ -10,10 +10,11 @@ into that one run. wandb is imported only when `logging.wandb.project` is set (`
 
 from __future__ import annotations
 
-import os
 import secrets
 import string
 from pathlib import Path
+
+from pretrain.files import write_atomic
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -27,9 +28,7 @@ def run_id(run_dir: Path) -> str:
             return kept
     new = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's id style
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, new + "\n")
     return new
 
 

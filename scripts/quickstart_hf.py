@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from data_tools.convert import export_to_hf
     from model_providers.core.mapping import ConversionError
-    from pretrain.checkpointing import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError
 
     started = time.perf_counter()
     hf_dir = Path(args.run_dir) / "hf"

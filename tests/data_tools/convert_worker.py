@@ -24,7 +24,9 @@ def megatron_logits(*jobs: str) -> None:
     """jobs: CKPT_DIR TOKENS.pt OUT.pt, repeated; all in this one process."""
     from data_tools.convert import CheckpointReader
     from model_providers.core.builder import build_model
-    from pretrain import checkpointing, compat
+    from pretrain import compat
+    from pretrain.checkpoint.format import read_saved_config, resolve_checkpoint
+    from pretrain.checkpoint.load import load_checkpoint
     from pretrain.config import config_from_dict
     from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
@@ -33,8 +35,8 @@ def megatron_logits(*jobs: str) -> None:
     init_distributed()
     try:
         for ckpt_dir, tokens_file, out_file in zip(jobs[0::3], jobs[1::3], jobs[2::3]):
-            path = checkpointing.resolve_checkpoint(ckpt_dir)
-            tree = checkpointing.read_saved_config(path)
+            path = resolve_checkpoint(ckpt_dir)
+            tree = read_saved_config(path)
             tree["parallel"].update(tensor=1, pipeline=1, virtual_pipeline=None, context=1, sequence_parallel=False,
                                     expert=1, expert_tensor=None)
             rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
@@ -44,7 +46,7 @@ def megatron_logits(*jobs: str) -> None:
             layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
             init_model_parallel(layout, cfg.train.seed)
             model = build_model(cfg, layout)
-            checkpointing.load_checkpoint(cfg, model, None, None, path, weights_only=True)
+            load_checkpoint(cfg, model, None, None, path, weights_only=True)
             tokens = torch.load(tokens_file, weights_only=True)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
             model[0].eval()

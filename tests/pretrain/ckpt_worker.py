@@ -44,7 +44,7 @@ class Evil:
 
 
 def _copy_checkpoint(src_run: str, steps: int | list[int], dst_run: str) -> None:
-    from pretrain.checkpointing import TRACKER, iteration_dir
+    from pretrain.checkpoint.format import TRACKER, iteration_dir
 
     steps = steps if isinstance(steps, list) else [steps]
     step = max(steps)
@@ -61,7 +61,7 @@ def _copy_checkpoint(src_run: str, steps: int | list[int], dst_run: str) -> None
 
 def _common_object(ckpt: Path) -> tuple[Path, int, int]:
     """(file, offset, length) of the `common_state` object inside a 0.19+ torch_dist checkpoint."""
-    from pretrain.checkpointing import COMMON_OBJECT, read_index
+    from pretrain.checkpoint.format import COMMON_OBJECT, read_index
 
     for key, info in read_index(ckpt).storage_data.items():
         if key.fqn == COMMON_OBJECT:
@@ -113,7 +113,7 @@ def _nan_into(checkpoint: Path, key: str) -> None:
 
     import torch
 
-    from pretrain.checkpointing import read_index
+    from pretrain.checkpoint.format import read_index
 
     for item, info in read_index(checkpoint).storage_data.items():
         if item.fqn == key:
@@ -134,11 +134,11 @@ def _install_crash(step: int) -> None:
     """SIGKILL the trainer from inside a checkpoint writer process, after its first item of `step`."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain import checkpointing
+    from pretrain.checkpoint import save as checkpoint_save
 
     trainer = os.getpid()
     original_write_item = filesystem_async._write_item
-    original_save = checkpointing.save_checkpoint
+    original_save = checkpoint_save.save_checkpoint
 
     @functools.wraps(original_write_item)  # Megatron inspects its signature
     def write_item(*args, **kwargs):
@@ -154,7 +154,7 @@ def _install_crash(step: int) -> None:
         return original_save(*args, **kwargs)
 
     filesystem_async._write_item = write_item
-    checkpointing.save_checkpoint = save_checkpoint
+    checkpoint_save.save_checkpoint = save_checkpoint
 
 
 def _install_stall(step: int) -> None:
@@ -163,10 +163,10 @@ def _install_stall(step: int) -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain import checkpointing
+    from pretrain.checkpoint import save as checkpoint_save
 
     original_write_item = filesystem_async._write_item
-    original_save = checkpointing.save_checkpoint
+    original_save = checkpoint_save.save_checkpoint
 
     @functools.wraps(original_write_item)  # Megatron inspects its signature
     def write_item(*args, **kwargs):
@@ -181,7 +181,7 @@ def _install_stall(step: int) -> None:
         return original_save(*args, **kwargs)
 
     filesystem_async._write_item = write_item
-    checkpointing.save_checkpoint = save_checkpoint
+    checkpoint_save.save_checkpoint = save_checkpoint
 
 
 def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
@@ -198,7 +198,7 @@ def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
 def run_case(case: dict, results: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from pretrain import checkpointing
+    from pretrain.checkpoint import state as checkpoint_state
     from pretrain.compat import megatron_fixes
     from pretrain.config import load_config
     from pretrain.train import train
@@ -212,9 +212,9 @@ def run_case(case: dict, results: dict) -> None:
         _mutate(cfg.run.dir, case["mutate"])
     if dist.is_initialized():
         dist.barrier()
-    original_rng = checkpointing._rng_state
+    original_rng = checkpoint_state._rng_state
     if case.get("evil_rng"):
-        checkpointing._rng_state = lambda: {"python": Evil(case["evil_rng"])}
+        checkpoint_state._rng_state = lambda: {"python": Evil(case["evil_rng"])}
     if case.get("crash_in_save"):
         _install_crash(int(case["crash_in_save"]))
     if case.get("stall_in_save"):
@@ -231,7 +231,7 @@ def run_case(case: dict, results: dict) -> None:
         results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "summary": None,
                          "traceback": traceback.format_exc()}
     finally:
-        checkpointing._rng_state = original_rng
+        checkpoint_state._rng_state = original_rng
 
 
 def main(plan_path: str) -> int:

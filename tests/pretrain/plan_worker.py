@@ -215,7 +215,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
     from pretrain.runtime import init_model_parallel
-    from pretrain.train import build_optimizer, wrap_with_ddp
+    from pretrain.setup import build_optimizer, wrap_with_ddp
 
     cfg = load_config(config, overrides)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)

@@ -31,7 +31,7 @@ class Evil:
 
 
 def test_tracker_names_missing_iteration(tmp_path):
-    from pretrain.checkpointing import CheckpointError, latest_iteration
+    from pretrain.checkpoint.format import CheckpointError, latest_iteration
 
     assert latest_iteration(tmp_path) is None
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")
@@ -46,7 +46,7 @@ def test_tracker_names_missing_iteration(tmp_path):
 
 
 def test_prune_keeps_last_k_and_drops_stale_partials(tmp_path):
-    from pretrain.checkpointing import _prune
+    from pretrain.checkpoint.save import _prune
 
     for it in (2, 4, 6, 8, 10):
         (tmp_path / f"iter_{it:07d}").mkdir()
@@ -57,7 +57,7 @@ def test_prune_keeps_last_k_and_drops_stale_partials(tmp_path):
 
 
 def test_common_file_pickle_refused(tmp_path):
-    from pretrain.checkpointing import CheckpointError, read_common
+    from pretrain.checkpoint.format import CheckpointError, read_common
 
     marker = tmp_path / "pwned"
     (tmp_path / "common.pt").write_bytes(pickle.dumps(Evil(str(marker))))
@@ -72,7 +72,7 @@ def test_common_file_pickle_refused(tmp_path):
 
 
 def test_index_unpickler_refuses_foreign_globals(tmp_path):
-    from pretrain.checkpointing import CheckpointError, read_index
+    from pretrain.checkpoint.format import CheckpointError, read_index
 
     marker = tmp_path / "pwned"
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil(str(marker))))
@@ -82,7 +82,7 @@ def test_index_unpickler_refuses_foreign_globals(tmp_path):
 
 
 def test_foreign_directories(tmp_path):
-    from pretrain.checkpointing import CheckpointError, inspect_checkpoint, resolve_checkpoint
+    from pretrain.checkpoint.format import CheckpointError, inspect_checkpoint, resolve_checkpoint
 
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         inspect_checkpoint(tmp_path / "nope")

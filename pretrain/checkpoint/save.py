@@ -1,0 +1,214 @@
+"""Saving a checkpoint (synchronous or asynchronous), the atomic commit and pruning.
+
+The tracker is written atomically by rank 0 only after every rank finished writing (for an asynchronous save:
+when the save is finalised), so a crash mid-save leaves the previous checkpoint selected.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pretrain.checkpoint.format import (
+    CheckpointError,
+    agree,
+    checkpoint_root,
+    commit_files,
+    is_committed,
+    iteration_dir,
+    iterations,
+    reason,
+)
+from pretrain.checkpoint.state import sharded_state
+from pretrain.compat import mcore
+
+
+def _save_strategy(async_save: bool):
+    """torch_dist, with the writes of replicated tensors spread over the data-parallel ranks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, ps.get_data_parallel_group(with_context_parallel=True), do_cache_distribution=False)
+    return strategy
+
+
+
+HELPER_BLOCKED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_WRITER_MANAGER = None
+
+
+def start_writer_helper() -> None:
+    """Start Megatron's checkpoint-writer results Manager so that it ignores SIGTERM/SIGUSR1 (idempotent).
+
+    The `torch_dist` writer reports through a multiprocessing Manager that megatron-core 0.16.1 spawns at the
+    first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
+    time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
+    fails (EOFError). Here the same Manager is started with those signals blocked in its server process
+    (its initializer runs before the server starts threads; it imports only `pretrain.child_processes`, which
+    is standard library). The trainer keeps its own handlers: it saves and exits on them. The Manager and
+    every writer this process forks die with it (`pretrain/child_processes.py`), also on `kill -9`.
+    """
+    global _WRITER_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.child_processes import die_with_this_process, parent_death_signal
+
+    die_with_this_process()  # the forked writers too: none outlives a killed trainer
+    # Its error lines ("Local process 0 encountered an error: ...") repeat what the save's CheckpointError says.
+    logging.getLogger(filesystem_async.__name__).setLevel(logging.CRITICAL)
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=functools.partial(parent_death_signal, os.getpid(), HELPER_BLOCKED_SIGNALS))
+    _WRITER_MANAGER = manager
+    filesystem_async._results_queue = manager.Queue()
+
+
+
+def _commit(cfg, root: Path, path: Path, step: int) -> None:
+    """Mark `path` complete and point the tracker at it once every rank has finished writing it (collective)."""
+    dist.barrier()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            commit_files(path, cfg.to_yaml(), root, step)
+        except CheckpointError as exc:
+            error = exc
+        else:
+            _prune(root, cfg.checkpoint.keep_last, current=step)
+    agree(error)
+
+
+def _prune(root: Path, keep_last: int | None, current: int) -> None:
+    """Delete checkpoints beyond the newest `keep_last` and partial saves newer than `current`.
+
+    A committed checkpoint newer than `current` is kept: only uncommitted leftovers of a crashed save are stale.
+    """
+    iters = iterations(root)
+    stale = [it for it in iters if it > current and not is_committed(iteration_dir(root, it))]
+    kept = [it for it in iters if it <= current]
+    old = kept[:-keep_last] if keep_last else []
+    for it in stale + old:
+        shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+class AsyncSaves:
+    """Megatron-Core's queue of asynchronous `torch_dist` saves, committed when every rank is done.
+
+    At most one save is in flight: scheduling a new one first finalises the previous one.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+        self.pending: int | None = None
+        self.pending_path: Path | None = None
+
+    def schedule(self, request) -> None:
+        self.queue.schedule_async_request(request)
+
+    def finalize(self, blocking: bool = False) -> list[int]:
+        """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # the writer failed, e.g. no space left on device
+            error = save_failed(self.pending_path, exc)
+            _discard_partial(self.pending_path)
+            self.pending = self.pending_path = None
+            raise error from exc
+        if done:
+            self.pending = self.pending_path = None
+        return done
+
+    def abort(self) -> None:
+        """Stop waiting on the writer (after an error): the checkpoint stays uncommitted."""
+        self.queue.close(abort=True)
+        self.pending = self.pending_path = None
+
+
+def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
+                    async_saves: AsyncSaves | None = None) -> Path:
+    """Save a checkpoint for `step` (all ranks call this); the tracker moves once it is complete.
+
+    With `async_saves` the tensors are written by a background process and the checkpoint is committed
+    by a later `async_saves.finalize()`; otherwise it is committed before this returns.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if async_saves is not None and async_saves.pending is not None:
+        async_saves.finalize(blocking=True)
+    start_writer_helper()
+    root = checkpoint_root(cfg)
+    path = iteration_dir(root, step)
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            _prepare_dir(root, path)
+        except CheckpointError as exc:
+            error = exc
+    agree(error)
+    state = sharded_state(cfg, model, optimizer, scheduler, step=step, consumed_samples=consumed_samples,
+                           with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
+    try:
+        if async_saves is None:
+            mcore.save_sharded(state, str(path), _save_strategy(False), async_save=False)
+            _commit(cfg, root, path, step)
+        else:
+            request = mcore.save_sharded(state, str(path), _save_strategy(True), async_save=True)
+            request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
+            async_saves.schedule(request)
+            async_saves.pending, async_saves.pending_path = step, path
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # e.g. no space left: one line naming the directory
+        error = save_failed(path, exc)
+        _discard_partial(path)
+        raise error from exc
+    return path
+
+
+def _prepare_dir(root: Path, path: Path) -> None:
+    """Create `path` for a save, replacing a partial save left by a crashed run (never a complete one)."""
+    if path.exists() and is_committed(path):
+        raise CheckpointError(f"{path}: a complete checkpoint is already there; refusing to overwrite it")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a partial save from a crashed run, never pointed to
+            shutil.rmtree(path)
+        path.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"{exc.filename or path}: cannot create the checkpoint directory "
+                              f"({exc.strerror or exc})") from None
+
+
+def _discard_partial(path: Path | None) -> None:
+    """Rank 0 removes the uncommitted directory of a failed save (every rank has stopped writing to it)."""
+    if path is not None and dist.get_rank() == 0 and not is_committed(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_failed(path: Path | None, exc: BaseException) -> CheckpointError:
+    """The one-line error for a save that failed while writing (e.g. the disk is full)."""
+    from pretrain.run_dir import write_failure
+
+    why = write_failure(exc, path) if path is not None else None
+    return CheckpointError(f"{path}: saving the checkpoint failed: {why or reason(exc)}; nothing was committed")
+

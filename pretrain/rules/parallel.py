@@ -1,0 +1,190 @@
+"""Layout rules: world = TP × PP × CP × DP and what each parallel size must divide, expert parallelism."""
+
+from __future__ import annotations
+
+from pretrain.config import Config
+from pretrain.layout import Layout, expert_layout, model_shape
+from pretrain.problems import Report
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def sizes_positive(r: Report, cfg: Config, world_size: int) -> bool:
+    """Sizes must be positive before any arithmetic below."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    positive = {
+        "parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "parallel.context": p.context,
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_attention_heads": m.num_attention_heads, "model.seq_length": m.seq_length,
+        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+        "train.steps": t.steps, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "parallel.expert": p.expert,
+        "parallel.expert_tensor": 1 if p.expert_tensor is None else p.expert_tensor,
+        "model.num_moe_experts": 1 if m.num_moe_experts is None else m.num_moe_experts,
+        "model.moe_ffn_hidden_size": 1 if m.moe_ffn_hidden_size is None else m.moe_ffn_hidden_size,
+        "model.moe_router_topk": m.moe_router_topk,
+    }  # fmt: skip
+    bad = [k for k, v in positive.items() if v < 1]
+    for key in bad:
+        r.error(key, f"{key}={positive[key]} must be at least 1", f"set {key} to a positive integer")
+    if world_size < 1:
+        r.error("world_size", f"world size {world_size} must be at least 1", "launch at least one process")
+    return not (bad or world_size < 1)
+
+
+def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """World = TP × PP × CP × DP; layers, heads, sequence and batch divisible by what splits them."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    world_size = r.world_size
+    vp = p.virtual_pipeline
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
+        r.error(("parallel.tensor", "parallel.pipeline", "parallel.context"),
+                f"world size {world_size} is not divisible by tensor×pipeline×context = "
+                f"{p.tensor}×{p.pipeline}×{p.context} = {model_parallel}",
+                f"launch a multiple of {model_parallel} processes, or choose sizes whose product divides "
+                f"{world_size}")
+
+    # Layers across pipeline stages (Megatron-LM silently trains fewer layers otherwise).
+    if vp is not None:
+        if vp < 2:
+            r.error("parallel.virtual_pipeline", f"parallel.virtual_pipeline={vp} must be at least 2",
+                    "set parallel.virtual_pipeline=null for no interleaving")
+        elif p.pipeline < 2:
+            r.error(("parallel.virtual_pipeline", "parallel.pipeline"),
+                    f"interleaving (parallel.virtual_pipeline={vp}) needs parallel.pipeline > 1",
+                    "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
+    stages = p.pipeline * (vp if vp and vp >= 2 else 1)
+    if m.num_layers % stages != 0:
+        keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
+        r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
+                f"{p.pipeline}{f'×{vp}' if vp else ''} = {stages}",
+                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)})")
+
+    # Attention heads and groups across tensor parallel ranks.
+    shape = model_shape(m)
+    groups = shape.num_query_groups
+    if m.num_attention_heads % p.tensor != 0:
+        r.error(("model.num_attention_heads", "parallel.tensor"),
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(m.num_attention_heads)}")
+    if groups % p.tensor != 0:
+        r.error(("model.num_query_groups", "parallel.tensor"),
+                f"model.num_query_groups={groups} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(groups)}")
+    if m.num_attention_heads % groups != 0:
+        r.error(("model.num_attention_heads", "model.num_query_groups"),
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={groups}", f"choose num_query_groups from {_divisors(m.num_attention_heads)}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
+        r.error(("model.hidden_size", "model.num_attention_heads"),
+                f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                f"{m.num_attention_heads}", "set model.kv_channels or change the head count")
+    ffn = shape.ffn_hidden_size
+    if ffn % p.tensor != 0:
+        r.error(("model.ffn_hidden_size", "parallel.tensor"),
+                f"model.ffn_hidden_size={ffn} is not divisible by parallel.tensor={p.tensor}",
+                f"choose parallel.tensor from {_divisors(ffn)}")
+
+    # Sequence and context parallelism.
+    if p.sequence_parallel and p.tensor < 2:
+        r.error(("parallel.sequence_parallel", "parallel.tensor"),
+                "parallel.sequence_parallel=true needs parallel.tensor > 1",
+                "set parallel.sequence_parallel=false or parallel.tensor >= 2")
+    if p.sequence_parallel and m.seq_length % p.tensor != 0:
+        r.error(("model.seq_length", "parallel.tensor", "parallel.sequence_parallel"),
+                f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor} "
+                "(sequence parallel splits the sequence across TP ranks)",
+                f"use a sequence length that is a multiple of {p.tensor}")
+    if p.context > 1:
+        if m.seq_length % (2 * p.context) != 0:
+            r.error(("model.seq_length", "parallel.context"),
+                    f"model.seq_length={m.seq_length} is not divisible by 2×parallel.context = {2 * p.context}",
+                    f"use a sequence length that is a multiple of {2 * p.context}")
+        if not te_on_gpu:
+            r.error("parallel.context", f"parallel.context={p.context} needs Transformer Engine on a GPU "
+                    "(Megatron-Core implements context parallelism only in TE attention)",
+                    "set parallel.context=1 here, or run on a CUDA machine with transformer-engine installed")
+        elif m.transformer_impl == "local":
+            r.error(("parallel.context", "model.transformer_impl"),
+                    "context parallelism needs the Transformer Engine spec", "set model.transformer_impl=auto")
+
+    # Batch sizes and microbatches.
+    if lay is not None:
+        dp = lay.dp
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step != 0:
+            r.error(("train.global_batch_size", "train.micro_batch_size"),
+                    f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                    f"micro_batch_size×data_parallel = {t.micro_batch_size}×{dp} = {per_step}",
+                    f"use a global batch that is a multiple of {per_step}")
+        else:
+            num_mb = t.global_batch_size // per_step
+            if vp and vp >= 2 and p.pipeline > 1 and num_mb % p.pipeline != 0:
+                r.error(("train.global_batch_size", "parallel.pipeline", "parallel.virtual_pipeline"),
+                        f"interleaved pipelining needs the number of microbatches ({num_mb}) to be divisible "
+                        f"by parallel.pipeline={p.pipeline}",
+                        f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
+
+
+def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Mixture of Experts: expert groups, routing, capacity and the spec."""
+    m, p = cfg.model, cfg.parallel
+    etp = p.expert_tensor or p.tensor
+    if m.num_moe_experts is None:
+        if p.expert > 1 or p.expert_tensor is not None:
+            keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)
+            r.error(keys + ("model.num_moe_experts",), f"{keys[0]} is set but the model has no experts "
+                    "(model.num_moe_experts is null)", f"set model.num_moe_experts or remove {keys[0]}")
+        return
+    experts = m.num_moe_experts
+    if experts % p.expert != 0:
+        r.error(("model.num_moe_experts", "parallel.expert"),
+                f"model.num_moe_experts={experts} is not divisible by parallel.expert={p.expert}",
+                f"choose parallel.expert from {_divisors(experts)}")
+    if expert_layout(cfg, r.world_size) is None:
+        per_stage = etp * p.expert * p.pipeline
+        r.error(("parallel.expert_tensor", "parallel.expert", "parallel.pipeline"),
+                f"world size {r.world_size} is not divisible by expert_tensor×expert×pipeline = "
+                f"{etp}×{p.expert}×{p.pipeline} = {per_stage}",
+                f"launch a multiple of {per_stage} processes, or choose expert sizes whose product divides "
+                f"{r.world_size // p.pipeline if r.world_size % p.pipeline == 0 else r.world_size}")
+    ffn = model_shape(m).moe_ffn_hidden_size
+    if ffn % etp != 0:
+        r.error(("model.moe_ffn_hidden_size", "parallel.expert_tensor"),
+                f"model.moe_ffn_hidden_size={ffn} is not divisible by expert tensor parallel {etp}",
+                f"choose parallel.expert_tensor from {_divisors(ffn)}")
+    if m.moe_router_topk > experts:
+        r.error(("model.moe_router_topk", "model.num_moe_experts"),
+                f"model.moe_router_topk={m.moe_router_topk} is more than model.num_moe_experts={experts}",
+                f"choose moe_router_topk from 1 to {experts}")
+    if p.tensor > 1 and not p.sequence_parallel:
+        r.error(("parallel.sequence_parallel", "parallel.tensor", "model.num_moe_experts"),
+                "MoE with parallel.tensor > 1 needs sequence parallelism (Megatron-Core refuses to train "
+                "without it)", "set parallel.sequence_parallel=true")
+    if m.add_bias_linear and etp != 1:
+        r.error(("model.add_bias_linear", "parallel.expert_tensor"),
+                "expert biases need expert tensor parallel 1 (Megatron-Core)", "set parallel.expert_tensor=1")
+    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
+        r.error(("model.moe_aux_loss_coeff", "model.moe_z_loss_coeff"), "MoE loss coefficients must be >= 0",
+                "set model.moe_aux_loss_coeff (and model.moe_z_loss_coeff) to 0 or more")
+    cap = m.moe_expert_capacity_factor
+    if cap is not None and cap <= 0:
+        r.error("model.moe_expert_capacity_factor", f"model.moe_expert_capacity_factor={cap} must be positive",
+                "set a positive factor (e.g. 1.25), or null for dropless routing")
+    if m.moe_pad_expert_input_to_capacity and cap is None:
+        r.error(("model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"),
+                "padding expert inputs to capacity needs a capacity factor",
+                "set model.moe_expert_capacity_factor or model.moe_pad_expert_input_to_capacity=false")
+    if m.moe_router_score_function == "sigmoid" and m.moe_router_pre_softmax:
+        r.error(("model.moe_router_pre_softmax", "model.moe_router_score_function"),
+                "model.moe_router_pre_softmax applies to softmax scoring only",
+                "set model.moe_router_pre_softmax=false")
+    if m.moe_grouped_gemm and (lay is not None and not lay.use_te):
+        r.error(("model.moe_grouped_gemm", "model.transformer_impl"),
+                "model.moe_grouped_gemm=true needs the Transformer Engine spec (the local spec runs experts "
+                "one after another)", "set model.moe_grouped_gemm=null, or run on a GPU with transformer-engine")
+
+

@@ -1,0 +1,229 @@
+"""Setting a training run up, before its first step: runtime, process groups, model, optimizer, schedule, data.
+
+`pretrain.train.train` calls these in order (pre-flight validation and `compat.apply()` come first, there):
+`start_run` (tokenizer, derived layout, process groups, microbatches, run dir), `build_training` (model chunks,
+DDP / Megatron-FSDP, optimizer, LR schedule, schedule hooks, step instruments) and, after the resume,
+`build_data` (datasets and the metrics writer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pretrain.config import Config
+from pretrain.layout import Layout, derive_layout
+from pretrain.problems import Report
+from pretrain.run_dir import StorageError
+
+
+@dataclass
+class Run:
+    """What set-up builds for the loop (filled in by `start_run`, `build_training` and `build_data`)."""
+
+    rt: Any  # pretrain.runtime.Runtime
+    problems: Report
+    tokenizer: Any
+    layout: Layout
+    num_microbatches: int
+    dp_rank: int
+    chunks: list | None = None
+    model: list | None = None
+    optimizer: Any = None
+    scheduler: Any = None
+    profiler: Any = None  # pretrain.profiling.StepProfiler
+    timing: Any = None  # pretrain.rank_timing.RankTiming
+    moe: Any = None  # pretrain.moe_metrics.MoEMetrics, None for a dense model
+    train_ds: Any = None
+    valid_ds: Any = None
+    writer: Any = None  # pretrain.metrics.MetricsWriter on the rank that holds the loss, else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def wrap_with_ddp(cfg: Config, chunks, transformer_config):
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
+    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    fsdp = cfg.optimizer.fsdp
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
+        overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
+        overlap_param_gather=cfg.optimizer.overlap_param_gather,
+        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
+        check_for_nan_in_grad=False,
+        average_in_collective=False,
+        use_megatron_fsdp=fsdp,
+        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
+    )
+    if not fsdp:
+        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                        disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
+    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
+
+
+def build_optimizer(cfg: Config, model, layout: Layout):
+    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optimizer
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=layout.precision == "bf16",
+        fp16=layout.precision == "fp16",
+        params_dtype=layout.params_dtype,
+        use_distributed_optimizer=o.distributed or o.fsdp,
+        overlap_param_gather_with_optimizer_step=False,
+    )
+    return get_megatron_optimizer(opt_config, model)
+
+
+def build_scheduler(cfg: Config, optimizer):
+    """Warmup then cosine / linear / WSD / constant decay, stepped once per training step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    decay_steps = o.decay_steps or cfg.train.steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=max(decay_steps, o.warmup_steps + 1),
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+        wsd_decay_steps=o.wsd_decay_steps,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )
+
+
+def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) -> None:
+    """What Megatron-Core's schedules call back into: grad scaling, grad sync/finalise, param sync."""
+    from megatron.core.distributed import finalize_model_grads
+
+    transformer_config.grad_scale_func = optimizer.scale_loss
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in model]
+    transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if cfg.optimizer.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model]
+        transformer_config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    if cfg.optimizer.overlap_param_gather and cfg.optimizer.distributed:
+        sync = [chunk.start_param_sync for chunk in model]
+        transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
+
+
+def initialize_tp_comm_overlap(cfg: Config) -> None:
+    """Transformer Engine userbuffers for TP communication overlap (GPU + TE only; the validator checks).
+
+    Buffers are sized for one microbatch's sequence-parallel activations: [seq·mbs/CP, hidden].
+    """
+    from transformer_engine.pytorch import module as te_module
+
+    shape = [cfg.model.seq_length * cfg.train.micro_batch_size // cfg.parallel.context, cfg.model.hidden_size]
+    te_module.base.initialize_ub(shape=shape, tp_size=cfg.parallel.tensor, use_fp8=cfg.model.fp8 is not None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The set-up steps
+# --------------------------------------------------------------------------------------------------
+
+
+def start_run(cfg: Config, rt, problems: Report, log) -> Run:
+    """Tokenizer, derived layout, model-parallel groups, microbatch calculator, and the run dir marked running."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import (
+        get_num_microbatches,
+        init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
+
+    from pretrain.data import build_tokenizer
+    from pretrain.run_dir import prepare_run_dir
+    from pretrain.runtime import any_rank_error, init_model_parallel
+
+    tokenizer = build_tokenizer(cfg.data)
+    layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+    init_model_parallel(layout, cfg.train.seed)
+    t = cfg.train
+    unset_num_microbatches_calculator()
+    init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, layout.dp)
+    run = Run(rt=rt, problems=problems, tokenizer=tokenizer, layout=layout,
+              num_microbatches=get_num_microbatches(), dp_rank=ps.get_data_parallel_rank())
+    run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
+    if run_dir_error:
+        raise StorageError(run_dir_error)
+    for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
+        log(f"[pretrain] {line}")
+    log(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {run.num_microbatches} "
+        f"microbatches of {t.micro_batch_size}; precision {layout.precision}")
+    return run
+
+
+def build_training(cfg: Config, run: Run, log) -> None:
+    """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks and the step instruments."""
+    from model_providers.core.builder import build_model
+    from pretrain.moe_metrics import MoEMetrics
+    from pretrain.profiling import StepProfiler
+    from pretrain.rank_timing import RankTiming
+
+    rt = run.rt
+    if cfg.parallel.tp_comm_overlap:
+        initialize_tp_comm_overlap(cfg)
+    run.chunks = build_model(cfg, run.layout)
+    tconfig = run.chunks[0].config
+    run.model = wrap_with_ddp(cfg, run.chunks, tconfig)
+    run.optimizer = build_optimizer(cfg, run.model, run.layout)
+    run.scheduler = build_scheduler(cfg, run.optimizer)
+    connect_schedule_hooks(tconfig, run.model, run.optimizer, cfg)
+    run.profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
+    run.timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
+    run.timing.install(tconfig, run.optimizer)
+    run.moe = MoEMetrics.attach(run.chunks)  # None for a dense model
+    n_params = sum(p.numel() for c in run.chunks for p in c.parameters())
+    log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
+
+
+def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool) -> None:
+    """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
+    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped)."""
+    from pretrain.data import build_datasets, data_cache_dir
+    from pretrain.metrics import MetricsWriter
+    from pretrain.run_dir import write_failure
+    from pretrain.wandb_logger import wandb_sinks
+
+    t = cfg.train
+    eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
+    try:
+        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, t.steps * t.global_batch_size,
+                                                    eval_steps * t.global_batch_size)
+    except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
+        why = write_failure(exc, data_cache_dir(cfg))
+        if why is None:
+            raise
+        raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
+    run.writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
+        if writes_metrics else None
+    if run.writer is not None:
+        run.writer.truncate_after(step)
