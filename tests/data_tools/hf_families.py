@@ -88,7 +88,7 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
     """A transformers tokenizer directory (with a chat template) from the embedded tokenizer files."""
     from transformers import AutoTokenizer
 
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 
     source = directory.with_name(directory.name + "_source")
     source.mkdir(parents=True)

@@ -111,7 +111,7 @@ def test_hf_tokenizer_json_directory(tmp_path: Path, small_corpus: Path) -> None
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import BPE
 
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB
 
     tok = Tokenizer(BPE.from_file(str(GPT2_VOCAB), str(GPT2_MERGES)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
