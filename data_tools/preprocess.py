@@ -23,10 +23,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from data_tools.indexed import IndexedWriter, optimal_dtype
 from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
-from data_tools.metadata import commit_meta, dataset_record, meta_path, tokenizer_identity, write_meta_tmp
 from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
+from pretrain.dataset_format.indexed import IndexedWriter, optimal_dtype
+from pretrain.dataset_format.metadata import commit_meta, dataset_record, meta_path, write_meta_tmp
+from pretrain.tokenizer.identity import tokenizer_identity
 
 STATE_SUFFIX = ".preprocess-state.json"
 _MAX_REPORTED = 10  # skipped lines printed per reason

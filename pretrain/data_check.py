@@ -192,9 +192,9 @@ def _missing_hint(prefix: str) -> str:
 
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
     """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
-    from data_tools.indexed import bin_path, idx_path
-    from data_tools.metadata import meta_path, record_tokenizer
-    from data_tools.verify import check_dataset
+    from pretrain.dataset_format.check import check_dataset
+    from pretrain.dataset_format.indexed import bin_path, idx_path
+    from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
     if missing:

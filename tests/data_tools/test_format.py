@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
-from data_tools.indexed import IndexedWriter, read_index
 from data_tools.merge import merge
 from data_tools.preprocess import preprocess
 from data_tools.tokenizers import build_batch_encoder, load_tokenizer, resolve_spec
+from pretrain.dataset_format.indexed import IndexedWriter, read_index
 
 from .conftest import GPT2_ARGS, SP_ARGS, corpus_texts
 

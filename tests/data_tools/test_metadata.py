@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from data_tools.__main__ import main
-from data_tools.indexed import read_index, read_tokens
+from pretrain.dataset_format.indexed import read_index, read_tokens
 from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 from pretrain.tokenizer.identity import describe_tokenizer
 

@@ -19,10 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from data_tools.indexed import IndexInfo
-from pretrain.tokenizer.identity import TokenizerIdentity, describe_tokenizer, tokenizer_identity
-
-__all__ = ["TokenizerIdentity", "describe_tokenizer", "tokenizer_identity"]
+from pretrain.dataset_format.indexed import IndexInfo
+from pretrain.tokenizer.identity import TokenizerIdentity
 
 META_SUFFIX = ".meta.json"
 META_FORMAT = "megapretrain-dataset-meta"
