@@ -12,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -23,11 +21,13 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
-from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
+from data_tools.inputs import Batch, InputError, expand_inputs
+from data_tools.stages import Stages
+from data_tools.tokenizers import BatchEncoder, build_batch_encoder
 from pretrain.dataset_format.indexed import IndexedWriter, optimal_dtype
 from pretrain.dataset_format.metadata import commit_meta, dataset_record, meta_path, write_meta_tmp
 from pretrain.tokenizer.identity import tokenizer_identity
+from pretrain.tokenizer.spec import TokenizerSpec, resolve_spec
 
 STATE_SUFFIX = ".preprocess-state.json"
 _MAX_REPORTED = 10  # skipped lines printed per reason
@@ -73,14 +73,6 @@ class Summary:
             lines.append(f"memory:    encoder caches dropped {self.encoder_resets} times to bound RSS")
         lines += [f"output:    {p}.bin/.idx (+ .meta.json: tokenizer, options, counts)" for p in self.outputs.values()]
         return "\n".join(lines)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def _reason_class(reason: str) -> str:
@@ -177,80 +169,6 @@ def _read_state(state_path: Path, fingerprint: str, resume: bool, log: TextIO) -
             print(f"note: {state_path} is from different inputs or options; starting over", file=log)
             state = None
     return state
-
-
-class _Stages:
-    """The reader and encoder threads and the bounded queues between them and the writing thread."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.read_q: queue.Queue = queue.Queue(maxsize=2)
-        self.enc_q: queue.Queue = queue.Queue(maxsize=2)
-        self.threads: list[threading.Thread] = []
-
-    def put(self, q: queue.Queue, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(self, q: queue.Queue) -> Any:
-        while not self.stop.is_set():
-            try:
-                return q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-        return None
-
-    def _start(self, target: Any, name: str) -> None:
-        self.threads.append(threading.Thread(target=target, name=name, daemon=True))
-        self.threads[-1].start()
-
-    def start_reader(self, files: list[Path], keys: list[str], batch_bytes: int, start: tuple, on_bad: Any) -> None:
-        def read_stage() -> None:
-            try:
-                for b in read_batches(files, keys, batch_bytes, start, on_bad):
-                    if not self.put(self.read_q, b):
-                        return
-                self.put(self.read_q, None)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                self.put(self.read_q, e)
-
-        self._start(read_stage, "data_tools-reader")
-
-    def start_encoder(self, enc: BatchEncoder, keys: list[str], summary: Summary, memory_budget_bytes: int) -> None:
-        rss_base = _rss_bytes()
-
-        def encode_stage() -> None:
-            try:
-                while True:
-                    item = self.get(self.read_q)
-                    if item is None or isinstance(item, BaseException):
-                        self.put(self.enc_q, item)
-                        return
-                    encoded = {}
-                    for k in keys:
-                        texts = item.texts[k]
-                        encoded[k] = enc.encode(texts) if len(texts) else (np.zeros(0, np.int64), np.zeros(1, np.int64))
-                    if not self.put(self.enc_q, (item, encoded)):
-                        return
-                    if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
-                        # gigatoken's pretoken caches grow with the vocabulary seen (hash tables
-                        # that double, so the budget leaves room for one doubling under 1 GiB).
-                        enc.reset()
-                        summary.encoder_resets += 1
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                self.put(self.enc_q, e)
-
-        self._start(encode_stage, "data_tools-encoder")
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=60)
 
 
 @dataclass
@@ -449,7 +367,7 @@ def preprocess(
         if strict:
             raise InputError(f"{path}:{line}: {reason}")
 
-    stages = _Stages()
+    stages = Stages()
     stages.start_reader(files, keys, batch_bytes, start, on_bad)  # reading overlaps the tokenizer's start-up
     ok = False
     try:
@@ -461,7 +379,11 @@ def preprocess(
         t_ready, cpu_ready = time.monotonic(), time.process_time()
         summary.startup_seconds = t_ready - t0
         bar = _Progress(total_disk, log, show)
-        stages.start_encoder(enc, keys, summary, memory_budget_bytes)
+
+        def count_reset() -> None:
+            summary.encoder_resets += 1
+
+        stages.start_encoder(enc, keys, memory_budget_bytes, count_reset)
 
         current_file, base_disk = start[0], done_disk
         while True:
