@@ -29,7 +29,7 @@ WRITE = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from transformers import LlamaConfig
-from data_tools.convert import write_random_hf
+from tests.data_tools.hf_random import write_random_hf
 cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers={layers},
                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
                   tie_word_embeddings=False, dtype={dtype!r})

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER  # noqa: E402
+from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER  # noqa: E402
 
 TOKENIZERS = {
     "gpt2-bpe": [

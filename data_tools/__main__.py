@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from data_tools.tokenizers import TOKENIZER_TYPES
+from pretrain.tokenizer.types import TOKENIZER_TYPES
 
 
 def _add_tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _tokenizer_from(args: argparse.Namespace) -> object | None:
     if not args.tokenizer_type:
         return None
-    from data_tools.tokenizers import load_tokenizer
+    from pretrain.tokenizer.load import load_tokenizer
 
     return load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
 
@@ -91,8 +91,8 @@ def _run(args: argparse.Namespace) -> int:
         print(inspect_dataset(args.prefix, _tokenizer_from(args), samples=args.samples, chars=args.chars))
         return 0
     if args.command == "verify":
-        from data_tools.metadata import describe_tokenizer
         from data_tools.verify import verify
+        from pretrain.tokenizer.identity import describe_tokenizer
 
         # Only the vocabulary and the identity are needed: no Megatron import (and none of its warnings).
         tok = describe_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file) \
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. a scheduler's kill) interrupts like Ctrl-C, so an interrupted run can --resume.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     from data_tools.inputs import InputError
-    from data_tools.tokenizers import TokenizerError
+    from pretrain.tokenizer.types import TokenizerError
 
     try:
         return _run(args)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from data_tools.indexed import check_consistency, read_tokens
+from pretrain.dataset_format.indexed import check_consistency, read_tokens
 
 
 def length_histogram(lengths: np.ndarray, bins: int = 10) -> list[tuple[int, int, int]]:

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.indexed import IndexedFormatError, bin_path, check_consistency, idx_path, write_index_streaming
-from data_tools.metadata import (
+from pretrain.dataset_format.indexed import (
+    IndexedFormatError,
+    bin_path,
+    check_consistency,
+    idx_path,
+    write_index_streaming,
+)
+from pretrain.dataset_format.metadata import (
     check_meta_matches,
     commit_meta,
     dataset_record,

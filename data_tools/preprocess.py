@@ -12,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -23,11 +21,14 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from data_tools.indexed import IndexedWriter, optimal_dtype
-from data_tools.inputs import Batch, InputError, expand_inputs, read_batches
-from data_tools.metadata import commit_meta, dataset_record, meta_path, tokenizer_identity, write_meta_tmp
-from data_tools.tokenizers import BatchEncoder, TokenizerSpec, build_batch_encoder, resolve_spec
+from data_tools.inputs import Batch, InputError, expand_inputs
+from data_tools.stages import Stages
+from data_tools.tokenizers import BatchEncoder, build_batch_encoder
+from pretrain.dataset_format.indexed import IndexedWriter, optimal_dtype
+from pretrain.dataset_format.metadata import commit_meta, dataset_record, meta_path, write_meta_tmp
 from pretrain.files import write_atomic
+from pretrain.tokenizer.identity import tokenizer_identity
+from pretrain.tokenizer.spec import TokenizerSpec, resolve_spec
 
 STATE_SUFFIX = ".preprocess-state.json"
 _MAX_REPORTED = 10  # skipped lines printed per reason
@@ -73,14 +74,6 @@ class Summary:
             lines.append(f"memory:    encoder caches dropped {self.encoder_resets} times to bound RSS")
         lines += [f"output:    {p}.bin/.idx (+ .meta.json: tokenizer, options, counts)" for p in self.outputs.values()]
         return "\n".join(lines)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def _reason_class(reason: str) -> str:
@@ -155,6 +148,171 @@ def assemble(
     return tokens, lengths, per_doc, empty
 
 
+def _check_output_dir(output_prefix: str) -> None:
+    out_dir = Path(output_prefix).parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PreprocessError(f"output directory is not a directory: {out_dir}")
+    if not out_dir.is_dir():
+        raise PreprocessError(f"output directory does not exist: {out_dir}")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PreprocessError(f"output directory is not writable: {out_dir}")
+
+
+def _read_state(state_path: Path, fingerprint: str, resume: bool, log: TextIO) -> dict[str, Any] | None:
+    """The state of an interrupted run of the same inputs and options (None: start from the beginning)."""
+    state: dict[str, Any] | None = None
+    if resume and state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+        except ValueError:
+            state = None
+        if state is None or state.get("fingerprint") != fingerprint:
+            print(f"note: {state_path} is from different inputs or options; starting over", file=log)
+            state = None
+    return state
+
+
+@dataclass
+class _Run:
+    """One run's options and running totals, shared by the steps of :func:`preprocess`."""
+
+    files: list[Path]
+    keys: list[str]
+    prefixes: dict[str, str]
+    output_prefix: str
+    spec: TokenizerSpec
+    append_eod: bool
+    strict: bool
+    keep_empty: bool
+    log: TextIO
+    state_path: Path
+    fingerprint: str
+    writers: dict[str, IndexedWriter] = field(default_factory=dict)
+    skipped: Counter[str] = field(default_factory=Counter)
+    reported: Counter[str] = field(default_factory=Counter)
+
+    def open(self, enc: BatchEncoder, state: dict[str, Any] | None, start: tuple) -> tuple[Summary, Any, dict]:
+        """Check the encoder, pick the dtype, restore a resumed run's totals and create the outputs."""
+        if self.append_eod and enc.eod is None:
+            raise PreprocessError(
+                f"--append-eod: the tokenizer {self.spec.model or self.spec.vocab_file} defines no EOS token")
+        dtype = optimal_dtype(enc.vocab_size)
+        max_ids: dict[str, int | None] = dict.fromkeys(self.keys, -1)  # None: unknown (resumed from an older state)
+        summary = Summary(outputs=self.prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
+        if state is not None:
+            summary.documents, summary.tokens, summary.input_bytes = state["documents"], state["tokens"], state["bytes"]
+            self.skipped.update(state["skipped"])
+            max_ids.update(state.get("max_ids") or dict.fromkeys(self.keys))
+            summary.resumed = True
+            print(f"resuming from {self.files[start[0]]} line {start[1]:,}", file=self.log)
+        for k, p in self.prefixes.items():
+            try:
+                self.writers[k] = IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None)
+            except OSError as e:
+                raise PreprocessError(f"cannot create output file {e.filename or p}: {e.strerror}") from e
+        return summary, dtype, max_ids
+
+    def report_skipped(self, batch: Batch) -> None:
+        for line, reason in batch.skipped:
+            cls = _reason_class(reason)
+            self.skipped[cls] += 1
+            self.reported[cls] += 1
+            if self.reported[cls] <= _MAX_REPORTED:
+                print(f"\rskipped {self.files[batch.file_index]}:{line}: {reason}", file=self.log)
+
+    def report_empty(self, batch: Batch, k: str, empty: np.ndarray) -> None:
+        for j in np.flatnonzero(empty):
+            where = f"{self.files[batch.file_index]}:{batch.lines[j]}"
+            if self.strict and not self.keep_empty:
+                raise InputError(f"{where}: empty document ({k!r})")
+            self.reported["empty document"] += 1
+            if self.reported["empty document"] <= _MAX_REPORTED and not self.keep_empty:
+                what = f" ({k!r})" if len(self.keys) > 1 else ""
+                print(f"\rskipped {where}: empty document{what}", file=self.log)
+        if not self.keep_empty:
+            self.skipped["empty document"] += int(empty.sum())
+
+    def write_batch(self, batch: Batch, encoded: dict, enc: BatchEncoder, dtype: Any, summary: Summary,
+                    max_ids: dict[str, int | None]) -> None:
+        """Assemble and append one encoded batch to every key's output, then record the resume state."""
+        self.report_skipped(batch)
+        n_docs_batch = 0
+        for k in self.keys:
+            tokens, offsets = encoded[k]
+            if tokens.size and int(tokens.max()) >= enc.vocab_size:
+                raise PreprocessError(f"token id {int(tokens.max())} >= vocab size {enc.vocab_size}")
+            out_t, lengths, per_doc, empty = assemble(
+                tokens, offsets, batch.seqs_per_doc[k], enc.eod if self.append_eod else None, self.keep_empty, dtype
+            )
+            if empty.any():
+                self.report_empty(batch, k, empty)
+            if out_t.size and max_ids[k] is not None:
+                max_ids[k] = max(max_ids[k], int(out_t.max()))
+            try:
+                self.writers[k].add_batch(out_t, lengths, per_doc)
+            except OSError as e:
+                raise PreprocessError(f"writing {self.writers[k].tmp_bin} failed: {e.strerror}") from e
+            summary.tokens += int(out_t.size)
+            n_docs_batch = max(n_docs_batch, int(per_doc.size))
+        summary.documents += n_docs_batch
+        summary.input_bytes += batch.text_bytes
+        try:
+            sizes = {k: w.flush() for k, w in self.writers.items()}
+            _write_state(self.state_path, {
+                "fingerprint": self.fingerprint,
+                "position": [batch.file_index, batch.records_done, batch.byte_offset],
+                "sizes": sizes, "documents": summary.documents, "tokens": summary.tokens,
+                "bytes": summary.input_bytes, "skipped": dict(self.skipped), "max_ids": max_ids,
+            })  # fmt: skip
+        except OSError as e:
+            where = e.filename or self.output_prefix + "_*"
+            raise PreprocessError(f"writing output {where} failed: {e.strerror}") from e
+
+    def finish(self, enc: BatchEncoder, dtype: Any, summary: Summary, max_ids: dict[str, int | None]) -> None:
+        """Write every key's index and ``PREFIX.meta.json``, then rename them all into place."""
+        if summary.documents == 0:
+            raise InputError(
+                "no documents in the input"
+                + (f" ({', '.join(f'{n} {w}' for w, n in self.skipped.items())} skipped)" if self.skipped else "")
+                + ": "
+                + ", ".join(map(str, self.files))
+            )
+        # Every key's index is written before any dataset is renamed into place: a failure (disk
+        # full) leaves no key's dataset behind.
+        identity = tokenizer_identity(self.spec, enc.vocab_size, enc.eod)
+        sources = [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in self.files]
+        for k, w in self.writers.items():
+            try:
+                w.prepare()
+                write_meta_tmp(self.prefixes[k], dataset_record(
+                    tool="data_tools preprocess", tokenizer=identity, append_eod=self.append_eod,
+                    dtype=np.dtype(dtype).name, documents=w.num_documents, sequences=w.num_sequences,
+                    tokens=w.num_tokens, max_token_id=max_ids[k] if max_ids[k] != -1 else None, inputs=sources,
+                    json_key=k, keep_empty=self.keep_empty))
+            except OSError as e:
+                raise PreprocessError(f"finalizing {e.filename or self.prefixes[k]} failed: {e.strerror}") from e
+        for k, w in self.writers.items():
+            try:
+                meta_path(self.prefixes[k]).unlink(missing_ok=True)  # never an old description beside new data
+                w.commit()
+                commit_meta(self.prefixes[k])
+            except OSError as e:
+                raise PreprocessError(f"renaming {self.prefixes[k]} into place failed: {e.strerror}") from e
+        self.state_path.unlink(missing_ok=True)
+
+    def discard(self, interrupted: bool) -> None:
+        """After a failure: close the outputs; keep temporaries + state only when a resume is possible
+        (interrupted, not rejected input)."""
+        for w in self.writers.values():
+            w.close()
+        if not interrupted:
+            for k, w in self.writers.items():
+                w.discard()
+                Path(f"{meta_path(self.prefixes[k])}.tmp").unlink(missing_ok=True)
+            self.state_path.unlink(missing_ok=True)
+            self.state_path.with_name(self.state_path.name + ".tmp").unlink(missing_ok=True)
+
+
 def preprocess(
     inputs: list[str],
     output_prefix: str,
@@ -197,128 +355,40 @@ def preprocess(
     files = expand_inputs(inputs)
     if not files:
         raise InputError("no input files given")
-    out_dir = Path(output_prefix).parent
-    if out_dir.exists() and not out_dir.is_dir():
-        raise PreprocessError(f"output directory is not a directory: {out_dir}")
-    if not out_dir.is_dir():
-        raise PreprocessError(f"output directory does not exist: {out_dir}")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise PreprocessError(f"output directory is not writable: {out_dir}")
+    _check_output_dir(output_prefix)
 
-    prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
     state_path = Path(f"{output_prefix}{STATE_SUFFIX}")
     fingerprint = _fingerprint(files, spec, keys, append_eod, keep_empty)
-    skipped: Counter[str] = Counter()
-    reported: Counter[str] = Counter()
-    start = (0, 0, 0)
-    state: dict[str, Any] | None = None
-    if resume and state_path.is_file():
-        try:
-            state = json.loads(state_path.read_text())
-        except ValueError:
-            state = None
-        if state is None or state.get("fingerprint") != fingerprint:
-            print(f"note: {state_path} is from different inputs or options; starting over", file=log)
-            state = None
-    if state is not None:
-        start = tuple(state["position"])  # type: ignore[assignment]
+    run = _Run(files, keys, {k: f"{output_prefix}_{k}_document" for k in keys}, output_prefix, spec, append_eod,
+               strict, keep_empty, log, state_path, fingerprint)
+    state = _read_state(state_path, fingerprint, resume, log)
+    start = tuple(state["position"]) if state is not None else (0, 0, 0)
 
     def on_bad(path: Path, line: int, reason: str) -> None:
         if strict:
             raise InputError(f"{path}:{line}: {reason}")
 
-    stop = threading.Event()
-    read_q: queue.Queue = queue.Queue(maxsize=2)
-    enc_q: queue.Queue = queue.Queue(maxsize=2)
-
-    def put(q: queue.Queue, item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def get(q: queue.Queue) -> Any:
-        while not stop.is_set():
-            try:
-                return q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-        return None
-
-    def read_stage() -> None:
-        try:
-            for b in read_batches(files, keys, batch_bytes, start, on_bad):
-                if not put(read_q, b):
-                    return
-            put(read_q, None)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(read_q, e)
-
-    threads = [threading.Thread(target=read_stage, name="data_tools-reader", daemon=True)]
-    threads[0].start()  # reading and parsing overlap the tokenizer's start-up
-    writers: dict[str, IndexedWriter] = {}
+    stages = Stages()
+    stages.start_reader(files, keys, batch_bytes, start, on_bad)  # reading overlaps the tokenizer's start-up
     ok = False
     try:
         enc: BatchEncoder = build_batch_encoder(spec, workers, encoder, log=lambda m: print(m, file=log))
-        if append_eod and enc.eod is None:
-            raise PreprocessError(f"--append-eod: the tokenizer {spec.model or spec.vocab_file} defines no EOS token")
-        dtype = optimal_dtype(enc.vocab_size)
-        max_ids: dict[str, int | None] = dict.fromkeys(keys, -1)  # None: unknown (resumed from an older state)
-        summary = Summary(outputs=prefixes, encoder=enc.name, dtype=np.dtype(dtype).name)
-        if state is not None:
-            summary.documents, summary.tokens, summary.input_bytes = (
-                state["documents"],
-                state["tokens"],
-                state["bytes"],
-            )
-            skipped.update(state["skipped"])
-            max_ids.update(state.get("max_ids") or dict.fromkeys(keys))
-            summary.resumed = True
-            print(f"resuming from {files[start[0]]} line {start[1]:,}", file=log)
-        for k, p in prefixes.items():
-            try:
-                writers[k] = IndexedWriter(p, dtype, resume_sizes=state["sizes"][k] if state else None)
-            except OSError as e:
-                raise PreprocessError(f"cannot create output file {e.filename or p}: {e.strerror}") from e
-
+        summary, dtype, max_ids = run.open(enc, state, start)
         total_disk = sum(p.stat().st_size for p in files)
         done_disk = sum(p.stat().st_size for p in files[: start[0]])
         show = progress if progress is not None else log.isatty()
-        rss_base = _rss_bytes()
         t_ready, cpu_ready = time.monotonic(), time.process_time()
         summary.startup_seconds = t_ready - t0
         bar = _Progress(total_disk, log, show)
 
-        def encode_stage() -> None:
-            try:
-                while True:
-                    item = get(read_q)
-                    if item is None or isinstance(item, BaseException):
-                        put(enc_q, item)
-                        return
-                    encoded = {}
-                    for k in keys:
-                        texts = item.texts[k]
-                        encoded[k] = enc.encode(texts) if len(texts) else (np.zeros(0, np.int64), np.zeros(1, np.int64))
-                    if not put(enc_q, (item, encoded)):
-                        return
-                    if hasattr(enc, "reset") and _rss_bytes() - rss_base > memory_budget_bytes:
-                        # gigatoken's pretoken caches grow with the vocabulary seen (hash tables
-                        # that double, so the budget leaves room for one doubling under 1 GiB).
-                        enc.reset()
-                        summary.encoder_resets += 1
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                put(enc_q, e)
+        def count_reset() -> None:
+            summary.encoder_resets += 1
 
-        threads.append(threading.Thread(target=encode_stage, name="data_tools-encoder", daemon=True))
-        threads[1].start()
+        stages.start_encoder(enc, keys, memory_budget_bytes, count_reset)
 
         current_file, base_disk = start[0], done_disk
         while True:
-            item = get(enc_q)
+            item = stages.get(stages.enc_q)
             if item is None:
                 break
             if isinstance(item, BaseException):
@@ -327,108 +397,16 @@ def preprocess(
             if batch.file_index != current_file:
                 base_disk += sum(p.stat().st_size for p in files[current_file : batch.file_index])
                 current_file = batch.file_index
-            for line, reason in batch.skipped:
-                cls = _reason_class(reason)
-                skipped[cls] += 1
-                reported[cls] += 1
-                if reported[cls] <= _MAX_REPORTED:
-                    print(f"\rskipped {files[batch.file_index]}:{line}: {reason}", file=log)
-            n_docs_batch = 0
-            for k in keys:
-                tokens, offsets = item[1][k]
-                if tokens.size and int(tokens.max()) >= enc.vocab_size:
-                    raise PreprocessError(f"token id {int(tokens.max())} >= vocab size {enc.vocab_size}")
-                out_t, lengths, per_doc, empty = assemble(
-                    tokens, offsets, batch.seqs_per_doc[k], enc.eod if append_eod else None, keep_empty, dtype
-                )
-                if empty.any():
-                    for j in np.flatnonzero(empty):
-                        where = f"{files[batch.file_index]}:{batch.lines[j]}"
-                        if strict and not keep_empty:
-                            raise InputError(f"{where}: empty document ({k!r})")
-                        reported["empty document"] += 1
-                        if reported["empty document"] <= _MAX_REPORTED and not keep_empty:
-                            what = f" ({k!r})" if len(keys) > 1 else ""
-                            print(f"\rskipped {where}: empty document{what}", file=log)
-                    if not keep_empty:
-                        skipped["empty document"] += int(empty.sum())
-                if out_t.size and max_ids[k] is not None:
-                    max_ids[k] = max(max_ids[k], int(out_t.max()))
-                try:
-                    writers[k].add_batch(out_t, lengths, per_doc)
-                except OSError as e:
-                    raise PreprocessError(f"writing {writers[k].tmp_bin} failed: {e.strerror}") from e
-                summary.tokens += int(out_t.size)
-                n_docs_batch = max(n_docs_batch, int(per_doc.size))
-            summary.documents += n_docs_batch
-            summary.input_bytes += batch.text_bytes
-            try:
-                sizes = {k: w.flush() for k, w in writers.items()}
-                _write_state(
-                    state_path,
-                    {
-                        "fingerprint": fingerprint,
-                        "position": [batch.file_index, batch.records_done, batch.byte_offset],
-                        "sizes": sizes,
-                        "documents": summary.documents,
-                        "tokens": summary.tokens,
-                        "bytes": summary.input_bytes,
-                        "skipped": dict(skipped),
-                        "max_ids": max_ids,
-                    },
-                )
-            except OSError as e:
-                raise PreprocessError(
-                    f"writing output {e.filename or output_prefix + '_*'} failed: {e.strerror}"
-                ) from e
+            run.write_batch(batch, item[1], enc, dtype, summary, max_ids)
             bar.update(base_disk + batch.progress_bytes, summary.documents, summary.input_bytes, summary.tokens)
         bar.update(total_disk, summary.documents, summary.input_bytes, summary.tokens, final=True)
-        if summary.documents == 0:
-            raise InputError(
-                "no documents in the input"
-                + (f" ({', '.join(f'{n} {w}' for w, n in skipped.items())} skipped)" if skipped else "")
-                + ": "
-                + ", ".join(map(str, files))
-            )
-        # Every key's index is written before any dataset is renamed into place: a failure (disk
-        # full) leaves no key's dataset behind.
-        identity = tokenizer_identity(spec, enc.vocab_size, enc.eod)
-        sources = [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in files]
-        for k, w in writers.items():
-            try:
-                w.prepare()
-                write_meta_tmp(prefixes[k], dataset_record(
-                    tool="data_tools preprocess", tokenizer=identity, append_eod=append_eod,
-                    dtype=np.dtype(dtype).name, documents=w.num_documents, sequences=w.num_sequences,
-                    tokens=w.num_tokens, max_token_id=max_ids[k] if max_ids[k] != -1 else None, inputs=sources,
-                    json_key=k, keep_empty=keep_empty))
-            except OSError as e:
-                raise PreprocessError(f"finalizing {e.filename or prefixes[k]} failed: {e.strerror}") from e
-        for k, w in writers.items():
-            try:
-                meta_path(prefixes[k]).unlink(missing_ok=True)  # never an old description beside new data
-                w.commit()
-                commit_meta(prefixes[k])
-            except OSError as e:
-                raise PreprocessError(f"renaming {prefixes[k]} into place failed: {e.strerror}") from e
-        state_path.unlink(missing_ok=True)
+        run.finish(enc, dtype, summary, max_ids)
         ok = True
     finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+        stages.close()
         if not ok:
-            for w in writers.values():
-                w.close()
-            # Keep temporaries + state only when a resume is possible (interrupted, not rejected input).
-            exc = sys.exc_info()[1]
-            if not isinstance(exc, KeyboardInterrupt):
-                for k, w in writers.items():
-                    w.discard()
-                    Path(f"{meta_path(prefixes[k])}.tmp").unlink(missing_ok=True)
-                state_path.unlink(missing_ok=True)
-                state_path.with_name(state_path.name + ".tmp").unlink(missing_ok=True)
-    summary.skipped = dict(skipped)
+            run.discard(interrupted=isinstance(sys.exc_info()[1], KeyboardInterrupt))
+    summary.skipped = dict(run.skipped)
     t_end = time.monotonic()
     summary.seconds = t_end - t0
     summary.processing_seconds = t_end - t_ready

@@ -1,257 +1,37 @@
-"""Tokenizers for data_tools and the trainer: one resolution of user arguments, two faces.
+"""Fast batch encoders for ``preprocess`` over the tokenizers ``pretrain.tokenizer`` resolves and loads.
 
-* :func:`load_tokenizer` returns a ``megatron.core.tokenizers`` object (what ``GPTDataset`` and
-  the trainer use): SentencePiece and tiktoken through Megatron-Core's own library classes, HF
-  tokenizers through a thin adapter over the ``tokenizers`` library.
-* :func:`build_batch_encoder` returns the fast batched encoder ``preprocess`` uses. It prefers
-  ``gigatoken`` (when installed and when it reproduces the reference ids on a probe set) and
-  otherwise the reference library's multi-threaded batch API. Token ids are the same either way.
+:func:`build_batch_encoder` returns the fast batched encoder ``preprocess`` uses. It prefers
+``gigatoken`` (when installed and when it reproduces the reference ids on a probe set) and otherwise the
+reference library's multi-threaded batch API. Token ids are the same either way, and the same as
+:func:`load_tokenizer` (the Megatron-Core tokenizer the trainer uses) gives.
 
-Semantics follow Megatron-LM's ``--tokenizer-type`` names so existing commands carry over:
-
-============================  ===============================================  =========================
-type                          model files                                      EOD / special tokens
-============================  ===============================================  =========================
-sentencepiece,                ``--tokenizer-model tokenizer.model``            EOD = model's EOS id,
-GPTSentencePieceTokenizer                                                      no BOS added
-huggingface,                  ``--tokenizer-model`` dir with ``tokenizer.json``  EOD = ``eos_token`` of
-HuggingFaceTokenizer          (+ ``tokenizer_config.json``) or the file        ``tokenizer_config.json``;
-                                                                               post-processor specials
-                                                                               (e.g. BOS) are added
-huggingface (pair),           ``--vocab-file vocab.json --merge-file           EOD = ``<|endoftext|>``,
-GPT2BPETokenizer              merges.txt``                                     no specials in text
-tiktoken, TikTokenizer        Megatron tiktoken ``.json`` vocabulary           Megatron-Core
-                                                                               ``TikTokenTokenizer``
-============================  ===============================================  =========================
+Type names, files and loading live in ``pretrain.tokenizer``; the names below are re-exported from there.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_tools.inputs import TextColumn, as_text_list
-
-_TYPE_ALIASES = {
-    "sentencepiece": "sentencepiece",
-    "gptsentencepiecetokenizer": "sentencepiece",
-    "huggingface": "huggingface",
-    "huggingfacetokenizer": "huggingface",
-    "gpt2bpetokenizer": "gpt2bpe",
-    "tiktoken": "tiktoken",
-    "tiktokenizer": "tiktoken",
-}
-TOKENIZER_TYPES = (
-    "sentencepiece",
-    "huggingface",
-    "tiktoken",
-    "GPTSentencePieceTokenizer",
-    "GPT2BPETokenizer",
-    "HuggingFaceTokenizer",
-    "TikTokenizer",
+from pretrain.tokenizer.libraries import (
+    hf_info,
+    load_sentencepiece,
+    load_tiktoken,
+    sentencepiece_vocab_eod,
+    tiktoken_vocab_eod,
 )
-GPT2_EOD_TOKEN = "<|endoftext|>"
+from pretrain.tokenizer.load import load_tokenizer
+from pretrain.tokenizer.spec import TokenizerSpec, resolve_spec
+from pretrain.tokenizer.types import TOKENIZER_TYPES, TokenizerError
 
-
-class TokenizerError(ValueError):
-    """A tokenizer type or file that cannot be used; the message names the path."""
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """A resolved tokenizer: which family, which files, and how ids are produced."""
-
-    kind: str  # "sentencepiece" | "hf-json" | "bpe-pair" | "tiktoken"
-    model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    eos_token: str | None = None  # hf-json: the EOS named in tokenizer_config.json
-    add_special_tokens: bool = False  # hf-json: Megatron-LM's HuggingFaceTokenizer adds them
-
-    @property
-    def library(self) -> str:
-        return {"sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}.get(self.kind, "huggingface")
-
-
-def _need_file(path: str | os.PathLike | None, what: str) -> str:
-    if path is None:
-        raise TokenizerError(f"{what} is required but was not given")
-    p = Path(path)
-    if not p.exists():
-        raise TokenizerError(f"{what} not found: {p}")
-    if not p.is_file():
-        raise TokenizerError(f"{what} is not a file: {p}")
-    if not os.access(p, os.R_OK):
-        raise TokenizerError(f"{what} is not readable: {p}")
-    return os.fspath(p)
-
-
-def _token_content(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _eos_from_config(model_dir: Path) -> str | None:
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        cfg = model_dir / name
-        if cfg.is_file():
-            try:
-                eos = _token_content(json.loads(cfg.read_text(encoding="utf-8")).get("eos_token"))
-            except (OSError, ValueError) as e:
-                raise TokenizerError(f"{cfg}: not valid JSON ({e})") from e
-            if eos:
-                return eos
-    return None
-
-
-def resolve_spec(
-    tokenizer_type: str,
-    tokenizer_model: str | os.PathLike | None = None,
-    vocab_file: str | os.PathLike | None = None,
-    merge_file: str | os.PathLike | None = None,
-) -> TokenizerSpec:
-    """Validate user arguments (types and files) and return a :class:`TokenizerSpec`."""
-    kind = _TYPE_ALIASES.get(str(tokenizer_type).lower())
-    if kind is None:
-        raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
-    if kind == "sentencepiece":
-        return TokenizerSpec("sentencepiece", model=_need_file(tokenizer_model, "SentencePiece --tokenizer-model"))
-    if kind == "tiktoken":
-        return TokenizerSpec("tiktoken", model=_need_file(tokenizer_model, "tiktoken --tokenizer-model (.json)"))
-    if kind == "gpt2bpe" or (tokenizer_model is None and vocab_file is not None):
-        return TokenizerSpec(
-            "bpe-pair",
-            vocab_file=_need_file(vocab_file, "--vocab-file (vocab.json)"),
-            merge_file=_need_file(merge_file, "--merge-file (merges.txt)"),
-        )
-    if tokenizer_model is None:
-        raise TokenizerError("huggingface tokenizer needs --tokenizer-model (tokenizer.json or its directory)")
-    model = Path(tokenizer_model)
-    if model.is_dir():
-        model = model / "tokenizer.json"
-        if not model.is_file():
-            raise TokenizerError(f"{tokenizer_model}: directory holds no tokenizer.json")
-    model_path = _need_file(model, "HuggingFace --tokenizer-model")
-    return TokenizerSpec("hf-json", model=model_path, eos_token=_eos_from_config(model.parent), add_special_tokens=True)
-
-
-# --------------------------------------------------------------------------- reference libraries
-
-
-def _load_sentencepiece(spec: TokenizerSpec) -> Any:
-    import sentencepiece
-
-    sp = sentencepiece.SentencePieceProcessor()
-    try:
-        sp.Load(spec.model)
-    except (OSError, RuntimeError) as e:
-        raise TokenizerError(f"{spec.model}: not a SentencePiece model ({e})") from e
-    return sp
-
-
-def _load_hf(spec: TokenizerSpec) -> Any:
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
-    if spec.kind == "bpe-pair":
-        try:
-            tok = Tokenizer(BPE.from_file(spec.vocab_file, spec.merge_file))
-        except Exception as e:  # the Rust loader raises plain Exception
-            raise TokenizerError(f"{spec.vocab_file} / {spec.merge_file}: not a BPE vocab/merges pair ({e})") from e
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-    else:
-        try:
-            tok = Tokenizer.from_file(spec.model)
-        except Exception as e:
-            raise TokenizerError(f"{spec.model}: not a HuggingFace tokenizer.json ({e})") from e
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
-
-
-def _tiktoken_vocab_size(path: str) -> int:
-    try:
-        with open(path, encoding="utf-8") as f:
-            vocab = json.load(f)
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{path}: not a Megatron tiktoken JSON vocabulary ({e})") from e
-    if not isinstance(vocab, list) or not vocab:
-        raise TokenizerError(f"{path}: expected a JSON list of {{rank, token_bytes, token_str}} entries")
-    return min(2**17, len(vocab) + 1000)
-
-
-def _load_tiktoken(spec: TokenizerSpec) -> Any:
-    """Megatron-Core's TikTokenTokenizer (default special tokens, pattern v2)."""
-    from megatron.core.tokenizers.text.libraries import TikTokenTokenizer
-
-    vocab_size = _tiktoken_vocab_size(spec.model)  # its own clear TokenizerError
-    try:
-        return TikTokenTokenizer(spec.model, vocab_size=vocab_size)
-    except (AssertionError, KeyError, ValueError) as e:
-        raise TokenizerError(f"{spec.model}: not a Megatron tiktoken JSON vocabulary ({e!r})") from e
-
-
-def _hf_special_affixes(tok: Any) -> tuple[list[int], list[int]]:
-    """Ids the post-processor adds around a single sequence (e.g. BOS), as (prefix, suffix)."""
-    for probe in ("x", "Hello world"):
-        plain = tok.encode(probe, add_special_tokens=False).ids
-        full = tok.encode(probe, add_special_tokens=True).ids
-        for k in range(len(full) - len(plain) + 1):
-            if full[k : k + len(plain)] == plain:
-                prefix, suffix = full[:k], full[k + len(plain) :]
-                break
-        else:
-            raise TokenizerError("the tokenizer's post-processor is not a simple prefix/suffix template")
-    return prefix, suffix
-
-
-@dataclass
-class _HFInfo:
-    tok: Any
-    vocab_size: int
-    eod: int | None
-    prefix: list[int]
-    suffix: list[int]
-
-
-def _hf_info(spec: TokenizerSpec) -> _HFInfo:
-    tok = _load_hf(spec)
-    if spec.kind == "bpe-pair":
-        eod = tok.token_to_id(GPT2_EOD_TOKEN)
-        return _HFInfo(tok, tok.get_vocab_size(with_added_tokens=False), eod, [], [])
-    eod = tok.token_to_id(spec.eos_token) if spec.eos_token else None
-    prefix, suffix = _hf_special_affixes(tok) if spec.add_special_tokens else ([], [])
-    return _HFInfo(tok, tok.get_vocab_size(with_added_tokens=True), eod, prefix, suffix)
-
-
-# --------------------------------------------------------------------------- Megatron-Core face
-
-
-def load_tokenizer(
-    tokenizer_type: str,
-    tokenizer_model: str | None = None,
-    vocab_file: str | None = None,
-    merge_file: str | None = None,
-) -> Any:
-    """Build a ``megatron.core.tokenizers`` tokenizer (``MegatronTokenizerBase`` subclass).
-
-    It has ``.vocab_size``, ``.eod``, ``.tokenize(text)``, ``.detokenize(ids)`` and
-    ``.unique_identifiers``; ``tokenize`` gives exactly the ids ``preprocess`` writes (before EOD).
-    Raises :class:`TokenizerError` (a ``ValueError``) naming the path for missing or bad files.
-    """
-    spec = resolve_spec(tokenizer_type, tokenizer_model, vocab_file, merge_file)
-    from data_tools.megatron_tokenizer import DataToolsTokenizer
-
-    return DataToolsTokenizer(spec)
+__all__ = ["TOKENIZER_TYPES", "BatchEncoder", "CheckedEncoder", "TokenizerError", "TokenizerSpec",
+           "build_batch_encoder", "load_tokenizer", "resolve_spec"]
 
 
 # --------------------------------------------------------------------------- fast batch encoders
@@ -305,10 +85,9 @@ class _SentencePieceEncoder(BatchEncoder):
     name = "sentencepiece"
 
     def __init__(self, spec: TokenizerSpec, workers: int) -> None:
-        self.sp = _load_sentencepiece(spec)
+        self.sp = load_sentencepiece(spec)
         self.workers = workers
-        self.vocab_size = self.sp.get_piece_size()
-        self.eod = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.vocab_size, self.eod = sentencepiece_vocab_eod(self.sp)
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         return _flatten(self.sp.encode(as_text_list(texts), num_threads=self.workers))
@@ -318,7 +97,7 @@ class _HFEncoder(BatchEncoder):
     name = "tokenizers"
 
     def __init__(self, spec: TokenizerSpec, workers: int) -> None:
-        info = _hf_info(spec)
+        info = hf_info(spec)
         self.tok, self.vocab_size, self.eod = info.tok, info.vocab_size, info.eod
         self.prefix, self.suffix = info.prefix, info.suffix
 
@@ -332,10 +111,9 @@ class _TiktokenEncoder(BatchEncoder):
     name = "tiktoken"
 
     def __init__(self, spec: TokenizerSpec, workers: int) -> None:
-        self.lib = _load_tiktoken(spec)
+        self.lib = load_tiktoken(spec)
         self.workers = workers
-        self.vocab_size = self.lib.vocab_size if isinstance(self.lib.vocab_size, int) else self.lib._vocab_size
-        self.eod = self.lib.eos_id
+        self.vocab_size, self.eod = tiktoken_vocab_eod(self.lib)
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         out = self.lib.tokenizer.encode_batch(as_text_list(texts), num_threads=self.workers, allowed_special="all")

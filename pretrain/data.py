@@ -22,8 +22,8 @@ class DataError(RuntimeError):
 
 
 def build_tokenizer(data_cfg):
-    """The run's tokenizer via data_tools (embedded Mistral / GPT-2 files when no path is given)."""
-    from data_tools.tokenizers import load_tokenizer
+    """The run's tokenizer (embedded Mistral / GPT-2 files when no path is given)."""
+    from pretrain.tokenizer.load import load_tokenizer
 
     ttype, model, vocab, merges, _embedded = tokenizer_args(data_cfg)
     return load_tokenizer(ttype, model, vocab_file=vocab, merge_file=merges)

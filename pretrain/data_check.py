@@ -5,8 +5,8 @@ Rules owned here (the trainer's data code uses the same functions):
 - `uses_mock`: synthetic tokens only when asked *and* no blend is given — a blend wins over `data.mock: true`,
   as Megatron-LM trains on `--data-path` and uses mock data only without one.
 - `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite weights >= 0 that do not sum to 0.
-- `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE) apply only to the
-  `sentencepiece` and `GPT2BPETokenizer` types; `huggingface` and `tiktoken` need their files.
+- `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE; `pretrain.tokenizer.embedded`)
+  apply only to the SentencePiece types and `GPT2BPETokenizer`; `huggingface` and `tiktoken` need their files.
 - every prefix: files present, index header/version/dtype/pointers, `.bin` size, `PREFIX.meta.json` counts
   and tokenizer (`data.allow_tokenizer_mismatch` overrides), largest token id below the model's vocabulary
   (from the metadata; without it a chunked scan of `.bin` files up to `SCAN_LIMIT_BYTES`), and documents in
@@ -20,15 +20,15 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from pretrain.tokenizer.embedded import with_embedded
+from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
+
 if TYPE_CHECKING:
     from pretrain.config import Config, DataConfig
     from pretrain.problems import Report
 
 SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
 SPLIT_NAMES = ("training", "validation", "test")
-_SENTENCEPIECE_TYPES = {"sentencepiece", "GPTSentencePieceTokenizer", "SentencePieceTokenizer"}
-_HF_TYPES = {"huggingface", "HuggingFaceTokenizer"}
-_TIKTOKEN_TYPES = {"tiktoken", "TikTokenizer"}
 
 
 def uses_mock(d: DataConfig) -> bool:
@@ -82,14 +82,7 @@ def split_ranges(split: str) -> list[tuple[float, float] | None]:
 def tokenizer_args(d: DataConfig) -> tuple[str, str | None, str | None, str | None, str | None]:
     """(type, model, vocab, merges, embedded) for the run's tokenizer; `embedded` names the embedded
     tokenizer used because no file was given (None when the config names its files)."""
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
-
-    ttype, model, vocab, merges = d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file
-    if ttype in _SENTENCEPIECE_TYPES and model is None:
-        return ttype, str(MISTRAL_TOKENIZER), vocab, merges, "Mistral-7B SentencePiece (32,000 tokens)"
-    if ttype == "GPT2BPETokenizer" and vocab is None and model is None:
-        return ttype, model, str(GPT2_VOCAB), str(GPT2_MERGES), "GPT-2 BPE (50,257 tokens)"
-    return ttype, model, vocab, merges, None
+    return with_embedded(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
 
 
 def eval_is_on(cfg: Config) -> bool:
@@ -141,11 +134,12 @@ def check_data_config(cfg: Config, r: Report) -> dict[str, tuple[list[str], list
                 r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
                         f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
                         "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
-    if d.tokenizer_type in _HF_TYPES and d.tokenizer_model is None and d.vocab_file is None:
+    kind = tokenizer_kind(d.tokenizer_type)
+    if kind == HUGGINGFACE and d.tokenizer_model is None and d.vocab_file is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a tokenizer.json or its directory); no HuggingFace tokenizer is embedded",
                 "set data.tokenizer_model to the model's tokenizer (e.g. the Llama-3 tokenizer directory)")
-    if d.tokenizer_type in _TIKTOKEN_TYPES and d.tokenizer_model is None:
+    if kind == TIKTOKEN and d.tokenizer_model is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a Megatron tiktoken .json)", "set data.tokenizer_model")
     return blends
@@ -159,8 +153,7 @@ def check_tokenizer(cfg: Config, r: Report):
     """Load the run's tokenizer the light way; report unusable files, a silent fallback and a missing EOD.
 
     Returns its `TokenizerIdentity`, or None when it cannot be loaded."""
-    from data_tools.metadata import describe_tokenizer
-    from data_tools.tokenizers import TokenizerError
+    from pretrain.tokenizer.identity import describe_tokenizer
 
     d, m = cfg.data, cfg.model
     if _tokenizer_problem_reported(r):
@@ -199,9 +192,9 @@ def _missing_hint(prefix: str) -> str:
 
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
     """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
-    from data_tools.indexed import bin_path, idx_path
-    from data_tools.metadata import meta_path, record_tokenizer
-    from data_tools.verify import check_dataset
+    from pretrain.dataset_format.check import check_dataset
+    from pretrain.dataset_format.indexed import bin_path, idx_path
+    from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
     if missing:

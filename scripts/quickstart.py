@@ -47,7 +47,8 @@ def loss_chart(steps: list[int], losses: list[float], width: int = 60, height: i
 
 
 def main() -> int:
-    from data_tools.assets import DEFAULT_CORPUS, MISTRAL_TOKENIZER
+    from data_tools.assets import DEFAULT_CORPUS
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=250)

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from data_tools.convert import export_to_hf
     from model_providers.core.mapping import ConversionError
     from pretrain.checkpoint.format import CheckpointError
+    from pretrain.hf.export import export_to_hf
 
     started = time.perf_counter()
     hf_dir = Path(args.run_dir) / "hf"

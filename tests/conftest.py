@@ -13,8 +13,9 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 @pytest.fixture(scope="session")
 def embedded_dataset(tmp_path_factory) -> str:
     """The embedded corpus preprocessed with the embedded Mistral tokenizer: a `..._text_document` prefix."""
-    from data_tools.assets import DEFAULT_CORPUS, MISTRAL_TOKENIZER
+    from data_tools.assets import DEFAULT_CORPUS
     from data_tools.preprocess import preprocess
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
     out = Path(tmp_path_factory.mktemp("embedded")) / "python_docs"
     preprocess([str(DEFAULT_CORPUS)], str(out), "sentencepiece", str(MISTRAL_TOKENIZER), append_eod=True,
@@ -29,8 +30,9 @@ def small_datasets(tmp_path_factory) -> dict[str, str]:
     ids up to 50,256). Values are `..._text_document` prefixes."""
     import json
 
-    from data_tools.assets import DEFAULT_CORPUS, GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+    from data_tools.assets import DEFAULT_CORPUS
     from data_tools.preprocess import preprocess
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 
     root = Path(tmp_path_factory.mktemp("small_datasets"))
     with open(DEFAULT_CORPUS, encoding="utf-8") as f:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.assets import DEFAULT_CORPUS, GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+from data_tools.assets import DEFAULT_CORPUS
+from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 
 SP_ARGS = {"tokenizer_type": "sentencepiece", "tokenizer_model": str(MISTRAL_TOKENIZER)}
 GPT2_ARGS = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(GPT2_VOCAB), "merge_file": str(GPT2_MERGES)}

@@ -22,12 +22,12 @@ sys.path.insert(0, str(ROOT))
 
 def megatron_logits(*jobs: str) -> None:
     """jobs: CKPT_DIR TOKENS.pt OUT.pt, repeated; all in this one process."""
-    from data_tools.convert import CheckpointReader
     from model_providers.core.builder import build_model
     from pretrain import compat
     from pretrain.checkpoint.format import read_saved_config, resolve_checkpoint
     from pretrain.checkpoint.load import load_checkpoint
     from pretrain.config import config_from_dict
+    from pretrain.hf.readers import CheckpointReader
     from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.runtime import init_distributed, init_model_parallel, shutdown
 
@@ -60,7 +60,9 @@ def megatron_logits(*jobs: str) -> None:
 def memory(hf_dir: str, work: str) -> None:
     import json
 
-    from data_tools.convert import export_to_hf, import_from_hf, peak_rss_bytes
+    from pretrain.hf.export import export_to_hf
+    from pretrain.hf.files import peak_rss_bytes
+    from pretrain.hf.hf_import import import_from_hf
 
     import_from_hf(hf_dir, f"{work}/ckpt", progress=False)
     after_import = peak_rss_bytes()

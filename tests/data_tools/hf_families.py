@@ -88,7 +88,7 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
     """A transformers tokenizer directory (with a chat template) from the embedded tokenizer files."""
     from transformers import AutoTokenizer
 
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 
     source = directory.with_name(directory.name + "_source")
     source.mkdir(parents=True)
@@ -111,7 +111,7 @@ def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], se
     """A random transformers model of `family` saved as a released model directory is."""
     from transformers import AutoConfig
 
-    from data_tools.convert import write_random_hf
+    from tests.data_tools.hf_random import write_random_hf
 
     config = CONFIGS[family]
     hf_cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from data_tools.__main__ import main
-from data_tools.indexed import IndexedFormatError
 from data_tools.inputs import InputError
 from data_tools.preprocess import PreprocessError, preprocess
-from data_tools.tokenizers import TokenizerError, load_tokenizer
 from data_tools.verify import verify
+from pretrain.dataset_format.indexed import IndexedFormatError
+from pretrain.tokenizer import TokenizerError, load_tokenizer
 
 from .conftest import GPT2_ARGS, SP_ARGS, corpus_texts, write_jsonl
 

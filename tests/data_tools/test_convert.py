@@ -13,17 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_tools.convert import (
-    ConversionError,
-    export_to_hf,
-    hf_tokenizer,
-    import_from_hf,
-    main,
-    plan_export,
-    write_random_hf,
-)
+from data_tools.convert import main
 from model_providers import get_family
 from model_providers.core.family import dims, hf_parameter_shapes
+from model_providers.core.mapping import ConversionError
+from pretrain.hf.export import export_to_hf, plan_export
+from pretrain.hf.hf_import import import_from_hf
+from pretrain.hf.tokenizer import hf_tokenizer
+from tests.data_tools.hf_random import write_random_hf
 
 pytestmark = pytest.mark.mcore  # the HF bridge over Megatron-Core checkpoints
 

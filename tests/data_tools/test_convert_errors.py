@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_tools.convert import import_from_hf, main
+from data_tools.convert import main
+from pretrain.hf.hf_import import import_from_hf
 from tests.data_tools.test_convert import random_llama
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from data_tools.convert import hf_tokenizer
     from pretrain.config import DataConfig
+    from pretrain.hf.tokenizer import hf_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     hf_tokenizer(DataConfig()).save_pretrained(str(d))

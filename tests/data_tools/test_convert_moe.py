@@ -9,7 +9,10 @@ import json
 
 import torch
 
-from data_tools.convert import CheckpointReader, export_to_hf, import_from_hf, write_random_hf
+from pretrain.hf.export import export_to_hf
+from pretrain.hf.hf_import import import_from_hf
+from pretrain.hf.readers import CheckpointReader
+from tests.data_tools.hf_random import write_random_hf
 from tests.data_tools.test_convert import PY, WORKER, hf_logits, run, safetensors_dir, tokenizer_dir  # noqa: F401
 
 

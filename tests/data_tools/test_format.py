@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
-from data_tools.indexed import IndexedWriter, read_index
 from data_tools.merge import merge
 from data_tools.preprocess import preprocess
 from data_tools.tokenizers import build_batch_encoder, load_tokenizer, resolve_spec
+from pretrain.dataset_format.indexed import IndexedWriter, read_index
 
 from .conftest import GPT2_ARGS, SP_ARGS, corpus_texts
 
@@ -111,7 +111,7 @@ def test_hf_tokenizer_json_directory(tmp_path: Path, small_corpus: Path) -> None
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import BPE
 
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB
 
     tok = Tokenizer(BPE.from_file(str(GPT2_VOCAB), str(GPT2_MERGES)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from data_tools.convert import main
-from data_tools.hf_assets import ASSET_DIR
+from pretrain.hf.assets import ASSET_DIR
 
 from .hf_families import (
     CONFIGS,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from data_tools.__main__ import main
-from data_tools.assets import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
-from data_tools.indexed import read_index, read_tokens
-from data_tools.metadata import describe_tokenizer
+from pretrain.dataset_format.indexed import read_index, read_tokens
+from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
+from pretrain.tokenizer.identity import describe_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SP = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", str(MISTRAL_TOKENIZER)]

@@ -124,7 +124,7 @@ def test_failure_while_writing_the_last_index_leaves_no_dataset(tmp_path: Path, 
     # dataset must not have been renamed into place either.
     import errno
 
-    import data_tools.indexed as indexed
+    import pretrain.dataset_format.indexed as indexed
 
     real, calls = indexed.write_index_streaming, []
 

@@ -14,7 +14,7 @@ import pytest
 from data_tools.__main__ import main
 from data_tools.inputs import InputError
 from data_tools.preprocess import PreprocessError, preprocess
-from data_tools.tokenizers import load_tokenizer
+from pretrain.tokenizer import load_tokenizer
 
 from .conftest import GPT2_ARGS, SP_ARGS, corpus_texts, write_jsonl
 

@@ -19,8 +19,8 @@ FAST = ["checkpoint.save_at_end=false", "logging.tensorboard=false", "train.step
 
 def _bad_datasets(root: Path, ds: dict[str, str]) -> dict[str, str]:
     """Broken or foreign copies of the small datasets."""
-    from data_tools.assets import GPT2_MERGES, GPT2_VOCAB
     from data_tools.preprocess import preprocess
+    from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB
 
     def copy(src: str, name: str, *, meta: bool = True, bin_from: str | None = None) -> str:
         dst = str(root / name)
@@ -67,7 +67,7 @@ def _bad_datasets(root: Path, ds: dict[str, str]) -> dict[str, str]:
 
 
 def out_tokenizer_model() -> str:
-    from data_tools.assets import MISTRAL_TOKENIZER
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
     return str(MISTRAL_TOKENIZER)
 

@@ -29,8 +29,8 @@ FLAGS = ["data.eod_mask_loss=true", "data.reset_position_ids=true", "data.reset_
 def _prefix(tmp, name: str, texts: list[str]) -> tuple[str, list[int]]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from data_tools.assets import MISTRAL_TOKENIZER
     from data_tools.preprocess import preprocess
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
     src = tmp / f"{name}.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

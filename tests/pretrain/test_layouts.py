@@ -82,8 +82,9 @@ _GPT_DATASET: dict = {}
 def _gpt_data(overrides: list[str], base) -> list[str]:
     """tiny_gpt trains on the embedded corpus tokenized with the embedded GPT-2 BPE."""
     if "prefix" not in _GPT_DATASET:
-        from data_tools.assets import DEFAULT_CORPUS, GPT2_MERGES, GPT2_VOCAB
+        from data_tools.assets import DEFAULT_CORPUS
         from data_tools.preprocess import preprocess
+        from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB
 
         out = base / "gpt2_docs"
         preprocess([str(DEFAULT_CORPUS)], str(out), "GPT2BPETokenizer", vocab_file=str(GPT2_VOCAB),

@@ -14,15 +14,14 @@ tokenizers with equal vocabulary sizes differ, and the same files at another pat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from data_tools.indexed import IndexInfo
+from pretrain.dataset_format.indexed import IndexInfo
 from pretrain.files import commit, tmp_path, write_synced
+from pretrain.tokenizer.identity import TokenizerIdentity
 
 META_SUFFIX = ".meta.json"
 META_FORMAT = "megapretrain-dataset-meta"
@@ -31,64 +30,6 @@ META_VERSION = 1
 
 class MetadataError(ValueError):
     """A ``PREFIX.meta.json`` that cannot be read or does not describe its dataset."""
-
-
-@dataclass(frozen=True)
-class TokenizerIdentity:
-    """Which tokenizer: its kind, the files it was loaded from, their content hash, vocabulary and EOD."""
-
-    kind: str  # TokenizerSpec.kind: sentencepiece | hf-json | bpe-pair | tiktoken
-    files: tuple[str, ...]
-    sha256: str
-    vocab_size: int
-    eod: int | None
-
-    def describe(self) -> str:
-        names = " + ".join(Path(f).name for f in self.files) or "no files"
-        return f"{self.kind} {names} (sha256 {self.sha256[:12]}, vocabulary {self.vocab_size:,}, EOD {self.eod})"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["files"] = list(self.files)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TokenizerIdentity:
-        return cls(str(d["kind"]), tuple(str(f) for f in d.get("files", [])), str(d["sha256"]),
-                   int(d["vocab_size"]), None if d.get("eod") is None else int(d["eod"]))
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def tokenizer_identity(spec: Any, vocab_size: int, eod: int | None) -> TokenizerIdentity:
-    """The identity of a resolved ``TokenizerSpec`` whose vocabulary size and EOD id are known."""
-    h = hashlib.sha256(f"kind={spec.kind}\n".encode())
-    files = []
-    for role in ("model", "vocab_file", "merge_file"):
-        path = getattr(spec, role)
-        if path:
-            files.append(os.path.abspath(path))
-            h.update(f"{role}={_file_sha256(path)}\n".encode())
-    if spec.kind == "hf-json":
-        h.update(f"eos={spec.eos_token}\nadd_special_tokens={spec.add_special_tokens}\n".encode())
-    return TokenizerIdentity(spec.kind, tuple(files), h.hexdigest(), int(vocab_size), eod)
-
-
-def describe_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
-                       merge_file: str | None = None) -> TokenizerIdentity:
-    """Load a tokenizer with its reference library (no Megatron import for SentencePiece or HF files) and
-    return its identity; raises ``TokenizerError`` naming the file."""
-    from data_tools.tokenizers import build_batch_encoder, resolve_spec
-
-    spec = resolve_spec(tokenizer_type, tokenizer_model, vocab_file, merge_file)
-    enc = build_batch_encoder(spec, 1, "reference")
-    return tokenizer_identity(spec, enc.vocab_size, enc.eod)
 
 
 def tool_version() -> str:

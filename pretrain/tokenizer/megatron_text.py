@@ -1,4 +1,4 @@
-"""``megatron.core.tokenizers`` classes for data_tools tokenizers (imported lazily: pulls in megatron)."""
+"""``megatron.core.tokenizers`` classes over a :class:`TokenizerSpec` (imported lazily: pulls in megatron)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ from typing import Any
 from megatron.core.tokenizers.text.libraries.abstract_tokenizer import MegatronTokenizerTextAbstract
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
-from data_tools.tokenizers import TokenizerSpec, _hf_info, _load_sentencepiece, _load_tiktoken
+from pretrain.tokenizer.libraries import hf_info, load_sentencepiece, load_tiktoken
+from pretrain.tokenizer.spec import TokenizerSpec
+
+# Megatron-Core's tokenizer metadata key for its text-tokenizer class (not which model is trained).
+_MEGATRON_MODEL_TYPE = "gpt"  # family-name-ok: megatron.core.tokenizers metadata model_type, not a model family
 
 
 class HFTokenizersLibrary(MegatronTokenizerTextAbstract):
     """Megatron-Core library adapter over a ``tokenizers.Tokenizer`` (no transformers needed)."""
 
     def __init__(self, spec: TokenizerSpec) -> None:
-        info = _hf_info(spec)
+        info = hf_info(spec)
         self.tokenizer, self._vocab_size, self._eod = info.tok, info.vocab_size, info.eod
         self._add_special = spec.add_special_tokens
 
@@ -63,23 +67,24 @@ class HFTokenizersLibrary(MegatronTokenizerTextAbstract):
         return []
 
 
-class DataToolsTokenizer(MegatronTokenizerText):
+class SpecTokenizer(MegatronTokenizerText):
     """A ``megatron.core.tokenizers`` text tokenizer built from a :class:`TokenizerSpec`."""
 
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
         path = spec.model or spec.vocab_file
         kwargs = {"vocab_file": spec.vocab_file, "merges_file": spec.merge_file} if spec.vocab_file else {}
-        super().__init__(path, {"library": spec.library, "model_type": "gpt", "chat_template": None}, **kwargs)
+        super().__init__(path, {"library": spec.library, "model_type": _MEGATRON_MODEL_TYPE, "chat_template": None},
+                         **kwargs)
 
     def _restore_model(self, **kwargs: Any) -> Any:
         if self.spec.kind == "sentencepiece":
             from megatron.core.tokenizers.text.libraries import SentencePieceTokenizer
 
-            _load_sentencepiece(self.spec)  # a clear error for a bad file
+            load_sentencepiece(self.spec)  # a clear error for a bad file
             return SentencePieceTokenizer(self.spec.model)
         if self.spec.kind == "tiktoken":
-            return _load_tiktoken(self.spec)
+            return load_tiktoken(self.spec)
         return HFTokenizersLibrary(self.spec)
 
     @property
@@ -87,3 +92,4 @@ class DataToolsTokenizer(MegatronTokenizerText):
         if self.spec.kind == "sentencepiece":
             return self._tokenizer.eos_id
         return self._tokenizer.eod
+

@@ -1,0 +1,179 @@
+"""Export: a torch_dist checkpoint saved at any TP/PP/VP layout → a transformers model directory.
+
+to-hf recovers the model config from the checkpoint's run_config.yaml (storage keys are layout-independent
+global names). Each parameter is read one layer slice at a time, regrouped by the family's HF mapping rules and
+appended to safetensors shards whose headers are planned up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model_providers import get_family
+from model_providers.core.family import dims, hf_parameter_shapes
+from model_providers.core.mapping import ConversionError, Dims, Index, MappingRule
+from pretrain.hf.files import DTYPES, Progress, commit_dir, discard_dir, peak_rss_bytes, staging_dir
+from pretrain.hf.readers import CheckpointReader, load_run_config
+from pretrain.hf.tokenizer import hf_tokenizer
+from pretrain.hf.writers import ShardedSafetensorsWriter, TensorEntry
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One read: a Megatron tensor (or layer slice) and the HF tensors the rule makes of it."""
+
+    rule: MappingRule
+    layer: Index
+    entries: list[TensorEntry]
+
+
+def _meta_to_hf(rule: MappingRule, shape: tuple[int, ...], d: Dims, what: str) -> list[torch.Tensor]:
+    try:
+        return rule.to_hf(torch.empty(shape, device="meta"), d)
+    except (RuntimeError, ConversionError) as exc:
+        raise ConversionError(f"{what}: shape {list(shape)} does not fit rule '{rule.op}' ({exc})") from None
+
+
+def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: dict[str, tuple],
+                dtype: torch.dtype) -> list[_Unit]:
+    """Which reads produce which HF tensors; every name and shape checked against the HF model."""
+    units: list[_Unit] = []
+    used: set[str] = set()
+    produced: set[str] = set()
+    for rule in get_family(family).mapping:
+        md = tensors.get(rule.megatron)
+        if md is None:
+            continue
+        used.add(rule.megatron)
+        shape = tuple(md.size)
+        layers = rule.indices(num_layers, d.num_experts)
+        if rule.stack_dims:
+            if shape[0] != num_layers:
+                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[0]} layers, "
+                                      f"model.num_layers is {num_layers}")
+            if rule.stack_dims == 2 and shape[1] != d.num_experts:
+                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[1]} experts, "
+                                      f"model.num_moe_experts is {d.num_experts}")
+            shape = shape[rule.stack_dims:]
+        for layer in layers:
+            outs = _meta_to_hf(rule, shape, d, f"checkpoint tensor '{rule.megatron}'")
+            entries = []
+            for name, out in zip(rule.hf_names(layer), outs):
+                if name not in expected:
+                    raise ConversionError(f"checkpoint tensor '{rule.megatron}' maps to '{name}', which the "
+                                          f"transformers model does not have")
+                if tuple(out.shape) != tuple(expected[name]):
+                    raise ConversionError(f"checkpoint tensor '{rule.megatron}' gives '{name}' of shape "
+                                          f"{list(out.shape)}; the transformers model expects {list(expected[name])}")
+                entries.append(TensorEntry(name, tuple(out.shape), dtype))
+                produced.add(name)
+            units.append(_Unit(rule, layer, entries))
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise ConversionError(f"checkpoint tensor '{unknown[0]}' is not in the {family} HF mapping"
+                              + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = sorted(set(expected) - produced)
+    if missing:
+        raise ConversionError(f"HF tensor '{missing[0]}' has no source tensor in the checkpoint"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return units
+
+
+def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
+                 dtype: str | None = None, tokenizer: str | None = None, overwrite: bool = False,
+                 max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> dict:
+    """Convert a torch_dist checkpoint (any layout) to a transformers model directory. Returns a summary."""
+    from transformers import GenerationConfig
+
+    from pretrain.checkpoint.format import resolve_checkpoint
+    from pretrain.data import build_tokenizer
+    from pretrain.hf.assets import TOKENIZER_FILES, find_assets, original_config, write_assets
+
+    started = time.perf_counter()
+    output = Path(output)
+    ckpt = resolve_checkpoint(checkpoint, iteration)
+    cfg = load_run_config(ckpt)
+    m = cfg.model
+    reader = CheckpointReader(ckpt)
+    if "embedding.word_embeddings.weight" not in reader.tensors:
+        raise ConversionError(f"{ckpt}: no 'embedding.word_embeddings.weight' (checkpoint without model weights?)")
+    stored_dtype = reader.tensors["embedding.word_embeddings.weight"].properties.dtype
+    out_dtype = DTYPES[dtype] if dtype else stored_dtype
+    family = get_family(m.family)
+    # The imported HF model's files (config.json, tokenizer, generation config), when the run started from one.
+    assets = find_assets(ckpt)
+    original = original_config(assets, family.hf_model_type)
+    if tokenizer is None and assets is not None and any((assets / f).is_file() for f in TOKENIZER_FILES):
+        tokenizer_files = assets
+        tok = hf_tokenizer(cfg.data, str(assets))
+    else:
+        tokenizer_files = None
+        tok = hf_tokenizer(cfg.data, tokenizer)
+        if original is not None and tokenizer is not None:  # the tokenizer given decides the token ids
+            original = {k: v for k, v in original.items() if k not in ("bos_token_id", "eos_token_id")}
+    vocab = m.vocab_size
+    if vocab is None:
+        try:
+            vocab = build_tokenizer(cfg.data).vocab_size
+        except Exception as exc:  # the run's tokenizer files may be gone; the HF one then decides
+            if tokenizer is None:
+                raise ConversionError(f"cannot load the run's tokenizer ({exc}); pass --tokenizer") from None
+            vocab = len(tok)
+    rows = reader.tensors["embedding.word_embeddings.weight"].size[0]
+    if rows < vocab:
+        raise ConversionError(f"checkpoint tensor 'embedding.word_embeddings.weight' has {rows} rows, fewer than "
+                              f"the vocabulary ({vocab})")
+    if len(tok) > vocab:
+        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
+    d = dims(m, vocab, rows)
+    hf_cfg = family.to_hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype, base=original)
+    config_json, departs = family.export_config_json(hf_cfg, original)
+    if departs:
+        print(f"[convert] note: config.json differs from the imported model's in {', '.join(departs)} (the trained "
+              "model's fields)", file=sys.stderr)
+    expected = hf_parameter_shapes(hf_cfg)
+    units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
+    entries = [e for u in units for e in u.entries]
+
+    staging = staging_dir(output, overwrite, ckpt)
+    try:
+        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+        bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
+        for unit in units:
+            source = reader.read(unit.rule.megatron, unit.layer)
+            outs = unit.rule.to_hf(source, d)
+            for entry, tensor in zip(unit.entries, outs):
+                writer.write(entry.name, tensor.to(out_dtype))
+                bar.update(entry.nbytes)
+            del source, outs
+        writer.close()
+        if original is not None and config_json == original:  # same dtype too: the original file itself
+            shutil.copyfile(assets / "config.json", staging / "config.json")
+        elif original is not None and not departs:
+            (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        else:
+            (staging / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        if tokenizer_files is not None:  # the imported model's files, unchanged
+            write_assets(tokenizer_files, staging, TOKENIZER_FILES + ("generation_config.json",))
+        else:
+            tok.save_pretrained(str(staging))
+        if not (staging / "generation_config.json").exists():
+            GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id).save_pretrained(
+                staging)
+        commit_dir(staging, output)
+    except BaseException as exc:
+        discard_dir(staging, output, exc)
+        raise
+    elapsed = time.perf_counter() - started
+    return {"output": str(output), "checkpoint": str(ckpt), "tensors": len(entries), "bytes": bar.bytes,
+            "shards": len(writer.shards), "seconds": elapsed, "peak_rss_bytes": peak_rss_bytes(),
+            "vocab_size": vocab, "padded_vocab_size": rows,
+            "config_json": "original" if original is not None and not departs else "generated",
+            "hf_assets": str(assets) if assets is not None else None}

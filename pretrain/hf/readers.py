@@ -1,0 +1,138 @@
+"""Reading both sides of the bridge one tensor at a time: torch_dist checkpoints (a layer slice per read) and
+HF safetensors directories (the file opened per read: no lingering mmap)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from model_providers.core.mapping import ConversionError, Index
+from pretrain.hf.files import SAFETENSORS_DTYPES, lead_offsets
+
+# Optimizer state keys; MoE models chain a dense and an expert optimizer (`chained_<i>.optimizer...`).
+_OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
+class CheckpointReader:
+    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint."""
+
+    def __init__(self, path: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from pretrain.checkpoint.format import inspect_checkpoint
+
+        self.path = path
+        _, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        self.reader = FileSystemReader(str(path))
+        self.reader.set_up_storage_reader(self.metadata, True)
+        self.tensors = {
+            k: v for k, v in self.metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and not _OPTIMIZER_STATE.match(k) and "_extra_state" not in k
+        }
+
+    def read(self, key: str, layer: Index = None) -> torch.Tensor:
+        """The whole tensor `key`, or its slice `layer` along dim 0 (a (layer, expert) tuple: dims 0 and 1)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.tensors[key]
+        size = list(md.size)
+        offsets = [0] * len(size)
+        lead = lead_offsets(layer)
+        for dim, i in enumerate(lead):
+            offsets[dim], size[dim] = i, 1
+        dest = torch.empty(size, dtype=md.properties.dtype)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        covered = sum(torch.Size(i.lengths).numel() for i in items)
+        if covered != dest.numel():
+            raise ConversionError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint "
+                                  f"({covered} of {dest.numel()} elements stored)")
+        self.reader.read_data(LoadPlan(items), _IntoTensor(dest)).wait()
+        return dest.reshape(dest.shape[len(lead):])
+
+
+class _IntoTensor:
+    """Minimal load planner for FileSystemReader.read_data: every read lands in one tensor."""
+
+    def __init__(self, dest: torch.Tensor):
+        self.dest = dest
+
+    def resolve_tensor(self, req) -> torch.Tensor:
+        t = self.dest
+        for dim, (off, length) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(dim, off, length)
+        return t
+
+    def commit_tensor(self, req, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, req, value) -> None:
+        raise ConversionError(f"unexpected byte item {req.storage_index.fqn}")
+
+
+def load_run_config(ckpt: Path):
+    """The `Config` the checkpoint was saved with (run_config.yaml beside it)."""
+    from pretrain.checkpoint.format import read_saved_config
+    from pretrain.config import config_from_dict
+
+    return config_from_dict(read_saved_config(ckpt))
+
+
+class HFReader:
+    """Reads single tensors from a safetensors model directory (opening the file per read: no lingering mmap)."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in directory.glob("*.bin"))
+                hint = f" (found {bins[0]}; only safetensors are read: pickled .bin files can run code)" if bins else ""
+                raise ConversionError(f"{directory}: no *.safetensors weights{hint}")
+            weight_map = {}
+            for f in files:
+                with _open_safetensors(f) as st:
+                    weight_map.update({k: f.name for k in st.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self.info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for fname in sorted(set(weight_map.values())):
+            path = directory / fname
+            if not path.exists():
+                raise ConversionError(f"{path}: listed in the index but missing")
+            with _open_safetensors(path) as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    self.info[k] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), k))
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.weight_map[name]), "pt") as st:
+            return st.get_tensor(name)
+
+
+def _open_safetensors(path: Path):
+    """`safe_open`, with a truncated or foreign file reported as one line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConversionError(f"{path}: not a readable safetensors file, truncated or corrupt ({reason})") from None
+
+
+def _st_dtype(code: str, name: str) -> torch.dtype:
+    for dt, c in SAFETENSORS_DTYPES.items():
+        if c == code:
+            return dt
+    raise ConversionError(f"HF tensor '{name}': unsupported safetensors dtype {code}")
