@@ -81,16 +81,23 @@ def _wrap(tokens: np.ndarray, offsets: np.ndarray, prefix: list[int], suffix: li
     return out, new_offsets
 
 
-class _SentencePieceEncoder(BatchEncoder):
-    name = "sentencepiece"
+class _LibraryEncoder(BatchEncoder):
+    """A tokenizer library with its own multi-threaded batch encoder (`_load`, `_vocab_eod`, `_batch`)."""
 
     def __init__(self, spec: TokenizerSpec, workers: int) -> None:
-        self.sp = load_sentencepiece(spec)
-        self.workers = workers
-        self.vocab_size, self.eod = sentencepiece_vocab_eod(self.sp)
+        self.lib, self.workers = self._load(spec), workers
+        self.vocab_size, self.eod = self._vocab_eod(self.lib)
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        return _flatten(self.sp.encode(as_text_list(texts), num_threads=self.workers))
+        return _flatten(self._batch(as_text_list(texts)))
+
+
+class _SentencePieceEncoder(_LibraryEncoder):
+    name = "sentencepiece"
+    _load, _vocab_eod = staticmethod(load_sentencepiece), staticmethod(sentencepiece_vocab_eod)
+
+    def _batch(self, texts: list[str]) -> list[list[int]]:
+        return self.lib.encode(texts, num_threads=self.workers)
 
 
 class _HFEncoder(BatchEncoder):
@@ -107,17 +114,12 @@ class _HFEncoder(BatchEncoder):
         return _wrap(flat, offsets, self.prefix, self.suffix)
 
 
-class _TiktokenEncoder(BatchEncoder):
+class _TiktokenEncoder(_LibraryEncoder):
     name = "tiktoken"
+    _load, _vocab_eod = staticmethod(load_tiktoken), staticmethod(tiktoken_vocab_eod)
 
-    def __init__(self, spec: TokenizerSpec, workers: int) -> None:
-        self.lib = load_tiktoken(spec)
-        self.workers = workers
-        self.vocab_size, self.eod = tiktoken_vocab_eod(self.lib)
-
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        out = self.lib.tokenizer.encode_batch(as_text_list(texts), num_threads=self.workers, allowed_special="all")
-        return _flatten(out)
+    def _batch(self, texts: list[str]) -> list[list[int]]:
+        return self.lib.tokenizer.encode_batch(texts, num_threads=self.workers, allowed_special="all")
 
 
 def _gigatoken_sentencepiece(gigatoken: Any, model: str) -> Any:

@@ -78,19 +78,10 @@ def build_optimizer(cfg: Config, model, layout: Layout):
 
     o = cfg.optimizer
     opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=layout.precision == "bf16",
-        fp16=layout.precision == "fp16",
-        params_dtype=layout.params_dtype,
-        use_distributed_optimizer=o.distributed or o.fsdp,
-        overlap_param_gather_with_optimizer_step=False,
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
+        use_distributed_optimizer=o.distributed or o.fsdp, overlap_param_gather_with_optimizer_step=False,
     )
     return get_megatron_optimizer(opt_config, model)
 
