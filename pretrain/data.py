@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.data_check import parse_blend, tokenizer_args, uses_mock
+from pretrain.data_check import parse_blend, uses_mock
 
 
 class DataError(RuntimeError):
@@ -23,10 +23,9 @@ class DataError(RuntimeError):
 
 def build_tokenizer(data_cfg):
     """The run's tokenizer (embedded Mistral / GPT-2 files when no path is given)."""
-    from pretrain.tokenizer.load import load_tokenizer
+    from pretrain.tokenizer.load import run_tokenizer
 
-    ttype, model, vocab, merges, _embedded = tokenizer_args(data_cfg)
-    return load_tokenizer(ttype, model, vocab_file=vocab, merge_file=merges)
+    return run_tokenizer(data_cfg)
 
 
 def _blend(items: list | None):

@@ -20,6 +20,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from pretrain.layout import resolve_vocab_size
 from pretrain.tokenizer.embedded import with_embedded
 from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
 
@@ -246,7 +247,7 @@ def _empty_split(prefix: str, facts, rng: tuple[float, float] | None) -> tuple[i
 def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
     """Tokenizer, every prefix of every blend, and the documents of each split the run reads."""
     ident = check_tokenizer(cfg, r)
-    vocab = cfg.model.vocab_size or (ident.vocab_size if ident is not None else None)
+    vocab = resolve_vocab_size(cfg, ident.vocab_size) if ident is not None else cfg.model.vocab_size
     try:
         ranges = split_ranges(cfg.data.split)
     except ValueError:

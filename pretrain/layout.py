@@ -38,9 +38,9 @@ def resolve_vocab_size(cfg: Config, tokenizer_vocab: int | None = None) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     if tokenizer_vocab is None:
-        from pretrain.data import build_tokenizer
+        from pretrain.tokenizer.load import run_tokenizer
 
-        tokenizer_vocab = build_tokenizer(cfg.data).vocab_size
+        tokenizer_vocab = run_tokenizer(cfg.data).vocab_size
     return tokenizer_vocab
 
 
@@ -75,10 +75,15 @@ class ExpertLayout:
     edp: int  # expert data parallel: world / (etp × ep × pp); gradients of an expert are reduced over it
 
 
+def expert_tensor_size(cfg: Config) -> int:
+    """Expert tensor parallelism: parallel.expert_tensor, else parallel.tensor (Megatron-Core's default)."""
+    return cfg.parallel.expert_tensor or cfg.parallel.tensor
+
+
 def expert_layout(cfg: Config, world: int) -> ExpertLayout | None:
     """The expert layout, or None when world / PP is not divisible by expert TP × EP."""
     p = cfg.parallel
-    etp = p.expert_tensor or p.tensor
+    etp = expert_tensor_size(cfg)
     per_stage = etp * p.expert * p.pipeline
     if per_stage < 1 or world % per_stage:
         return None

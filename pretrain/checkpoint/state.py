@@ -79,11 +79,11 @@ def set_rng_state(rng: dict) -> None:
 
 def layout_key(cfg) -> tuple:
     """What must be equal for per-rank state (RNG) to be restored; MoE adds expert parallel and expert TP."""
-    p = cfg.parallel
-    key = (dist.get_world_size(), p.tensor, p.pipeline, p.virtual_pipeline or 1, p.context)
-    if cfg.model.num_moe_experts:
-        key += (p.expert, p.expert_tensor or p.tensor)
-    return key
+    from pretrain.layout import derive_layout
+
+    lay = derive_layout(cfg, dist.get_world_size(), on_gpu=False, te=False)  # only the sizes are read
+    key = (lay.world, lay.tp, lay.pp, lay.vp, lay.cp)
+    return key + (lay.ep, lay.etp) if cfg.model.num_moe_experts else key
 
 
 def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pretrain.config import Config
-from pretrain.layout import Layout
+from pretrain.layout import Layout, expert_tensor_size
 from pretrain.planner.common import layout_of
 
 
@@ -101,7 +101,7 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
 
 def _whole_model(cfg: Config, padded_vocab: int) -> list[Param]:
     par = cfg.parallel
-    world = par.tensor * par.pipeline * par.context * par.expert * (par.expert_tensor or par.tensor)
+    world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
     lay = replace(layout_of(cfg, world, use_te=False), tp=1, pp=1, vp=1, ep=1, etp=1)
     return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
 

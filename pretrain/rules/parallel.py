@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pretrain.config import Config
-from pretrain.layout import Layout, expert_layout, model_shape
+from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_shape
 from pretrain.problems import Report
 
 
@@ -132,7 +132,7 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
 def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Mixture of Experts: expert groups, routing, capacity and the spec."""
     m, p = cfg.model, cfg.parallel
-    etp = p.expert_tensor or p.tensor
+    etp = expert_tensor_size(cfg)
     if m.num_moe_experts is None:
         if p.expert > 1 or p.expert_tensor is not None:
             keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)

@@ -25,3 +25,12 @@ def load_tokenizer(
     from pretrain.tokenizer.megatron_text import SpecTokenizer
 
     return SpecTokenizer(spec)
+
+
+def run_tokenizer(data_cfg: Any) -> Any:
+    """The tokenizer a `data` config section names (the embedded Mistral / GPT-2 files when no path is given)."""
+    from pretrain.tokenizer.embedded import with_embedded
+
+    ttype, model, vocab, merges, _embedded = with_embedded(data_cfg.tokenizer_type, data_cfg.tokenizer_model,
+                                                           data_cfg.vocab_file, data_cfg.merge_file)
+    return load_tokenizer(ttype, model, vocab_file=vocab, merge_file=merges)
