@@ -32,6 +32,8 @@ Without Transformer Engine (CPU, GPUs without TE):
 6. `moe_router_without_te` — `transformer/moe/moe_utils.py` defines `te_general_gemm` and the `fused_*` MoE
    kernels only when TE imports, but the router's gating GEMM tests `te_general_gemm is not None`
    unconditionally: `NameError` in the first MoE forward. Fix: the missing names are None ("absent").
+   Fixed upstream in 0.17.0 (`moe_utils.py` sets them to None without TE; checked in the 0.17.0, 0.18.0,
+   0.19.0 sources and shown on 0.19.2 by the test).
 """
 
 from __future__ import annotations
@@ -219,7 +221,7 @@ FIXES = (
     Fix("distopt_shared_step", "0.16.1", None, _distopt_shared_step, torch_adam_inside_distributed_optimizer),
     Fix("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
     Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
-    Fix("moe_router_without_te", "0.16.1", None, _moe_router_without_te, _without_te),
+    Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
 )
 
 

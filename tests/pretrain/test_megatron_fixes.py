@@ -1,7 +1,8 @@
 """Each Megatron-Core fix (`pretrain/compat/megatron_fixes.py`) is needed exactly on the releases it names.
 
 One single-process launch of `ckpt_worker.py`: a reference run saves at step 2 and trains to step 4; then, for
-each fix in turn, the same resume (or a load of a planted pickle) runs with only that fix undone. The bug must
+each fix in turn, the same resume (or a load of a planted pickle, or one step with `recompute_modules:
+[layernorm]`, or one step of tiny_moe) runs with only that fix undone. The bug must
 show on the installed megatron-core if and only if the fix says it is needed there. CI runs this on 0.16.1
 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
 """
@@ -34,6 +35,12 @@ def without_each_fix(tmp_path_factory):
     cases.append({"name": "load_bytes_weights_only", "overrides": SMALL + [f"run.dir={root}/planner"],
                   "load_object": [f"{root}/evil/checkpoints/iter_0000001", "rng_state"],
                   "without_fixes": ["load_bytes_weights_only"]})
+    one_step = ["train.steps=1", "checkpoint.interval=null", "checkpoint.save_at_end=false"]
+    cases.append({"name": "recompute_norms_without_te", "without_fixes": ["recompute_norms_without_te"],
+                  "overrides": SMALL + one_step + ["model.recompute_granularity=selective",
+                                                   "model.recompute_modules=[layernorm]", f"run.dir={root}/norms"]})
+    cases.append({"name": "moe_router_without_te", "config": "tiny_moe", "without_fixes": ["moe_router_without_te"],
+                  "overrides": SMALL + one_step + [f"run.dir={root}/moe"]})
     plan = root / "plan.json"
     plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
     rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), root / "worker.log", timeout=420)
@@ -60,6 +67,12 @@ def _bug_shows(name: str, root: Path, results: dict, marker: Path) -> tuple[bool
         return got != want, f"step-4 loss {got} after the resume vs {want} uninterrupted"
     if name == "load_bytes_weights_only":
         return marker.exists(), f"marker file {'created' if marker.exists() else 'absent'}; {res['error']}"
+    if name == "recompute_norms_without_te":  # CheckpointWithoutOutput's forward reaches TE's FP8 state
+        return (not res["ok"] and "NameError" in res["traceback"] and "FP8GlobalStateManager" in res["traceback"]), \
+            str(res["error"])
+    if name == "moe_router_without_te":  # the router's gating GEMM tests a name defined only with TE
+        return (not res["ok"] and "NameError" in res["traceback"] and "te_general_gemm" in res["traceback"]), \
+            str(res["error"])
     raise AssertionError(f"no check for fix {name}")
 
 
