@@ -1,0 +1,56 @@
+"""A small MoE subset for the second megatron-core release (`make test-mcore`): expert parallelism through the
+all-to-all dispatcher and its CPU shims, the distributed optimizer over expert-parallel state, and resharding.
+
+Two launches (tests/pretrain/test_moe.py runs every layout): world 1 trains the tiny_moe reference; world 2 trains
+DP2 × EP2 with the distributed optimizer (checkpoint at step 2), then resumes that checkpoint at EP1. The EP2
+losses, auxiliary losses and step-1 tokens per expert match the reference (≤ 1e-5 relative); the EP1 resume
+continues with the EP2 run's losses (≤ 2e-6 relative).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.pretrain.ckpt_helpers import command, log_text, run
+from tests.pretrain.test_moe import BASE, DIST, EP2, SOURCE, STEPS, TOLERANCE, _by_step, _case, _rel
+
+pytestmark = [pytest.mark.slow, pytest.mark.mcore]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_quick")
+    plans = {1: [_case(root, "ref", [], None)],
+             2: [_case(root, "dp2_distopt_ep2", DIST + EP2 + SOURCE, None),
+                 _case(root, "distopt_ep2_to_ep1", DIST, "dp2_distopt_ep2")]}
+    for world, cases in plans.items():
+        plan = root / f"plan{world}.json"
+        plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": cases}))
+        log = root / f"world{world}.log"
+        rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=600)
+        assert rc == 0, log_text(log)[-4000:]
+        results = json.loads((root / f"results{world}.json").read_text())
+        failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
+        assert not failed, failed
+    return root
+
+
+def test_expert_parallel_matches_single_rank(runs):
+    ref, got = _by_step(runs / "ref"), _by_step(runs / "dp2_distopt_ep2")
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    rel = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("loss", "moe_load_balancing_loss", "moe_z_loss")]
+    print(f"DP2×EP2 (distributed optimizer): losses {[got[s]['loss'] for s in got]}; max relative diff {max(rel):.2e}")
+    assert max(rel) <= TOLERANCE, rel
+    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
+    assert got[STEPS]["loss"] != got[1]["loss"]
+
+
+def test_expert_parallel_checkpoint_resumes_at_ep1(runs):
+    ref, got = _by_step(runs / "dp2_distopt_ep2"), _by_step(runs / "distopt_ep2_to_ep1")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in (3, 4):
+        rel = _rel(got[s]["loss"], ref[s]["loss"])
+        print(f"EP2 → EP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r}, relative diff {rel:.2e}")
+        assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= 2e-6
