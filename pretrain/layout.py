@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pretrain.compat import mcore
 from pretrain.config import Config
 
 
@@ -125,6 +126,7 @@ class Layout:
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel (resolved: parallel.tensor when unset)
     edp: int = 1  # expert data parallel
+    moe_loss_scale: int = 1  # on the router aux/z-loss coefficients: pretrain.compat.mcore.moe_router_loss_scale
 
     @property
     def moe(self) -> bool:
@@ -192,5 +194,5 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         precision=resolve_precision(t.precision, on_gpu), distributed=cfg.optimizer.distributed,
         use_te=use_transformer_engine(m.transformer_impl, te), on_gpu=on_gpu, vocab_size=vocab,
         padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
-        **vars(model_shape(m)), **vars(experts),
+        **vars(model_shape(m)), **vars(experts), moe_loss_scale=mcore.moe_router_loss_scale(p.tensor, p.context),
     )

@@ -97,14 +97,16 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
 def moe_config(m, layout: Any) -> dict:
     """The MoE fields of Megatron-Core's TransformerConfig (same names as our `model.*` keys).
 
-    The aux-loss and z-loss coefficients are multiplied by TP×CP: with `calculate_per_token_loss` (ours),
-    Megatron-Core 0.16.1 scales those losses by the tokens of the rank's own sequence slice (`router.py`
-    `attach_and_log_load_balancing_loss`, `apply_z_loss`, which also divides the z-loss coefficient by TP×CP)
-    while the LM-loss gradients are divided by the tokens of the whole sequence, so under sequence or context
-    parallelism the router losses would pull TP×CP times too weakly (measured: TP2 halves their gradient).
-    The logged values divide by the coefficient and are unaffected.
+    The aux-loss and z-loss coefficients are multiplied by `layout.moe_loss_scale`: with
+    `calculate_per_token_loss` (ours), Megatron-Core 0.16.1–0.18 scale those losses by the tokens of the rank's
+    own sequence slice (`router.py` `attach_and_log_load_balancing_loss`, `apply_z_loss`, which also divides the
+    z-loss coefficient by TP×CP) while the LM-loss gradients are divided by the tokens of the whole sequence, so
+    under sequence or context parallelism the router losses would pull TP×CP times too weakly (measured: TP2
+    halves their gradient) and the scale is TP×CP; 0.19+ multiply by TP×CP themselves and the scale is 1
+    (`pretrain.compat.mcore.moe_router_loss_scale`). The logged values divide by the coefficient and are
+    unaffected.
     """
-    sliced = layout.tp * layout.cp
+    sliced = layout.moe_loss_scale
     return dict(
         num_moe_experts=m.num_moe_experts,
         moe_ffn_hidden_size=layout.moe_ffn_hidden_size,

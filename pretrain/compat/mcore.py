@@ -123,6 +123,26 @@ def _loader_substituting(common_reader_name: str):
 
 
 # --------------------------------------------------------------------------------------------------
+# MoE router losses under `calculate_per_token_loss` (ours): `transformer/moe/router.py`
+#   `attach_and_log_load_balancing_loss` and `apply_z_loss` scale the aux/z-loss gradients by a token count
+#   while `finalize_model_grads` divides every gradient by the global token count.
+#   0.16–0.18: the count is the rank's own sequence slice (`aux_loss * num_tokens`), so under sequence or
+#              context parallelism the router losses pull TP×CP times too weakly: the coefficients we hand to
+#              Megatron are multiplied by TP×CP.
+#   0.19+:     Megatron multiplies by `tp_cp_group.size()` itself (`aux_loss * num_local_tokens *
+#              self.tp_cp_group.size()`): the coefficients go in unchanged.
+# --------------------------------------------------------------------------------------------------
+
+
+def _router_loss_scale_0_16(tp: int, cp: int) -> int:
+    return tp * cp
+
+
+def _router_loss_scale_0_19(tp: int, cp: int) -> int:
+    return 1
+
+
+# --------------------------------------------------------------------------------------------------
 # The selection
 # --------------------------------------------------------------------------------------------------
 
@@ -130,3 +150,5 @@ cp_batch: Callable[[dict], dict] = _pick({"0.16.1": _cp_batch_0_16, "0.18.0": _c
 save_sharded = _pick({"0.16.1": _save_0_16, "0.17.0": _save_0_17})
 load_sharded = _pick({"0.16.1": _load_0_16, "0.17.0": _loader_substituting("load_common"),
                       "0.19.0": _loader_substituting("load_common_state_dict")})
+moe_router_loss_scale: Callable[[int, int], int] = _pick({"0.16.1": _router_loss_scale_0_16,
+                                                          "0.19.0": _router_loss_scale_0_19})

@@ -2,9 +2,10 @@
 all-to-all dispatcher and its CPU shims, the distributed optimizer over expert-parallel state, and resharding.
 
 Two launches (tests/pretrain/test_moe.py runs every layout): world 1 trains the tiny_moe reference; world 2 trains
-DP2 × EP2 with the distributed optimizer (checkpoint at step 2), then resumes that checkpoint at EP1. The EP2
-losses, auxiliary losses and step-1 tokens per expert match the reference (≤ 1e-5 relative); the EP1 resume
-continues with the EP2 run's losses (≤ 2e-6 relative).
+DP2 × EP2 with the distributed optimizer (checkpoint at step 2), resumes that checkpoint at EP1, and trains
+TP2 + SP × EP2 (the router losses' scaling under sequence parallelism differs between releases:
+`pretrain.compat.mcore.moe_router_loss_scale`). Both layouts' losses, auxiliary losses and step-1 tokens per
+expert match the reference (≤ 1e-5 relative); the EP1 resume continues with the EP2 run's losses (≤ 2e-6).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import pytest
 
 from tests.pretrain.ckpt_helpers import command, log_text, run
-from tests.pretrain.test_moe import BASE, DIST, EP2, SOURCE, STEPS, TOLERANCE, _by_step, _case, _rel
+from tests.pretrain.test_moe import DIST, EP2, SOURCE, STEPS, TOLERANCE, TP2_EP2, _by_step, _case, _rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
@@ -24,7 +25,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_quick")
     plans = {1: [_case(root, "ref", [], None)],
              2: [_case(root, "dp2_distopt_ep2", DIST + EP2 + SOURCE, None),
-                 _case(root, "distopt_ep2_to_ep1", DIST, "dp2_distopt_ep2")]}
+                 _case(root, "distopt_ep2_to_ep1", DIST, "dp2_distopt_ep2"),
+                 _case(root, "tp2_sp_ep2", TP2_EP2, None)]}
     for world, cases in plans.items():
         plan = root / f"plan{world}.json"
         plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": cases}))
@@ -37,11 +39,12 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_expert_parallel_matches_single_rank(runs):
-    ref, got = _by_step(runs / "ref"), _by_step(runs / "dp2_distopt_ep2")
+@pytest.mark.parametrize("name", ["dp2_distopt_ep2", "tp2_sp_ep2"])
+def test_expert_parallel_matches_single_rank(runs, name):
+    ref, got = _by_step(runs / "ref"), _by_step(runs / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     rel = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("loss", "moe_load_balancing_loss", "moe_z_loss")]
-    print(f"DP2×EP2 (distributed optimizer): losses {[got[s]['loss'] for s in got]}; max relative diff {max(rel):.2e}")
+    print(f"{name}: losses {[got[s]['loss'] for s in got]}; max relative diff {max(rel):.2e}")
     assert max(rel) <= TOLERANCE, rel
     assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
     assert got[STEPS]["loss"] != got[1]["loss"]
