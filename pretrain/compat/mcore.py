@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
 
 from packaging.version import Version
 
@@ -27,7 +28,10 @@ def installed_version() -> Version:
 MCORE = installed_version()
 
 
-def _pick(impls: dict[str, Callable]) -> Callable:
+T = TypeVar("T")
+
+
+def _pick(impls: dict[str, T]) -> T:
     """The implementation for the newest release in `impls` that is not newer than the installed one."""
     chosen = None
     for since, impl in sorted(impls.items(), key=lambda kv: Version(kv[0])):
@@ -143,6 +147,20 @@ def _router_loss_scale_0_19(tp: int, cp: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# Megatron-FSDP (the same behaviour in every supported release, at moved lines; validation quotes them):
+#   (where it builds its device as cuda:<current device> and creates its torch.cuda.Stream side streams,
+#    where DistributedOptimizer.sharded_state_dict refuses Megatron-FSDP state outside fsdp_dtensor).
+# --------------------------------------------------------------------------------------------------
+
+_FSDP_SOURCES = {
+    "0.16.1": ("megatron_fsdp.py:184, :361", "distrib_optimizer.py:1229"),
+    "0.17.0": ("megatron_fsdp.py:196, :370", "distrib_optimizer.py:1241"),
+    "0.18.0": ("megatron_fsdp.py:227, :404", "distrib_optimizer.py:1458"),
+    "0.19.0": ("megatron_fsdp.py:234, :406", "distrib_optimizer.py:1514"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
 # The selection
 # --------------------------------------------------------------------------------------------------
 
@@ -150,5 +168,6 @@ cp_batch: Callable[[dict], dict] = _pick({"0.16.1": _cp_batch_0_16, "0.18.0": _c
 save_sharded = _pick({"0.16.1": _save_0_16, "0.17.0": _save_0_17})
 load_sharded = _pick({"0.16.1": _load_0_16, "0.17.0": _loader_substituting("load_common"),
                       "0.19.0": _loader_substituting("load_common_state_dict")})
+megatron_fsdp_sources: tuple[str, str] = _pick(_FSDP_SOURCES)
 moe_router_loss_scale: Callable[[int, int], int] = _pick({"0.16.1": _router_loss_scale_0_16,
                                                           "0.19.0": _router_loss_scale_0_19})

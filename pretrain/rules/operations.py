@@ -46,14 +46,17 @@ def recompute_module_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu
 
 
 def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Megatron-FSDP (optimizer.fsdp): CUDA only in megatron-core 0.16.1, and no torch_dist checkpoints."""
+    """Megatron-FSDP (optimizer.fsdp): CUDA only in every supported megatron-core, and no torch_dist checkpoints."""
+    from pretrain.compat.mcore import MCORE, megatron_fsdp_sources
+
     o, c, t = cfg.optimizer, cfg.checkpoint, cfg.train
     if not o.fsdp:
         return
+    device_src, dtensor_src = megatron_fsdp_sources
     if lay is not None and not lay.on_gpu:
-        r.error("optimizer.fsdp", "Megatron-FSDP needs CUDA: megatron-core 0.16.1 builds its device as "
+        r.error("optimizer.fsdp", f"Megatron-FSDP needs CUDA: megatron-core {MCORE} builds its device as "
                 "cuda:<current device> and runs its all-gathers and reduce-scatters on torch.cuda.Stream side "
-                "streams (megatron_fsdp.py:184, :361)", "set optimizer.fsdp=false here (optimizer.distributed=true "
+                f"streams ({device_src})", "set optimizer.fsdp=false here (optimizer.distributed=true "
                 "shards the optimizer state), or run on a CUDA machine")
     saving = [k for k, on in (("checkpoint.interval", c.interval is not None),
                               ("checkpoint.save_at_end", c.save_at_end),
@@ -62,9 +65,9 @@ def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                               ("checkpoint.pretrained", c.pretrained is not None)) if on]
     if saving:
         r.error(("optimizer.fsdp", *saving),
-                "Megatron-FSDP state cannot go through the torch_dist checkpoint path: megatron-core 0.16.1 "
+                f"Megatron-FSDP state cannot go through the torch_dist checkpoint path: megatron-core {MCORE} "
                 "shards Megatron-FSDP optimizer state only in its fsdp_dtensor format (DistributedOptimizer."
-                "sharded_state_dict raises NotImplementedError otherwise, distrib_optimizer.py:1229)",
+                f"sharded_state_dict raises NotImplementedError otherwise, {dtensor_src})",
                 "run without checkpoints (checkpoint.interval=null checkpoint.save_at_end=false "
                 "train.exit_signal_handler=false train.exit_duration_in_mins=null checkpoint.pretrained=null), or "
                 "use optimizer.distributed=true")

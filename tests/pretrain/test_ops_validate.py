@@ -1,12 +1,17 @@
 """Rules for document boundaries, selective recompute modules, Megatron-FSDP and the logging keys: exact messages,
-with GPU machines simulated (`cuda_available`, `te_on_gpu`), and parse-time checks of the new keys."""
+with GPU machines simulated (`cuda_available`, `te_on_gpu`), and parse-time checks of the new keys. The Megatron-FSDP
+refusals name the installed megatron-core release and its source lines (run on 0.16.1 and 0.19.2 in CI)."""
 
 from __future__ import annotations
+
+from importlib import metadata
 
 import pytest
 
 from pretrain.config import ConfigError, load_config
 from pretrain.validate import validate
+
+pytestmark = pytest.mark.mcore
 
 NO_CKPT = ["checkpoint.interval=null", "checkpoint.save_at_end=false", "train.exit_signal_handler=false"]
 
@@ -24,10 +29,14 @@ ROPE_POSITIONS = ("[data.reset_position_ids, model.position_embedding_type] data
                   "effect with RoPE: Megatron-Core's GPTModel rotates by the sequence index, not by position_ids. "
                   "Fix: also set data.reset_attention_mask=true (then each document sees only its own tokens and "
                   "RoPE's relative positions are the restarted ones), or set data.reset_position_ids=false")
-FSDP_CUDA = ("[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core 0.16.1 builds its device as cuda:<current "
+# Per release CI runs: where Megatron-FSDP builds its CUDA device / side streams, and refuses torch_dist state.
+FSDP_SOURCES = {"0.16.1": ("184, :361", "1229"), "0.19.2": ("234, :406", "1514")}
+MCORE = metadata.version("megatron-core")
+FSDP_LINES, DTENSOR_LINE = FSDP_SOURCES.get(MCORE, FSDP_SOURCES["0.16.1"])
+FSDP_CUDA = (f"[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core {MCORE} builds its device as cuda:<current "
              "device> and runs its all-gathers and reduce-scatters on torch.cuda.Stream side streams "
-             "(megatron_fsdp.py:184, :361). Fix: set optimizer.fsdp=false here (optimizer.distributed=true shards the "
-             "optimizer state), or run on a CUDA machine")
+             f"(megatron_fsdp.py:{FSDP_LINES}). Fix: set optimizer.fsdp=false here (optimizer.distributed=true shards "
+             "the optimizer state), or run on a CUDA machine")
 
 
 @pytest.mark.parametrize("overrides,gpu,te,expected", [
@@ -59,9 +68,9 @@ FSDP_CUDA = ("[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core 0.16.1 bu
     (["optimizer.fsdp=true", *NO_CKPT], True, True, []),
     (["optimizer.fsdp=true", "checkpoint.interval=null", "train.nan_policy=skip"], True, True,
      ["[optimizer.fsdp, checkpoint.save_at_end, train.exit_signal_handler] Megatron-FSDP state cannot go through the "
-      "torch_dist checkpoint path: megatron-core 0.16.1 shards Megatron-FSDP optimizer state only in its "
+      f"torch_dist checkpoint path: megatron-core {MCORE} shards Megatron-FSDP optimizer state only in its "
       "fsdp_dtensor format (DistributedOptimizer.sharded_state_dict raises NotImplementedError otherwise, "
-      "distrib_optimizer.py:1229). Fix: run without checkpoints (checkpoint.interval=null "
+      f"distrib_optimizer.py:{DTENSOR_LINE}). Fix: run without checkpoints (checkpoint.interval=null "
       "checkpoint.save_at_end=false train.exit_signal_handler=false train.exit_duration_in_mins=null "
       "checkpoint.pretrained=null), or use optimizer.distributed=true",
       "[optimizer.fsdp, train.nan_policy] train.nan_policy=skip checks DDP's gradient buffers, which Megatron-FSDP "
