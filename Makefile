@@ -26,7 +26,8 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## The tests that exercise Megatron-Core (layouts, resume, resharding, distributed optimizer, HF bridge,
-## quickstart, Megatron fixes, cross-version checkpoints): run on a second release with MCORE=X.
+## quickstart, Megatron fixes, cross-version checkpoints, a small MoE/EP subset, validation rules quoting
+## Megatron-Core): run on a second release with MCORE=X.
 test-mcore: install
 	$(PY) -m pytest -m mcore $(PYTEST_ARGS)
 

@@ -10,8 +10,6 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
 - `Tensor.type()` reports `torch.cuda.*Tensor` for CPU floating tensors (optimizer type checks). 0.16.1+.
 - The CUDA RNG used by Megatron's RNG tracker and activation recompute is the CPU generator. 0.16.1+.
 - `torch.cuda.synchronize()` is a no-op. 0.16.1+.
-- `torch.cuda.current_stream()` is a stream whose waits are no-ops: 0.19 calls it on every gradient
-  sync (`ParamAndGradBuffer.start_grad_sync`, for CUDA-graph events). 0.19.0+.
 - CUDA streams and events are synchronous no-op stand-ins: the all-to-all MoE dispatcher's device-to-host
   stream and events (0.16.1+), and `torch.cuda.current_stream()`, which 0.19 also calls on every gradient
   sync (`ParamAndGradBuffer.start_grad_sync`, for CUDA-graph events). 0.16.1+.
