@@ -1,8 +1,12 @@
-"""Shared fixtures: a small slice of the embedded corpus and the embedded tokenizers."""
+"""Shared fixtures: a small slice of the embedded corpus, the embedded tokenizers, and tmpfs mounts (full disks)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +37,24 @@ def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
 @pytest.fixture
 def small_corpus(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "corpus.jsonl", corpus_texts())
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """``tmpfs(name, options)`` mounts a fresh tmpfs at ``tmp_path/name`` (unmounted afterwards)."""
+    mounted: list[Path] = []
+
+    def make(name: str, options: str) -> Path:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("mounting a tmpfs needs root and mount(8)")
+        d = tmp_path / name
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs in this sandbox: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

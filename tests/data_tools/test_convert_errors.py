@@ -6,10 +6,6 @@ carrying a Python tag (never constructed).
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,27 +24,6 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tok")
     hf_tokenizer(DataConfig()).save_pretrained(str(d))
     return d
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
-    """``tmpfs(name, options)`` mounts a fresh tmpfs at ``tmp_path/name`` (unmounted afterwards)."""
-    mounted: list[Path] = []
-
-    def make(name: str, options: str) -> Path:
-        if os.geteuid() != 0 or shutil.which("mount") is None:
-            pytest.skip("mounting a tmpfs needs root and mount(8)")
-        d = tmp_path / name
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs in this sandbox: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield make
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def _one_line(capsys) -> str:

@@ -9,10 +9,6 @@ where that is not available the tmpfs tests are skipped with the reason.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,27 +40,6 @@ def _one_error_line(err: str) -> str:
     errors = [ln for ln in lines if ln.startswith("error: ")]
     assert len(errors) == 1, err
     return errors[0]
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
-    """``tmpfs(name, options)`` mounts a fresh tmpfs at ``tmp_path/name`` (unmounted afterwards)."""
-    mounted: list[Path] = []
-
-    def make(name: str, options: str) -> Path:
-        if os.geteuid() != 0 or shutil.which("mount") is None:
-            pytest.skip("mounting a tmpfs needs root and mount(8)")
-        d = tmp_path / name
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs in this sandbox: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield make
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def test_output_prefix_under_a_regular_file(tmp_path: Path, small_corpus: Path, capsys) -> None:

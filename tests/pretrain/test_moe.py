@@ -27,6 +27,7 @@ from tests.pretrain.ckpt_helpers import (
     log_text,
     metrics,
     run,
+    run_worker_cases,
     start,
     wait_until,
 )
@@ -85,14 +86,7 @@ def moe_runs(tmp_path_factory):
         for name, (world, overrides, source) in table.items():
             plans[world].append(_case(root, name, overrides, source))
     for world in (2, 4, 1):  # world 1 loads a checkpoint written at world 2
-        plan = root / f"plan{world}.json"
-        plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": plans[world]}))
-        log = root / f"world{world}.log"
-        rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=900)
-        assert rc == 0, log_text(log)[-4000:]
-        results = json.loads((root / f"results{world}.json").read_text())
-        failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
-        assert not failed, failed
+        run_worker_cases(root, world, plans[world], timeout=900)
     print(f"MoE layout runs: {time.perf_counter() - started:.0f} s")
     return root
 

@@ -10,11 +10,9 @@ expert match the reference (≤ 1e-5 relative); the EP1 resume continues with th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.pretrain.ckpt_helpers import command, log_text, run
+from tests.pretrain.ckpt_helpers import run_worker_cases
 from tests.pretrain.test_moe import DIST, EP2, SOURCE, STEPS, TOLERANCE, TP2_EP2, _by_step, _case, _rel
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
@@ -28,14 +26,7 @@ def runs(tmp_path_factory):
                  _case(root, "distopt_ep2_to_ep1", DIST, "dp2_distopt_ep2"),
                  _case(root, "tp2_sp_ep2", TP2_EP2, None)]}
     for world, cases in plans.items():
-        plan = root / f"plan{world}.json"
-        plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": cases}))
-        log = root / f"world{world}.log"
-        rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=600)
-        assert rc == 0, log_text(log)[-4000:]
-        results = json.loads((root / f"results{world}.json").read_text())
-        failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
-        assert not failed, failed
+        run_worker_cases(root, world, cases, timeout=600)
     return root
 
 
