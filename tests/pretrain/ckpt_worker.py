@@ -8,6 +8,11 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
                  last, metrics.jsonl up to it)
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
     stall_in_save  step: the writer processes of that step's checkpoint hang (for a test to kill the trainer)
+    writer_dies_in_save  step: the asynchronous writer of that step's checkpoint is killed (SIGKILL) mid-write
+    die_at       [point, step]: stop train() dead (a BaseException nothing handles, like a kill: no later write
+                 happens) in the commit of that step's save, right after `journal` (commit_in_progress.txt),
+                 `run_config` (run_config.yaml) or `tracker` is written, or at `prune` (run_config.yaml of the
+                 first pruned checkpoint removed, its files not yet)
     evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
     load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
     mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
@@ -27,6 +32,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -184,6 +190,75 @@ def _install_stall(step: int) -> None:
     checkpoint_save.save_checkpoint = save_checkpoint
 
 
+class SimulatedKill(BaseException):
+    """Raised where a kill would stop the trainer: nothing catches it, so nothing more is written."""
+
+
+def _install_die_at(point: str, step: int) -> list:
+    """`die_at`: wrap the writes of the commit (pretrain.checkpoint.format.write_atomic) and the pruning."""
+    from pretrain.checkpoint import format as checkpoint_format
+    from pretrain.checkpoint import save as checkpoint_save
+
+    names = {"journal": "commit_in_progress.txt", "run_config": "run_config.yaml",
+             "tracker": "latest_checkpointed_iteration.txt"}
+    original_write, original_rmtree = checkpoint_format.write_atomic, checkpoint_save.shutil.rmtree
+    armed = {"on": False}
+    original_save = checkpoint_save.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        armed["on"] = kwargs.get("step") == step
+        return original_save(*args, **kwargs)
+
+    def write_atomic(path, data, **kwargs):
+        original_write(path, data, **kwargs)
+        if armed["on"] and point in names and Path(path).name == names[point]:
+            raise SimulatedKill(f"killed after writing {path}")
+
+    def rmtree(path, *args, **kwargs):
+        if armed["on"] and point == "prune" and Path(path).name.startswith("iter_"):
+            raise SimulatedKill(f"killed while pruning {path}")
+        return original_rmtree(path, *args, **kwargs)
+
+    checkpoint_format.write_atomic = write_atomic
+    checkpoint_save.save_checkpoint = save_checkpoint
+    checkpoint_save.shutil.rmtree = rmtree
+    return [(checkpoint_format, "write_atomic", original_write), (checkpoint_save, "save_checkpoint", original_save),
+            (checkpoint_save.shutil, "rmtree", original_rmtree)]
+
+
+def _install_writer_death(step: int) -> list:
+    """SIGKILL the asynchronous writer process (not the trainer) after its first item of `step`."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.checkpoint import save as checkpoint_save
+
+    original_write_item = filesystem_async._write_item
+    original_save = checkpoint_save.save_checkpoint
+
+    @functools.wraps(original_write_item)  # Megatron inspects its signature
+    def write_item(*args, **kwargs):
+        result = original_write_item(*args, **kwargs)
+        if os.environ.get("CKPT_WRITER_DIES") == "1" and str(os.getpid()) != os.environ["CKPT_TRAINER_PID"]:
+            # the writer is the trainer's child; a write worker it forked kills it (and itself)
+            writer = os.getpid() if str(os.getppid()) == os.environ["CKPT_TRAINER_PID"] else os.getppid()
+            os.kill(writer, signal.SIGKILL)
+            os._exit(1)
+        return result
+
+    def save_checkpoint(*args, **kwargs):
+        if kwargs.get("step") == step:
+            os.environ["CKPT_WRITER_DIES"] = "1"  # inherited by the forked writer
+            os.environ["CKPT_TRAINER_PID"] = str(os.getpid())
+        try:
+            return original_save(*args, **kwargs)
+        finally:
+            os.environ.pop("CKPT_WRITER_DIES", None)
+
+    filesystem_async._write_item = write_item
+    checkpoint_save.save_checkpoint = save_checkpoint
+    return [(filesystem_async, "_write_item", original_write_item), (checkpoint_save, "save_checkpoint", original_save)]
+
+
 def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -219,6 +294,9 @@ def run_case(case: dict, results: dict) -> None:
         _install_crash(int(case["crash_in_save"]))
     if case.get("stall_in_save"):
         _install_stall(int(case["stall_in_save"]))
+    undo = _install_writer_death(int(case["writer_dies_in_save"])) if case.get("writer_dies_in_save") else []
+    undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
+    started = time.perf_counter()
     try:
         with megatron_fixes.disabled(*case.get("without_fixes", [])):
             if case.get("load_object"):
@@ -227,11 +305,14 @@ def run_case(case: dict, results: dict) -> None:
             else:
                 summary = train(cfg)
         results[name] = {"ok": True, "error": None, "summary": summary}
-    except (Exception, CheckpointException) as exc:  # recorded for the test to assert on
+    except (Exception, CheckpointException, SimulatedKill) as exc:  # recorded for the test to assert on
         results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "summary": None,
                          "traceback": traceback.format_exc()}
     finally:
         checkpoint_state._rng_state = original_rng
+        for owner, attribute, original in reversed(undo):
+            setattr(owner, attribute, original)
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
 
 
 def main(plan_path: str) -> int:
