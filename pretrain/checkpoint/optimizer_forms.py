@@ -7,7 +7,8 @@ are (`optimizer.state.param.KEY` distributed, `optimizer.state.fp32_param.KEY` n
 model, the model weights themselves for an fp32 model) and in the shape of the common state (the param
 groups, the Adam step). `map_keys` requests each missing main parameter where the checkpoint keeps it,
 `fill_from_model` supplies those that are the model weights, and `convert_common` turns the common state
-into the form this run's optimizer loads (checked on megatron-core 0.16.1 and 0.19.2).
+into the form this run's optimizer loads, its param groups paired with this run's (megatron-core 0.19 pairs
+them by `max_lr`/`min_lr` too). Checked on megatron-core 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
@@ -119,9 +120,29 @@ def _to_non_distributed(sub: dict) -> dict:
     return sub
 
 
+# Param-group keys that this run's config sets (the LR schedule's per-group bounds). megatron-core 0.19 pairs
+# loaded groups with the optimizer's by them too (`param_group_identifier_keys`), so a changed optimizer.lr
+# or min_lr would find no group; the pairing here uses the structural keys only (those of 0.16).
+_CONFIG_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+_STRUCTURAL_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "optimizer")
+
+
+def _adopt_config_groups(sub_optimizer, sub: dict) -> None:
+    """Give each loaded param group this run's values of `_CONFIG_GROUP_KEYS` (from the optimizer's group with
+    the same structural keys), so that Megatron-Core pairs them; the resume contract then applies this
+    config's hyperparameters (`contract.apply_new_schedule`)."""
+    groups = (sub.get("optimizer") or {}).get("param_groups") or sub.get("param_groups") or []
+    fresh = {tuple(g.get(k) for k in _STRUCTURAL_GROUP_KEYS): g for g in sub_optimizer.param_groups}
+    for group in groups:
+        mine = fresh.get(tuple(group.get(k) for k in _STRUCTURAL_GROUP_KEYS))
+        for key in _CONFIG_GROUP_KEYS:
+            if mine is not None and key in mine:
+                group[key] = mine[key]
+
+
 def convert_common(optimizer, loaded: dict | list) -> dict | list:
-    """`loaded` (the optimizer part of a loaded checkpoint) in the form `optimizer` loads; unchanged when the
-    checkpoint was written by the same kind of optimizer."""
+    """`loaded` (the optimizer part of a loaded checkpoint) in the form `optimizer` loads: converted when the
+    checkpoint was written by the other kind of optimizer, its param groups paired with this run's."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -134,4 +155,5 @@ def convert_common(optimizer, loaded: dict | list) -> dict | list:
             parts[key] = _to_distributed(sub)
         elif not isinstance(sub_optimizer, DistributedOptimizer) and written_distributed:
             parts[key] = _to_non_distributed(sub)
+        _adopt_config_groups(sub_optimizer, parts[key])
     return parts if len(subs) > 1 else parts[0]

@@ -168,6 +168,10 @@ def single_process_cases(tmp_path_factory):
         {"name": "dist_on", "overrides": SMALL + ["train.steps=6", "checkpoint.interval=null",
                                                   "optimizer.distributed=true", f"run.dir={root}/dist_on"],
          "copy_from": [f"{root}/dist_off", 4]},
+        # A changed lr and min_lr on resume (megatron-core 0.19 pairs param groups by them): the new schedule runs.
+        {"name": "lr_changed", "overrides": base + ["train.steps=3", "optimizer.lr=5e-4", "optimizer.min_lr=5e-5",
+                                                    "checkpoint.save_at_end=false", f"run.dir={root}/lr_changed"],
+         "copy_from": [f"{root}/good", 2]},
         {"name": "no_tracker", "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/no_tracker"],
          "copy_from": [f"{root}/six", [2, 4]],
          "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
@@ -248,6 +252,16 @@ def test_distributed_optimizer_toggled_on_resume(single_process_cases):
         assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-4 * ref[s]["grad_norm"], (s, got[s], ref[s])
     assert "resume: optimizer.distributed true → false (the optimizer state is converted" in log
     assert "resume: optimizer.distributed false → true (the optimizer state is converted" in log
+
+
+@pytest.mark.slow
+def test_changed_lr_applies_after_resume(single_process_cases):
+    """On this release too: after a resume with another optimizer.lr, the lr logged is the new schedule's
+    (tiny_llama: 5 warmup steps, so 3/5 of the new lr at step 3; the checkpoint's would be 6e-4)."""
+    root, results, _, log = single_process_cases
+    assert results["lr_changed"]["ok"], results["lr_changed"].get("traceback") or results["lr_changed"]["error"]
+    assert [m["lr"] for m in metrics(root / "lr_changed")] == pytest.approx([2e-4, 4e-4, 3e-4], rel=1e-12)
+    assert "resume: optimizer.lr 0.001 → 0.0005 (the LR schedule is re-derived" in log
 
 
 @pytest.mark.slow
