@@ -10,6 +10,7 @@ metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -345,7 +346,8 @@ def train(cfg: Config) -> dict:
         raise
     except BaseException as exc:
         saves.abort()
-        exc.last_step = step  # for exit_status.json (main)
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
         profiler.close(step)

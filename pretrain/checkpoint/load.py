@@ -141,7 +141,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             unwrap(model[index_]).load_state_dict(loaded[key], strict=True)
         except RuntimeError as exc:
             raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
-    fresh = contract.hyperparameters(optimizer)  # this config's lr, betas, eps, weight decay
+    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
     if with_optimizer:
         optimizer.load_state_dict(optimizer_forms.convert_common(optimizer, loaded["optimizer"]))
     if not weights_only:  # the checkpoint's step count, this config's schedule

@@ -92,6 +92,7 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
     None, lines to log)."""
     root = checkpoint_root(cfg)
     decision: list = [None]
+    unexpected = None
     if dist.get_rank() == 0:
         try:
             step, note = resume_step(root)
@@ -102,7 +103,12 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
             decision[0] = ("ok", step, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
+        except Exception as exc:  # not expected: its traceback on rank 0, and no rank left waiting
+            unexpected = exc
+            decision[0] = ("error", f"rank 0 failed deciding the resume ({type(exc).__name__}: {exc})", None)
     dist.broadcast_object_list(decision, src=0)
+    if unexpected is not None:
+        raise unexpected
     kind, value, lines = decision[0]
     if kind == "error":
         raise CheckpointError(value)

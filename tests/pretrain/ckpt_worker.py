@@ -136,58 +136,60 @@ def _nan_into(checkpoint: Path, key: str) -> None:
     raise KeyError(f"{key} not in {checkpoint}")
 
 
-def _install_crash(step: int) -> None:
+def _arm_writers(step: int, flag: str, action) -> list:
+    """Wrap Megatron's per-item checkpoint writer: in the save of `step` (the writer processes it forks inherit
+    the environment flag `flag`), `action()` runs after the first item is written. Returns what to undo."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.checkpoint import save as checkpoint_save
+
+    original_write_item = filesystem_async._write_item
+    original_save = checkpoint_save.save_checkpoint
+
+    @functools.wraps(original_write_item)  # Megatron inspects its signature
+    def write_item(*args, **kwargs):
+        result = original_write_item(*args, **kwargs)
+        if os.environ.get(flag) == "1":
+            action()
+        return result
+
+    def save_checkpoint(*args, **kwargs):
+        if kwargs.get("step") == step:
+            os.environ[flag] = "1"  # inherited by the forked writers
+            os.environ["CKPT_TRAINER_PID"] = str(os.getpid())
+        return original_save(*args, **kwargs)
+
+    filesystem_async._write_item = write_item
+    checkpoint_save.save_checkpoint = save_checkpoint
+    return [(filesystem_async, "_write_item", original_write_item), (checkpoint_save, "save_checkpoint", original_save)]
+
+
+def _install_crash(step: int) -> list:
     """SIGKILL the trainer from inside a checkpoint writer process, after its first item of `step`."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from pretrain.checkpoint import save as checkpoint_save
-
     trainer = os.getpid()
-    original_write_item = filesystem_async._write_item
-    original_save = checkpoint_save.save_checkpoint
 
-    @functools.wraps(original_write_item)  # Megatron inspects its signature
-    def write_item(*args, **kwargs):
-        result = original_write_item(*args, **kwargs)
-        if os.environ.get("CKPT_CRASH_ARMED") == "1":
-            os.kill(trainer, signal.SIGKILL)
-            os._exit(1)
-        return result
+    def crash():
+        os.kill(trainer, signal.SIGKILL)
+        os._exit(1)
 
-    def save_checkpoint(*args, **kwargs):
-        if kwargs.get("step") == step:
-            os.environ["CKPT_CRASH_ARMED"] = "1"  # inherited by the forked writers
-        return original_save(*args, **kwargs)
-
-    filesystem_async._write_item = write_item
-    checkpoint_save.save_checkpoint = save_checkpoint
+    return _arm_writers(step, "CKPT_CRASH_ARMED", crash)
 
 
-def _install_stall(step: int) -> None:
+def _install_stall(step: int) -> list:
     """Make the checkpoint writer of `step` hang (as on a slow file system) after its first item."""
-    import time
+    return _arm_writers(step, "CKPT_STALL_ARMED", lambda: time.sleep(600))
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.checkpoint import save as checkpoint_save
+def _install_writer_death(step: int) -> list:
+    """SIGKILL the asynchronous writer process (not the trainer) after its first item of `step`."""
 
-    original_write_item = filesystem_async._write_item
-    original_save = checkpoint_save.save_checkpoint
+    def die():
+        trainer = os.environ["CKPT_TRAINER_PID"]
+        if str(os.getpid()) != trainer:  # the writer is the trainer's child; a worker it forked kills it too
+            os.kill(os.getpid() if str(os.getppid()) == trainer else os.getppid(), signal.SIGKILL)
+            os._exit(1)
 
-    @functools.wraps(original_write_item)  # Megatron inspects its signature
-    def write_item(*args, **kwargs):
-        result = original_write_item(*args, **kwargs)
-        if os.environ.get("CKPT_STALL_ARMED") == "1":
-            time.sleep(600)
-        return result
-
-    def save_checkpoint(*args, **kwargs):
-        if kwargs.get("step") == step:
-            os.environ["CKPT_STALL_ARMED"] = "1"  # inherited by the forked writers
-        return original_save(*args, **kwargs)
-
-    filesystem_async._write_item = write_item
-    checkpoint_save.save_checkpoint = save_checkpoint
+    return _arm_writers(step, "CKPT_WRITER_DIES", die)
 
 
 class SimulatedKill(BaseException):
@@ -226,39 +228,6 @@ def _install_die_at(point: str, step: int) -> list:
             (checkpoint_save.shutil, "rmtree", original_rmtree)]
 
 
-def _install_writer_death(step: int) -> list:
-    """SIGKILL the asynchronous writer process (not the trainer) after its first item of `step`."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from pretrain.checkpoint import save as checkpoint_save
-
-    original_write_item = filesystem_async._write_item
-    original_save = checkpoint_save.save_checkpoint
-
-    @functools.wraps(original_write_item)  # Megatron inspects its signature
-    def write_item(*args, **kwargs):
-        result = original_write_item(*args, **kwargs)
-        if os.environ.get("CKPT_WRITER_DIES") == "1" and str(os.getpid()) != os.environ["CKPT_TRAINER_PID"]:
-            # the writer is the trainer's child; a write worker it forked kills it (and itself)
-            writer = os.getpid() if str(os.getppid()) == os.environ["CKPT_TRAINER_PID"] else os.getppid()
-            os.kill(writer, signal.SIGKILL)
-            os._exit(1)
-        return result
-
-    def save_checkpoint(*args, **kwargs):
-        if kwargs.get("step") == step:
-            os.environ["CKPT_WRITER_DIES"] = "1"  # inherited by the forked writer
-            os.environ["CKPT_TRAINER_PID"] = str(os.getpid())
-        try:
-            return original_save(*args, **kwargs)
-        finally:
-            os.environ.pop("CKPT_WRITER_DIES", None)
-
-    filesystem_async._write_item = write_item
-    checkpoint_save.save_checkpoint = save_checkpoint
-    return [(filesystem_async, "_write_item", original_write_item), (checkpoint_save, "save_checkpoint", original_save)]
-
-
 def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -290,11 +259,13 @@ def run_case(case: dict, results: dict) -> None:
     original_rng = checkpoint_state._rng_state
     if case.get("evil_rng"):
         checkpoint_state._rng_state = lambda: {"python": Evil(case["evil_rng"])}
+    undo = []
     if case.get("crash_in_save"):
-        _install_crash(int(case["crash_in_save"]))
+        undo += _install_crash(int(case["crash_in_save"]))
     if case.get("stall_in_save"):
-        _install_stall(int(case["stall_in_save"]))
-    undo = _install_writer_death(int(case["writer_dies_in_save"])) if case.get("writer_dies_in_save") else []
+        undo += _install_stall(int(case["stall_in_save"]))
+    if case.get("writer_dies_in_save"):
+        undo += _install_writer_death(int(case["writer_dies_in_save"]))
     undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
     started = time.perf_counter()
     try:

@@ -115,6 +115,7 @@ def chain_cases(root: Path) -> list[dict]:
              copy_from=src),
         case("tokenizer_same_size", ["train.steps=3", f"data.tokenizer_model={root}/other.model"], copy_from=src),
         case("tokenizer_copy", ["train.steps=2", f"data.tokenizer_model={root}/copy.model"], copy_from=src),
+        case("tokenizer_type", ["train.steps=3", "data.tokenizer_type=GPT2BPETokenizer"], copy_from=src),
         case("model_changed", ["train.steps=3", "model.activation=gelu", "model.normalization=LayerNorm"],
              copy_from=src),
         case("writer_killed", ["train.steps=3", "checkpoint.async_save=true"], copy_from=src,
@@ -221,7 +222,7 @@ def test_smaller_global_batch_continues_consumed_samples(chain):
 
 
 @pytest.mark.slow
-def test_another_tokenizer_of_the_same_size_refused(chain):
+def test_another_tokenizer_refused_naming_both(chain):
     root, results, log = chain
     err = results["tokenizer_same_size"]["error"]
     path = root / "tokenizer_same_size/checkpoints/iter_0000002"
@@ -233,6 +234,11 @@ def test_another_tokenizer_of_the_same_size_refused(chain):
                     "rows belong to the checkpoint's tokenizer. Use it, or start a new run.dir with "
                     f"checkpoint.pretrained={path}"), err), err
     assert not (root / "tokenizer_same_size/config.yaml").exists()  # refused before anything loaded
+    err = results["tokenizer_type"]["error"]
+    assert err.startswith(f"CheckpointError: {root}/tokenizer_type/checkpoints/iter_0000002: cannot resume with "
+                          "another tokenizer: the checkpoint was trained with sentencepiece tokenizer.model"), err
+    assert "this run's is bpe-pair vocab.json + merges.txt (sha256 " in err, err
+    assert "(data.tokenizer_type sentencepiece → GPT2BPETokenizer)" in err, err
     # The same tokenizer file at another path is the same tokenizer.
     assert _ok(results, "tokenizer_copy")["step"] == 2
     assert f"resume: data.tokenizer_model null → {root}/copy.model (the same tokenizer: sentencepiece copy.model" in log
