@@ -10,6 +10,7 @@ metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -276,7 +277,9 @@ def train(cfg: Config) -> dict:
     setup.build_training(cfg, run, log0)
     model, optimizer, scheduler, profiler = run.model, run.optimizer, run.scheduler, run.profiler
 
-    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
+    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
+    # directory that cannot be written is found now, not at the first save.
+    checkpoint_save.check_writable(cfg)
     step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
@@ -284,7 +287,7 @@ def train(cfg: Config) -> dict:
         write_config(cfg)
 
     # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss())
+    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
     metrics = _StepMetrics(cfg, run)
@@ -341,8 +344,10 @@ def train(cfg: Config) -> dict:
         if rt.rank == 0:
             write_exit_status(cfg, "failed", step, None, str(exc))
         raise
-    except BaseException:
+    except BaseException as exc:
         saves.abort()
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
         profiler.close(step)
@@ -394,12 +399,12 @@ def main(cfg: Config) -> int:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
     except (CheckpointError, StorageError) as exc:
-        return report_failure(cfg, str(exc))
+        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:
             raise  # not an expected failure: the traceback is the report
-        return report_failure(cfg, os_error_line(os_error))
+        return report_failure(cfg, os_error_line(os_error), step=getattr(exc, "last_step", None))
     finally:
         shutdown()
 
