@@ -182,24 +182,15 @@ def check_tokenizer(cfg: Config, r: Report):
     return ident
 
 
-def _missing_hint(prefix: str) -> str:
-    for ext in (".bin", ".idx", ".meta.json"):
-        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
-            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
-    if os.path.isfile(prefix + "_text_document.idx"):
-        return f" (did you mean {prefix}_text_document? preprocess adds _KEY_document)"
-    return ""
-
-
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
     """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
     from pretrain.dataset_format.check import check_dataset
-    from pretrain.dataset_format.indexed import bin_path, idx_path
+    from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
     if missing:
-        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){_missing_hint(prefix)}",
+        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){prefix_hint(prefix)}",
                 "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
         return None
     try:
