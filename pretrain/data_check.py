@@ -16,11 +16,11 @@ Rules owned here (the trainer's data code uses the same functions):
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import TYPE_CHECKING
 
 from pretrain.layout import resolve_vocab_size
+from pretrain.rules.vocab import vocab_covers_tokenizer
 from pretrain.tokenizer.embedded import with_embedded
 from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
 
@@ -166,6 +166,7 @@ def check_tokenizer(cfg: Config, r: Report):
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
         return None
+    vocab_covers_tokenizer(r, cfg, ident, embedded)
     if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
         preset = f" (model.preset={m.preset})" if m.preset else ""
         msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
