@@ -166,7 +166,8 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         raise ConversionError(f"checkpoint tensor 'embedding.word_embeddings.weight' has {rows} rows, fewer than "
                               f"the vocabulary ({vocab})")
     if tok is not None and len(tok) > vocab:
-        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
+        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}: pass "
+                              "--tokenizer with the model's own tokenizer")
     d = dims(m, vocab, rows)
     bos, eos = (tok.bos_token_id, tok.eos_token_id) if tok is not None else (None, None)
     hf_cfg = family.to_hf_config(m, vocab, bos=bos, eos=eos, dtype=out_dtype, base=original)

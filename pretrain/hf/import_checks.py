@@ -5,7 +5,7 @@
   is never run and never exported; it and a foreign `architectures` entry are noted.
 - `tokenizer_fields`: the data tokenizer the HF directory's own files make (tokenizer.json, tokenizer.model,
   vocab.json + merges.txt), or None: a directory without tokenizer files imports without one (recorded in
-  `hf_assets/import.json`, so `to-hf` exports weights and config only, as the directory was).
+  `CKPT/hf_import.json`, so `to-hf` exports weights and config only, as the directory was).
 - `check_run_config`: the pre-flight validation of the run config written (sizes, heads, experts against
   `parallel.*`, at the smallest world size the layout allows), and the tokenizer against the vocabulary.
 - `check_tied_head`: a tied model whose file also holds a *different* `lm_head.weight` is refused (the weight
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from pretrain import safe_paths
 from pretrain.hf.assets import ASSET_DIR
 
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
-IMPORT_RECORD = "import.json"  # in CKPT/hf_assets: what the import had (never exported)
+IMPORT_RECORD = "hf_import.json"  # beside CKPT/hf_assets: what the import had (never exported)
 _VERSIONS_KEY = "run.allow_untested_versions"  # the version matrix is the trainer's business, not the import's
 
 
@@ -42,7 +43,7 @@ def one_line(exc: BaseException) -> str:
 
 def read_hf_config(hf_dir: Path) -> tuple[Any, dict]:
     """(transformers config, config.json as a dict) of an HF model directory; ConversionError in one line."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
     from transformers.utils import logging as hf_logging
 
     path = hf_dir / "config.json"
@@ -55,16 +56,24 @@ def read_hf_config(hf_dir: Path) -> tuple[Any, dict]:
         raise ConversionError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(tree, dict):
         raise ConversionError(f"{path}: expected a JSON object, found {type(tree).__name__}")
+    model_type = tree.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        from model_providers import FAMILIES
+
+        custom = " (defined by custom code: auto_map, which is never run)" if tree.get("auto_map") else ""
+        known = ", ".join(sorted(f.hf_model_type for f in FAMILIES.values()))
+        raise ConversionError(f"{path}: model_type {model_type!r}{custom} is not supported ({known})")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its warnings about odd values: our validation names them in one line
-    try:
-        with tempfile.TemporaryDirectory() as tmp:  # transformers reads this copy, and nothing else of hf_dir
-            (Path(tmp) / "config.json").write_bytes(raw)
-            hf_cfg = AutoConfig.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
+    tmp = tempfile.mkdtemp(prefix="from-hf-config-")
+    try:  # transformers reads this copy, and nothing else of hf_dir
+        (Path(tmp) / "config.json").write_bytes(raw)
+        hf_cfg = AutoConfig.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - transformers' validators raise many types
-        raise ConversionError(f"{path}: {one_line(exc)}") from None
+        raise ConversionError(f"{path}: {one_line(exc).replace(tmp, str(hf_dir))}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        shutil.rmtree(tmp, ignore_errors=True)
     return hf_cfg, tree
 
 
@@ -167,20 +176,20 @@ def check_tied_head(reader, family, tied: bool, config_json: Path) -> None:
 
 
 def write_import_record(staging: Path, hf_dir: Path, no_tokenizer_fields: dict | None) -> None:
-    """`hf_assets/import.json`: the source and, for an import that named no tokenizer (no tokenizer files, no
-    --config), the data fields written, so `to-hf` can tell whether a later run named one."""
+    """`CKPT/hf_import.json` (beside `hf_assets/`, which holds the HF files only): the source and, for an import
+    that named no tokenizer (no tokenizer files, no --config), the data fields written, so `to-hf` can tell
+    whether a later run named one."""
     record = {"source": str(hf_dir.resolve()), "no_tokenizer": no_tokenizer_fields is not None,
               "data_tokenizer_fields": no_tokenizer_fields}
-    target = staging / ASSET_DIR
-    target.mkdir(exist_ok=True)
-    (target / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def read_import_record(assets: Path | None) -> dict | None:
-    if assets is None or not safe_paths.present(assets, IMPORT_RECORD):
+    """The import record of the checkpoint whose `hf_assets` directory is `assets` (None: none)."""
+    if assets is None or not safe_paths.present(assets.parent, IMPORT_RECORD):
         return None
     try:
-        record = json.loads(safe_paths.read_bytes(assets, IMPORT_RECORD))
+        record = json.loads(safe_paths.read_bytes(assets.parent, IMPORT_RECORD))
     except ValueError:
         return None
     return record if isinstance(record, dict) else None

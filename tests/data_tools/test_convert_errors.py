@@ -209,13 +209,19 @@ def test_hf_configs_that_do_not_fit_are_one_line(tmp_path, capsys):
     (tied / "model.safetensors.index.json").write_text(json.dumps(index))
     moe = tmp_path / "moe3"
     write_random_hf(moe, mixtral(vocab_size=512, num_local_experts=3))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "acme_custom", "architectures": ["AcmeForCausalLM"],
+                                                    "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}))
     cases = [(bad_heads, [], "config.json: The hidden size (64) is not a multiple of the number of attention heads"),
              (negative, [], "config.json: "),
              (tied, [], "config.json: tie_word_embeddings=true but the weights hold a 'lm_head.weight' that differs "
                         "from 'model.embed_tokens.weight'"),
              (moe, ["parallel.expert=2"], "config.json: the run config it makes does not validate (world size 2): "
                                           "[model.num_moe_experts, parallel.expert] model.num_moe_experts=3 is not "
-                                          "divisible by parallel.expert=2")]
+                                          "divisible by parallel.expert=2"),
+             (remote, [], "config.json: model_type 'acme_custom' (defined by custom code: auto_map, which is never "
+                          "run) is not supported")]
     for src, overrides, message in cases:
         out = tmp_path / f"out_{src.name}"
         assert main(["from-hf", "--hf", str(src), "--output", str(out), "--no-progress", *overrides]) == 1

@@ -79,6 +79,15 @@ CASES = [
      "[model.rope_scaling_high_freq_factor, model.rope_scaling_low_freq_factor] RoPE scaling needs "
      "model.rope_scaling_high_freq_factor=1.0 above model.rope_scaling_low_freq_factor=1.0. Fix: use e.g. 4 (high) "
      "and 1 (low)"),
+    (["model.vocab_size=512"], 1,
+     "[model.vocab_size, data.tokenizer_model] model.vocab_size=512 (model.preset=tiny_llama) is smaller than the "
+     "tokenizer's vocabulary of 32,000 (the embedded Mistral-7B SentencePiece, as data.tokenizer_model is null): "
+     "token ids 512 to 31,999 would have no embedding row. Fix: set model.vocab_size >= 32000 (or null: the "
+     "tokenizer's), or name the model's own tokenizer in data.tokenizer_type/data.tokenizer_model"),
+    (["model.vocab_size=0"], 1, "[model.vocab_size] model.vocab_size=0 must be at least 1. Fix: set "
+     "model.vocab_size to a positive integer, or null to derive it"),
+    (["model.ffn_hidden_size=-1"], 1, "[model.ffn_hidden_size] model.ffn_hidden_size=-1 must be at least 1. Fix: "
+     "set model.ffn_hidden_size to a positive integer, or null to derive it"),
 ]
 
 
