@@ -166,7 +166,7 @@ def check_tokenizer(cfg: Config, r: Report):
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
         return None
-    vocab_covers_tokenizer(r, cfg, ident, embedded)
+    vocab_covers_tokenizer(r, cfg, ident, embedded, uses_mock(d))
     if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
         preset = f" (model.preset={m.preset})" if m.preset else ""
         msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
