@@ -144,6 +144,10 @@ def test_import_without_tokenizer_from_hf_cache_and_export(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "exporting weights and config.json only" in err and "auto_map (custom code)" in err
     assert sorted(p.name for p in hf.iterdir()) == sorted(p.name for p in src.iterdir())
+    from tests.data_tools.test_convert import safetensors_dir
+
+    original, back = safetensors_dir(src), safetensors_dir(hf)
+    assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
     exported = json.loads((hf / "config.json").read_text())
     assert "auto_map" not in exported and exported["architectures"] == ["LlamaForCausalLM"]
 
