@@ -59,6 +59,16 @@ def _report(summary: dict, what: str) -> None:
           f"-> {summary['output']}", flush=True)
 
 
+def _bad_number(args: argparse.Namespace) -> str | None:
+    """The first numeric option out of range, as a message (None: all fine)."""
+    shard, iteration = getattr(args, "max_shard_gb", None), getattr(args, "iteration", None)
+    if shard is not None and not shard > 0:
+        return f"--max-shard-gb {shard}: must be positive"
+    if iteration is not None and iteration < 0:
+        return f"--iteration {iteration}: must be at least 0"
+    return None
+
+
 def _train_from(summary: dict, hf_dir: str) -> None:
     """The line saying how to train from an import (and, without tokenizer files, that a tokenizer is needed)."""
     out, vocab, padded = summary["output"], summary["vocab_size"], summary["padded_vocab_size"]
@@ -79,9 +89,9 @@ def main(argv: list[str]) -> int:
     from pretrain.config import ConfigError
 
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_shard_gb", 1.0) <= 0 or (getattr(args, "iteration", None) or 0) < 0:
-        bad = f"--max-shard-gb {args.max_shard_gb}" if args.max_shard_gb <= 0 else f"--iteration {args.iteration}"
-        print(f"[convert] error: {bad}: must be {'positive' if 'shard' in bad else 'at least 0'}", file=sys.stderr)
+    bad = _bad_number(args)
+    if bad:
+        print(f"[convert] error: {bad}", file=sys.stderr)
         return 1
     try:
         if args.direction == "to-hf":

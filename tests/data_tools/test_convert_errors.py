@@ -232,3 +232,7 @@ def test_hf_configs_that_do_not_fit_are_one_line(tmp_path, capsys):
         line = _one_line(capsys)
         assert line.startswith(f"{src}/") and message in line, line
         assert not out.exists()
+    for option, value, message in (("--max-shard-gb", "0", "--max-shard-gb 0.0: must be positive"),
+                                   ("--iteration", "-1", "--iteration -1: must be at least 0")):
+        assert main(["to-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "x"), option, value]) == 1
+        assert _one_line(capsys) == message
