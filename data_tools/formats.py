@@ -64,6 +64,8 @@ def sniff(head: bytes) -> tuple[str, str]:
     for magic, fmt, what in _MAGIC:
         if head.startswith(magic):
             return fmt, what
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":  # a skippable frame (pzstd)
+        return "zstd", "zstd-compressed data"
     return "text", "plain text"
 
 

@@ -273,6 +273,15 @@ def test_file_that_is_not_what_its_name_says(tmp_path: Path, capsys) -> None:
             (tmp_path / name).write_bytes(data)
         assert main(_prep(tmp_path, [tmp_path / name])) == 1
         assert capsys.readouterr().err.strip() == f"error: {tmp_path / name}: {message}", name
+    # pzstd (and zstd --content-size tools) start with a skippable frame: still zstd, read as such.
+    import struct
+
+    import zstandard
+
+    skip = b"\x50\x2a\x4d\x18" + struct.pack("<I", 4) + b"meta"
+    (tmp_path / "p.jsonl.zst").write_bytes(skip + zstandard.ZstdCompressor().compress(raw))
+    assert main(_prep(tmp_path, [tmp_path / "p.jsonl.zst"], "--encoder", "reference")) == 0
+    assert "documents: 3" in capsys.readouterr().out
 
 
 def test_numbers_and_prefixes_checked_and_paths_written_printed(tmp_path: Path, small_corpus: Path, capsys) -> None:
