@@ -161,8 +161,9 @@ class Decompressed:
         except InputError:
             raise
         except (OSError, EOFError, ValueError, zlib.error) as e:  # gzip: EOFError (cut), BadGzipFile, zlib.error
+            after = f", after line {after_line:,}" if after_line else ""
             raise InputError(f"{self.path}: truncated or corrupt {self.fmt} data near compressed byte "
-                             f"{self.raw.tell():,}, after line {after_line:,} ({e})") from e
+                             f"{self.raw.tell():,}{after} ({e})") from e
 
     def seek(self, pos: int) -> None:
         self.stream.seek(pos)
