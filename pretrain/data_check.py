@@ -16,11 +16,11 @@ Rules owned here (the trainer's data code uses the same functions):
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import TYPE_CHECKING
 
 from pretrain.layout import resolve_vocab_size
+from pretrain.rules.vocab import vocab_covers_tokenizer
 from pretrain.tokenizer.embedded import with_embedded
 from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
 
@@ -166,6 +166,7 @@ def check_tokenizer(cfg: Config, r: Report):
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
         return None
+    vocab_covers_tokenizer(r, cfg, ident, embedded, uses_mock(d))
     if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
         preset = f" (model.preset={m.preset})" if m.preset else ""
         msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
@@ -182,24 +183,15 @@ def check_tokenizer(cfg: Config, r: Report):
     return ident
 
 
-def _missing_hint(prefix: str) -> str:
-    for ext in (".bin", ".idx", ".meta.json"):
-        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
-            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
-    if os.path.isfile(prefix + "_text_document.idx"):
-        return f" (did you mean {prefix}_text_document? preprocess adds _KEY_document)"
-    return ""
-
-
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
     """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
     from pretrain.dataset_format.check import check_dataset
-    from pretrain.dataset_format.indexed import bin_path, idx_path
+    from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
     if missing:
-        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){_missing_hint(prefix)}",
+        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){prefix_hint(prefix)}",
                 "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
         return None
     try:

@@ -16,6 +16,7 @@ from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
 from pretrain.rules.run import data_rules, optimizer_rules, run_rules
+from pretrain.rules.vocab import optional_sizes_rules
 
 __all__ = ["Problem", "Report", "ValidationFailed", "length_problems", "validate"]
 
@@ -38,7 +39,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules]
+    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules, optional_sizes_rules]
     if sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
         try:
             lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import yaml
 
+from pretrain import safe_paths
 from pretrain.files import write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -242,6 +243,12 @@ def _check_files(path: Path, index) -> None:
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(need.items()):
         f = path / name
+        try:  # the index names its files: never one outside the checkpoint (pretrain/safe_paths.py)
+            safe_paths.inside(path, name, "named by the checkpoint index")
+        except safe_paths.UnsafePathError as exc:
+            raise CheckpointError(str(exc)) from None
+        except FileNotFoundError:
+            pass
         if not f.is_file():
             raise CheckpointError(f"{f}: missing, the checkpoint index refers to it")
         have = f.stat().st_size
