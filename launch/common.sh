@@ -4,8 +4,10 @@
 #
 # What one attempt (one start of the batch job, first run or requeue) does:
 #   1. resolve settings from the environment (table below), print them with the restart count;
-#   2. `python -m pretrain validate CONFIG OVERRIDES --world-size N` on the batch node: a bad layout
-#      fails the job in seconds, before any rank starts, with the validator's message in the job log;
+#   2. `python -m pretrain validate CONFIG OVERRIDES run.dir=RUN_DIR --world-size N --check-lock` on the batch
+#      node: a bad layout fails the job in seconds, before any rank starts, with the validator's message in
+#      the job log; so does a RUN_DIR another live trainer holds (a duplicate submission; exit 1, nothing in
+#      RUN_DIR touched), while the lock of an earlier attempt of this job (a requeue) is taken over;
 #   3. `srun` one task per GPU (or CPU rank) running `python -m pretrain train`, torch's RANK/WORLD_SIZE/
 #      LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT mapped from Slurm's variables; the trainer
 #      resumes from the latest checkpoint in RUN_DIR by itself;
@@ -184,7 +186,10 @@ launch_resolve_settings() {
 # Steps
 # ---------------------------------------------------------------------------------------------------
 launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout is rejected
-    local cmd=("$PYTHON" -m pretrain validate "$CONFIG" "$@" --world-size "$LAUNCH_WORLD_SIZE") rc=0
+    # --check-lock: a live trainer holding RUN_DIR (a duplicate submission) ends this job before anything in
+    # RUN_DIR is touched (exit 1, the holder named above), instead of failing and requeueing against it.
+    local cmd=("$PYTHON" -m pretrain validate "$CONFIG" "$@" "run.dir=$RUN_DIR" --world-size "$LAUNCH_WORLD_SIZE"
+        --check-lock) rc=0
     launch_log "validate: ${cmd[*]}"
     if ((${#LAUNCH_CONTAINER_ARGS[@]})); then
         # The host may have no Python environment: validate in one container task on the first node.
@@ -197,7 +202,8 @@ launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout i
             "($SLURM_JOB_NUM_NODES node(s) x $LAUNCH_TASKS_PER_NODE task(s)); not starting training, not requeueing"
         exit 2
     elif ((rc != 0)); then
-        launch_log "validator failed with exit code $rc (not a layout verdict); not starting training"
+        launch_log "validator failed with exit code $rc (not a layout verdict; exit 1 after an error line naming" \
+            "another live trainer of RUN_DIR); not starting training, not requeueing"
         exit "$rc"
     fi
 }

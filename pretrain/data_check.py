@@ -197,8 +197,8 @@ def check_tokenizer(cfg: Config, r: Report):
     document_options = [f"data.{k}" for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
                         if getattr(d, k)]
     if document_options and ident.eod is None:
-        r.error((*document_options, "data.tokenizer_model"), f"{'=true, '.join(document_options)}=true find document "
-                f"boundaries by the tokenizer's EOD token, but {ident.describe()} defines none, so they would do "
+        r.error((*document_options, "data.tokenizer_model"), f"{'=true, '.join(document_options)}=true: document "
+                f"boundaries are the tokenizer's EOD tokens, but {ident.describe()} defines none, so this would do "
                 "nothing", "use a tokenizer with an EOS token (for a tokenizer.json: eos_token in "
                 f"tokenizer_config.json beside it), or set {'=false '.join(document_options)}=false")
     return ident

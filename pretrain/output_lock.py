@@ -243,6 +243,25 @@ class OutputLock:
         raise OutputLocked(f"{self.what} {self.target}: its lock {self.path} is being taken over by another process "
                            "at the same time; try again")
 
+    def holder_alive(self) -> str | None:
+        """The refusal a writer would get now (a live holder), or None (no lock, or a stale one); takes nothing."""
+        raw, holder, mtime = self._read()
+        if raw is None:
+            return None
+        me = Holder.this_process()
+        probe = self.path.with_name(f".{self.path.name}.{me.host}.{me.pid}.{me.token[:8]}.probe")
+        try:  # the file system's clock, as `acquire` measures it
+            probe.write_bytes(b"")
+            fs_now = probe.stat().st_mtime
+        except OSError:
+            fs_now = time.time()
+        finally:
+            probe.unlink(missing_ok=True)
+        age = fs_now - mtime
+        if holder is None:
+            return None if age > UNREADABLE_GRACE_S else self._refusal(None, age)
+        return None if stale_reason(holder, age, me) is not None else self._refusal(holder, age)
+
     def _create(self, tmp: Path, me: Holder) -> bool:
         """Link the written record to the lock's name; False when the name exists."""
         try:
@@ -431,3 +450,14 @@ def hold_run_outputs(cfg, rank: int, share: Callable[[str | None], str | None],
         held.release()
         raise OutputLocked(message)
     return held
+
+
+
+def run_outputs_held(cfg) -> str | None:
+    """The refusal a trainer of `cfg` would get now because a live writer holds its run.dir (or checkpoint.dir),
+    else None; takes nothing (`python -m pretrain validate --check-lock`, which launch/common.sh runs)."""
+    for target in run_targets(cfg):
+        refusal = OutputLock(*target).holder_alive()
+        if refusal:
+            return refusal
+    return None
