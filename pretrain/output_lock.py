@@ -53,6 +53,14 @@ class OutputLocked(RuntimeError):
     """An output is held by another live writer (the message names it), or its lock cannot be taken."""
 
 
+def _remove(path: Path) -> None:
+    """Remove a temporary if it is there (a read-only file system refuses even a missing one: EROFS)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def heartbeat_s() -> float:
     try:
         value = float(os.environ.get("PRETRAIN_LOCK_HEARTBEAT_S", DEFAULT_HEARTBEAT_S))
@@ -214,7 +222,7 @@ class OutputLock:
                     os.fsync(f.fileno())
                 fs_now = tmp.stat().st_mtime
             except OSError as exc:
-                tmp.unlink(missing_ok=True)
+                _remove(tmp)
                 if exc.errno in _UNWRITABLE:
                     return None
                 raise OutputLocked(f"{self.what} {self.target}: cannot create its lock {self.path} "
@@ -239,7 +247,7 @@ class OutputLock:
                 elif attempt:
                     time.sleep(0.2)
             finally:
-                tmp.unlink(missing_ok=True)
+                _remove(tmp)
         raise OutputLocked(f"{self.what} {self.target}: its lock {self.path} is being taken over by another process "
                            "at the same time; try again")
 
@@ -256,7 +264,7 @@ class OutputLock:
         except OSError:
             fs_now = time.time()
         finally:
-            probe.unlink(missing_ok=True)
+            _remove(probe)
         age = fs_now - mtime
         if holder is None:
             return None if age > UNREADABLE_GRACE_S else self._refusal(None, age)
@@ -308,7 +316,7 @@ class OutputLock:
         except FileExistsError:
             try:
                 if fs_now - breaker.stat().st_mtime > BREAK_STALE_S:  # a breaker that died while breaking
-                    breaker.unlink(missing_ok=True)
+                    _remove(breaker)
             except FileNotFoundError:
                 pass
             return False
@@ -319,7 +327,7 @@ class OutputLock:
             self.path.unlink(missing_ok=True)
             return True
         finally:
-            breaker.unlink(missing_ok=True)
+            _remove(breaker)
 
     def _refusal(self, holder: Holder | None, age: float) -> str:
         who = holder.describe() if holder is not None else "a process whose record is still being written"
