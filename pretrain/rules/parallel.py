@@ -27,8 +27,6 @@ def sizes_positive(r: Report, cfg: Config, world_size: int) -> bool:
         "model.num_moe_experts": 1 if m.num_moe_experts is None else m.num_moe_experts,
         "model.moe_ffn_hidden_size": 1 if m.moe_ffn_hidden_size is None else m.moe_ffn_hidden_size,
         "model.moe_router_topk": m.moe_router_topk,
-        **{f"model.{k}": v for k in ("ffn_hidden_size", "num_query_groups", "kv_channels", "vocab_size")
-           if (v := getattr(m, k)) is not None},  # optional sizes: checked when set
     }  # fmt: skip
     bad = [k for k, v in positive.items() if v < 1]
     for key in bad:

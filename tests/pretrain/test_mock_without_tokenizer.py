@@ -107,16 +107,20 @@ def test_tiny_configs_and_a_null_tokenizer_train_two_steps(tmp_path):
              "logging.tensorboard=false"]  # one microbatch a step; nothing about the tokenizer
     cases = {name: ["train", name, "data.mock=true", *cheap, f"run.dir={tmp_path / name}"]
              for name in ("tiny_llama", "tiny_gpt", "tiny_moe")}
-    cases["null"] = ["train", "tiny_llama", "data.mock=true", "data.tokenizer_type=huggingface",
-                     "model.vocab_size=1000", *cheap, f"run.dir={tmp_path / 'null'}"]
+    null = ["train", "tiny_llama", "data.mock=true", "data.tokenizer_type=huggingface", "model.vocab_size=1000",
+            *cheap, f"run.dir={tmp_path / 'null'}"]
+    cases["null"] = [*null, "checkpoint.save_at_end=true"]  # saved, then resumed with the same null tokenizer
+    cases["null_resumed"] = [*null, "train.steps=3"]
     results = run_cases(cases, tmp_path / "worker", timeout=900)
+    resumed = results.pop("null_resumed")
+    assert resumed["rc"] == 0, (resumed["stderr"][-3000:], resumed.get("traceback"))
     for name, result in results.items():
         assert result["rc"] == 0, (name, result["stderr"][-3000:], result.get("traceback"))
-        losses = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r]
+        losses = [r["loss"] for r in metrics(tmp_path / name) if "loss" in r][:2]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, losses)
     assert _null_note(1000) in results["null"]["stdout"], results["null"]["stdout"]
-    first = [r["loss"] for r in metrics(tmp_path / "null") if "loss" in r][0]
-    assert abs(first - math.log(1000)) < 1.0, first
+    null_losses = [r["loss"] for r in metrics(tmp_path / "null") if "loss" in r]
+    assert len(null_losses) == 3 and abs(null_losses[0] - math.log(1000)) < 1.0, null_losses  # 2 steps + 1 resumed
     config = json.loads(json.dumps(load_config(str(tmp_path / "null" / "config.yaml")).to_dict()))
     assert config["data"]["tokenizer_model"] is None  # what the user wrote; the note says what was used
 
