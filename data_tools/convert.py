@@ -87,13 +87,16 @@ def main(argv: list[str]) -> int:
     """`python -m data_tools convert ...`; returns the exit status."""
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
+    from pretrain.output_lock import Held, OutputLocked, Target, hold
 
     args = build_parser().parse_args(argv)
     bad = _bad_number(args)
     if bad:
         print(f"[convert] error: {bad}", file=sys.stderr)
         return 1
+    lock = Held([])
     try:
+        lock = hold([Target(args.output, f"convert {args.direction} --output", create_parent=True)])  # one writer
         if args.direction == "to-hf":
             summary = export_to_hf(args.checkpoint, args.output, iteration=args.iteration, dtype=args.dtype,
                                    tokenizer=args.tokenizer, overwrite=args.overwrite,
@@ -111,6 +114,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\n[convert] interrupted; no output written", file=sys.stderr)
         return 130
-    except (ConversionError, CheckpointError, ConfigError, OSError) as exc:
+    except (ConversionError, CheckpointError, ConfigError, OSError, OutputLocked) as exc:
         print(f"[convert] error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        lock.release()

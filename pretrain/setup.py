@@ -154,7 +154,7 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
     from pretrain.run_dir import prepare_run_dir
     from pretrain.runtime import any_rank_error, init_model_parallel
 
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import compat, setup
+from pretrain import compat, output_lock, setup
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
@@ -260,7 +261,7 @@ def _microbatch_runner(cfg: Config, run):
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
     from pretrain.run_dir import write_config
-    from pretrain.runtime import env_world_size, init_distributed
+    from pretrain.runtime import any_rank_error, env_world_size, init_distributed
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
@@ -271,6 +272,8 @@ def train(cfg: Config) -> dict:
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
+    # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
+    outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
     run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
 
     # 2. Model, optimizer, schedule.
@@ -356,6 +359,7 @@ def train(cfg: Config) -> dict:
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, None)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
+    outputs.release()
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
 
@@ -382,8 +386,8 @@ def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device)
 def main(cfg: Config) -> int:
     """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
 
-    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory, or a
-    full / read-only / forbidden file system (the message names the path).
+    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory (or one
+    another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.run_dir import environment_error, os_error_line, report_failure
@@ -395,6 +399,10 @@ def main(cfg: Config) -> int:
     except ValidationFailed as exc:
         print(exc.report(), file=sys.stderr, flush=True)
         return 2
+    except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except TrainingStopped as exc:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
@@ -407,4 +415,5 @@ def main(cfg: Config) -> int:
         return report_failure(cfg, os_error_line(os_error), step=getattr(exc, "last_step", None))
     finally:
         shutdown()
+        output_lock.release_all()
 

@@ -141,9 +141,20 @@ def _identity(tokenizer_type: str | None, model: str | None, vocab: str | None, 
     return describe_tokenizer(ttype, model, vocab, merges)
 
 
-def tokenizer_record(data_cfg) -> dict | None:
+def _run_identity(cfg):
+    """The identity of the tokenizer `cfg` trains with (`pretrain.data_check.run_tokenizer_identity`: the null
+    tokenizer of a mock run without files, else its files)."""
+    from pretrain.data_check import run_tokenizer_identity, uses_null_tokenizer
+
+    if uses_null_tokenizer(cfg.data):
+        return run_tokenizer_identity(cfg)
+    d = cfg.data
+    return _identity(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+
+
+def tokenizer_record(cfg) -> dict | None:
     """What a checkpoint records about the run's tokenizer (`TOKENIZER_STATE`): its identity, None without one."""
-    ident = _identity(data_cfg.tokenizer_type, data_cfg.tokenizer_model, data_cfg.vocab_file, data_cfg.merge_file)
+    ident = _run_identity(cfg)
     return None if ident is None else ident.to_dict()
 
 
@@ -197,7 +208,7 @@ def check_resume(cfg, path: Path, common: dict) -> list[str]:
     lines = [f"resume: {key} in the checkpoint's run_config.yaml is no longer a config key (ignored)"
              for key in _flatten(saved_tree) if key not in FIELDS]
     old_tok, note = _saved_identity(common, saved)
-    new_tok = _identity(*(new[k] for k in TOKENIZER_KEYS))
+    new_tok = _run_identity(cfg)
     if note:
         lines.append(f"resume: note: {note}")
     new_vocab = new_tok.vocab_size if new_tok else None

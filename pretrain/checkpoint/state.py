@@ -107,7 +107,7 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
     state["layout"] = list(layout_key(cfg))
     state["config"] = cfg.to_dict()
     try:  # the resume contract compares it (None: a run without a tokenizer)
-        state[TOKENIZER_STATE] = tokenizer_record(cfg.data)
+        state[TOKENIZER_STATE] = tokenizer_record(cfg)
     except Exception:  # noqa: BLE001 - its files went away during the run: not recorded, as in older checkpoints
         pass
     state["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
