@@ -99,7 +99,8 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
         )
-    state["opt_param_scheduler"] = scheduler.state_dict()  # its step count is read on resume, also without optimizer
+    if scheduler is not None:  # its step count is read on resume, also without optimizer (None: weights only)
+        state["opt_param_scheduler"] = scheduler.state_dict()
     world, rank = dist.get_world_size(), dist.get_rank()
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     state["iteration"] = step

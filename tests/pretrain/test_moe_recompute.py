@@ -39,7 +39,10 @@ def test_same_losses_as_without_recompute(measured, name):
     got = [fields(m) for m in metrics(tmp / name)]
     print(f"{name}: losses {[m['loss'] for m in got]}; MoE keys {sorted(k for k in got[0] if k.startswith('moe_'))}")
     assert len(want) == 3 and any(k.startswith("moe_") for k in want[0])
-    assert got == want
+    # The grad norm's float sum may be ordered differently (as in test_recompute); everything else identical.
+    assert [{k: v for k, v in m.items() if k != "grad_norm"} for m in got] == \
+        [{k: v for k, v in m.items() if k != "grad_norm"} for m in want]
+    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in want], rel=1e-6)
     assert held[name]["loss"] == held["none"]["loss"]
     assert held[name]["grad_norm"] == pytest.approx(held["none"]["grad_norm"], rel=1e-7)
 

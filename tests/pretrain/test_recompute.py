@@ -39,7 +39,10 @@ def test_same_losses_as_without_recompute(measured, name):
     fields = ("step", "loss", "grad_norm")
     want = [tuple(m[k] for k in fields) for m in metrics(tmp / "none")]
     got = [tuple(m[k] for k in fields) for m in metrics(tmp / name)]
-    assert len(want) == 3 and got == want
+    # Steps and losses identical; the grad norm's float sum may be ordered differently (CI measured 1.1e-7
+    # relative at step 2 with layernorm, the next step's loss and norm identical again).
+    assert len(want) == 3 and [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=1e-6)
     # One forward/backward outside the trainer: the loss is identical; the gradients' float sums may be ordered
     # differently once a module is recomputed (measured: 9e-9 relative on the norm with mlp).
     assert held[name]["loss"] == held["none"]["loss"]
