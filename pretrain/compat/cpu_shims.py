@@ -19,6 +19,8 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
   `all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on
   gloo; and `all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's
   routed tokens), which gloo refuses, pads every piece to the longest.
+- Megatron-FSDP (`pretrain.compat.fsdp_cpu`, scoped to the FSDP modules): its CUDA device and its CUDA device
+  meshes are the CPU's. 0.16.1+.
 """
 
 from __future__ import annotations
@@ -237,4 +239,7 @@ def apply_cpu_shims() -> list[str]:
         if MCORE >= Version(shim.since):
             shim.apply()
             _APPLIED.append(shim.name)
+    from pretrain.compat.fsdp_cpu import apply_fsdp_shims  # Megatron-FSDP's own, scoped to its modules
+
+    _APPLIED.extend(apply_fsdp_shims())
     return list(_APPLIED)

@@ -159,6 +159,17 @@ _FSDP_SOURCES = {
     "0.19.0": ("megatron_fsdp.py:234, :406", "distrib_optimizer.py:1514"),
 }
 
+# What the Megatron-FSDP rules quote (read in the 0.16.1 and 0.19.2 sources; a release in between quotes the
+# older one, named): "mesh": the adapter's device mesh, `torch.arange(world)` rearranged as (dp_cp ep tp) — no
+# pipeline dimension; "optim": the `optim` strategy reduces gradients in the last microbatch's backward hook and
+# again in `finish_grad_sync` → `start_grad_sync`; "overlap": it forces overlap_param_gather / overlap_grad_reduce on.
+_FSDP_LIMITS = {
+    "0.16.1": {"release": "0.16.1", "mesh": "mcore_fsdp_adapter.py:371", "optim": "megatron_fsdp.py:662, :1174",
+               "overlap": "megatron_fsdp.py:276, :279"},
+    "0.19.0": {"release": "0.19.2", "mesh": "mcore_fsdp_adapter.py:563", "optim": "megatron_fsdp.py:761, :1334",
+               "overlap": "megatron_fsdp.py:330, :333"},
+}
+
 
 # --------------------------------------------------------------------------------------------------
 # The selection
@@ -169,5 +180,6 @@ save_sharded = _pick({"0.16.1": _save_0_16, "0.17.0": _save_0_17})
 load_sharded = _pick({"0.16.1": _load_0_16, "0.17.0": _loader_substituting("load_common"),
                       "0.19.0": _loader_substituting("load_common_state_dict")})
 megatron_fsdp_sources: tuple[str, str] = _pick(_FSDP_SOURCES)
+megatron_fsdp_limits: dict[str, str] = _pick(_FSDP_LIMITS)
 moe_router_loss_scale: Callable[[int, int], int] = _pick({"0.16.1": _router_loss_scale_0_16,
                                                           "0.19.0": _router_loss_scale_0_19})

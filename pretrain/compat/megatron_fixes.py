@@ -21,8 +21,10 @@ distrib_optimizer.py` (line numbers of 0.16.1 / 0.19.2), measured in shared/docs
 
 Safe loading (any optimizer): 4. `load_bytes_weights_only` — torch's `DefaultLoadPlanner.load_bytes`, which
 Megatron's `MCoreLoadPlanner` inherits, unpickles the byte items of a `torch_dist` checkpoint
-(`ShardedObject`s such as the RNG state and `_extra_state`) with `weights_only=False`. Fix:
-`weights_only=True` (Megatron-Core registers the few non-tensor classes it writes as torch safe globals).
+(`ShardedObject`s such as the RNG state and `_extra_state`) with `weights_only=False`, and so does DCP itself for
+the `fsdp_dtensor` checkpoints of Megatron-FSDP runs (`torch/distributed/checkpoint/default_planner.py:387`, the
+optimizer's param-group metadata and the RNG states). Fix: `weights_only=True` on both planners (Megatron-Core
+registers the few non-tensor classes it writes as torch safe globals).
 
 Without Transformer Engine (CPU, GPUs without TE):
 5. `recompute_norms_without_te` — `tensor_parallel/random.py`: `CheckpointWithoutOutput.__init__(fp8=False)` sets
@@ -167,7 +169,10 @@ def _load_bytes_weights_only() -> list:
         else:
             self.state_dict[fqn] = obj
 
-    return [(MCoreLoadPlanner, "load_bytes", load_bytes)]
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    # DCP's own planner too: the fsdp_dtensor checkpoints (pretrain/checkpoint/fsdp_format.py) load through it.
+    return [(MCoreLoadPlanner, "load_bytes", load_bytes), (DefaultLoadPlanner, "load_bytes", load_bytes)]
 
 
 def _recompute_norms_without_te() -> list:
