@@ -36,6 +36,12 @@ Without Transformer Engine (CPU, GPUs without TE):
    unconditionally: `NameError` in the first MoE forward. Fix: the missing names are None ("absent").
    Fixed upstream in 0.17.0 (`moe_utils.py` sets them to None without TE; checked in the 0.17.0, 0.18.0,
    0.19.0 sources and shown on 0.19.2 by the test).
+7. `fsdp_tp_without_te` — Megatron-FSDP with tensor parallelism: `FullyShardedDataParallel.
+   _fix_tensor_parallel_attributes` (`distributed/fsdp/mcore_fsdp_adapter.py:184`; 0.17.0 :214) tests
+   `isinstance(module, (TELinear,))`, and without TE `TELinear` is not a class (a stand-in built on TE's mock
+   module): `TypeError: isinstance() arg 2 must be a type` at wrap time for parallel.tensor > 1. Fix: without TE
+   the adapter sees a class no module is an instance of (there are no TE modules). Fixed upstream in 0.18.0 (it
+   compares class names; checked in the 0.18.0 source and shown on 0.19.2 by the test).
 """
 
 from __future__ import annotations
@@ -200,6 +206,16 @@ def _moe_router_without_te() -> list:
     return [(moe_utils, name, None) for name in _MOE_TE_NAMES if not hasattr(moe_utils, name)]
 
 
+class _NoTELinear:
+    """What `TELinear` is without Transformer Engine: a class no module is an instance of."""
+
+
+def _fsdp_tp_without_te() -> list:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    return [(mcore_fsdp_adapter, "TELinear", _NoTELinear)]
+
+
 def _without_te() -> bool:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -227,6 +243,7 @@ FIXES = (
     Fix("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
     Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
     Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
+    Fix("fsdp_tp_without_te", "0.16.1", "0.18.0", _fsdp_tp_without_te, _without_te),
 )
 
 

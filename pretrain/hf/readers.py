@@ -17,16 +17,24 @@ _OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 
 class CheckpointReader:
-    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint."""
+    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint, or from an
+    fsdp_dtensor one under the same names (`pretrain.checkpoint.cross_format.FsdpAsTorchDist`)."""
 
     def __init__(self, path: Path):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from pretrain.checkpoint.format import inspect_checkpoint
+        from pretrain.checkpoint.format import checkpoint_backend, inspect_checkpoint
 
         self.path = path
-        _, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        common, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        self.fsdp = None
+        if checkpoint_backend(path) == "fsdp_dtensor":  # Megatron-FSDP's: read under torch_dist names
+            from pretrain.checkpoint.cross_format import FsdpAsTorchDist
+
+            self.fsdp = FsdpAsTorchDist(path, common, self.metadata)
+            self.tensors = self.fsdp.tensors
+            return
         self.reader = FileSystemReader(str(path))
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors = {
@@ -40,6 +48,8 @@ class CheckpointReader:
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        if self.fsdp is not None:
+            return self.fsdp.read(key, lead_offsets(layer))
         md = self.tensors[key]
         size = list(md.size)
         offsets = [0] * len(size)
