@@ -110,6 +110,19 @@ def stored_names(gpt) -> dict[str, list]:
     return out
 
 
+def all_stored_names(model) -> dict[str, list]:
+    """`stored_names` of every rank merged (expert-parallel ranks hold different experts; collective)."""
+    mine = stored_names(inner(model)[1])
+    if dist.get_world_size() == 1 or not inner(model)[1].config.num_moe_experts:
+        return mine
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged: dict[str, list] = {}
+    for names in gathered:
+        merged.update(names)
+    return merged
+
+
 def _is_swiglu(name: str) -> bool:
     return bool(re.search(r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(weight|bias)$", name))
 
@@ -119,13 +132,30 @@ def _is_swiglu(name: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
+def global_expert_names(names: list[str], num_experts: int | None) -> dict[str, str]:
+    """{local name: name with the global expert index} (Megatron's renaming, kept in the given order)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+    if not num_experts:
+        return {n: n for n in names}
+    new_to_old = handle_experts_in_state_dict({n: n for n in names}, num_experts)
+    old_to_new = {old: new for new, old in new_to_old.items()}
+    return {n: old_to_new[n] for n in names}
+
+
 def _complete_optimizer_state(model, state: dict) -> dict:
-    """Every parameter in model order on every rank; an empty-shard parameter gets empty DTensors."""
+    """Every parameter in model order on every rank; an empty-shard parameter gets empty DTensors.
+
+    Keys are the optimizer's names (global expert indices); the order is the model's on every rank.
+    """
     steps = [float(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s]
     step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    params = dict(model[0].named_parameters())
+    renamed = global_expert_names(list(params), inner(model)[1].config.num_moe_experts)
     complete = {}
-    for name, param in model[0].named_parameters():
+    for local, name in renamed.items():
+        param = params[local]
         entry = state.get(name)
         if entry is None:
             entry = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
@@ -143,10 +173,7 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
-    from megatron.core.transformer.fsdp_dtensor_checkpoint import (
-        handle_experts_in_state_dict,
-        handle_swiglu_in_state_dict,
-    )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
     mfsdp, gpt = inner(model)
     raw_model = gpt.state_dict()
@@ -159,10 +186,11 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
         raw_opt["state"] = _complete_optimizer_state(model, raw_opt["state"])
         # handle_swiglu_in_state_dict strips one "module." and looks the name up on the MegatronFSDP module.
         opt_sd = dict(raw_opt)
-    if gpt.config.gated_linear_unit:
+    if gpt.config.gated_linear_unit:  # before the expert renaming: it looks the model's (local) names up
         model_sd, opt_sd = handle_swiglu_in_state_dict(mfsdp, model_sd, opt_sd)
-    if gpt.config.num_moe_experts:
-        model_sd = handle_experts_in_state_dict(model_sd, gpt.config.num_moe_experts)
+    if gpt.config.num_moe_experts:  # global expert indices, renamed in place (the same order on every rank)
+        renamed = global_expert_names(list(model_sd), gpt.config.num_moe_experts)
+        model_sd = {renamed[k]: v for k, v in model_sd.items()}
     state = {"model": model_sd}
     if opt_sd is not None:
         state["optimizer"] = opt_sd
@@ -170,12 +198,10 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
     return state, raw_model, raw_opt
 
 
-def common_state(cfg, model, scheduler, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
-    """What rank 0 writes to common.pt (read back with the weights-only loader)."""
-    _, gpt = inner(model)
+def common_state(cfg, names: dict, scheduler, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
+    """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names."""
     common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(layout_key(cfg)),
-              "config": cfg.to_dict(), "megatron_core": str(mcore.MCORE), "format": FORMAT,
-              "names": stored_names(gpt)}
+              "config": cfg.to_dict(), "megatron_core": str(mcore.MCORE), "format": FORMAT, "names": names}
     if with_optimizer:
         common["opt_param_scheduler"] = scheduler.state_dict()
         common["optimizer"] = {"param_state_sharding_type": FORMAT}
@@ -205,9 +231,10 @@ def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, con
     with_optimizer = cfg.checkpoint.save_optimizer
     state, _, _ = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=False)
     state["rng_state"] = {str(dist.get_rank()): _rng_state()}
+    names = all_stored_names(model)  # collective
     if dist.get_rank() == 0:
         (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
-        torch.save(common_state(cfg, model, scheduler, step=step, consumed_samples=consumed_samples,
+        torch.save(common_state(cfg, names, scheduler, step=step, consumed_samples=consumed_samples,
                                 with_optimizer=with_optimizer), path / COMMON_FILE)
     writer = FileSystemWriterAsync(str(path), thread_count=1)
     planned = save_state_dict_async_plan(state, writer, None, 0, planner=DefaultSavePlanner())
