@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint import state as checkpoint_state
 from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, reason
-from pretrain.checkpoint.state import _rng_state, layout_key, set_rng_state
+from pretrain.checkpoint.state import layout_key, set_rng_state
 from pretrain.compat import mcore
 
 FORMAT = "fsdp_dtensor"
@@ -230,7 +231,7 @@ def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, con
 
     with_optimizer = cfg.checkpoint.save_optimizer
     state, _, _ = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=False)
-    state["rng_state"] = {str(dist.get_rank()): _rng_state()}
+    state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     names = all_stored_names(model)  # collective
     if dist.get_rank() == 0:
         (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
@@ -294,7 +295,7 @@ def load(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *, w
     error = None
     state, raw_model, raw_opt = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=True)
     if same_layout and not weights_only:
-        state["rng_state"] = {str(dist.get_rank()): _rng_state()}
+        state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     try:
         check_requested(path, index, state)
     except CheckpointError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
@@ -25,7 +26,6 @@ from pretrain.checkpoint.format import (
     iterations,
     reason,
 )
-from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.state import sharded_state
 from pretrain.compat import mcore
 

@@ -229,17 +229,14 @@ def apply_cpu_shims() -> list[str]:
     """
     from packaging.version import Version
 
+    from pretrain.compat.fsdp_cpu import apply_fsdp_shims  # Megatron-FSDP's own, scoped to its modules
     from pretrain.compat.mcore import MCORE
 
-    if _APPLIED:
-        return list(_APPLIED)
-    if torch.cuda.is_available():
-        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
-    for shim in SHIMS:
-        if MCORE >= Version(shim.since):
-            shim.apply()
-            _APPLIED.append(shim.name)
-    from pretrain.compat.fsdp_cpu import apply_fsdp_shims  # Megatron-FSDP's own, scoped to its modules
-
-    _APPLIED.extend(apply_fsdp_shims())
-    return list(_APPLIED)
+    if not _APPLIED:
+        if torch.cuda.is_available():
+            raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
+        for shim in SHIMS:
+            if MCORE >= Version(shim.since):
+                shim.apply()
+                _APPLIED.append(shim.name)
+    return _APPLIED + apply_fsdp_shims()

@@ -160,18 +160,20 @@ _FSDP_SOURCES = {
 }
 
 # What the Megatron-FSDP rules quote (read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources; a patch release
-# quotes its series' lines, named): "mesh": the adapter's device mesh, `torch.arange(world)` rearranged as (dp_cp ep tp) — no
-# pipeline dimension; "optim": the `optim` strategy reduces gradients in the last microbatch's backward hook and
-# again in `finish_grad_sync` → `start_grad_sync`; "overlap": it forces overlap_param_gather / overlap_grad_reduce on.
+# quotes its series' lines, named): "mesh": the adapter's device mesh, `torch.arange(world)` rearranged as
+# (dp_cp ep tp) — no pipeline dimension; "optim": the `optim` strategy reduces gradients in the last microbatch's
+# backward hook and again in `finish_grad_sync` → `start_grad_sync`; "overlap": it forces overlap_param_gather /
+# overlap_grad_reduce on. "ep_grad_norm": Megatron-FSDP × expert parallelism reports a wrong gradient norm
+# (measured on 0.16.1; right on 0.19.2; 0.17/0.18 not measured).
 _FSDP_LIMITS = {
     "0.16.1": {"release": "0.16.1", "mesh": "mcore_fsdp_adapter.py:371", "optim": "megatron_fsdp.py:662, :1174",
-               "overlap": "megatron_fsdp.py:276, :279"},
+               "overlap": "megatron_fsdp.py:276, :279", "ep_grad_norm": "wrong"},
     "0.17.0": {"release": "0.17.0", "mesh": "mcore_fsdp_adapter.py:443", "optim": "megatron_fsdp.py:674, :1256",
-               "overlap": "megatron_fsdp.py:287, :290"},
+               "overlap": "megatron_fsdp.py:287, :290", "ep_grad_norm": "not measured"},
     "0.18.0": {"release": "0.18.0", "mesh": "mcore_fsdp_adapter.py:547", "optim": "megatron_fsdp.py:722, :1307",
-               "overlap": "megatron_fsdp.py:321, :324"},
+               "overlap": "megatron_fsdp.py:321, :324", "ep_grad_norm": "not measured"},
     "0.19.0": {"release": "0.19.2", "mesh": "mcore_fsdp_adapter.py:563", "optim": "megatron_fsdp.py:761, :1334",
-               "overlap": "megatron_fsdp.py:330, :333"},
+               "overlap": "megatron_fsdp.py:330, :333", "ep_grad_norm": "right"},
 }
 
 

@@ -72,6 +72,14 @@ def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                 f"pipeline dimension ({at}{src['mesh']}), so parallel.pipeline={p.pipeline} fails at start-up",
                 "set parallel.pipeline=1 (shard over more DP ranks instead), or use optimizer.fsdp=false "
                 "optimizer.distributed=true")
+    if p.expert > 1 and src["ep_grad_norm"] != "right":
+        measured = "" if src["ep_grad_norm"] == "wrong" else f" ({MCORE}: not measured, refused as 0.16.1)"
+        r.error(("optimizer.fsdp", "parallel.expert"), f"Megatron-FSDP with expert parallelism reports a wrong "
+                f"gradient norm in megatron-core {MCORE}{measured}, so gradient clipping scales the updates wrongly: "
+                "on tiny_moe at DP2 × EP2 (gloo, 0.16.1) the step-1 grad norm is 1.0952 where DDP, the distributed "
+                "optimizer and Megatron-FSDP at EP1 give 0.9830; megatron-core 0.19.2 gives 0.9830",
+                "set parallel.expert=1 (Megatron-FSDP then shards the experts over DP), use optimizer.fsdp=false "
+                "optimizer.distributed=true, or megatron-core 0.19")
     if t.nan_policy == "skip":
         r.error(("optimizer.fsdp", "train.nan_policy"), "train.nan_policy=skip checks DDP's gradient buffers, "
                 "which Megatron-FSDP does not have", "set train.nan_policy=stop")
