@@ -38,11 +38,13 @@ def test_validate_reports_installed_versions():
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
 _CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo"]
+        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:fsdp_cpu_device", "cpu:fsdp_cpu_device_mesh"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
-          "recompute_norms_without_te", "moe_router_without_te"]
-# moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE).
-APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f != "moe_router_without_te"]}
+          "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te"]
+# moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE);
+# fsdp_tp_without_te: in 0.18.0 (the Megatron-FSDP adapter compares class names, not TELinear).
+_FIXED_BY_0_19 = ("moe_router_without_te", "fsdp_tp_without_te")
+APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f not in _FIXED_BY_0_19]}
 
 
 def test_startup_applies_what_the_release_needs():
