@@ -22,6 +22,7 @@ MegatronFSDP module and one `module.` stripped from the optimizer's `module.modu
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint import state as checkpoint_state
-from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, reason
+from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
 from pretrain.checkpoint.state import layout_key, set_rng_state
 from pretrain.compat import mcore
 
@@ -250,7 +251,8 @@ def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, con
 
 
 def check_requested(path: Path, index, state: dict) -> None:
-    """Every tensor this rank will load is in the checkpoint with the same global shape and dtype kind."""
+    """Every tensor this rank will load is in the checkpoint with the same global shape, every object is one and
+    passes the weights-only loader (as `load.py` checks torch_dist checkpoints)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -269,6 +271,13 @@ def check_requested(path: Path, index, state: dict) -> None:
                                       f"{list(value.shape)} in this model")
         elif not isinstance(found, BytesStorageMetadata):
             raise CheckpointError(f"{path}: '{key}' is a tensor in the checkpoint, expected an object")
+        else:  # what DCP would unpickle: through the weights-only loader first
+            data = read_object_bytes(path, index, key)
+            try:
+                torch.load(io.BytesIO(data or b""), weights_only=True)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: object '{key}' refused by the weights-only loader, untrusted pickles "
+                                      f"are never loaded ({reason(exc)})") from None
 
 
 def _local_non_finite(state: dict) -> str | None:

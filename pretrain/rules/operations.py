@@ -72,6 +72,14 @@ def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                 f"pipeline dimension ({at}{src['mesh']}), so parallel.pipeline={p.pipeline} fails at start-up",
                 "set parallel.pipeline=1 (shard over more DP ranks instead), or use optimizer.fsdp=false "
                 "optimizer.distributed=true")
+    dp_cp = r.world_size // (p.tensor * p.pipeline) if r.world_size % (p.tensor * p.pipeline) == 0 else 0
+    if dp_cp == 1 and src["dp1"] != "right":
+        measured = "" if src["dp1"] == "wrong" else f" ({MCORE}: not measured, refused as 0.16.1)"
+        r.error("optimizer.fsdp", f"Megatron-FSDP with one data-parallel rank gives wrong gradients in megatron-core "
+                f"{MCORE}{measured}: its gradient buffer is then not sharded ({at}{src['grad_buffer']}) and the "
+                "gradients come out too large — measured on gloo (0.16.1) 2× with one microbatch (grad norm 3.82 where "
+                "DDP has 1.91) and 8.8× with four; megatron-core 0.19.2 is right", "run Megatron-FSDP on at least two "
+                "data-parallel ranks (it has nothing to shard on one), use optimizer.fsdp=false, or megatron-core 0.19")
     if p.expert > 1 and src["ep_grad_norm"] != "right":
         measured = "" if src["ep_grad_norm"] == "wrong" else f" ({MCORE}: not measured, refused as 0.16.1)"
         r.error(("optimizer.fsdp", "parallel.expert"), f"Megatron-FSDP with expert parallelism reports a wrong "

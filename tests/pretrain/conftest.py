@@ -21,12 +21,12 @@ def fsdp_runs(tmp_path_factory) -> dict:
     # What the killed run wrote before the SIGKILL (the resume rewrites the lines after its checkpoint).
     shutil.copy(root / "killed" / "metrics.jsonl", root / "killed_metrics.jsonl")
     results = {}
-    t0 = time.monotonic()
-    results.update(fc.launch(root, 2, fc.world2(root), timeout=600)[1])
-    seconds["world2"] = time.monotonic() - t0
     hf = fc.import_hf(root)
     t0 = time.monotonic()
-    results.update(fc.launch(root, 1, fc.world1(root, hf[1], hf[2]), timeout=600)[1])
+    results.update(fc.launch(root, 2, fc.world2(root, hf[1], hf[2]), timeout=900)[1])
+    seconds["world2"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    results.update(fc.launch(root, 1, fc.world1(root), timeout=600)[1])
     seconds["world1"] = time.monotonic() - t0
     t0 = time.monotonic()
     results.update(fc.launch(root, 4, fc.world4(root), timeout=600)[1])

@@ -4,11 +4,13 @@
   FSDP DP2 reference);
 - world 2: the killed run resumed in place in a fresh process; the distributed optimizer at DP2; ZeRO-3 with
   overlap, ZeRO-2 without and with; an FSDP run continuing a distributed-optimizer checkpoint; an asynchronous
-  save; TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); tiny_moe at DP2 × EP2 with
-  Megatron-FSDP (refused by validation where its grad norm is wrong) and with the distributed optimizer;
-- world 1: one rank (the reference); DP2 → DP1 from the asynchronously written checkpoint; the distributed
-  optimizer continuing the FSDP checkpoint; an HF model imported, trained one step with FSDP at lr 0, exported;
-- world 4: TP2 × FSDP DP2.
+  save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle saved and a
+  resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP (refused by
+  validation where its grad norm is wrong) and with the distributed optimizer;
+- world 1: one rank (the reference); the distributed optimizer continuing the FSDP checkpoint at DP1; FSDP at DP1
+  from the DP2 checkpoint where validation allows FSDP on one data-parallel rank;
+- world 4: TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); TP2 × FSDP DP2; FSDP DP4
+  from the DP2 checkpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +37,20 @@ def world2_killed(root: Path) -> list[dict]:
     return [_case("killed", root, [*FSDP, "checkpoint.interval=2"], crash_in_save=STEPS)]
 
 
-def world2(root: Path) -> list[dict]:
+def world2(root: Path, hf_checkpoint: Path, hf_blend: str) -> list[dict]:
+    from pretrain.compat.fsdp_cpu import FSDP_SHIMS
+
+    hf = [f"checkpoint.pretrained={hf_checkpoint}", f"data.blend=[{hf_blend}]", "data.mock=false", *FSDP,
+          "optimizer.lr=0", "optimizer.min_lr=0", "train.steps=1", "train.global_batch_size=2",
+          "train.micro_batch_size=1", "logging.tensorboard=false", f"run.dir={root / 'hf_fsdp'}"]
+    one_step = ["train.steps=1", *NO_CKPT]
+    marker = str(root / "pwned_fsdp")
     return [
+        # The planted pickle (test_megatron_fixes.py): saved, then a resume that must refuse it without running it.
+        _case("evil_fsdp", root, [*FSDP, "train.steps=1", "checkpoint.save_at_end=true"], evil_rng=marker),
+        _case("fsdp_refused", root, [*FSDP, "train.steps=2"], copy_from=[str(root / "evil_fsdp"), 1], marker=marker),
+        *[_case(shim.name, root, [*FSDP, *one_step], without_shims=[shim.name]) for shim in FSDP_SHIMS],
+        {"name": "hf_fsdp", "config": str(hf_checkpoint / "run_config.yaml"), "overrides": hf},
         {"name": "resumed", "overrides": [*BASE, *FSDP, "checkpoint.interval=2", f"run.dir={root / 'killed'}"]},
         _case("distopt", root, ["optimizer.distributed=true", "checkpoint.interval=2"]),
         _case("zero3_overlap", root, [*FSDP, *OVERLAP, *NO_CKPT]),
@@ -44,8 +58,6 @@ def world2(root: Path) -> list[dict]:
         _case("zero2_overlap", root, [*ZERO2, "optimizer.overlap_grad_reduce=true", *NO_CKPT]),
         _case("fsdp_from_distopt", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "distopt"), 2]),
         _case("async", root, [*FSDP, "checkpoint.interval=2", "checkpoint.async_save=true", "train.steps=2"]),
-        _case("tp2_without_fix", root, [*FSDP, "parallel.tensor=2", "train.steps=1", *NO_CKPT],
-              without_fixes=["fsdp_tp_without_te"]),
         # FSDP × EP2: refused where Megatron-FSDP's grad norm is wrong with EP (validation), compared elsewhere.
         {**_case("moe_fsdp_ep2", root, [*FSDP, "parallel.expert=2", *NO_CKPT]), "config": "tiny_moe"},
     ] + ([{**_case("moe_distopt_ep2", root, ["optimizer.distributed=true", "parallel.expert=2", *NO_CKPT]),
@@ -59,21 +71,29 @@ def fsdp_with_ep() -> bool:
     return megatron_fsdp_limits["ep_grad_norm"] == "right"
 
 
-def world1(root: Path, hf_checkpoint: Path, hf_blend: str) -> list[dict]:
-    hf = [f"checkpoint.pretrained={hf_checkpoint}", f"data.blend=[{hf_blend}]", "data.mock=false", *FSDP,
-          "optimizer.lr=0", "optimizer.min_lr=0", "train.steps=1", "train.global_batch_size=2",
-          "train.micro_batch_size=1", "logging.tensorboard=false", f"run.dir={root / 'hf_fsdp'}"]
-    return [
+def world1(root: Path) -> list[dict]:
+    cases = [
         _case("one_rank", root, NO_CKPT),
-        _case("reshard_dp1", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "async"), 2]),
         _case("distopt_from_fsdp", root, ["optimizer.distributed=true", "checkpoint.interval=2"],
               copy_from=[str(root / "killed"), 2]),
-        {"name": "hf_fsdp", "config": str(hf_checkpoint / "run_config.yaml"), "overrides": hf},
     ]
+    if fsdp_on_one_rank():  # refused by validation where Megatron-FSDP's gradients are wrong at DP1
+        cases.append(_case("reshard_dp1", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "async"), 2]))
+    return cases
 
 
 def world4(root: Path) -> list[dict]:
-    return [_case("tp2_fsdp_dp2", root, [*FSDP, "parallel.tensor=2", *NO_CKPT])]
+    return [_case("tp2_without_fix", root, [*FSDP, "parallel.tensor=2", "train.steps=1", *NO_CKPT],
+                  without_fixes=["fsdp_tp_without_te"]),
+            _case("tp2_fsdp_dp2", root, [*FSDP, "parallel.tensor=2", *NO_CKPT]),
+            _case("reshard_dp4", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "async"), 2])]
+
+
+def fsdp_on_one_rank() -> bool:
+    """Whether validation lets Megatron-FSDP run with one data-parallel rank on the installed release."""
+    from pretrain.compat.mcore import megatron_fsdp_limits
+
+    return megatron_fsdp_limits["dp1"] == "right"
 
 
 def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str = "") -> tuple[int, dict]:

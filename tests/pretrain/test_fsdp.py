@@ -3,7 +3,7 @@
 Equality (fp32, 4 steps, the per-step loss and grad norm within 1e-5 relative): ZeRO-3 and ZeRO-2, overlap
 off and on, TP2 × FSDP DP2, against the distributed optimizer at DP2 and against one rank. Checkpoints in the
 fsdp_dtensor format: kill -9 while saving and a resume in a fresh process that reproduces every metric;
-DP2 → DP1 from an asynchronously written checkpoint; both ways across formats (an FSDP run continuing a
+DP2 → DP4 (and DP1 where megatron-core's FSDP is right on one rank) from an asynchronously written checkpoint; both ways across formats (an FSDP run continuing a
 distributed-optimizer checkpoint and the reverse); `convert to-hf` of an FSDP checkpoint giving back the
 imported HF model bit for bit. CI runs this on 0.16.1 and 0.19.2.
 """
@@ -88,11 +88,16 @@ def test_kill9_while_saving_then_resume_in_a_fresh_process(fsdp_runs):
 
 def test_resharding_and_crossing_formats(fsdp_runs):
     root = fsdp_runs["root"]
-    _ok(fsdp_runs, "reshard_dp1", "fsdp_from_distopt", "distopt_from_fsdp", "async")
+    from tests.pretrain.fsdp_cases import fsdp_on_one_rank
+
+    dp1 = fsdp_on_one_rank()
+    _ok(fsdp_runs, "reshard_dp4", "fsdp_from_distopt", "distopt_from_fsdp", "async", *(["reshard_dp1"] if dp1 else []))
     fsdp_dp2 = _steps(root / "killed_metrics.jsonl")
     distopt = _steps(root / "distopt")
     rows = {
-        "fsdp_dtensor DP2 (async save) → FSDP DP1": _rel(_steps(root / "reshard_dp1"), fsdp_dp2, (3, 4)),
+        "fsdp_dtensor DP2 (async save) → FSDP DP4": _rel(_steps(root / "reshard_dp4"), fsdp_dp2, (3, 4)),
+        **({"fsdp_dtensor DP2 (async save) → FSDP DP1": _rel(_steps(root / "reshard_dp1"), fsdp_dp2, (3, 4))}
+           if dp1 else {}),
         "torch_dist DP2 (distributed optimizer) → FSDP DP2": _rel(_steps(root / "fsdp_from_distopt"), distopt, (3, 4)),
         "fsdp_dtensor DP2 → distributed optimizer DP1": _rel(_steps(root / "distopt_from_fsdp"), fsdp_dp2, (3, 4)),
     }

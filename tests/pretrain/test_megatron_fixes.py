@@ -4,7 +4,7 @@ One single-process launch of `ckpt_worker.py`: a reference run saves at step 2 a
 each fix in turn, the same resume (or a load of a planted pickle from a torch_dist and from an fsdp_dtensor
 checkpoint, or one step with `recompute_modules: [layernorm]`, or one step of tiny_moe) runs with only that fix
 undone. The bug must show on the installed megatron-core if and only if the fix says it is needed there. Fixes
-that need two ranks (`fsdp_tp_without_te`: TP2) are shown in the Megatron-FSDP launch (`fsdp_runs`). Each
+that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the Megatron-FSDP launches (`fsdp_runs`). Each
 Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way: one FSDP step then fails.
 CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
 """
@@ -26,32 +26,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
 BASE = SMALL + ["train.steps=4", "checkpoint.interval=2", "checkpoint.save_at_end=false", "optimizer.distributed=true"]
 DISTOPT = ("distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step")
-WORLD2 = ("fsdp_tp_without_te",)  # shown at TP2 in the Megatron-FSDP launch (conftest.py::fsdp_runs)
+WORLD2 = ("fsdp_tp_without_te",)  # shown at TP2 × DP2 in the Megatron-FSDP launches (conftest.py::fsdp_runs)
 
 
 @pytest.fixture(scope="module")
-def without_each_fix(tmp_path_factory):
+def without_each_fix(tmp_path_factory, fsdp_runs):
     root = tmp_path_factory.mktemp("fixes")
-    marker, fsdp_marker = root / "pwned", root / "pwned_fsdp"
+    marker = root / "pwned"
+    fsdp_evil = fsdp_runs["root"] / "evil_fsdp" / "checkpoints" / "iter_0000001"  # planted in fsdp_cases.world2
     one_step = ["train.steps=1", "checkpoint.interval=null", "checkpoint.save_at_end=false"]
     cases = [{"name": "ref", "overrides": BASE + [f"run.dir={root}/ref"]},
-             {"name": "evil", "overrides": SMALL + ["train.steps=1", f"run.dir={root}/evil"], "evil_rng": str(marker)},
-             {"name": "evil_fsdp", "overrides": SMALL + ["train.steps=1", "optimizer.fsdp=true",
-                                                         f"run.dir={root}/evil_fsdp"], "evil_rng": str(fsdp_marker)},
-             # With the fix: resuming the planted fsdp_dtensor checkpoint is refused, nothing runs.
-             {"name": "fsdp_refused", "overrides": SMALL + ["train.steps=2", "optimizer.fsdp=true",
-                                                            f"run.dir={root}/fsdp_refused"],
-              "copy_from": [f"{root}/evil_fsdp", 1], "marker": str(fsdp_marker)}]
+             {"name": "evil", "overrides": SMALL + ["train.steps=1", f"run.dir={root}/evil"], "evil_rng": str(marker)}]
     cases += [{"name": name, "overrides": BASE + [f"run.dir={root}/{name}"], "copy_from": [f"{root}/ref", 2],
                "without_fixes": [name]} for name in DISTOPT]
     cases.append({"name": "load_bytes_weights_only", "overrides": SMALL + [f"run.dir={root}/planner"],
                   "load_object": [f"{root}/evil/checkpoints/iter_0000001", "rng_state"],
-                  "load_dcp_object": [f"{root}/evil_fsdp/checkpoints/iter_0000001", "rng_state.0.python"],
+                  "load_dcp_object": [str(fsdp_evil), "rng_state.0.python"],
                   "without_fixes": ["load_bytes_weights_only"]})
-    # Megatron-FSDP's CPU shims, each undone in turn: one FSDP step fails at wrap time without it.
-    cases += [{"name": shim.name, "without_shims": [shim.name],
-               "overrides": SMALL + one_step + ["optimizer.fsdp=true", f"run.dir={root}/{shim.name}"]}
-              for shim in FSDP_SHIMS]
     cases.append({"name": "recompute_norms_without_te", "without_fixes": ["recompute_norms_without_te"],
                   "overrides": SMALL + one_step + ["model.recompute_granularity=selective",
                                                    "model.recompute_modules=[layernorm]", f"run.dir={root}/norms"]})
@@ -62,15 +53,15 @@ def without_each_fix(tmp_path_factory):
     rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), root / "worker.log", timeout=420)
     assert rc == 0, log_text(root / "worker.log")[-4000:]
     results = json.loads((root / "results.json").read_text())
-    assert results["ref"]["ok"] and results["evil"]["ok"] and results["evil_fsdp"]["ok"], results
-    return root, results, marker
+    assert results["ref"]["ok"] and results["evil"]["ok"] and fsdp_runs["results"]["evil_fsdp"]["ok"], results
+    return root, results, marker, fsdp_runs
 
 
 def _loss(run_dir: Path, step: int) -> float:
     return next(m["loss"] for m in metrics(run_dir) if m.get("step") == step and "loss" in m)
 
 
-def _bug_shows(name: str, root: Path, results: dict, marker: Path) -> tuple[bool, str]:
+def _bug_shows(name: str, root: Path, results: dict, marker: Path, fsdp_root: Path) -> tuple[bool, str]:
     """(the bug showed with the fix undone, what was seen)."""
     res = results[name]
     if name == "distopt_fresh_state_dict":
@@ -82,9 +73,10 @@ def _bug_shows(name: str, root: Path, results: dict, marker: Path) -> tuple[bool
         got, want = _loss(root / name, 4), _loss(root / "ref", 4)
         return got != want, f"step-4 loss {got} after the resume vs {want} uninterrupted"
     if name == "load_bytes_weights_only":  # torch_dist (Megatron's planner) and fsdp_dtensor (DCP's own)
-        both = marker.exists() and marker.with_name("pwned_fsdp").exists()
+        fsdp_marker = Path(fsdp_root) / "pwned_fsdp"
+        both = marker.exists() and fsdp_marker.exists()
         return both, (f"marker files {'created' if both else 'absent'} (torch_dist {marker.exists()}, fsdp_dtensor "
-                      f"{marker.with_name('pwned_fsdp').exists()}); {res['error']}")
+                      f"{fsdp_marker.exists()}); {res['error']}")
     if name == "recompute_norms_without_te":  # CheckpointWithoutOutput's forward reaches TE's FP8 state
         return (not res["ok"] and "NameError" in res["traceback"] and "FP8GlobalStateManager" in res["traceback"]), \
             str(res["error"])
@@ -102,13 +94,13 @@ def _bug_shows_at_world2(name: str, results: dict) -> tuple[bool, str]:
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=[f.name for f in FIXES])
-def test_fix_needed_exactly_on_its_releases(without_each_fix, fix, request):
-    root, results, marker = without_each_fix
+def test_fix_needed_exactly_on_its_releases(without_each_fix, fix):
+    root, results, marker, fsdp_runs = without_each_fix
     assert fix.condition(), f"{fix.name} only applies elsewhere (e.g. with Transformer Engine / apex)"
     if fix.name in WORLD2:
-        shows, seen = _bug_shows_at_world2(fix.name, request.getfixturevalue("fsdp_runs")["results"])
+        shows, seen = _bug_shows_at_world2(fix.name, fsdp_runs["results"])
     else:
-        shows, seen = _bug_shows(fix.name, root, results, marker)
+        shows, seen = _bug_shows(fix.name, root, results, marker, fsdp_runs["root"])
     print(f"megatron-core {MCORE}, without {fix.name}: {seen}")
     span = f">= {fix.since}" + (f", < {fix.fixed_in}" if fix.fixed_in else "")
     assert shows == fix.needed(), (f"{fix.name} is declared for megatron-core {span}, but on {MCORE} its bug is "
@@ -120,18 +112,16 @@ SHIM_FAILURES = {"fsdp_cpu_device": "Invalid device string", "fsdp_cpu_device_me
 
 
 @pytest.mark.parametrize("shim", FSDP_SHIMS, ids=[s.name for s in FSDP_SHIMS])
-def test_fsdp_cpu_shim_needed_on_its_releases(without_each_fix, shim):
-    _, results, _ = without_each_fix
-    res = results[shim.name]
+def test_fsdp_cpu_shim_needed_on_its_releases(fsdp_runs, shim):
+    res = fsdp_runs["results"][shim.name]
     shows = not res["ok"] and SHIM_FAILURES[shim.name] in res.get("traceback", "")
     print(f"megatron-core {MCORE}, without {shim.name}: {res['error']}")
     assert shows == (MCORE >= Version(shim.since)), res.get("traceback", "")[-2000:]
 
 
-def test_fsdp_checkpoint_objects_load_weights_only(without_each_fix):
-    """The planted pickle in an fsdp_dtensor checkpoint: refused with one line, never run (the fix in effect)."""
-    _, results, _ = without_each_fix
-    res = results["fsdp_refused"]
+def test_fsdp_checkpoint_objects_load_weights_only(fsdp_runs):
+    """The planted pickle in an fsdp_dtensor checkpoint: refused with one line, never run."""
+    res = fsdp_runs["results"]["fsdp_refused"]
     assert not res["ok"] and res["error"].startswith("CheckpointError: "), res
     assert "rng_state.0.python" in res["error"] and "refused by the weights-only loader" in res["error"], res["error"]
     assert res["marker_exists"] is False
