@@ -3,9 +3,9 @@
 Equality (fp32, 4 steps, the per-step loss and grad norm within 1e-5 relative): ZeRO-3 and ZeRO-2, overlap
 off and on, TP2 × FSDP DP2, against the distributed optimizer at DP2 and against one rank. Checkpoints in the
 fsdp_dtensor format: kill -9 while saving and a resume in a fresh process that reproduces every metric;
-DP2 → DP4 (and DP1 where megatron-core's FSDP is right on one rank) from an asynchronously written checkpoint; both ways across formats (an FSDP run continuing a
-distributed-optimizer checkpoint and the reverse); `convert to-hf` of an FSDP checkpoint giving back the
-imported HF model bit for bit. CI runs this on 0.16.1 and 0.19.2.
+DP2 → DP4 (and DP1 where megatron-core's FSDP is right on one rank) from an asynchronously written checkpoint;
+both ways across formats (an FSDP run continuing a distributed-optimizer checkpoint and the reverse);
+`convert to-hf` of an FSDP checkpoint giving back the imported HF model bit for bit. CI runs this on 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
