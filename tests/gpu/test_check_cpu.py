@@ -66,3 +66,19 @@ def test_fsdp_agreement_is_judged_on_every_step():
     off = [case("distributed optimizer", [10.0, 9.0]), case("Megatron-FSDP", [10.0, 9.1])]
     assert check.fsdp_agreement(off)[1] is False
     assert check.fsdp_agreement(same[:1]) is None
+
+
+def test_cases_the_validator_refuses_are_skipped_with_the_reason():
+    sys.path.insert(0, str(REPO / "tests/gpu"))
+    import check
+
+    from pretrain.compat.mcore import megatron_fsdp_limits
+
+    fsdp = next(c for c in check.cases(False, None) if c.label.endswith("Megatron-FSDP"))
+    distopt = next(c for c in check.cases(False, None) if c.label.endswith("distributed optimizer"))
+    assert check.refusal(distopt) is None
+    refused = check.refusal(fsdp)
+    if megatron_fsdp_limits["dp1"] == "right":
+        assert refused is None
+    else:
+        assert refused.startswith("[optimizer.fsdp] Megatron-FSDP with one data-parallel rank gives wrong gradients")
