@@ -3,12 +3,12 @@
 - world 2, killed: ZeRO-3 at DP2 saves step 2, and is SIGKILLed while writing step 4 (its metrics are the
   FSDP DP2 reference);
 - world 2: the killed run resumed in place in a fresh process; the distributed optimizer at DP2; ZeRO-3 with
-  overlap, ZeRO-2 without and with; an FSDP run continuing a distributed-optimizer checkpoint; an asynchronous
-  save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle saved and a
+  overlap, ZeRO-2 without and with; an FSDP run continuing a distributed-optimizer checkpoint and the reverse; an
+  asynchronous save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle saved and a
   resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP (refused by
   validation where its grad norm is wrong) and with the distributed optimizer;
-- world 1: one rank (the reference); the distributed optimizer continuing the FSDP checkpoint at DP1; FSDP at DP1
-  from the DP2 checkpoint where validation allows FSDP on one data-parallel rank;
+- world 1: one rank (the reference); FSDP at DP1 from the DP2 checkpoint where validation allows FSDP on one
+  data-parallel rank;
 - world 4: TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); TP2 × FSDP DP2; FSDP DP4
   from the DP2 checkpoint.
 """
@@ -57,6 +57,8 @@ def world2(root: Path, hf_checkpoint: Path, hf_blend: str) -> list[dict]:
         _case("zero2", root, [*ZERO2, *NO_CKPT]),
         _case("zero2_overlap", root, [*ZERO2, "optimizer.overlap_grad_reduce=true", *NO_CKPT]),
         _case("fsdp_from_distopt", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "distopt"), 2]),
+        _case("distopt_from_fsdp", root, ["optimizer.distributed=true", "checkpoint.interval=2"],
+              copy_from=[str(root / "killed"), 2]),
         _case("async", root, [*FSDP, "checkpoint.interval=2", "checkpoint.async_save=true", "train.steps=2"]),
         # FSDP × EP2: refused where Megatron-FSDP's grad norm is wrong with EP (validation), compared elsewhere.
         {**_case("moe_fsdp_ep2", root, [*FSDP, "parallel.expert=2", *NO_CKPT]), "config": "tiny_moe"},
@@ -72,11 +74,7 @@ def fsdp_with_ep() -> bool:
 
 
 def world1(root: Path) -> list[dict]:
-    cases = [
-        _case("one_rank", root, NO_CKPT),
-        _case("distopt_from_fsdp", root, ["optimizer.distributed=true", "checkpoint.interval=2"],
-              copy_from=[str(root / "killed"), 2]),
-    ]
+    cases = [_case("one_rank", root, NO_CKPT)]
     if fsdp_on_one_rank():  # refused by validation where Megatron-FSDP's gradients are wrong at DP1
         cases.append(_case("reshard_dp1", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "async"), 2]))
     return cases

@@ -99,7 +99,7 @@ def test_resharding_and_crossing_formats(fsdp_runs):
         **({"fsdp_dtensor DP2 (async save) → FSDP DP1": _rel(_steps(root / "reshard_dp1"), fsdp_dp2, (3, 4))}
            if dp1 else {}),
         "torch_dist DP2 (distributed optimizer) → FSDP DP2": _rel(_steps(root / "fsdp_from_distopt"), distopt, (3, 4)),
-        "fsdp_dtensor DP2 → distributed optimizer DP1": _rel(_steps(root / "distopt_from_fsdp"), fsdp_dp2, (3, 4)),
+        "fsdp_dtensor DP2 → distributed optimizer DP2": _rel(_steps(root / "distopt_from_fsdp"), fsdp_dp2, (3, 4)),
     }
     print(f"megatron-core {MCORE}: steps 3-4 after the load vs the uninterrupted run (max relative loss, grad "
           "norm):\n  " + "\n  ".join(f"{k}: {a:.1e}, {b:.1e}" for k, (a, b) in rows.items()))
