@@ -56,11 +56,11 @@ class ChunkReader:
         items = create_read_items_for_chunk_list(key, md, [chunk])
         if sum(torch.Size(i.lengths).numel() for i in items) != dest.numel():
             raise CheckpointError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint")
-        self.reader.read_data(LoadPlan(items), _Into(dest)).wait()
+        self.reader.read_data(LoadPlan(items), IntoTensor(dest)).wait()
         return dest
 
 
-class _Into:
+class IntoTensor:
     """The smallest load planner for FileSystemReader.read_data: every read lands in one tensor."""
 
     def __init__(self, dest: torch.Tensor):
@@ -76,7 +76,7 @@ class _Into:
         pass
 
     def load_bytes(self, req, value) -> None:
-        raise CheckpointError(f"unexpected object {req.storage_index.fqn} where a tensor was expected")
+        raise CheckpointError(f"unexpected object '{req.storage_index.fqn}' where a tensor was expected")
 
 
 # --------------------------------------------------------------------------------------------------

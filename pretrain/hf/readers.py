@@ -48,6 +48,8 @@ class CheckpointReader:
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        from pretrain.checkpoint.cross_format import IntoTensor
+
         if self.fsdp is not None:
             return self.fsdp.read(key, lead_offsets(layer))
         md = self.tensors[key]
@@ -63,27 +65,8 @@ class CheckpointReader:
         if covered != dest.numel():
             raise ConversionError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint "
                                   f"({covered} of {dest.numel()} elements stored)")
-        self.reader.read_data(LoadPlan(items), _IntoTensor(dest)).wait()
+        self.reader.read_data(LoadPlan(items), IntoTensor(dest)).wait()
         return dest.reshape(dest.shape[len(lead):])
-
-
-class _IntoTensor:
-    """Minimal load planner for FileSystemReader.read_data: every read lands in one tensor."""
-
-    def __init__(self, dest: torch.Tensor):
-        self.dest = dest
-
-    def resolve_tensor(self, req) -> torch.Tensor:
-        t = self.dest
-        for dim, (off, length) in enumerate(zip(req.dest_offsets, req.lengths)):
-            t = t.narrow(dim, off, length)
-        return t
-
-    def commit_tensor(self, req, tensor: torch.Tensor) -> None:
-        pass
-
-    def load_bytes(self, req, value) -> None:
-        raise ConversionError(f"unexpected byte item {req.storage_index.fqn}")
 
 
 def load_run_config(ckpt: Path):
