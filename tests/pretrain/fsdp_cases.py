@@ -5,8 +5,8 @@
 - world 2: the killed run resumed in place in a fresh process; the distributed optimizer at DP2; ZeRO-3 with
   overlap, ZeRO-2 without and with; an FSDP run continuing a distributed-optimizer checkpoint and the reverse; an
   asynchronous save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle
-  saved and a resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP (refused by
-  validation where its grad norm is wrong) and with the distributed optimizer;
+  saved and a resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP
+  (refused by validation where its grad norm is wrong) and with the distributed optimizer;
 - world 1: one rank (the reference); FSDP at DP1 from the DP2 checkpoint where validation allows FSDP on one
   data-parallel rank;
 - world 4: TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); TP2 × FSDP DP2; FSDP DP4
