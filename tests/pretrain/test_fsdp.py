@@ -20,9 +20,13 @@ from pretrain.checkpoint.format import TRACKER, is_committed, iteration_dir, rea
 from pretrain.compat.mcore import MCORE
 from tests.pretrain.ckpt_helpers import DETERMINISTIC, metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.mcore]
+pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # the fixture: four launches
 
 TOLERANCE = 1e-5
+# Megatron-FSDP's reported grad norm when the model is split four ways (TP2 × DP2, or DP4) is 5e-6 – 1.2e-5 above
+# the distributed optimizer's and one rank's, at every step and on both releases (0.16.1, 0.19.2), while the losses
+# agree to 6e-8: a difference in the norm's reduction, not in the gradients the optimizer applies. Bounded here.
+NORM_TOLERANCE_4_RANKS = 2e-5
 
 
 def _steps(path: Path) -> dict[int, dict]:
@@ -60,12 +64,13 @@ def test_fsdp_matches_the_distributed_optimizer_and_one_rank(fsdp_runs):
     for name, path in layouts.items():
         got = _steps(path)
         assert sorted(got) == list(steps), (name, sorted(got))
+        norm_tolerance = NORM_TOLERANCE_4_RANKS if name.startswith("TP2") else TOLERANCE
         for ref_name, ref in refs.items():
             loss, norm = _rel(got, ref, steps)
             rows.append(f"{name} vs {ref_name}: loss {loss:.1e}, grad norm {norm:.1e}")
-            worst = max(worst, loss, norm)
+            worst = max(worst, loss / TOLERANCE, norm / norm_tolerance)
     print(f"megatron-core {MCORE}, fp32, {len(steps)} steps, max relative difference:\n  " + "\n  ".join(rows))
-    assert worst <= TOLERANCE, rows
+    assert worst <= 1, rows
     losses = [m["loss"] for m in refs["one rank"].values()]
     assert losses[-1] != losses[0]  # it trains
 
@@ -103,7 +108,8 @@ def test_resharding_and_crossing_formats(fsdp_runs):
     }
     print(f"megatron-core {MCORE}: steps 3-4 after the load vs the uninterrupted run (max relative loss, grad "
           "norm):\n  " + "\n  ".join(f"{k}: {a:.1e}, {b:.1e}" for k, (a, b) in rows.items()))
-    assert all(a <= TOLERANCE and b <= TOLERANCE for a, b in rows.values()), rows
+    assert all(a <= TOLERANCE and b <= (NORM_TOLERANCE_4_RANKS if "DP4" in k else TOLERANCE)
+               for k, (a, b) in rows.items()), rows
     for name, fmt in (("async", "fsdp_dtensor"), ("fsdp_from_distopt", "fsdp_dtensor"),
                       ("distopt_from_fsdp", "torch_dist")):  # each run saves in its own format
         last = iteration_dir(root / name / "checkpoints", 4 if name != "async" else 2)

@@ -22,7 +22,7 @@ from pretrain.compat.mcore import MCORE
 from pretrain.compat.megatron_fixes import FIXES
 from tests.pretrain.ckpt_helpers import SMALL, command, log_text, metrics, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.mcore]
+pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # with the fsdp_runs launches
 
 BASE = SMALL + ["train.steps=4", "checkpoint.interval=2", "checkpoint.save_at_end=false", "optimizer.distributed=true"]
 DISTOPT = ("distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step")
