@@ -140,7 +140,6 @@ def _into_fsdp(cfg, model, optimizer, scheduler, path: Path, common: dict, index
     gpt.load_state_dict(raw_model, strict=True)  # installs the weights as Megatron-FSDP's compute weights
     if with_optimizer:
         optimizer.load_state_dict(raw_opt)
-        scheduler.load_state_dict(common["opt_param_scheduler"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +218,6 @@ def _into_ddp(cfg, model, optimizer, scheduler, path: Path, common: dict, index,
         for group in state["optimizer"]["optimizer"]["param_groups"]:
             group["step"] = step
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(common["opt_param_scheduler"])
 
 
 def _fsdp_step(reader: ChunkReader, common: dict) -> float:

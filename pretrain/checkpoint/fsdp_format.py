@@ -33,7 +33,6 @@ import torch.distributed as dist
 from pretrain.checkpoint import state as checkpoint_state
 from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
 from pretrain.checkpoint.state import layout_key, set_rng_state
-from pretrain.compat import mcore
 
 FORMAT = "fsdp_dtensor"
 FORMAT_METADATA = {"sharded_backend": FORMAT, "sharded_backend_version": 1, "common_backend": "torch",
@@ -201,11 +200,11 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
 
 
 def common_state(cfg, names: dict, scheduler, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
-    """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names."""
-    common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(layout_key(cfg)),
-              "config": cfg.to_dict(), "megatron_core": str(mcore.MCORE), "format": FORMAT, "names": names}
+    """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names.
+    The run-level entries are torch_dist's (`state.common_fields`: schedule, step, config, tokenizer identity)."""
+    common = {**checkpoint_state.common_fields(cfg, scheduler, step=step, consumed_samples=consumed_samples),
+              "format": FORMAT, "names": names}
     if with_optimizer:
-        common["opt_param_scheduler"] = scheduler.state_dict()
         common["optimizer"] = {"param_state_sharding_type": FORMAT}
     return common
 
@@ -323,11 +322,7 @@ def load(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *, w
         raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
     if with_optimizer:
         raw_opt["param_to_group_meta"] = state["optimizer"]["param_to_group_meta"]
-        optimizer.load_state_dict(raw_opt)
-        try:
-            scheduler.load_state_dict(common["opt_param_scheduler"])
-        except AssertionError as exc:
-            raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
+        optimizer.load_state_dict(raw_opt)  # the schedule: load.py (this config's, at the checkpoint's step)
     if "rng_state" in state:
         set_rng_state(state["rng_state"][str(dist.get_rank())])
     if weights_only:

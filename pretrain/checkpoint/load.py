@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint import fsdp_format
+from pretrain.checkpoint import contract, fsdp_format, optimizer_forms
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
@@ -30,6 +30,13 @@ def _model_config_diff(cfg, common: dict) -> str:
     return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 
 
+def _optimizer_config_diff(cfg, common: dict) -> str:
+    saved = (common.get("config") or {}).get("optimizer") or {}
+    ours = cfg.to_dict()["optimizer"]
+    diffs = [f"optimizer.{k} {saved[k]} → {ours[k]}" for k in ("distributed", "fsdp")
+             if k in saved and saved[k] != ours[k]]
+    return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
+
 
 def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
     """What this rank will load exists in the checkpoint with the right shape and safe contents."""
@@ -43,7 +50,8 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
             found = meta.get(item.key)
             what = "optimizer state" if "optimizer." in item.key else "tensor"
             if found is None:
-                raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint"
+                why = _optimizer_config_diff(cfg, common) if what == "optimizer state" else ""
+                raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint{why}"
                                       f"{_model_config_diff(cfg, common)}")
             if not isinstance(found, TensorStorageMetadata):
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
@@ -101,7 +109,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    error, common, state = None, {}, {}
+    error, common, state, fills = None, {}, {}, []
     try:
         backend = checkpoint_backend(path)
     except CheckpointError:
@@ -118,7 +126,8 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             state.pop("rng_state")
         if not with_optimizer:
             state.pop("optimizer", None)
-            state.pop("opt_param_scheduler", None)
+        state.pop("opt_param_scheduler", None)  # the schedule is this config's (contract.apply_new_schedule)
+        fills = optimizer_forms.map_keys(state, index)
         _check_requested(cfg, path, index, common, state)
     except CheckpointError as exc:
         error = exc
@@ -130,6 +139,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
         raise
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
         raise CheckpointError(f"{path}: loading failed ({reason(exc)})") from exc
+    optimizer_forms.fill_from_model(loaded, fills)
     bad = _non_finite({k: v for k, v in loaded.items() if k.startswith(("model", "optimizer"))})
     agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
     for key in [k for k in loaded if k.startswith("model")]:
@@ -138,12 +148,12 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             unwrap(model[index_]).load_state_dict(loaded[key], strict=True)
         except RuntimeError as exc:
             raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
+    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
     if with_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
-        try:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        except AssertionError as exc:
-            raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
+        optimizer.load_state_dict(optimizer_forms.convert_common(optimizer, loaded["optimizer"]))
+    if not weights_only:  # the checkpoint's step count, this config's schedule
+        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
+        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])
     written_by = common.get("megatron_core")
@@ -165,6 +175,7 @@ def _load_fsdp_or_across(cfg, model, optimizer, scheduler, path: Path, *, weight
         error = exc
     agree(error)
     fsdp_model = fsdp_format.is_fsdp(model)
+    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
     if fsdp_model and checkpoint_backend(path) == fsdp_format.FORMAT:
         step, consumed = fsdp_format.load(cfg, model, optimizer, scheduler, path, common, index,
                                           weights_only=weights_only)
@@ -173,6 +184,9 @@ def _load_fsdp_or_across(cfg, model, optimizer, scheduler, path: Path, *, weight
 
         step, consumed = cross_format.load_across(cfg, model, optimizer, scheduler, path, common, index,
                                                   weights_only=weights_only)
+    if not weights_only:  # the checkpoint's step count, this config's schedule (as for torch_dist above)
+        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
+        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
     written_by = common.get("megatron_core")
     if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
         print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
