@@ -2,13 +2,15 @@
 
 - world 2, killed: ZeRO-3 at DP2 saves step 2, and is SIGKILLed while writing step 4 (its metrics are the
   FSDP DP2 reference);
-- world 2: the killed run resumed in place in a fresh process; the distributed optimizer at DP2; ZeRO-3 with
-  overlap, ZeRO-2 without and with; an FSDP run continuing a distributed-optimizer checkpoint and the reverse; an
+- world 2: the killed run resumed in place in a fresh process; the distributed optimizer at DP2; ZeRO-2 (overlap:
+  Megatron-FSDP forces it on, so every ZeRO-3 and ZeRO-2 run is an overlapped one); an FSDP run continuing a
+  distributed-optimizer checkpoint and the reverse, a ZeRO-2 run continuing the ZeRO-3 one, a non-distributed
+  optimizer refusing its optimizer state; an
   asynchronous save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle
   saved and a resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP
   (refused by validation where its grad norm is wrong) and with the distributed optimizer;
 - world 1: one rank (the reference); FSDP at DP1 from the DP2 checkpoint where validation allows FSDP on one
-  data-parallel rank;
+  data-parallel rank; the single-process cases of test_megatron_fixes.py (`fix_cases.py`);
 - world 4: TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); TP2 × FSDP DP2; FSDP DP4
   from the DP2 checkpoint.
 """
@@ -24,7 +26,6 @@ STEPS = 4
 BASE = SMALL + [f"train.steps={STEPS}", "checkpoint.save_at_end=false"]
 NO_CKPT = ["checkpoint.interval=null", "train.exit_signal_handler=false"]
 FSDP = ["optimizer.fsdp=true"]
-OVERLAP = ["optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true"]
 ZERO2 = ["optimizer.fsdp=true", "optimizer.fsdp_sharding=optim_grads"]
 HF_FAMILY = "llama"  # tied embeddings: the shared weight goes through Megatron-FSDP too
 
@@ -53,12 +54,16 @@ def world2(root: Path, hf_checkpoint: Path, hf_blend: str) -> list[dict]:
         {"name": "hf_fsdp", "config": str(hf_checkpoint / "run_config.yaml"), "overrides": hf},
         {"name": "resumed", "overrides": [*BASE, *FSDP, "checkpoint.interval=2", f"run.dir={root / 'killed'}"]},
         _case("distopt", root, ["optimizer.distributed=true", "checkpoint.interval=2"]),
-        _case("zero3_overlap", root, [*FSDP, *OVERLAP, *NO_CKPT]),
+        # Overlap: Megatron-FSDP turns overlap_grad_reduce (ZeRO-2, ZeRO-3) and overlap_param_gather (ZeRO-3) on
+        # itself (megatron_fsdp.py:276,279 / :330,333); runs with the flags set were bit-identical to these.
         _case("zero2", root, [*ZERO2, *NO_CKPT]),
-        _case("zero2_overlap", root, [*ZERO2, "optimizer.overlap_grad_reduce=true", *NO_CKPT]),
         _case("fsdp_from_distopt", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "distopt"), 2]),
         _case("distopt_from_fsdp", root, ["optimizer.distributed=true", "checkpoint.interval=2"],
               copy_from=[str(root / "killed"), 2]),
+        # ZeRO-3's checkpoint continued with ZeRO-2 (optimizer.fsdp_sharding changed on resume), which saves step 4.
+        _case("zero2_from_zero3", root, [*ZERO2, "checkpoint.interval=2"], copy_from=[str(root / "killed"), 2]),
+        # Into the non-distributed optimizer the Adam state cannot cross: refused naming the way.
+        _case("ddp_from_fsdp", root, ["checkpoint.interval=2"], copy_from=[str(root / "killed"), 2]),
         _case("async", root, [*FSDP, "checkpoint.interval=2", "checkpoint.async_save=true", "train.steps=2"]),
         # FSDP × EP2: refused where Megatron-FSDP's grad norm is wrong with EP (validation), compared elsewhere.
         {**_case("moe_fsdp_ep2", root, [*FSDP, "parallel.expert=2", *NO_CKPT]), "config": "tiny_moe"},
@@ -74,7 +79,11 @@ def fsdp_with_ep() -> bool:
 
 
 def world1(root: Path) -> list[dict]:
-    cases = [_case("one_rank", root, NO_CKPT)]
+    """One rank, and the single-process cases of test_megatron_fixes.py (`fix_cases.py`, under root/fixes)."""
+    from tests.pretrain.fix_cases import fix_cases
+
+    cases = [_case("one_rank", root, NO_CKPT),
+             *fix_cases(root / "fixes", root / "evil_fsdp" / "checkpoints" / "iter_0000001")]
     if fsdp_on_one_rank():  # refused by validation where Megatron-FSDP's gradients are wrong at DP1
         cases.append(_case("reshard_dp1", root, [*FSDP, "checkpoint.interval=2"], copy_from=[str(root / "async"), 2]))
     return cases

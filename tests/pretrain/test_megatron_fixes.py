@@ -1,17 +1,16 @@
 """Each Megatron-Core fix (`pretrain/compat/megatron_fixes.py`) is needed exactly on the releases it names.
 
-One single-process launch of `ckpt_worker.py`: a reference run saves at step 2 and trains to step 4; then, for
-each fix in turn, the same resume (or a load of a planted pickle from a torch_dist and from an fsdp_dtensor
-checkpoint, or one step with `recompute_modules: [layernorm]`, or one step of tiny_moe) runs with only that fix
-undone. The bug must show on the installed megatron-core if and only if the fix says it is needed there. Fixes
-that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the Megatron-FSDP launches (`fsdp_runs`). Each
-Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way: one FSDP step then fails.
-CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
+Single-process cases (`fix_cases.py`, run in the world-1 launch of `conftest.py::fsdp_runs`): a reference run
+saves at step 2 and trains to step 4; then, for each fix in turn, the same resume (or a load of a planted pickle
+from a torch_dist and from an fsdp_dtensor checkpoint, or one step with `recompute_modules: [layernorm]`, or one
+step of tiny_moe) runs with only that fix undone. The bug must show on the installed megatron-core if and only if
+the fix says it is needed there. Fixes that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the
+Megatron-FSDP launches too. Each Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way:
+one FSDP step then fails. CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,41 +19,20 @@ from packaging.version import Version
 from pretrain.compat.fsdp_cpu import FSDP_SHIMS
 from pretrain.compat.mcore import MCORE
 from pretrain.compat.megatron_fixes import FIXES
-from tests.pretrain.ckpt_helpers import SMALL, command, log_text, metrics, run
+from tests.pretrain.ckpt_helpers import metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # with the fsdp_runs launches
 
-BASE = SMALL + ["train.steps=4", "checkpoint.interval=2", "checkpoint.save_at_end=false", "optimizer.distributed=true"]
-DISTOPT = ("distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step")
 WORLD2 = ("fsdp_tp_without_te",)  # shown at TP2 × DP2 in the Megatron-FSDP launches (conftest.py::fsdp_runs)
 
 
 @pytest.fixture(scope="module")
-def without_each_fix(tmp_path_factory, fsdp_runs):
-    root = tmp_path_factory.mktemp("fixes")
-    marker = root / "pwned"
-    fsdp_evil = fsdp_runs["root"] / "evil_fsdp" / "checkpoints" / "iter_0000001"  # planted in fsdp_cases.world2
-    one_step = ["train.steps=1", "checkpoint.interval=null", "checkpoint.save_at_end=false"]
-    cases = [{"name": "ref", "overrides": BASE + [f"run.dir={root}/ref"]},
-             {"name": "evil", "overrides": SMALL + ["train.steps=1", f"run.dir={root}/evil"], "evil_rng": str(marker)}]
-    cases += [{"name": name, "overrides": BASE + [f"run.dir={root}/{name}"], "copy_from": [f"{root}/ref", 2],
-               "without_fixes": [name]} for name in DISTOPT]
-    cases.append({"name": "load_bytes_weights_only", "overrides": SMALL + [f"run.dir={root}/planner"],
-                  "load_object": [f"{root}/evil/checkpoints/iter_0000001", "rng_state"],
-                  "load_dcp_object": [str(fsdp_evil), "rng_state.0.python"],
-                  "without_fixes": ["load_bytes_weights_only"]})
-    cases.append({"name": "recompute_norms_without_te", "without_fixes": ["recompute_norms_without_te"],
-                  "overrides": SMALL + one_step + ["model.recompute_granularity=selective",
-                                                   "model.recompute_modules=[layernorm]", f"run.dir={root}/norms"]})
-    cases.append({"name": "moe_router_without_te", "config": "tiny_moe", "without_fixes": ["moe_router_without_te"],
-                  "overrides": SMALL + one_step + [f"run.dir={root}/moe"]})
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
-    rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), root / "worker.log", timeout=420)
-    assert rc == 0, log_text(root / "worker.log")[-4000:]
-    results = json.loads((root / "results.json").read_text())
-    assert results["ref"]["ok"] and results["evil"]["ok"] and fsdp_runs["results"]["evil_fsdp"]["ok"], results
-    return root, results, marker, fsdp_runs
+def without_each_fix(fsdp_runs):
+    """The cases of `fix_cases.py`, run in the world-1 launch of the Megatron-FSDP runs (one launch fewer)."""
+    root = fsdp_runs["root"] / "fixes"
+    results = fsdp_runs["results"]
+    assert results["ref"]["ok"] and results["evil"]["ok"] and results["evil_fsdp"]["ok"], results
+    return root, results, root / "pwned", fsdp_runs
 
 
 def _loss(run_dir: Path, step: int) -> float:

@@ -188,7 +188,7 @@ def test_fsdp_notes_and_expert_parallelism():
     """What Megatron-FSDP decides itself is one note; FSDP × EP only where megatron-core's grad norm is right."""
     report = validate(load_config("tiny_llama", ["optimizer.fsdp=true"]), 2, te_on_gpu=False, cuda_available=False)
     assert FSDP_OVERLAP_NOTE in report.notes, report.notes
-    assert problems(["optimizer.fsdp=true", "parallel.pipeline=2"], world=2) == [FSDP_PP]
+    assert problems(["optimizer.fsdp=true", "parallel.pipeline=2"], world=4) == [FSDP_PP]  # DP2: only the PP rule
     report = validate(load_config("tiny_moe", ["optimizer.fsdp=true", "parallel.expert=2"]), 2, te_on_gpu=False,
                       cuda_available=False)
     errors = [str(p) for p in report.errors]
