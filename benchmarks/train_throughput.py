@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             result = summarize([r for r in records if "loss" in r], warmup)
+            result["losses"] = [r["loss"] for r in records if "loss" in r]  # every step, for equality checks
             result.update(config=args.config, overrides=args.overrides, world_size=world,
                           device=torch.cuda.get_device_name() if on_gpu else "cpu",
                           peak_mem_gib=peak.item() if on_gpu else None, planned_mem_gib=planned,

@@ -158,6 +158,9 @@ class OptimizerConfig:
     wsd_decay_steps: int | None = None
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     fsdp: bool = False  # Megatron-FSDP: parameters, gradients and optimizer state sharded over data parallel
+    # What Megatron-FSDP shards over DP (Megatron-Core's data_parallel_sharding_strategy): optim_grads_params
+    # (ZeRO-3, the default), optim_grads (ZeRO-2), optim (ZeRO-1). Setting it implies optimizer.fsdp=true.
+    fsdp_sharding: Literal["optim_grads_params", "optim_grads", "optim"] | None = None
 
 
 @dataclass

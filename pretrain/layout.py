@@ -91,6 +91,12 @@ def expert_layout(cfg: Config, world: int) -> ExpertLayout | None:
     return ExpertLayout(ep=p.expert, etp=etp, edp=world // per_stage)
 
 
+def fsdp_sharding(cfg: Config) -> str | None:
+    """What Megatron-FSDP shards (optimizer.fsdp_sharding, default optim_grads_params), None without FSDP."""
+    o = cfg.optimizer
+    return (o.fsdp_sharding or "optim_grads_params") if o.fsdp else None
+
+
 def use_transformer_engine(transformer_impl: str, te_available: bool) -> bool:
     """The spec choice: TE when asked for, the local spec when asked for, else TE where it is usable."""
     if transformer_impl == "local":
@@ -127,6 +133,7 @@ class Layout:
     etp: int = 1  # expert tensor parallel (resolved: parallel.tensor when unset)
     edp: int = 1  # expert data parallel
     moe_loss_scale: int = 1  # on the router aux/z-loss coefficients: pretrain.compat.mcore.moe_router_loss_scale
+    fsdp_sharding: str | None = None  # Megatron-FSDP's data_parallel_sharding_strategy; None: no Megatron-FSDP
 
     @property
     def moe(self) -> bool:
@@ -195,4 +202,5 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         use_te=use_transformer_engine(m.transformer_impl, te), on_gpu=on_gpu, vocab_size=vocab,
         padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
         **vars(model_shape(m)), **vars(experts), moe_loss_scale=mcore.moe_router_loss_scale(p.tensor, p.context),
+        fsdp_sharding=fsdp_sharding(cfg),
     )

@@ -51,7 +51,10 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
     Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    fsdp = cfg.optimizer.fsdp
+    from pretrain.layout import fsdp_sharding
+
+    sharding = fsdp_sharding(cfg)  # None: Megatron DDP
+    fsdp = sharding is not None
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
@@ -60,7 +63,9 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
         check_for_nan_in_grad=False,
         average_in_collective=False,
         use_megatron_fsdp=fsdp,
-        data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
+        data_parallel_sharding_strategy=sharding or "no_shard",
+        # The fused reduce-and-divide is NCCL's premultiplied sum (_make_nccl_premul_sum): not on gloo.
+        gradient_reduce_div_fusion=torch.distributed.get_backend() != "gloo",
     )
     if not fsdp:
         return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,

@@ -53,7 +53,9 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One microbatch through one model chunk (Megatron-Core schedule callback)."""
     batch = mcore.cp_batch(next(data_iterator))
-    unwrapped = model.module if hasattr(model, "module") else model
+    unwrapped = model
+    while hasattr(unwrapped, "module"):  # DDP → GPTModel; Megatron-FSDP: adapter → MegatronFSDP → GPTModel
+        unwrapped = unwrapped.module
     pre, post = unwrapped.pre_process, unwrapped.post_process
     output = model(
         batch["tokens"] if pre else None,

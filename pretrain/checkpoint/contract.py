@@ -73,7 +73,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "the LR schedule is re-derived from this config at the resumed step", "optimizer", _SCHEDULE),
     **_group(CHANGE, "this config's value replaces the checkpoint's from the resumed step", "optimizer", _ADAM),
     "optimizer.distributed": (CHANGE, "the optimizer state is converted to this run's optimizer"),
-    "optimizer.fsdp": (MATCH, "Megatron-FSDP keeps its optimizer state in another layout"),
+    "optimizer.fsdp": (CHANGE, "the checkpoint is loaded across formats (torch_dist ↔ fsdp_dtensor, "
+                       "pretrain/checkpoint/cross_format.py) and saved in this run's from then on"),
+    "optimizer.fsdp_sharding": (CHANGE, "fsdp_dtensor holds the same global tensors for every strategy: the "
+                                "state is resharded to the new one"),
     **_group(CHANGE, "from the resumed step", "optimizer", _DDP),
     "train.steps": (CHANGE, "the run ends there; with optimizer.decay_steps null the LR decay is re-derived over it"),
     "train.global_batch_size": (CHANGE, "consumed_samples continues: the next step reads the samples after it"),

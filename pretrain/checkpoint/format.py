@@ -219,7 +219,15 @@ def read_index(path: Path):
 
 
 
-def _check_format(path: Path) -> None:
+SHARDED_BACKENDS = ("torch_dist", "fsdp_dtensor")  # fsdp_dtensor: Megatron-FSDP runs (`fsdp_format.py`)
+
+
+def checkpoint_backend(path: Path) -> str:
+    """The sharded backend `metadata.json` names: "torch_dist" or "fsdp_dtensor" (checked)."""
+    return _check_format(Path(path))
+
+
+def _check_format(path: Path) -> str:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     fmt = path / FORMAT_FILE
@@ -232,8 +240,10 @@ def _check_format(path: Path) -> None:
     except ValueError as exc:
         raise CheckpointError(f"{fmt}: not valid JSON ({exc})") from None
     backend = info.get("sharded_backend") if isinstance(info, dict) else None
-    if backend != "torch_dist":
-        raise CheckpointError(f"{fmt}: sharded_backend is {backend!r}, this trainer reads 'torch_dist'")
+    if backend not in SHARDED_BACKENDS:
+        raise CheckpointError(f"{fmt}: sharded_backend is {backend!r}, this trainer reads "
+                              f"{' or '.join(repr(b) for b in SHARDED_BACKENDS)}")
+    return backend
 
 
 def _check_files(path: Path, index) -> None:

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint import contract, optimizer_forms
+from pretrain.checkpoint import contract, fsdp_format, optimizer_forms
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
+    checkpoint_backend,
     inspect_checkpoint,
     read_common,
     read_object_bytes,
@@ -110,6 +111,12 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     path = Path(path)
     error, common, state, fills = None, {}, {}, []
     try:
+        backend = checkpoint_backend(path)
+    except CheckpointError:
+        backend = None  # inspect_checkpoint below reports why, on every rank
+    if fsdp_format.is_fsdp(model) or backend == fsdp_format.FORMAT:
+        return _load_fsdp_or_across(cfg, model, optimizer, scheduler, path, weights_only=weights_only)
+    try:
         common, index = inspect_checkpoint(path)
         with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
         same_layout = list(common.get("layout", [])) == list(layout_key(cfg))
@@ -157,3 +164,31 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
 
+
+
+def _load_fsdp_or_across(cfg, model, optimizer, scheduler, path: Path, *, weights_only: bool) -> tuple[int, int]:
+    """An fsdp_dtensor checkpoint into a Megatron-FSDP run; anything across formats: `cross_format.py`."""
+    error, common, index = None, {}, None
+    try:
+        common, index = inspect_checkpoint(path)
+    except CheckpointError as exc:
+        error = exc
+    agree(error)
+    fsdp_model = fsdp_format.is_fsdp(model)
+    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
+    if fsdp_model and checkpoint_backend(path) == fsdp_format.FORMAT:
+        step, consumed = fsdp_format.load(cfg, model, optimizer, scheduler, path, common, index,
+                                          weights_only=weights_only)
+    else:
+        from pretrain.checkpoint import cross_format
+
+        step, consumed = cross_format.load_across(cfg, model, optimizer, scheduler, path, common, index,
+                                                  weights_only=weights_only)
+    if not weights_only:  # the checkpoint's step count, this config's schedule (as for torch_dist above)
+        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
+        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
+    written_by = common.get("megatron_core")
+    if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
+        print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
+              flush=True)
+    return step, consumed

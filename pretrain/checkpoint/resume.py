@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.contract import check_resume
 from pretrain.checkpoint.format import (
     COMMIT_JOURNAL,
@@ -131,8 +132,10 @@ def start_from_checkpoint(cfg, model, optimizer, scheduler, log) -> tuple[int, i
     if cfg.checkpoint.pretrained:
         load_checkpoint(cfg, model, optimizer, scheduler, resolve_checkpoint(cfg.checkpoint.pretrained),
                         weights_only=True)
-        # Distributed optimizer: main params are copies of the model params made at construction.
-        optimizer.reload_model_params()
+        # Distributed optimizer: main params are copies of the model params made at construction. Megatron-FSDP's
+        # main weights are the tensors the load wrote (megatron-core 0.19 raises on reload_model_params).
+        if not fsdp_format.is_fsdp(model):
+            optimizer.reload_model_params()
         log(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
     return 0, 0, False
 

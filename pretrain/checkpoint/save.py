@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.format import (
     RUN_CONFIG_FILE,
     CheckpointError,
@@ -175,14 +176,22 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
         except CheckpointError as exc:
             error = exc
     agree(error)
-    state = sharded_state(cfg, model, optimizer, scheduler, step=step, consumed_samples=consumed_samples,
-                           with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
+    fsdp = fsdp_format.is_fsdp(model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
+    state = None if fsdp else sharded_state(cfg, model, optimizer, scheduler, step=step,
+                                            consumed_samples=consumed_samples,
+                                            with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
     try:
+        request = fsdp_format.save_request(cfg, model, optimizer, scheduler, path, step=step,
+                                           consumed_samples=consumed_samples) if fsdp else None
         if async_saves is None:
-            mcore.save_sharded(state, str(path), _save_strategy(False), async_save=False)
+            if fsdp:
+                request.execute_sync()
+            else:
+                mcore.save_sharded(state, str(path), _save_strategy(False), async_save=False)
             _commit(cfg, root, path, step)
         else:
-            request = mcore.save_sharded(state, str(path), _save_strategy(True), async_save=True)
+            if not fsdp:
+                request = mcore.save_sharded(state, str(path), _save_strategy(True), async_save=True)
             request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
             async_saves.schedule(request)
             async_saves.pending, async_saves.pending_path = step, path

@@ -99,17 +99,21 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
         )
-    if scheduler is not None:  # its step count is read on resume, also without optimizer (None: weights only)
-        state["opt_param_scheduler"] = scheduler.state_dict()
     world, rank = dist.get_world_size(), dist.get_rank()
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
-    state["iteration"] = step
-    state["consumed_samples"] = consumed_samples
-    state["layout"] = list(layout_key(cfg))
-    state["config"] = cfg.to_dict()
+    state.update(common_fields(cfg, scheduler, step=step, consumed_samples=consumed_samples))
+    return state
+
+
+def common_fields(cfg, scheduler, *, step: int, consumed_samples: int) -> dict:
+    """The run-level entries of every checkpoint's common state, whatever its format (torch_dist, fsdp_dtensor)."""
+    common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(layout_key(cfg)),
+              "config": cfg.to_dict()}
+    if scheduler is not None:  # its step count is read on resume, also without optimizer (None: weights only)
+        common["opt_param_scheduler"] = scheduler.state_dict()
     try:  # the resume contract compares it (None: a run without a tokenizer)
-        state[TOKENIZER_STATE] = tokenizer_record(cfg)
+        common[TOKENIZER_STATE] = tokenizer_record(cfg)
     except Exception:  # noqa: BLE001 - its files went away during the run: not recorded, as in older checkpoints
         pass
-    state["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
-    return state
+    common["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
+    return common

@@ -19,6 +19,13 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
   `all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on
   gloo; and `all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's
   routed tokens), which gloo refuses, pads every piece to the longest.
+- The gradient norm without apex (`optimizer/clip_grads.py`'s `local_multi_tensor_l2_norm`, `utils.py:1200` /
+  `:1325`) is `torch.norm` of each fp32 gradient, and torch's CPU reduction accumulates in fp32: its error grows
+  with the tensor (measured 3.5e-6 relative at 524k elements, 3.2e-5 at 2M) and depends on how the tensor is
+  split, so the same gradients reported norms 1e-5 apart at TP2 and on one rank (float64 sums of the gradients:
+  within 6e-9). Each tensor's norm accumulates in float64 here; the result stays fp32. 0.16.1+.
+- Megatron-FSDP (`pretrain.compat.fsdp_cpu`, scoped to the FSDP modules): its CUDA device and its CUDA device
+  meshes are the CPU's. 0.16.1+.
 """
 
 from __future__ import annotations
@@ -203,6 +210,22 @@ def _moe_dispatch() -> None:
     dist.all_gather = all_gather
 
 
+def _fp64_grad_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    if clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm:  # apex's kernel: left alone
+        return
+
+    @functools.wraps(local_multi_tensor_l2_norm)
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        squares = [torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for ts in tensor_lists for t in ts]
+        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+        return total.to(torch.float32).reshape(1), None
+
+    clip_grads.l2_norm_impl = l2_norm
+
+
 @dataclass(frozen=True)
 class Shim:
     name: str
@@ -217,6 +240,7 @@ SHIMS = (
     Shim("cuda_rng", "0.16.1", _rng),
     Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
     Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
+    Shim("grad_norm_fp64_accumulation", "0.16.1", _fp64_grad_norm),
 )
 
 
@@ -227,14 +251,14 @@ def apply_cpu_shims() -> list[str]:
     """
     from packaging.version import Version
 
+    from pretrain.compat.fsdp_cpu import apply_fsdp_shims  # Megatron-FSDP's own, scoped to its modules
     from pretrain.compat.mcore import MCORE
 
-    if _APPLIED:
-        return list(_APPLIED)
-    if torch.cuda.is_available():
-        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
-    for shim in SHIMS:
-        if MCORE >= Version(shim.since):
-            shim.apply()
-            _APPLIED.append(shim.name)
-    return list(_APPLIED)
+    if not _APPLIED:
+        if torch.cuda.is_available():
+            raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
+        for shim in SHIMS:
+            if MCORE >= Version(shim.since):
+                shim.apply()
+                _APPLIED.append(shim.name)
+    return _APPLIED + apply_fsdp_shims()

@@ -159,6 +159,28 @@ _FSDP_SOURCES = {
     "0.19.0": ("megatron_fsdp.py:234, :406", "distrib_optimizer.py:1514"),
 }
 
+# What the Megatron-FSDP rules quote (read in the 0.16.1, 0.17.0, 0.18.0 and 0.19.2 sources; a patch release
+# quotes its series' lines, named): "mesh": the adapter's device mesh, `torch.arange(world)` rearranged as
+# (dp_cp ep tp) — no pipeline dimension; "optim": the `optim` strategy reduces gradients in the last microbatch's
+# backward hook and again in `finish_grad_sync` → `start_grad_sync`; "overlap": it forces overlap_param_gather /
+# overlap_grad_reduce on. "ep_grad_norm": Megatron-FSDP × expert parallelism reports a wrong gradient norm
+# (measured on 0.16.1; right on 0.19.2; 0.17/0.18 not measured). "dp1": Megatron-FSDP at DP×CP = 1 (its gradient
+# buffer unsharded, "grad_buffer") gives wrong gradients (measured on 0.16.1; right on 0.19.2).
+_FSDP_LIMITS = {
+    "0.16.1": {"release": "0.16.1", "mesh": "mcore_fsdp_adapter.py:371", "optim": "megatron_fsdp.py:662, :1174",
+               "overlap": "megatron_fsdp.py:276, :279", "ep_grad_norm": "wrong",
+               "dp1": "wrong", "grad_buffer": "param_and_grad_buffer.py:2029"},
+    "0.17.0": {"release": "0.17.0", "mesh": "mcore_fsdp_adapter.py:443", "optim": "megatron_fsdp.py:674, :1256",
+               "overlap": "megatron_fsdp.py:287, :290", "ep_grad_norm": "not measured",
+               "dp1": "not measured", "grad_buffer": "param_and_grad_buffer.py:2302"},
+    "0.18.0": {"release": "0.18.0", "mesh": "mcore_fsdp_adapter.py:547", "optim": "megatron_fsdp.py:722, :1307",
+               "overlap": "megatron_fsdp.py:321, :324", "ep_grad_norm": "not measured",
+               "dp1": "not measured", "grad_buffer": "param_and_grad_buffer.py:2314"},
+    "0.19.0": {"release": "0.19.2", "mesh": "mcore_fsdp_adapter.py:563", "optim": "megatron_fsdp.py:761, :1334",
+               "overlap": "megatron_fsdp.py:330, :333", "ep_grad_norm": "right",
+               "dp1": "right", "grad_buffer": "param_and_grad_buffer.py:2711"},
+}
+
 
 # --------------------------------------------------------------------------------------------------
 # The selection
@@ -169,5 +191,6 @@ save_sharded = _pick({"0.16.1": _save_0_16, "0.17.0": _save_0_17})
 load_sharded = _pick({"0.16.1": _load_0_16, "0.17.0": _loader_substituting("load_common"),
                       "0.19.0": _loader_substituting("load_common_state_dict")})
 megatron_fsdp_sources: tuple[str, str] = _pick(_FSDP_SOURCES)
+megatron_fsdp_limits: dict[str, str] = _pick(_FSDP_LIMITS)
 moe_router_loss_scale: Callable[[int, int], int] = _pick({"0.16.1": _router_loss_scale_0_16,
                                                           "0.19.0": _router_loss_scale_0_19})

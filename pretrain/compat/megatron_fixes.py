@@ -21,8 +21,10 @@ distrib_optimizer.py` (line numbers of 0.16.1 / 0.19.2), measured in shared/docs
 
 Safe loading (any optimizer): 4. `load_bytes_weights_only` — torch's `DefaultLoadPlanner.load_bytes`, which
 Megatron's `MCoreLoadPlanner` inherits, unpickles the byte items of a `torch_dist` checkpoint
-(`ShardedObject`s such as the RNG state and `_extra_state`) with `weights_only=False`. Fix:
-`weights_only=True` (Megatron-Core registers the few non-tensor classes it writes as torch safe globals).
+(`ShardedObject`s such as the RNG state and `_extra_state`) with `weights_only=False`, and so does DCP itself for
+the `fsdp_dtensor` checkpoints of Megatron-FSDP runs (`torch/distributed/checkpoint/default_planner.py:387`, the
+optimizer's param-group metadata and the RNG states). Fix: `weights_only=True` on both planners (Megatron-Core
+registers the few non-tensor classes it writes as torch safe globals).
 
 Without Transformer Engine (CPU, GPUs without TE):
 5. `recompute_norms_without_te` — `tensor_parallel/random.py`: `CheckpointWithoutOutput.__init__(fp8=False)` sets
@@ -34,6 +36,12 @@ Without Transformer Engine (CPU, GPUs without TE):
    unconditionally: `NameError` in the first MoE forward. Fix: the missing names are None ("absent").
    Fixed upstream in 0.17.0 (`moe_utils.py` sets them to None without TE; checked in the 0.17.0, 0.18.0,
    0.19.0 sources and shown on 0.19.2 by the test).
+7. `fsdp_tp_without_te` — Megatron-FSDP with tensor parallelism: `FullyShardedDataParallel.
+   _fix_tensor_parallel_attributes` (`distributed/fsdp/mcore_fsdp_adapter.py:184`; 0.17.0 :214) tests
+   `isinstance(module, (TELinear,))`, and without TE `TELinear` is not a class (a stand-in built on TE's mock
+   module): `TypeError: isinstance() arg 2 must be a type` at wrap time for parallel.tensor > 1. Fix: without TE
+   the adapter sees a class no module is an instance of (there are no TE modules). Fixed upstream in 0.18.0 (it
+   compares class names; checked in the 0.18.0 source and shown on 0.19.2 by the test).
 """
 
 from __future__ import annotations
@@ -167,7 +175,10 @@ def _load_bytes_weights_only() -> list:
         else:
             self.state_dict[fqn] = obj
 
-    return [(MCoreLoadPlanner, "load_bytes", load_bytes)]
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    # DCP's own planner too: the fsdp_dtensor checkpoints (pretrain/checkpoint/fsdp_format.py) load through it.
+    return [(MCoreLoadPlanner, "load_bytes", load_bytes), (DefaultLoadPlanner, "load_bytes", load_bytes)]
 
 
 def _recompute_norms_without_te() -> list:
@@ -193,6 +204,16 @@ def _moe_router_without_te() -> list:
     from megatron.core.transformer.moe import moe_utils
 
     return [(moe_utils, name, None) for name in _MOE_TE_NAMES if not hasattr(moe_utils, name)]
+
+
+class _NoTELinear:
+    """What `TELinear` is without Transformer Engine: a class no module is an instance of."""
+
+
+def _fsdp_tp_without_te() -> list:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    return [(mcore_fsdp_adapter, "TELinear", _NoTELinear)]
 
 
 def _without_te() -> bool:
@@ -222,6 +243,7 @@ FIXES = (
     Fix("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
     Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
     Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
+    Fix("fsdp_tp_without_te", "0.16.1", "0.18.0", _fsdp_tp_without_te, _without_te),
 )
 
 

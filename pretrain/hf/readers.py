@@ -18,16 +18,24 @@ _OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 
 class CheckpointReader:
-    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint."""
+    """Reads single tensors (or one layer slice of a stacked tensor) from a torch_dist checkpoint, or from an
+    fsdp_dtensor one under the same names (`pretrain.checkpoint.cross_format.FsdpAsTorchDist`)."""
 
     def __init__(self, path: Path):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from pretrain.checkpoint.format import inspect_checkpoint
+        from pretrain.checkpoint.format import checkpoint_backend, inspect_checkpoint
 
         self.path = path
-        _, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        common, self.metadata = inspect_checkpoint(path)  # format, allow-listed index, files present and long enough
+        self.fsdp = None
+        if checkpoint_backend(path) == "fsdp_dtensor":  # Megatron-FSDP's: read under torch_dist names
+            from pretrain.checkpoint.cross_format import FsdpAsTorchDist
+
+            self.fsdp = FsdpAsTorchDist(path, common, self.metadata)
+            self.tensors = self.fsdp.tensors
+            return
         self.reader = FileSystemReader(str(path))
         self.reader.set_up_storage_reader(self.metadata, True)
         self.tensors = {
@@ -41,6 +49,10 @@ class CheckpointReader:
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+        from pretrain.checkpoint.cross_format import IntoTensor
+
+        if self.fsdp is not None:
+            return self.fsdp.read(key, lead_offsets(layer))
         md = self.tensors[key]
         size = list(md.size)
         offsets = [0] * len(size)
@@ -54,27 +66,8 @@ class CheckpointReader:
         if covered != dest.numel():
             raise ConversionError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint "
                                   f"({covered} of {dest.numel()} elements stored)")
-        self.reader.read_data(LoadPlan(items), _IntoTensor(dest)).wait()
+        self.reader.read_data(LoadPlan(items), IntoTensor(dest)).wait()
         return dest.reshape(dest.shape[len(lead):])
-
-
-class _IntoTensor:
-    """Minimal load planner for FileSystemReader.read_data: every read lands in one tensor."""
-
-    def __init__(self, dest: torch.Tensor):
-        self.dest = dest
-
-    def resolve_tensor(self, req) -> torch.Tensor:
-        t = self.dest
-        for dim, (off, length) in enumerate(zip(req.dest_offsets, req.lengths)):
-            t = t.narrow(dim, off, length)
-        return t
-
-    def commit_tensor(self, req, tensor: torch.Tensor) -> None:
-        pass
-
-    def load_bytes(self, req, value) -> None:
-        raise ConversionError(f"unexpected byte item {req.storage_index.fqn}")
 
 
 def load_run_config(ckpt: Path):

@@ -49,7 +49,8 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     - PP: each microbatch sends activations forward and gradients back once per model chunk;
     - DP: distributed optimizer reduce-scatter (fp32 grads) + all-gather (params), (n−1)/n of the rank's
       parameters each; without it an fp32 all-reduce (2·(n−1)/n). NVLink when the group fits in a node,
-      else the network. MoE expert weights over expert data parallel (n = EDP) instead;
+      else the network. MoE expert weights over expert data parallel (n = EDP) instead. Megatron-FSDP
+      gathers and reduces per microbatch (`pretrain.planner.fsdp.fsdp_comm_bytes`);
     - EP (MoE): per layer and microbatch 4 all-to-alls (dispatch and combine, forward and backward), each
       sending the (EP−1)/EP of this rank's T·k routed token copies that go to other ranks (balanced routing),
       T·k·h·p bytes in all; with expert TP > 1 also 4 gathers/scatters of (ETP−1)·T·k·h·p. NVLink when the
@@ -96,6 +97,10 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
         return 2 * (n - 1) / n * params * 4 / dp_bw
 
     dp = reduce(params_on_rank - expert_params_on_rank, lay.dp * lay.cp) + reduce(expert_params_on_rank, lay.edp)
+    if lay.fsdp_sharding:  # Megatron-FSDP: per-microbatch all-gathers / reduce-scatters (`planner/fsdp.py`)
+        from pretrain.planner.fsdp import fsdp_comm_bytes
+
+        dp = sum(fsdp_comm_bytes(cfg, lay, params_on_rank, expert_params_on_rank)) / dp_bw
     ep = 0.0
     ep_bytes = 0
     if m.num_moe_experts:

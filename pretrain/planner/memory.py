@@ -57,9 +57,17 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
     The peak is the larger of the backward peak (static + activations + transient buffers, TE userbuffers) and
     the optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam).
     """
-    st = static_memory(cfg, lay, padded_vocab, pp_rank)
+    gathered = 0
+    if lay.fsdp_sharding:  # Megatron-FSDP: sharded buffers, plus the all-gathered units in use
+        from pretrain.planner.fsdp import fsdp_memory
+
+        fm = fsdp_memory(cfg, lay, padded_vocab, pp_rank)
+        st, gathered = fm.static, fm.working_set
+    else:
+        st = static_memory(cfg, lay, padded_vocab, pp_rank)
     act = activation_memory(cfg, lay, padded_vocab, pp_rank)
     buffers = act.transient + st.largest_param * lay.bytes_per_value  # one weight grad before accumulation
+    buffers += gathered
     buffers += userbuffer_bytes(cfg, lay)
     if not fused_adam:
         buffers = max(buffers, st.optimizer_moments // 2 - act.saved)  # torch foreach Adam: sqrt(v) copy

@@ -53,6 +53,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
                    "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
+                   "fsdp": lay.fsdp_sharding,
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
                    "transformer_engine": use_te},
         "num_parameters": count_parameters(cfg, vocab),
@@ -66,6 +67,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "expert_tensor_parallel": lay.etp, "expert_data_parallel": lay.edp,
             "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
+        "fsdp": _fsdp_section(cfg, lay, vocab, rm),
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
                              "microbatches_in_flight": sum(rm.in_flight.values())},
@@ -79,3 +81,18 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                        "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
                        "mfu": f_step / (cost.step_s * world * peak * 1e12)},
     }
+
+
+def _fsdp_section(cfg: Config, lay, vocab: int, rm) -> dict[str, Any] | None:
+    """Megatron-FSDP's part of the plan (`pretrain.planner.fsdp`), None without it."""
+    if not lay.fsdp_sharding:
+        return None
+    from pretrain.planner.fsdp import fsdp_comm_bytes, fsdp_memory
+
+    fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank)
+    dense, expert = fsdp_comm_bytes(cfg, lay, rm.params, rm.expert_params)
+    return {"sharding": lay.fsdp_sharding, "shard_group": lay.dp * lay.cp,
+            "largest_unit_parameters": fm.largest_unit,
+            "gathered_params_gib": round(fm.gathered_params / GIB, 3),
+            "unsharded_grads_gib": round(fm.unsharded_grads / GIB, 3),
+            "comm_bytes_per_step": int(dense + expert)}

@@ -18,7 +18,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{' SP' if lay['sequence_parallel'] else ''}; micro batch {lay['micro_batch_size']}, global batch "
         f"{lay['global_batch_size']} ({lay['num_microbatches']} microbatches); {lay['precision']}"
         f"{' + FP8 ' + lay['fp8'] if lay['fp8'] else ''}; recompute {lay['recompute'] or 'none'}; "
-        f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer; "
+        f"{_optimizer(lay)}; "
         f"{'Transformer Engine' if lay['transformer_engine'] else 'local'} spec",
         f"  model      {plan['num_parameters']:,} parameters{_active(plan)} (padded vocabulary "
         f"{plan['padded_vocab_size']:,})",
@@ -28,6 +28,12 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"({plan['most_loaded_rank']['parameters']:,} parameters, "
         f"{plan['most_loaded_rank']['microbatches_in_flight']} microbatch-chunks in flight):",
     ]
+    fsdp = plan.get("fsdp")
+    if fsdp:
+        lines.insert(3, f"  fsdp       {fsdp['sharding']} over {fsdp['shard_group']} ranks; units all-gathered "
+                        f"(largest {fsdp['largest_unit_parameters']:,} parameters): {fsdp['gathered_params_gib']:.2f} "
+                        f"GiB weights + {fsdp['unsharded_grads_gib']:.2f} GiB gradients in flight (in buffers); "
+                        f"{fsdp['comm_bytes_per_step'] / 1e9:.1f} GB all-gathered/reduce-scattered per rank per step")
     moe = plan.get("moe")
     if moe:
         lines.insert(3, f"  experts    {moe['experts']} per layer, top-{moe['topk']}; "
@@ -54,6 +60,12 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _optimizer(lay: dict[str, Any]) -> str:
+    if lay.get("fsdp"):
+        return f"Megatron-FSDP ({lay['fsdp']})"
+    return f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer"
+
+
 def _active(plan: dict[str, Any]) -> str:
     active = plan.get("num_active_parameters")
     if not plan.get("moe") or active is None:
@@ -66,7 +78,8 @@ def format_search(results: list[dict[str, Any]], total: int) -> str:
     moe = any(r.get("expert") for r in results)
     ep_head = f" {'EP':>3}" if moe else ""
     ep_s_head = f" {'EP s':>6}" if moe else ""
-    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4}{ep_head} {'MBS':>4} {'recompute':>10} " \
+    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4}{ep_head} {'FSDP':>4} {'MBS':>4} " \
+             f"{'recompute':>10} " \
              f"{'mem GiB':>8} {'bubble':>7} {'TP s':>6} {'DP s':>6} {'PP s':>6} {'CP s':>6}{ep_s_head} {'step s':>7} " \
              f"{'tok/s/GPU':>10}"
     lines = [f"{total} layouts pass validation and fit; best {len(results)} by the cost model:", header]
@@ -75,7 +88,8 @@ def format_search(results: list[dict[str, Any]], total: int) -> str:
         ep = f" {r['expert']:>3}" if moe else ""
         ep_s = f" {c['ep_comm_s']:>6.2f}" if moe else ""
         lines.append(f"{i:>3} {r['tensor']:>3} {r['pipeline']:>3} {r['virtual_pipeline'] or '-':>3} "
-                     f"{r['context']:>3} {r['data']:>4}{ep} {r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
+                     f"{r['context']:>3} {r['data']:>4}{ep} {'yes' if r.get('fsdp') else '-':>4} "
+                     f"{r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
                      f"{r['memory_gib']:>8.1f} {r['bubble_fraction']:>7.3f} {c['tp_comm_s']:>6.2f} "
                      f"{c['dp_comm_s']:>6.2f} {c['pp_comm_s']:>6.2f} {c['cp_comm_s']:>6.2f}{ep_s} {r['step_s']:>7.2f} "
                      f"{r['tokens_per_s_per_gpu']:>10,.0f}")

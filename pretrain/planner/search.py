@@ -40,7 +40,9 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                 if world % (tp * cp * pp):
                     continue
                 vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
-                for vp, ep, mbs in ((v, e, b) for v in vps for e in eps for b in (1, 2, 4)):
+                # Megatron-FSDP (ZeRO-3) as well as the distributed optimizer; it has no pipeline dimension.
+                fsdps = (False, True) if pp == 1 else (False,)
+                for vp, ep, mbs, fsdp in ((v, e, b, f) for v in vps for e in eps for b in (1, 2, 4) for f in fsdps):
                     for gran, method, num in recomputes:
                         c = copy.deepcopy(cfg)
                         c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
@@ -50,7 +52,7 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                         c.parallel.sequence_parallel = tp > 1
                         c.parallel.tp_comm_overlap = False
                         c.train.micro_batch_size = mbs
-                        c.optimizer.distributed = True
+                        c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
                         c.model.recompute_granularity = gran
                         c.model.recompute_method, c.model.recompute_num_layers = method, num
                         if check_layout(c, world, use_te):
@@ -65,7 +67,8 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                                           rm.expert_params)
                         results.append({
                             "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
-                            "data": lay.dp, "expert": ep, "micro_batch_size": mbs, "sequence_parallel": tp > 1,
+                            "data": lay.dp, "expert": ep, "fsdp": fsdp, "micro_batch_size": mbs,
+                            "sequence_parallel": tp > 1,
                             "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
                             "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
                             "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
@@ -81,7 +84,8 @@ def _overrides(c: Config) -> str:
     parts = [f"parallel.tensor={p.tensor}", f"parallel.pipeline={p.pipeline}",
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
-             f"train.micro_batch_size={c.train.micro_batch_size}", "optimizer.distributed=true"]
+             f"train.micro_batch_size={c.train.micro_batch_size}",
+             "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
     if c.model.num_moe_experts:
         parts += [f"parallel.expert={p.expert}", "parallel.expert_tensor=1"]
     if c.model.recompute_granularity:

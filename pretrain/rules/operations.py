@@ -46,34 +46,57 @@ def recompute_module_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu
 
 
 def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Megatron-FSDP (optimizer.fsdp): CUDA only in every supported megatron-core, and no torch_dist checkpoints."""
-    from pretrain.compat.mcore import MCORE, megatron_fsdp_sources
+    """Megatron-FSDP (optimizer.fsdp, optimizer.fsdp_sharding): what megatron-core supports of it."""
+    from pretrain.compat.mcore import MCORE, megatron_fsdp_limits
 
-    o, c, t = cfg.optimizer, cfg.checkpoint, cfg.train
+    o, p, t = cfg.optimizer, cfg.parallel, cfg.train
+    if o.fsdp_sharding is not None and not o.fsdp:
+        r.error(("optimizer.fsdp_sharding", "optimizer.fsdp"), f"optimizer.fsdp_sharding={o.fsdp_sharding} is set "
+                "but optimizer.fsdp=false, so Megatron-FSDP is off", "set optimizer.fsdp=true (or "
+                "optimizer.fsdp_sharding=null)")
     if not o.fsdp:
         return
-    device_src, dtensor_src = megatron_fsdp_sources
-    if lay is not None and not lay.on_gpu:
-        r.error("optimizer.fsdp", f"Megatron-FSDP needs CUDA: megatron-core {MCORE} builds its device as "
-                "cuda:<current device> and runs its all-gathers and reduce-scatters on torch.cuda.Stream side "
-                f"streams ({device_src})", "set optimizer.fsdp=false here (optimizer.distributed=true "
-                "shards the optimizer state), or run on a CUDA machine")
-    saving = [k for k, on in (("checkpoint.interval", c.interval is not None),
-                              ("checkpoint.save_at_end", c.save_at_end),
-                              ("train.exit_signal_handler", t.exit_signal_handler),
-                              ("train.exit_duration_in_mins", t.exit_duration_in_mins is not None),
-                              ("checkpoint.pretrained", c.pretrained is not None)) if on]
-    if saving:
-        r.error(("optimizer.fsdp", *saving),
-                f"Megatron-FSDP state cannot go through the torch_dist checkpoint path: megatron-core {MCORE} "
-                "shards Megatron-FSDP optimizer state only in its fsdp_dtensor format (DistributedOptimizer."
-                f"sharded_state_dict raises NotImplementedError otherwise, {dtensor_src})",
-                "run without checkpoints (checkpoint.interval=null checkpoint.save_at_end=false "
-                "train.exit_signal_handler=false train.exit_duration_in_mins=null checkpoint.pretrained=null), or "
-                "use optimizer.distributed=true")
+    src = megatron_fsdp_limits
+    at = f"megatron-core {src['release']}: " if src["release"] != str(MCORE) else ""
+    sharding = o.fsdp_sharding or "optim_grads_params"
+    if sharding == "optim":
+        r.error("optimizer.fsdp_sharding", f"optimizer.fsdp_sharding=optim gives wrong gradients in megatron-core "
+                f"{MCORE}: Megatron-FSDP's optim strategy reduces them in the last microbatch's backward hook and "
+                f"again in finish_grad_sync ({at}{src['optim']}); measured at DP2 on gloo, grad norm 2.07 where the "
+                "distributed optimizer has 1.03 (1.62 with overlap_grad_reduce)",
+                "use optimizer.fsdp=false optimizer.distributed=true (the distributed optimizer is ZeRO-1), or "
+                "optimizer.fsdp_sharding=optim_grads / optim_grads_params")
+    if p.pipeline > 1:
+        r.error(("optimizer.fsdp", "parallel.pipeline"), f"Megatron-FSDP does not support pipeline parallelism in "
+                f"megatron-core {MCORE}: its device mesh is the world rearranged as (DP×CP, EP, TP), with no "
+                f"pipeline dimension ({at}{src['mesh']}), so parallel.pipeline={p.pipeline} fails at start-up",
+                "set parallel.pipeline=1 (shard over more DP ranks instead), or use optimizer.fsdp=false "
+                "optimizer.distributed=true")
+    dp_cp = r.world_size // (p.tensor * p.pipeline) if r.world_size % (p.tensor * p.pipeline) == 0 else 0
+    if dp_cp == 1 and src["dp1"] != "right":
+        measured = "" if src["dp1"] == "wrong" else f" ({MCORE}: not measured, refused as 0.16.1)"
+        r.error("optimizer.fsdp", f"Megatron-FSDP with one data-parallel rank gives wrong gradients in megatron-core "
+                f"{MCORE}{measured}: its gradient buffer is then not sharded ({at}{src['grad_buffer']}) and the "
+                "gradients come out too large — measured on gloo (0.16.1) 2× with one microbatch (grad norm 3.82 where "
+                "DDP has 1.91) and 8.8× with four; megatron-core 0.19.2 is right", "run Megatron-FSDP on at least two "
+                "data-parallel ranks (it has nothing to shard on one), use optimizer.fsdp=false, or megatron-core 0.19")
+    if p.expert > 1 and src["ep_grad_norm"] != "right":
+        measured = "" if src["ep_grad_norm"] == "wrong" else f" ({MCORE}: not measured, refused as 0.16.1)"
+        r.error(("optimizer.fsdp", "parallel.expert"), f"Megatron-FSDP with expert parallelism reports a wrong "
+                f"gradient norm in megatron-core {MCORE}{measured}, so gradient clipping scales the updates wrongly: "
+                "on tiny_moe at DP2 × EP2 (gloo, 0.16.1) the step-1 grad norm is 1.0952 where DDP, the distributed "
+                "optimizer and Megatron-FSDP at EP1 give 0.9830; megatron-core 0.19.2 gives 0.9830",
+                "set parallel.expert=1 (Megatron-FSDP then shards the experts over DP), use optimizer.fsdp=false "
+                "optimizer.distributed=true, or megatron-core 0.19")
     if t.nan_policy == "skip":
         r.error(("optimizer.fsdp", "train.nan_policy"), "train.nan_policy=skip checks DDP's gradient buffers, "
                 "which Megatron-FSDP does not have", "set train.nan_policy=stop")
+    forced = [k for k, on in (("optimizer.overlap_param_gather", sharding == "optim_grads_params"),
+                              ("optimizer.overlap_grad_reduce", sharding in ("optim_grads_params", "optim_grads")))
+              if on and not getattr(o, k.split(".")[1])]
+    if forced:
+        r.notes.append(f"optimizer.fsdp_sharding={sharding}: Megatron-FSDP turns {' and '.join(forced)} on itself "
+                       f"({at}{src['overlap']})")
 
 
 def logging_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:

@@ -12,7 +12,7 @@ from pretrain.problems import Report
 def optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Optimizer and schedule."""
     o, t = cfg.optimizer, cfg.train
-    if o.overlap_param_gather and not o.distributed:
+    if o.overlap_param_gather and not (o.distributed or o.fsdp):  # Megatron-FSDP wraps the distributed optimizer
         r.error(("optimizer.overlap_param_gather", "optimizer.distributed"),
                 "optimizer.overlap_param_gather needs the distributed optimizer", "set optimizer.distributed=true")
     if o.overlap_param_gather and not o.overlap_grad_reduce:

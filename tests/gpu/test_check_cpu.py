@@ -27,9 +27,13 @@ def test_dry_run_lists_every_case_with_its_plan():
                           timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     cases = [line for line in done.stdout.splitlines() if " plan " in line]
-    # 3 specs x (8B trainer, 8B Megatron-Core loop, 70B with the meter), then MoE at 30B-A3B width (local, TE)
-    assert len(cases) == 11, done.stdout
+    # 3 specs x (8B trainer, 8B Megatron-Core loop, 70B with the meter), the Megatron-FSDP / distributed optimizer
+    # pair, then MoE at 30B-A3B width (local, TE)
+    assert len(cases) == 13, done.stdout
     assert sum("Megatron-Core loop" in c for c in cases) == 3
+    assert [c.split(" plan ")[0].strip() for c in cases[-4:-2]] == [
+        "8B width 2 layers fp32, distributed optimizer", "8B width 2 layers fp32, Megatron-FSDP"]
+    assert "optimizer.fsdp=true" in done.stdout
     assert [c.split(" plan ")[0].strip() for c in cases[-2:]] == ["30B-A3B MoE width, local bf16",
                                                                    "30B-A3B MoE width, TE bf16"]
     assert "tests/gpu/mcore_loop.py" in done.stdout and "--meter" in done.stdout
@@ -44,3 +48,37 @@ def test_megatron_core_baseline_loop_trains_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["loss_last"] < result["loss_first"] and result["tokens_per_s_per_gpu"] > 0
+
+
+def test_fsdp_agreement_is_judged_on_every_step():
+    """The GPU check's verdict on the Megatron-FSDP / distributed-optimizer pair (no GPU needed)."""
+    sys.path.insert(0, str(REPO / "tests/gpu"))
+    import check
+
+    def case(name: str, losses: list[float]):
+        c = next(c for c in check.cases(False, None) if c.label == f"8B width 2 layers fp32, {name}")
+        c.result = {"losses": losses}
+        return c
+
+    same = [case("distributed optimizer", [10.0, 9.0]), case("Megatron-FSDP", [10.0, 9.00000001])]
+    line, ok = check.fsdp_agreement(same)
+    assert ok and "max relative loss difference 1.1e-09" in line
+    off = [case("distributed optimizer", [10.0, 9.0]), case("Megatron-FSDP", [10.0, 9.1])]
+    assert check.fsdp_agreement(off)[1] is False
+    assert check.fsdp_agreement(same[:1]) is None
+
+
+def test_cases_the_validator_refuses_are_skipped_with_the_reason():
+    sys.path.insert(0, str(REPO / "tests/gpu"))
+    import check
+
+    from pretrain.compat.mcore import megatron_fsdp_limits
+
+    fsdp = next(c for c in check.cases(False, None) if c.label.endswith("Megatron-FSDP"))
+    distopt = next(c for c in check.cases(False, None) if c.label.endswith("distributed optimizer"))
+    assert check.refusal(distopt) is None
+    refused = check.refusal(fsdp)
+    if megatron_fsdp_limits["dp1"] == "right":
+        assert refused is None
+    else:
+        assert refused.startswith("[optimizer.fsdp] Megatron-FSDP with one data-parallel rank gives wrong gradients")

@@ -21,6 +21,10 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
                  (path: an iteration dir) act on whatever holds the common state: `common.pt` (megatron-core
                  ≤ 0.18) or the `common_state` object inside the torch_dist files (0.19+)
     without_fixes  [fix name, ...]: run the case with these Megatron fixes undone (pretrain.compat.megatron_fixes)
+    without_shims  [shim name, ...]: ... and these Megatron-FSDP CPU shims undone (pretrain.compat.fsdp_cpu)
+    load_dcp_object [checkpoint_dir, key]: also load that byte item with DCP's own DefaultLoadPlanner
+                 (fsdp_dtensor checkpoints; after load_object when both are given)
+    marker       a path: the result records whether it exists after the case ("marker_exists")
 Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | None}}.
 """
 
@@ -239,11 +243,21 @@ def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
     dist_checkpointing.load(state, checkpoint)
 
 
+def _load_dcp_object(checkpoint: str, key: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    from pretrain import compat
+
+    compat.apply()
+    dcp.load({key: None}, storage_reader=FileSystemReader(checkpoint), planner=DefaultLoadPlanner())
+
+
 def run_case(case: dict, results: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from pretrain.checkpoint import state as checkpoint_state
-    from pretrain.compat import megatron_fixes
+    from pretrain.compat import fsdp_cpu, megatron_fixes
     from pretrain.config import load_config
     from pretrain.train import train
 
@@ -269,9 +283,12 @@ def run_case(case: dict, results: dict) -> None:
     undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
     started = time.perf_counter()
     try:
-        with megatron_fixes.disabled(*case.get("without_fixes", [])):
-            if case.get("load_object"):
-                _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
+        with megatron_fixes.disabled(*case.get("without_fixes", [])), fsdp_cpu.disabled(*case.get("without_shims", [])):
+            if case.get("load_object") or case.get("load_dcp_object"):
+                if case.get("load_object"):
+                    _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
+                if case.get("load_dcp_object"):
+                    _load_dcp_object(*case["load_dcp_object"])
                 summary = None
             else:
                 summary = train(cfg)
@@ -284,6 +301,8 @@ def run_case(case: dict, results: dict) -> None:
         for owner, attribute, original in reversed(undo):
             setattr(owner, attribute, original)
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
+        if case.get("marker"):
+            results[name]["marker_exists"] = Path(case["marker"]).exists()
 
 
 def main(plan_path: str) -> int:

@@ -38,11 +38,14 @@ def test_validate_reports_installed_versions():
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
 _CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo"]
+        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:grad_norm_fp64_accumulation",
+        "cpu:fsdp_cpu_device", "cpu:fsdp_cpu_device_mesh"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
-          "recompute_norms_without_te", "moe_router_without_te"]
-# moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE).
-APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f != "moe_router_without_te"]}
+          "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te"]
+# moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE);
+# fsdp_tp_without_te: in 0.18.0 (the Megatron-FSDP adapter compares class names, not TELinear).
+_FIXED_BY_0_19 = ("moe_router_without_te", "fsdp_tp_without_te")
+APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f not in _FIXED_BY_0_19]}
 
 
 def test_startup_applies_what_the_release_needs():
@@ -52,6 +55,28 @@ def test_startup_applies_what_the_release_needs():
     done = _run("-c", "import json; from pretrain import compat; print(json.dumps(compat.apply()))")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == APPLIED[version]
+
+
+def test_grad_norm_does_not_depend_on_how_the_gradients_are_split():
+    """Megatron's l2 norm without apex, as the optimizer calls it, on one 2M-element fp32 gradient and on its halves
+    (what TP2 or an FSDP shard holds): fp32 accumulation differs by > 1e-6 relative; the CPU shim by < 1e-7."""
+    import torch
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from pretrain import compat
+
+    grad = torch.randn(1 << 21, generator=torch.Generator().manual_seed(0)) * 1e-3
+    exact = float(grad.double().norm())
+
+    def rel(impl, tensors):
+        return abs(float(clip_grads.multi_tensor_applier(impl, None, [tensors], False)[0]) - exact) / exact
+
+    assert "cpu:grad_norm_fp64_accumulation" in compat.apply()
+    assert clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm
+    assert rel(local_multi_tensor_l2_norm, [grad]) > 1e-6  # what it works around
+    for pieces in ([grad], list(grad.chunk(2)), list(grad.chunk(4))):
+        assert rel(clip_grads.l2_norm_impl, pieces) < 1e-7
 
 
 @pytest.mark.parametrize("installed,level,reason", [

@@ -29,14 +29,27 @@ ROPE_POSITIONS = ("[data.reset_position_ids, model.position_embedding_type] data
                   "effect with RoPE: Megatron-Core's GPTModel rotates by the sequence index, not by position_ids. "
                   "Fix: also set data.reset_attention_mask=true (then each document sees only its own tokens and "
                   "RoPE's relative positions are the restarted ones), or set data.reset_position_ids=false")
-# Per release CI runs: where Megatron-FSDP builds its CUDA device / side streams, and refuses torch_dist state.
-FSDP_SOURCES = {"0.16.1": ("184, :361", "1229"), "0.19.2": ("234, :406", "1514")}
+# Per release CI runs: the Megatron-FSDP source lines the refusals quote.
 MCORE = metadata.version("megatron-core")
-FSDP_LINES, DTENSOR_LINE = FSDP_SOURCES.get(MCORE, FSDP_SOURCES["0.16.1"])
-FSDP_CUDA = (f"[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core {MCORE} builds its device as cuda:<current "
-             "device> and runs its all-gathers and reduce-scatters on torch.cuda.Stream side streams "
-             f"(megatron_fsdp.py:{FSDP_LINES}). Fix: set optimizer.fsdp=false here (optimizer.distributed=true shards "
-             "the optimizer state), or run on a CUDA machine")
+FSDP_LINES = {"0.16.1": ("mcore_fsdp_adapter.py:371", "megatron_fsdp.py:662, :1174", "megatron_fsdp.py:276, :279"),
+              "0.19.2": ("mcore_fsdp_adapter.py:563", "megatron_fsdp.py:761, :1334", "megatron_fsdp.py:330, :333")}
+MESH, OPTIM, OVERLAP = FSDP_LINES.get(MCORE, FSDP_LINES["0.16.1"])
+FSDP_PP = (f"[optimizer.fsdp, parallel.pipeline] Megatron-FSDP does not support pipeline parallelism in megatron-core "
+           f"{MCORE}: its device mesh is the world rearranged as (DP×CP, EP, TP), with no pipeline dimension ({MESH}), "
+           "so parallel.pipeline=2 fails at start-up. Fix: set parallel.pipeline=1 (shard over more DP ranks instead), "
+           "or use optimizer.fsdp=false optimizer.distributed=true")
+FSDP_OPTIM = ("[optimizer.fsdp_sharding] optimizer.fsdp_sharding=optim gives wrong gradients in megatron-core "
+              f"{MCORE}: Megatron-FSDP's optim strategy reduces them in the last microbatch's backward hook and again "
+              f"in finish_grad_sync ({OPTIM}); measured at DP2 on gloo, grad norm 2.07 where the distributed optimizer "
+              "has 1.03 (1.62 with overlap_grad_reduce). Fix: use optimizer.fsdp=false optimizer.distributed=true "
+              "(the distributed optimizer is ZeRO-1), or optimizer.fsdp_sharding=optim_grads / optim_grads_params")
+FSDP_NAN = ("[optimizer.fsdp, train.nan_policy] train.nan_policy=skip checks DDP's gradient buffers, which "
+            "Megatron-FSDP does not have. Fix: set train.nan_policy=stop")
+FSDP_NO_FSDP = ("[optimizer.fsdp_sharding, optimizer.fsdp] optimizer.fsdp_sharding=optim_grads is set but "
+                "optimizer.fsdp=false, so Megatron-FSDP is off. Fix: set optimizer.fsdp=true (or "
+                "optimizer.fsdp_sharding=null)")
+FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP turns optimizer.overlap_param_gather "
+                     f"and optimizer.overlap_grad_reduce on itself ({OVERLAP})")
 
 
 @pytest.mark.parametrize("overrides,gpu,te,expected", [
@@ -63,18 +76,6 @@ FSDP_CUDA = (f"[optimizer.fsdp] Megatron-FSDP needs CUDA: megatron-core {MCORE} 
       "Engine spec (both norms are fused into the following linear layers). Fix: remove layernorm, or set "
       "model.transformer_impl=local"]),
     (["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"], True, True, []),
-    # Megatron-FSDP.
-    (["optimizer.fsdp=true", *NO_CKPT], False, False, [FSDP_CUDA]),
-    (["optimizer.fsdp=true", *NO_CKPT], True, True, []),
-    (["optimizer.fsdp=true", "checkpoint.interval=null", "train.nan_policy=skip"], True, True,
-     ["[optimizer.fsdp, checkpoint.save_at_end, train.exit_signal_handler] Megatron-FSDP state cannot go through the "
-      f"torch_dist checkpoint path: megatron-core {MCORE} shards Megatron-FSDP optimizer state only in its "
-      "fsdp_dtensor format (DistributedOptimizer.sharded_state_dict raises NotImplementedError otherwise, "
-      f"distrib_optimizer.py:{DTENSOR_LINE}). Fix: run without checkpoints (checkpoint.interval=null "
-      "checkpoint.save_at_end=false train.exit_signal_handler=false train.exit_duration_in_mins=null "
-      "checkpoint.pretrained=null), or use optimizer.distributed=true",
-      "[optimizer.fsdp, train.nan_policy] train.nan_policy=skip checks DDP's gradient buffers, which Megatron-FSDP "
-      "does not have. Fix: set train.nan_policy=stop"]),
     # Logging.
     (["logging.wandb.entity=team"], False, False,
      ["[logging.wandb.project] logging.wandb.entity/name are set but logging.wandb.project is null, so nothing "
@@ -155,3 +156,48 @@ SEL = "model.recompute_granularity=selective"
 def test_moe_recompute_modules(config, overrides, gpu, te, expected):
     report = validate(load_config(config, overrides), 1, te_on_gpu=te, cuda_available=gpu)
     assert [str(p) for p in report.errors] == expected
+
+
+@pytest.mark.parametrize("overrides,gpu,expected", [
+    # Megatron-FSDP on CPU and GPU, with checkpoints (fsdp_dtensor); what megatron-core does not support.
+    (["optimizer.fsdp=true"], False, []),
+    (["optimizer.fsdp=true", "checkpoint.async_save=true"], True, []),
+    (["optimizer.fsdp=true", "optimizer.fsdp_sharding=optim_grads"], False, []),
+    (["optimizer.fsdp_sharding=optim_grads"], False, [FSDP_NO_FSDP]),
+    (["optimizer.fsdp=true", "optimizer.fsdp_sharding=optim"], False, [FSDP_OPTIM]),
+    (["optimizer.fsdp=true", "train.nan_policy=skip"], True, [FSDP_NAN]),
+])
+def test_fsdp_rule(overrides, gpu, expected):
+    assert problems(overrides, world=2, gpu=gpu, te=gpu) == expected
+
+
+def test_fsdp_on_one_data_parallel_rank():
+    got = problems(["optimizer.fsdp=true", "parallel.tensor=2"], world=2)
+    if MCORE == "0.19.2":
+        assert got == []
+    else:
+        assert got == [
+            "[optimizer.fsdp] Megatron-FSDP with one data-parallel rank gives wrong gradients in megatron-core "
+            f"{MCORE}: its gradient buffer is then not sharded (param_and_grad_buffer.py:2029) and the gradients come "
+            "out too large — measured on gloo (0.16.1) 2× with one microbatch (grad norm 3.82 where DDP has 1.91) "
+            "and 8.8× with four; megatron-core 0.19.2 is right. Fix: run Megatron-FSDP on at least two data-parallel "
+            "ranks (it has nothing to shard on one), use optimizer.fsdp=false, or megatron-core 0.19"]
+
+
+def test_fsdp_notes_and_expert_parallelism():
+    """What Megatron-FSDP decides itself is one note; FSDP × EP only where megatron-core's grad norm is right."""
+    report = validate(load_config("tiny_llama", ["optimizer.fsdp=true"]), 2, te_on_gpu=False, cuda_available=False)
+    assert FSDP_OVERLAP_NOTE in report.notes, report.notes
+    assert problems(["optimizer.fsdp=true", "parallel.pipeline=2"], world=4) == [FSDP_PP]  # DP2: only the PP rule
+    report = validate(load_config("tiny_moe", ["optimizer.fsdp=true", "parallel.expert=2"]), 2, te_on_gpu=False,
+                      cuda_available=False)
+    errors = [str(p) for p in report.errors]
+    if MCORE == "0.19.2":
+        assert errors == []
+    else:
+        assert errors == [
+            f"[optimizer.fsdp, parallel.expert] Megatron-FSDP with expert parallelism reports a wrong gradient norm in "
+            f"megatron-core {MCORE}, so gradient clipping scales the updates wrongly: on tiny_moe at DP2 × EP2 "
+            "(gloo, 0.16.1) the step-1 grad norm is 1.0952 where DDP, the distributed optimizer and Megatron-FSDP at "
+            "EP1 give 0.9830; megatron-core 0.19.2 gives 0.9830. Fix: set parallel.expert=1 (Megatron-FSDP then "
+            "shards the experts over DP), use optimizer.fsdp=false optimizer.distributed=true, or megatron-core 0.19"]

@@ -189,6 +189,14 @@ def test_search_lists_only_valid_layouts_that_fit():
         assert plan.check_layout(c, 8, use_te=True) == []
         assert r["memory_gib"] <= plan.HEADROOM * plan.GPU_MEMORY_GIB["h100"]
         assert r["tensor"] * r["pipeline"] * r["context"] * r["data"] == 8
+    # Megatron-FSDP layouts are considered too (no pipeline dimension; tests/pretrain/test_plan_fsdp.py).
+    fsdp = [r for r in found if r["fsdp"]]
+    assert fsdp and all(r["pipeline"] == 1 and "optimizer.fsdp=true" in r["overrides"] for r in fsdp)
+    for r in fsdp[:5]:
+        assert plan.check_layout(load_config("llama3_8b", r["overrides"].split()), 8, use_te=True) == []
+    print(f"plan --search, Llama-3-8B on 8×H100: {len(found)} layouts fit, {len(fsdp)} with Megatron-FSDP; best "
+          f"FSDP #{found.index(fsdp[0]) + 1}: {fsdp[0]['overrides']} ({fsdp[0]['memory_gib']} GiB, "
+          f"{fsdp[0]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU)")
     out = run_plan("llama3_8b", "--nodes", "1", "--gpus-per-node", "8", "--search", "--top", "3")
     assert out.returncode == 0, out.stderr
     rows = [x for x in out.stdout.splitlines() if x.startswith("  ") and x.split()[0].isdigit()]

@@ -1,0 +1,298 @@
+"""Loading a checkpoint of the other format: torch_dist into a Megatron-FSDP run, fsdp_dtensor into a DDP run.
+
+A run may switch between `optimizer.fsdp=true` and `optimizer.distributed=true` between restarts: the trainer
+loads the newest checkpoint whatever its format (one line says so) and saves in its own format from then on.
+Nothing is converted on disk. Both formats store every tensor under a global name (`fsdp_format.py`'s
+`names` map in common.pt pairs the two namings), so each rank reads exactly the slice it holds: the rows of
+its Megatron-FSDP shard, or the region of a torch_dist ShardedTensor (layers and experts stacked, the SwiGLU
+`linear_fc1` as [w; v]). Weights, Adam moments, the fp32 master weights (torch_dist's `optimizer.state.param`;
+Megatron-FSDP's model tensors are its fp32 masters), the step, the LR schedule and the data position carry over;
+the per-rank RNG states do not (the formats store them differently; dropout-free runs do not use them).
+
+Optimizer state crosses only between the two sharded optimizers (the distributed optimizer's
+`fully_reshardable` layout and Megatron-FSDP's DTensors); `checkpoint.load_optimizer=false` takes the weights.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain.checkpoint import fsdp_format
+from pretrain.checkpoint.format import CheckpointError, agree, reason
+from pretrain.checkpoint.state import OPTIMIZER_SHARDING, sharded_state, unwrap
+
+_OPT_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.*)$")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ChunkReader:
+    """Reads one region (offsets, sizes) of a tensor from a DCP checkpoint (torch_dist or fsdp_dtensor)."""
+
+    def __init__(self, path: Path, index):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        self.meta = {k: v for k, v in index.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.reader = FileSystemReader(str(path))
+        self.reader.set_up_storage_reader(index, True)
+
+    def read(self, key: str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.meta.get(key)
+        if md is None:
+            raise CheckpointError(f"{self.path}: tensor '{key}' is not in the checkpoint")
+        dest = torch.empty(sizes, dtype=md.properties.dtype)
+        if dest.numel() == 0:
+            return dest
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        items = create_read_items_for_chunk_list(key, md, [chunk])
+        if sum(torch.Size(i.lengths).numel() for i in items) != dest.numel():
+            raise CheckpointError(f"{self.path}: tensor '{key}' is incomplete in the checkpoint")
+        self.reader.read_data(LoadPlan(items), IntoTensor(dest)).wait()
+        return dest
+
+
+class IntoTensor:
+    """The smallest load planner for FileSystemReader.read_data: every read lands in one tensor."""
+
+    def __init__(self, dest: torch.Tensor):
+        self.dest = dest
+
+    def resolve_tensor(self, req) -> torch.Tensor:
+        t = self.dest
+        for dim, (off, length) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(dim, off, length)
+        return t
+
+    def commit_tensor(self, req, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, req, value) -> None:
+        raise CheckpointError(f"unexpected object '{req.storage_index.fqn}' where a tensor was expected")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch_dist → Megatron-FSDP
+# --------------------------------------------------------------------------------------------------
+
+
+def _local_chunk(dtensor) -> tuple[list[int], list[int]]:
+    """(global offsets, sizes) of this rank's piece (the uneven-shard metadata fsdp_format attached)."""
+    chunk = dtensor._local_tensor.__create_chunk_list__()[0]
+    return list(chunk.offsets), list(chunk.sizes)
+
+
+def _read_torch_dist(reader: ChunkReader, key: str, lead: list[int], half: str | None, offsets: list[int],
+                     sizes: list[int]) -> torch.Tensor:
+    """The region of torch_dist tensor `key` at layer/expert `lead` that a Megatron-FSDP shard holds."""
+    md = reader.meta.get(key)
+    if md is None:
+        raise CheckpointError(f"{reader.path}: tensor '{key}' is not in the checkpoint")
+    if half == "v":  # [w; v] on dim 0: v starts half-way
+        offsets = [offsets[0] + md.size[len(lead)] // 2, *offsets[1:]]
+    region = reader.read(key, [*lead, *offsets], [1] * len(lead) + sizes)
+    return region.reshape(sizes)
+
+
+def _optimizer_key(reader: ChunkReader, kind: str, key: str) -> str:
+    for prefix in ("", "chained_0.", "chained_1."):
+        candidate = f"{prefix}optimizer.state.{kind}.{key}"
+        if candidate in reader.meta:
+            return candidate
+    raise CheckpointError(f"{reader.path}: optimizer state '{kind}' of '{key}' is not in the checkpoint")
+
+
+def _torch_dist_step(path: Path, common: dict) -> float:
+    groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") or []
+    steps = {float(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointError(f"{path}: expected one optimizer step in the checkpoint's param groups, found "
+                              f"{sorted(steps) or 'none'}")
+    return steps.pop()
+
+
+def _into_fsdp(cfg, model, optimizer, scheduler, path: Path, common: dict, index, with_optimizer: bool) -> None:
+    reader = ChunkReader(path, index)
+    state, raw_model, raw_opt = fsdp_format.dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer,
+                                                      is_loading=True)
+    _, gpt = fsdp_format.inner(model)
+    names = fsdp_format.stored_names(gpt)
+    step = _torch_dist_step(path, common) if with_optimizer else None
+    for stored, tensor in state["model"].items():
+        key, lead, half = names[stored]
+        offsets, sizes = _local_chunk(tensor)
+        source = _optimizer_key(reader, "param", key) if with_optimizer else key  # the fp32 master
+        tensor.to_local().copy_(_read_torch_dist(reader, source, lead, half, offsets, sizes))
+        if with_optimizer:
+            entry = state["optimizer"]["state"][fsdp_format.OPTIMIZER_PREFIX + stored]
+            for kind in MOMENTS:
+                value = _read_torch_dist(reader, _optimizer_key(reader, kind, key), lead, half, offsets, sizes)
+                entry[kind].to_local().copy_(value)
+            entry["step"].fill_(step)
+    gpt.load_state_dict(raw_model, strict=True)  # installs the weights as Megatron-FSDP's compute weights
+    if with_optimizer:
+        optimizer.load_state_dict(raw_opt)
+
+
+# --------------------------------------------------------------------------------------------------
+# fsdp_dtensor → Megatron DDP (+ distributed optimizer)
+# --------------------------------------------------------------------------------------------------
+
+
+def _fsdp_sources(common: dict) -> dict[tuple, dict[str, str]]:
+    """{(torch_dist key, lead...): {half or "": stored model key}} from the checkpoint's names map."""
+    sources: dict[tuple, dict[str, str]] = {}
+    for stored, (key, lead, half) in common["names"].items():
+        sources.setdefault((key, *lead), {})[half or ""] = stored
+    return sources
+
+
+def _read_fsdp(reader: ChunkReader, sources: dict, key: str, kind: str | None, lead: list[int],
+               offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    """The torch_dist region (`lead` + offsets/sizes) of `key` (or its optimizer state `kind`), from fsdp keys."""
+    found = sources.get((key, *lead))
+    if found is None:
+        raise CheckpointError(f"{reader.path}: no tensor for '{key}' at {lead} in the checkpoint")
+
+    def fsdp_key(stored: str) -> str:
+        if kind in (None, "param"):
+            return f"model.{stored}"
+        return f"optimizer.state.{fsdp_format.OPTIMIZER_PREFIX}{stored}.{kind}"
+
+    if "" in found:
+        return reader.read(fsdp_key(found[""]), offsets, sizes)
+    rows = reader.meta[fsdp_key(found["w"])].size[0]  # [w; v]: rows below `rows` are w's
+    start, stop = offsets[0], offsets[0] + sizes[0]
+    parts = []
+    for half, lo, hi in (("w", 0, rows), ("v", rows, 2 * rows)):
+        a, b = max(start, lo), min(stop, hi)
+        if a < b:
+            parts.append(reader.read(fsdp_key(found[half]), [a - lo, *offsets[1:]], [b - a, *sizes[1:]]))
+    return torch.cat(parts, dim=0)
+
+
+def _fill(item, reader: ChunkReader, sources: dict):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    if isinstance(item, ShardedObject):
+        return item.data
+    if not isinstance(item, ShardedTensor):
+        return item
+    m = _OPT_KEY.match(item.key)
+    key, kind = (m.group(3), m.group(2)) if m else (item.key, None)
+    n = item.prepend_axis_num
+    lead, offsets = list(item.global_offset[:n]), list(item.global_offset[n:])
+    value = _read_fsdp(reader, sources, key, kind, lead, offsets, list(item.local_shape))
+    value = value.to(item.dtype)
+    if item.flattened_range is not None:
+        value = value.flatten()[item.flattened_range]
+    return value
+
+
+def _into_ddp(cfg, model, optimizer, scheduler, path: Path, common: dict, index, with_optimizer: bool) -> None:
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+    from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    reader = ChunkReader(path, index)
+    sources = _fsdp_sources(common)
+    requested = sharded_state(cfg, model, optimizer, scheduler, step=0, consumed_samples=0,
+                              with_optimizer=with_optimizer, is_loading=True)
+    requested.pop("rng_state")
+    state, nonpersistent, factories = load_preprocess(requested)
+    dict_list_map_inplace(lambda item: _fill(item, reader, sources), state)
+    state = apply_factory_merges(state, factories)
+    merge(state, nonpersistent)
+    for key in [k for k in state if k.startswith("model")]:
+        unwrap(model[0 if key == "model" else int(key[5:])]).load_state_dict(state[key], strict=True)
+    if with_optimizer:
+        step = _fsdp_step(reader, common)
+        for group in state["optimizer"]["optimizer"]["param_groups"]:
+            group["step"] = step
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _fsdp_step(reader: ChunkReader, common: dict) -> float:
+    stored = next(iter(common["names"]))
+    key = f"optimizer.state.{fsdp_format.OPTIMIZER_PREFIX}{stored}.step"
+    return float(reader.read(key, [], []).item())
+
+
+class FsdpAsTorchDist:
+    """An fsdp_dtensor checkpoint's model tensors under torch_dist names and shapes, read one layer (or layer,
+    expert) slice at a time: what the HF export reads (`pretrain/hf/readers.py`)."""
+
+    def __init__(self, path: Path, common: dict, index):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.reader = ChunkReader(path, index)
+        self.sources = _fsdp_sources(common)
+        self.tensors: dict = {}
+        self.inner: dict[str, list[int]] = {}
+        entries: dict[str, list] = {}
+        for (key, *lead), halves in self.sources.items():
+            entries.setdefault(key, []).append((lead, halves))
+        for key, found in entries.items():
+            lead, halves = found[0]
+            md = self.reader.meta[f"model.{halves.get('') or halves['w']}"]
+            inner = list(md.size)
+            if "" not in halves:
+                inner[0] *= 2  # [w; v]
+            counts = [max(lead[i] for lead, _ in found) + 1 for i in range(len(lead))]
+            self.inner[key] = inner
+            self.tensors[key] = TensorStorageMetadata(properties=md.properties, size=torch.Size(counts + inner),
+                                                      chunks=[])
+
+    def read(self, key: str, lead: list[int]) -> torch.Tensor:
+        inner = self.inner[key]
+        return _read_fsdp(self.reader, self.sources, key, None, list(lead), [0] * len(inner), inner)
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def load_across(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *,
+                weights_only: bool) -> tuple[int, int]:
+    """Load `path` (the other format than this run's) on every rank. Returns (step, consumed_samples)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    into_fsdp = fsdp_format.is_fsdp(model)
+    source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
+    with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
+    error = None
+    if with_optimizer:
+        sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
+        sharded_here = into_fsdp or cfg.optimizer.distributed
+        if sharding not in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) or not sharded_here:
+            error = CheckpointError(
+                f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
+                f"{source} checkpoint's optimizer state ({sharding or 'not sharded'}) does not fit this run's "
+                f"optimizer. Fix: set optimizer.distributed=true, or checkpoint.load_optimizer=false to start from "
+                "the weights with a fresh optimizer")
+    agree(error)
+    target = "Megatron-FSDP" if into_fsdp else "the distributed optimizer" if cfg.optimizer.distributed else "DDP"
+    if dist.get_rank() == 0:
+        print(f"[pretrain] {path} is in the {source} format: loading it into {target} (per-rank RNG states are "
+              "not carried across formats)", flush=True)
+    try:
+        if into_fsdp:
+            _into_fsdp(cfg, model, optimizer, scheduler, path, common, index, with_optimizer)
+        else:
+            _into_ddp(cfg, model, optimizer, scheduler, path, common, index, with_optimizer)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"{path}: loading the {source} checkpoint into {target} failed ({reason(exc)})") from exc
+    if weights_only:
+        return 0, 0
+    return int(common["iteration"]), int(common["consumed_samples"])

@@ -1,0 +1,330 @@
+"""Megatron's `fsdp_dtensor` checkpoint format for Megatron-FSDP runs (optimizer.fsdp=true).
+
+Megatron-FSDP state exists only as DTensors: megatron-core refuses it in torch_dist (`DistributedOptimizer.
+sharded_state_dict` raises NotImplementedError for every sharding type but `fsdp_dtensor`), and the
+fsdp_dtensor save/load itself lives in Megatron-LM's training loop, not in megatron-core. This module is our own
+implementation on torch.distributed.checkpoint (DCP) and megatron-core's helpers (`fsdp_dtensor_checkpoint`,
+`uneven_dtensor`), inside our checkpoint package: same directory, tracker, `run_config.yaml` commit, `common.pt`
+and completeness checks as torch_dist (`format.py`); `metadata.json` names the backend `fsdp_dtensor`.
+
+What the DCP files hold (Megatron-LM's key layout): `model.<param>` (DTensors, the SwiGLU `linear_fc1` split into
+`_w`/`_v` halves by `handle_swiglu_in_state_dict`, experts under global indices), `optimizer.state.<name>.
+{exp_avg,exp_avg_sq,step}` and `optimizer.param_to_group_meta`, and `rng_state.<rank>`. `common.pt` holds step,
+consumed samples, config, layout, the LR schedule and `names`: every stored model key with the torch_dist key
+and layer/expert index it corresponds to (what `cross_format.py` and the HF export read).
+
+Three traps of the format are handled (shared/docs/cp_and_fsdp_on_cpu.md): a rank whose shard of a parameter is
+empty has no optimizer state for it, so every rank is given an entry for every parameter (an empty DTensor) — the
+per-DTensor collectives of `uneven_dtensor` would deadlock otherwise; entries follow the model's parameter order
+on every rank (DCP reports out-of-bounds chunks otherwise); `handle_swiglu_in_state_dict` is called with the
+MegatronFSDP module and one `module.` stripped from the optimizer's `module.module.` names.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pretrain.checkpoint import state as checkpoint_state
+from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
+from pretrain.checkpoint.state import layout_key, set_rng_state
+
+FORMAT = "fsdp_dtensor"
+FORMAT_METADATA = {"sharded_backend": FORMAT, "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}
+OPTIMIZER_PREFIX = "module.module."  # the optimizer's names: adapter → MegatronFSDP → GPTModel
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+def is_fsdp(model) -> bool:
+    """True for Megatron-FSDP-wrapped model chunks."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    return isinstance(model[0], FullyShardedDataParallel)
+
+
+def inner(model):
+    """(MegatronFSDP module, GPTModel) of the single model chunk."""
+    mfsdp = model[0].module
+    return mfsdp, mfsdp.module
+
+
+# --------------------------------------------------------------------------------------------------
+# Names: each stored model key ↔ the torch_dist key (and leading layer / expert index) of the same tensor
+# --------------------------------------------------------------------------------------------------
+
+
+def _mapped(rest: str, keys_map: dict) -> str:
+    for old, new in keys_map.items():  # Megatron's sharded_state_dict_keys_map (fused-norm names)
+        if rest.startswith(old):
+            return new + rest[len(old):]
+    return rest
+
+
+def torch_dist_names(gpt) -> dict[str, tuple[str, list[int]]]:
+    """{GPTModel parameter name: (torch_dist key, leading indices)}: layers stack along dim 0 (global layer
+    index), experts along dim 1 (global expert index), as Megatron's sharded_state_dict lays them out."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import get_ep_layer_offset
+
+    num_experts = getattr(gpt.config, "num_moe_experts", None)
+    expert_offset = get_ep_layer_offset(num_experts) if num_experts else 0
+    names = {}
+    for name, _ in gpt.named_parameters():
+        m = _LAYER.match(name)
+        if m is None:
+            names[name] = (name, [])
+            continue
+        layer = gpt.decoder.layers[int(m.group(1))]
+        keys_map = getattr(layer.submodules_config, "sharded_state_dict_keys_map", None) or {}
+        rest = m.group(2)
+        e = _EXPERT.match(rest)
+        if e is not None:
+            names[name] = (f"decoder.layers.mlp.experts.experts.{e.group(2)}",
+                           [layer.layer_number - 1, int(e.group(1)) + expert_offset])
+        else:
+            names[name] = (f"decoder.layers.{_mapped(rest, keys_map)}", [layer.layer_number - 1])
+    return names
+
+
+def stored_names(gpt) -> dict[str, list]:
+    """{stored model key (after the expert renumbering and SwiGLU split): [torch_dist key, leading indices,
+    half]} with half "w"/"v" for the SwiGLU halves of linear_fc1 (the torch_dist tensor is [w; v] on dim 0)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+    names = torch_dist_names(gpt)
+    num_experts = getattr(gpt.config, "num_moe_experts", None)
+    renamed = handle_experts_in_state_dict({k: k for k in names}, num_experts) if num_experts else {k: k for k in names}
+    out = {}
+    for stored, local in renamed.items():
+        key, lead = names[local]
+        if gpt.config.gated_linear_unit and _is_swiglu(stored):
+            out[f"{stored}_w"] = [key, lead, "w"]
+            out[f"{stored}_v"] = [key, lead, "v"]
+        else:
+            out[stored] = [key, lead, None]
+    return out
+
+
+def all_stored_names(model) -> dict[str, list]:
+    """`stored_names` of every rank merged (expert-parallel ranks hold different experts; collective)."""
+    mine = stored_names(inner(model)[1])
+    if dist.get_world_size() == 1 or not inner(model)[1].config.num_moe_experts:
+        return mine
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged: dict[str, list] = {}
+    for names in gathered:
+        merged.update(names)
+    return merged
+
+
+def _is_swiglu(name: str) -> bool:
+    return bool(re.search(r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\.(weight|bias)$", name))
+
+
+# --------------------------------------------------------------------------------------------------
+# The state
+# --------------------------------------------------------------------------------------------------
+
+
+def global_expert_names(names: list[str], num_experts: int | None) -> dict[str, str]:
+    """{local name: name with the global expert index} (Megatron's renaming, kept in the given order)."""
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+    if not num_experts:
+        return {n: n for n in names}
+    new_to_old = handle_experts_in_state_dict({n: n for n in names}, num_experts)
+    old_to_new = {old: new for new, old in new_to_old.items()}
+    return {n: old_to_new[n] for n in names}
+
+
+def _complete_optimizer_state(model, state: dict) -> dict:
+    """Every parameter in model order on every rank; an empty-shard parameter gets empty DTensors.
+
+    Keys are the optimizer's names (global expert indices); the order is the model's on every rank.
+    """
+    steps = [float(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s]
+    step = torch.tensor([max(steps) if steps else 0.0], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    params = dict(model[0].named_parameters())
+    renamed = global_expert_names(list(params), inner(model)[1].config.num_moe_experts)
+    complete = {}
+    for local, name in renamed.items():
+        param = params[local]
+        entry = state.get(name)
+        if entry is None:
+            entry = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        if "step" not in entry:
+            entry["step"] = torch.tensor(step.item(), dtype=torch.float32)
+        complete[name] = entry
+    return complete
+
+
+def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) -> tuple[dict, dict, dict | None]:
+    """(DCP state dict, the model's own state dict, the optimizer's) for save or load (collective).
+
+    The DCP state shares storage with the model and optimizer tensors: a DCP load writes into them in place.
+    """
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
+
+    mfsdp, gpt = inner(model)
+    raw_model = gpt.state_dict()
+    model_sd = {k: v for k, v in raw_model.items() if not k.endswith("._extra_state")}
+    raw_opt = None
+    opt_sd = None
+    if with_optimizer:
+        raw_opt = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                               metadata={"distrib_optim_sharding_type": FORMAT})
+        raw_opt["state"] = _complete_optimizer_state(model, raw_opt["state"])
+        # handle_swiglu_in_state_dict strips one "module." and looks the name up on the MegatronFSDP module.
+        opt_sd = dict(raw_opt)
+    if gpt.config.gated_linear_unit:  # before the expert renaming: it looks the model's (local) names up
+        model_sd, opt_sd = handle_swiglu_in_state_dict(mfsdp, model_sd, opt_sd)
+    if gpt.config.num_moe_experts:  # global expert indices, renamed in place (the same order on every rank)
+        renamed = global_expert_names(list(model_sd), gpt.config.num_moe_experts)
+        model_sd = {renamed[k]: v for k, v in model_sd.items()}
+    state = {"model": model_sd}
+    if opt_sd is not None:
+        state["optimizer"] = opt_sd
+    preprocess_state_dict_for_uneven_dtensor(state)  # uneven shards' chunk metadata (collective per DTensor)
+    return state, raw_model, raw_opt
+
+
+def common_state(cfg, names: dict, scheduler, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
+    """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names.
+    The run-level entries are torch_dist's (`state.common_fields`: schedule, step, config, tokenizer identity)."""
+    common = {**checkpoint_state.common_fields(cfg, scheduler, step=step, consumed_samples=consumed_samples),
+              "format": FORMAT, "names": names}
+    if with_optimizer:
+        common["optimizer"] = {"param_state_sharding_type": FORMAT}
+    return common
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------
+
+
+def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, consumed_samples: int):
+    """Plan the save of `path` on every rank and return Megatron-Core's AsyncRequest that writes it.
+
+    The tensors are written by Megatron-Core's DCP writer (`FileSystemWriterAsync`, the same one torch_dist
+    uses): `request.execute_sync()` writes now, `AsyncCallsQueue.schedule_async_request` in the background.
+    Rank 0 writes `metadata.json` and `common.pt` before returning; the caller commits after the request.
+    """
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    with_optimizer = cfg.checkpoint.save_optimizer
+    state, _, _ = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=False)
+    state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
+    names = all_stored_names(model)  # collective
+    if dist.get_rank() == 0:
+        (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
+        torch.save(common_state(cfg, names, scheduler, step=step, consumed_samples=consumed_samples,
+                                with_optimizer=with_optimizer), path / COMMON_FILE)
+    writer = FileSystemWriterAsync(str(path), thread_count=1)
+    planned = save_state_dict_async_plan(state, writer, None, 0, planner=DefaultSavePlanner())
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    return AsyncRequest(save_fn, save_args, [lambda: save_state_dict_async_finalize(*planned[0])],
+                        preload_fn=preload_fn)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def check_requested(path: Path, index, state: dict) -> None:
+    """Every tensor this rank will load is in the checkpoint with the same global shape, every object is one and
+    passes the weights-only loader (as `load.py` checks torch_dist checkpoints)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    flat, _ = flatten_state_dict(state)
+    meta = index.state_dict_metadata
+    for key, value in flat.items():
+        found = meta.get(key)
+        what = "optimizer state" if key.startswith("optimizer.") else "tensor" if torch.is_tensor(value) else "object"
+        if found is None:
+            raise CheckpointError(f"{path}: {what} '{key}' is not in the checkpoint")
+        if torch.is_tensor(value):
+            if not isinstance(found, TensorStorageMetadata):
+                raise CheckpointError(f"{path}: '{key}' is a pickled object in the checkpoint, expected a tensor")
+            if tuple(found.size) != tuple(value.shape):
+                raise CheckpointError(f"{path}: {what} '{key}' has shape {list(found.size)} in the checkpoint but "
+                                      f"{list(value.shape)} in this model")
+        elif not isinstance(found, BytesStorageMetadata):
+            raise CheckpointError(f"{path}: '{key}' is a tensor in the checkpoint, expected an object")
+        else:  # what DCP would unpickle: through the weights-only loader first
+            data = read_object_bytes(path, index, key)
+            try:
+                torch.load(io.BytesIO(data or b""), weights_only=True)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: object '{key}' refused by the weights-only loader, untrusted pickles "
+                                      f"are never loaded ({reason(exc)})") from None
+
+
+def _local_non_finite(state: dict) -> str | None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    for key, value in flat.items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            bad = local.numel() - int(torch.isfinite(local).sum())
+            if bad:
+                return f"tensor '{key}' holds {bad} NaN/Inf values (of {local.numel()} on this rank)"
+    return None
+
+
+def load(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
+    """Load an fsdp_dtensor checkpoint into Megatron-FSDP model chunks (all ranks). (step, consumed_samples)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
+    same_layout = list(common.get("layout", [])) == list(layout_key(cfg))
+    error = None
+    state, raw_model, raw_opt = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=True)
+    if same_layout and not weights_only:
+        state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
+    try:
+        check_requested(path, index, state)
+    except CheckpointError as exc:
+        error = exc
+    agree(error)
+    try:
+        dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=DefaultLoadPlanner())
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: loading failed ({reason(exc)})") from exc
+    bad = _local_non_finite({k: v for k, v in state.items() if k in ("model", "optimizer")})
+    agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
+    _, gpt = inner(model)
+    try:  # the tensors were loaded in place; this installs them as Megatron-FSDP's compute weights
+        gpt.load_state_dict(raw_model, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
+    if with_optimizer:
+        raw_opt["param_to_group_meta"] = state["optimizer"]["param_to_group_meta"]
+        optimizer.load_state_dict(raw_opt)  # the schedule: load.py (this config's, at the checkpoint's step)
+    if "rng_state" in state:
+        set_rng_state(state["rng_state"][str(dist.get_rank())])
+    if weights_only:
+        return 0, 0
+    return int(common["iteration"]), int(common["consumed_samples"])
