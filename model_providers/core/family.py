@@ -80,6 +80,17 @@ class Family:
             out["dtype"] = dtype
         return out, []
 
+    # ---- the mapping of one model ---------------------------------------------------------------------
+
+    def mapping_for(self, m: Any) -> tuple[MappingRule, ...]:
+        """The rules for our `ModelConfig` `m` (default: the family's table; families whose checkpoints key
+        layers apart expand their templates per layer)."""
+        return self.mapping
+
+    def hf_shapes(self, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the HF checkpoint's tensors (default: what transformers saves for `hf_cfg`)."""
+        return hf_parameter_shapes(hf_cfg)
+
     # ---- helpers for subclasses and the HF bridge -----------------------------------------------------
 
     def require_fixed_fields(self, m: Any) -> None:

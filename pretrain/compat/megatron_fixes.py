@@ -34,6 +34,19 @@ Without Transformer Engine (CPU, GPUs without TE):
    unconditionally: `NameError` in the first MoE forward. Fix: the missing names are None ("absent").
    Fixed upstream in 0.17.0 (`moe_utils.py` sets them to None without TE; checked in the 0.17.0, 0.18.0,
    0.19.0 sources and shown on 0.19.2 by the test).
+
+Multi-Latent Attention on the local spec (CPU, GPUs without TE):
+7. `mla_local_core_attention` — `MultiLatentAttention.__init__` (`transformer/multi_latent_attention.py`) builds its
+   core attention with `k_channels` / `v_channels` (query/key and value head widths differ: 192 and 128 for
+   DeepSeek-V3), which only TE's attention accepts; the local spec's `DotProductAttention.__init__` raises
+   `TypeError: unexpected keyword argument 'k_channels'`. Fix: the local attention takes both, and its output width
+   is heads × `v_channels` (its matmuls already follow the tensors' own head widths; MLA passes its softmax scale).
+   Present in 0.16.1 and 0.19.2 (`dot_product_attention.py`, same signature).
+8. `mla_without_te` — `multi_latent_attention.py` sets `HAVE_TE = True` when `megatron.core.extensions.
+   transformer_engine` imports, which it does without TE (its classes are then None), so `MLASelfAttention.__init__`
+   calls `isinstance(self.linear_proj, TELinear)` with a placeholder `TELinear` (a MagicMock): `TypeError`. Fix: the module's `HAVE_TE`
+   is False without TE. Fixed upstream in 0.17.0 (it imports the extension's own `HAVE_TE`; checked in the 0.17.0,
+   0.18.0 and 0.19.2 sources).
 """
 
 from __future__ import annotations
@@ -201,6 +214,26 @@ def _without_te() -> bool:
     return not mrandom.HAVE_TE
 
 
+def _mla_local_core_attention() -> list:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:  # [sq, b, heads/TP × v_channels] out
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return [(DotProductAttention, "__init__", __init__)]
+
+
+def _mla_without_te() -> list:
+    from megatron.core.transformer import multi_latent_attention
+
+    placeholder = not isinstance(multi_latent_attention.TELinear, type)  # None or a MagicMock without TE
+    return [(multi_latent_attention, "HAVE_TE", False)] if placeholder else []
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -222,6 +255,8 @@ FIXES = (
     Fix("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
     Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
     Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
+    Fix("mla_local_core_attention", "0.16.1", None, _mla_local_core_attention),
+    Fix("mla_without_te", "0.16.1", "0.17.0", _mla_without_te, _without_te),
 )
 
 
