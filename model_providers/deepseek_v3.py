@@ -273,6 +273,9 @@ class DeepseekV3Family(Family):
             scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, aux_loss_alpha=m.moe_aux_loss_coeff,
             seq_aux=m.moe_router_load_balancing_type == "seq_aux_loss", architectures=[arch],
             dtype=str(dtype).removeprefix("torch."))
+        released = (base or {}).get("rope_scaling") or {}
+        if "type" in released and m.rope_type == "yarn":  # the pre-v5 spelling transformers keeps beside rope_type
+            fields["rope_parameters"]["type"] = released["type"]
         return self.hf_config(transformers.DeepseekV3Config, fields, bos=bos, eos=eos, base=base)
 
     def config_json(self, hf_cfg: Any) -> dict:
@@ -284,6 +287,7 @@ class DeepseekV3Family(Family):
         if rope.get("rope_type") == "yarn":
             out["rope_scaling"] = {**{k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type")},
                                    "type": "yarn"}
+            out.pop("rope_parameters", None)  # read back from rope_scaling, as a released config is
         for key in ("num_nextn_predict_layers", "first_k_dense_replace", "n_group", "topk_group", "scoring_func",
                     "topk_method", "routed_scaling_factor", "moe_layer_freq", "norm_topk_prob", "q_lora_rank"):
             out[key] = getattr(hf_cfg, key)

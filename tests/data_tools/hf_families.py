@@ -74,14 +74,32 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 50261,
     },
+    # DeepSeek-V3 style: MLA (q LoRA 32, KV rank 16, rope width 8), YaRN with mscale != mscale_all_dim, one dense
+    # layer then 2 MoE layers of 8 experts + 1 shared, sigmoid top-2 within 1 of 2 groups, weights × 2.5, one MTP
+    # layer stored as the extra decoder layer 3 (with copies of the embedding and the head).
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001, "bos_token_id": 1, "eos_token_id": 2, "ep_size": 1, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "kv_lora_rank": 16, "max_position_embeddings": 64, "model_type": "deepseek_v3", "moe_intermediate_size": 32,
+        "moe_layer_freq": 1, "n_group": 2, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 0.707, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 16, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "float32",
+        "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 16, "vocab_size": 32009,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral: within its sliding window).
-SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64}
+SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
-             "mixtral": "sentencepiece", "qwen3_moe": "bpe"}
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:
