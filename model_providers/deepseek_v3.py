@@ -110,8 +110,9 @@ def _dense_mlp(prefix: str) -> tuple[MappingRule, ...]:
 def _moe_mlp(prefix: str, shared: bool) -> tuple[MappingRule, ...]:
     e = _L + "mlp.experts.{e}."
     s = _L + "mlp.shared_experts."
-    shared_rules = (GateUp(prefix + "mlp.shared_experts.linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight")),
-                    Copy(prefix + "mlp.shared_experts.linear_fc2.weight", s + "down_proj.weight")) if shared else ()
+    shared_rules = (
+        GateUp(prefix + "mlp.shared_experts.linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight")),
+        Copy(prefix + "mlp.shared_experts.linear_fc2.weight", s + "down_proj.weight")) if shared else ()
     return (Copy(prefix + "pre_mlp_layernorm.weight", _L + "post_attention_layernorm.weight"),
             Copy(prefix + "mlp.router.weight", _L + "mlp.gate.weight"),
             ExactCopy(prefix + "mlp.router.expert_bias", _L + "mlp.gate.e_score_correction_bias"),
@@ -232,9 +233,10 @@ class DeepseekV3Family(Family):
         for j in range(int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)):
             p = f"model.layers.{layers + j}."
             shapes.update({p + k[len(last):]: v for k, v in list(shapes.items()) if k.startswith(last)})
+            vocab = shapes["model.embed_tokens.weight"]
             shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                           p + "shared_head.norm.weight": (h,), p + "embed_tokens.weight": shapes["model.embed_tokens.weight"],
-                           p + "shared_head.head.weight": shapes["model.embed_tokens.weight"]})
+                           p + "shared_head.norm.weight": (h,), p + "embed_tokens.weight": vocab,
+                           p + "shared_head.head.weight": vocab})
         return shapes
 
     def to_hf_config(self, m: Any, vocab: int, *, bos: int | None, eos: int | None, dtype: Any,

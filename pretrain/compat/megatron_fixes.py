@@ -43,10 +43,10 @@ Multi-Latent Attention on the local spec (CPU, GPUs without TE):
    is heads × `v_channels` (its matmuls already follow the tensors' own head widths; MLA passes its softmax scale).
    Present in 0.16.1 and 0.19.2 (`dot_product_attention.py`, same signature).
 8. `mla_without_te` — `multi_latent_attention.py` sets `HAVE_TE = True` when `megatron.core.extensions.
-   transformer_engine` imports, which it does without TE (its classes are then None), so `MLASelfAttention.__init__`
-   calls `isinstance(self.linear_proj, TELinear)` with a placeholder `TELinear` (a MagicMock): `TypeError`. Fix: the module's `HAVE_TE`
-   is False without TE. Fixed upstream in 0.17.0 (it imports the extension's own `HAVE_TE`; checked in the 0.17.0,
-   0.18.0 and 0.19.2 sources).
+   transformer_engine` imports, which it does without TE (its classes are then MagicMock placeholders), so
+   `MLASelfAttention.__init__` calls `isinstance(self.linear_proj, TELinear)` with a placeholder: `TypeError`. Fix:
+   the module's `HAVE_TE` is False without TE. Fixed upstream in 0.17.0 (it imports the extension's own `HAVE_TE`;
+   checked in the 0.17.0, 0.18.0 and 0.19.2 sources).
 """
 
 from __future__ import annotations

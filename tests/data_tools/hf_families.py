@@ -167,3 +167,40 @@ def non_weight_files(directory: Path) -> dict[str, bytes]:
     """Every file of an HF directory but the weights and their index."""
     return {p.name: p.read_bytes() for p in directory.iterdir()
             if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}
+
+
+def hf_mtp(directory: Path, model):
+    """transformers' Multi-Token Prediction module for `model` (loaded from `directory`), with the MTP layers'
+    weights from the checkpoint files (transformers' own loader matches only layer 61, DeepSeek-V3's)."""
+    from safetensors.torch import load_file
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_layers import MtpModel
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    layers = model.config.num_hidden_layers
+    mtp = MtpModel(model, model.config.num_mtp_layers)
+    state = {}
+    for f in directory.glob("*.safetensors"):
+        state.update({k: v for k, v in load_file(str(f)).items()
+                      if int(k.split(".")[2]) >= layers if k.startswith("model.layers.")})
+    info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=state, load_config=LoadStateDictConfig(
+        weight_mapping=mtp.get_weight_conversions(model), dtype=torch.float32))
+    assert set(info.missing_keys) <= {"embed_tokens.weight", "shared_head.weight"}, info.missing_keys
+    mtp.tie_with_main_model(model)
+    return mtp.eval()
+
+
+def hf_mtp_loss(mtp, hidden: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> float:
+    """The depth-1 MTP loss Megatron-Core computes: at position i the MTP layer sees the main model's final hidden
+    state i and the embedding of token i+1, and predicts token i+2 (labels[i+1]); the loss mask moves along, the
+    last position has none. `hidden` [b, s, h] (after the final norm), `tokens`/`labels`/`mask` [b, s]."""
+    from torch.nn.functional import cross_entropy
+
+    s = tokens.shape[1]
+    positions = torch.arange(s - 1).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        out = mtp.forward_layer(0, hidden[:, : s - 1], positions, None, input_ids=tokens[:, 1:])
+        logits = mtp._project_to_logits(out)
+    per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="none")
+    m = mask[:, 1:].reshape(-1).float()
+    return (per_token * m).sum().item() / m.sum().item()

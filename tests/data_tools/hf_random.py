@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-
-from types import SimpleNamespace
 
 from model_providers import family_for_hf
 from model_providers.core.mapping import Duplicate
