@@ -135,6 +135,10 @@ class ParallelConfig:
     tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
     # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).
     batch_p2p_comm: bool | None = None
+    # Uneven pipeline stages (Megatron-Core's names): decoder layers of the first / last stage (null: an even
+    # share); the other stages split the rest evenly. E.g. DeepSeek-V3's 61 layers on PP8: 7, 6 (8 per middle stage).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
 
 
 @dataclass

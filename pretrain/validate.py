@@ -3,8 +3,8 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging). The trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone
-(exit 2 on errors).
+logging). The trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N`
+runs them alone (exit 2 on errors).
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sp,
         normalization=m.normalization,

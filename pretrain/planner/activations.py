@@ -185,8 +185,7 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     """Bytes each transformer layer of one model chunk keeps per microbatch, in order: its decoder layers, then
     (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
     m = cfg.model
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
-    offset = (vp_stage * lay.pp + pp_rank) * per_chunk
+    offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
     if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
         out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers
@@ -298,7 +297,6 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     h = m.hidden_size
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
     selective = m.recompute_granularity == "selective"
     modules = recomputed_modules(cfg)
     chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
@@ -306,8 +304,13 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     working, freed_first, once = 0, 0, 0
     if m.recompute_granularity == "full":
         layer = max(max(layers) for layers in chunk_layers.values())  # dense-first models: the larger layer
-        stored, working, freed_first = _full_recompute(cfg, per_chunk, layer, hs * p)
-        per_mb = {c: stored + (len(layers) - per_chunk) * layer for c, layers in chunk_layers.items()}  # + MTP
+        per_mb, work = {}, []
+        for c, layers in chunk_layers.items():
+            decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
+            stored, chunk_work, freed_first = _full_recompute(cfg, decoder, layer, hs * p)
+            per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
+            work.append(chunk_work)
+        working = max(work)
         if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
             once = lay.vp * s * lay.head_dim * 4
     elif selective:

@@ -150,8 +150,7 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
         if m.position_embedding_type == "learned_absolute":
             out.append(Param("embedding.position_embeddings.weight",
                              (m.max_position_embeddings or m.seq_length) * m.hidden_size))
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
-    offset = (vp_stage * lay.pp + pp_rank) * per_chunk
+    offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     for i in range(per_chunk):
         out += layer_parameters(m, lay, i, global_index=offset + i)
     if post:

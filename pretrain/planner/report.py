@@ -11,6 +11,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     """The plan as text for people."""
     lay, mem, thr, cm = plan["layout"], plan["memory_gib"], plan["throughput"], plan["cost_model"]
     vp = f" VP{lay['virtual_pipeline']}" if lay["virtual_pipeline"] else ""
+    if lay.get("first_stage_layers") is not None or lay.get("last_stage_layers") is not None:
+        vp += f" (layers: first stage {lay['first_stage_layers'] or 'even'}, last {lay['last_stage_layers'] or 'even'})"
     lines = [
         f"plan: {plan['config']} on {plan['nodes']} node(s) × {plan['gpus_per_node']} {plan['gpu'].upper()} "
         f"= {plan['world_size']} GPUs",
@@ -21,7 +23,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer; "
         f"{'Transformer Engine' if lay['transformer_engine'] else 'local'} spec",
         f"  model      {plan['num_parameters']:,} parameters{_active(plan)} (padded vocabulary "
-        f"{plan['padded_vocab_size']:,})",
+        f"{plan['padded_vocab_size']:,}){_mtp(plan)}",
         f"  FLOPs      {plan['flops_per_token']:.4g} per token, {plan['flops_per_step']:.4g} per step",
         f"             {plan['flops_formula']}",
         f"  memory per GPU (GiB), most loaded rank = pipeline stage {plan['most_loaded_rank']['pipeline_stage']} "
@@ -52,6 +54,11 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"{cm['dp_comm_s']:.2f}{ep} s = {cm['step_s']:.2f} s/step, {cm['tokens_per_s_per_gpu']:,.0f} "
                  f"tokens/s/GPU, MFU {cm['mfu']:.0%}")
     return "\n".join(lines)
+
+
+def _mtp(plan: dict[str, Any]) -> str:
+    mtp = plan.get("num_mtp_parameters")
+    return f"; + {mtp:,} in the MTP layers (sharing the embedding and output head)" if mtp else ""
 
 
 def _active(plan: dict[str, Any]) -> str:

@@ -42,7 +42,8 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     if m.position_embedding_type != "rope":
         r.error(("model.multi_latent_attention", "model.position_embedding_type"),
                 "Multi-Latent Attention applies its own RoPE (model.rope_type); model.position_embedding_type="
-                f"{m.position_embedding_type} would add a second position encoding", "set model.position_embedding_type=rope")
+                f"{m.position_embedding_type} would add a second position encoding",
+                "set model.position_embedding_type=rope")
     if m.sliding_window is not None:
         r.error(("model.multi_latent_attention", "model.sliding_window"),
                 "Multi-Latent Attention has no sliding-window attention in Megatron-Core",
@@ -107,8 +108,9 @@ def deepseek_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bo
                 "the expert bias (aux-loss-free balancing) needs sigmoid scores (Megatron-Core)",
                 "set model.moe_router_score_function=sigmoid or model.moe_router_enable_expert_bias=false")
     if m.moe_router_bias_update_rate < 0:
-        r.error("model.moe_router_bias_update_rate", f"model.moe_router_bias_update_rate={m.moe_router_bias_update_rate}"
-                " must be >= 0", "use e.g. 1e-3 (0: the bias stays as loaded)")
+        r.error("model.moe_router_bias_update_rate",
+                f"model.moe_router_bias_update_rate={m.moe_router_bias_update_rate} must be >= 0",
+                "use e.g. 1e-3 (0: the bias stays as loaded)")
     scale = m.moe_router_topk_scaling_factor
     if scale is not None and scale <= 0:
         r.error("model.moe_router_topk_scaling_factor", f"model.moe_router_topk_scaling_factor={scale} must be "

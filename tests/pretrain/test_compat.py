@@ -40,9 +40,13 @@ def test_validate_reports_installed_versions():
 _CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
         "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
-          "recompute_norms_without_te", "moe_router_without_te"]
+          "recompute_norms_without_te", "moe_router_without_te", "mla_local_core_attention", "mla_without_te"]
 # moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE).
-APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f != "moe_router_without_te"]}
+# mla_without_te: fixed upstream in 0.17.0 (multi_latent_attention.py imports the extension's own HAVE_TE).
+# mla_q_norm_without_q_lora: 0.19.0+ only (QKNormConfigResolver).
+APPLIED = {"0.16.1": _CPU + _FIXES,
+           "0.19.2": [f for f in _CPU + _FIXES if f not in ("moe_router_without_te", "mla_without_te")]
+           + ["mla_q_norm_without_q_lora"]}
 
 
 def test_startup_applies_what_the_release_needs():

@@ -2,7 +2,7 @@
 
 One single-process launch of `ckpt_worker.py`: a reference run saves at step 2 and trains to step 4; then, for
 each fix in turn, the same resume (or a load of a planted pickle, or one step with `recompute_modules:
-[layernorm]`, or one step of tiny_moe) runs with only that fix undone. The bug must
+[layernorm]`, or one step of tiny_moe or tiny_deepseek) runs with only that fix undone. The bug must
 show on the installed megatron-core if and only if the fix says it is needed there. CI runs this on 0.16.1
 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
 """
@@ -41,6 +41,10 @@ def without_each_fix(tmp_path_factory):
                                                    "model.recompute_modules=[layernorm]", f"run.dir={root}/norms"]})
     cases.append({"name": "moe_router_without_te", "config": "tiny_moe", "without_fixes": ["moe_router_without_te"],
                   "overrides": SMALL + one_step + [f"run.dir={root}/moe"]})
+    for name in ("mla_local_core_attention", "mla_without_te", "mla_q_norm_without_q_lora"):  # MLA, local spec
+        q_lora = ["model.q_lora_rank=null"] if name == "mla_q_norm_without_q_lora" else []  # Moonlight-style
+        cases.append({"name": name, "config": "tiny_deepseek", "without_fixes": [name],
+                      "overrides": SMALL + one_step + q_lora + [f"run.dir={root}/{name}"]})
     plan = root / "plan.json"
     plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
     rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), root / "worker.log", timeout=420)
@@ -72,6 +76,15 @@ def _bug_shows(name: str, root: Path, results: dict, marker: Path) -> tuple[bool
             str(res["error"])
     if name == "moe_router_without_te":  # the router's gating GEMM tests a name defined only with TE
         return (not res["ok"] and "NameError" in res["traceback"] and "te_general_gemm" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_local_core_attention":  # MLA builds its core attention with k/v widths
+        return (not res["ok"] and "TypeError" in res["traceback"] and "k_channels" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_without_te":  # isinstance(linear_proj, TELinear) with TE's placeholder class
+        return (not res["ok"] and "TypeError" in res["traceback"] and "isinstance" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_q_norm_without_q_lora":  # 0.19's resolver wants a norm before q_proj (a fused one: TE only)
+        return (not res["ok"] and "RuntimeError" in res["traceback"] and "qk_layernorm" in res["traceback"]), \
             str(res["error"])
     raise AssertionError(f"no check for fix {name}")
 

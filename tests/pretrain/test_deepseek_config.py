@@ -1,0 +1,129 @@
+"""DeepSeek-V3-class configs, in-process (fast): presets against the released config.json shapes, parameter counts
+equal to the released checkpoints' tensor sums (transformers on the meta device, plus the MTP layers it does not
+build), and every MLA / routing / MTP combination Megatron-Core would assert on refused with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model_providers import get_family
+from pretrain import plan
+from pretrain.config import CONFIG_DIR, load_config
+from pretrain.validate import validate
+
+REPO = CONFIG_DIR.parent.parent
+FAMILY = "deepseek_v3"
+
+
+def problems(overrides: list[str], world: int, config: str = "tiny_deepseek") -> list[str]:
+    return [str(p) for p in validate(load_config(config, overrides), world).errors]
+
+
+def test_presets_have_the_released_shapes():
+    v3 = load_config(None, ["model.preset=deepseek_v3"]).model
+    assert (v3.num_layers, v3.hidden_size, v3.num_attention_heads, v3.q_lora_rank, v3.kv_lora_rank, v3.qk_head_dim,
+            v3.qk_pos_emb_head_dim, v3.v_head_dim) == (61, 7168, 128, 1536, 512, 128, 64, 128)
+    assert (v3.num_moe_experts, v3.moe_router_topk, v3.moe_ffn_hidden_size, v3.moe_shared_expert_intermediate_size,
+            v3.moe_router_num_groups, v3.moe_router_group_topk, v3.moe_router_topk_scaling_factor) == \
+        (256, 8, 2048, 2048, 8, 4, 2.5)
+    assert v3.moe_layer_freq == [0] * 3 + [1] * 58 and v3.mtp_num_layers == 1 and v3.vocab_size == 129280
+    assert (v3.rope_type, v3.rotary_scaling_factor, v3.mscale, v3.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    moon = load_config(None, ["model.preset=moonlight_16b_a3b"]).model
+    assert (moon.num_layers, moon.q_lora_rank, moon.num_moe_experts, moon.moe_router_topk, moon.rope_type,
+            moon.moe_shared_expert_intermediate_size, moon.mtp_num_layers) == (27, None, 64, 6, "rope", 2816, None)
+    kimi = load_config(None, ["model.preset=kimi_k2"]).model
+    assert (kimi.num_layers, kimi.num_attention_heads, kimi.num_moe_experts, kimi.moe_router_num_groups,
+            kimi.moe_layer_freq[:2], kimi.vocab_size) == (61, 64, 384, None, [0, 1], 163840)
+    tiny = load_config("tiny_deepseek").model
+    assert (tiny.num_layers, tiny.moe_layer_freq, tiny.num_moe_experts, tiny.moe_router_topk,
+            tiny.moe_router_num_groups, tiny.moe_router_group_topk, tiny.mtp_num_layers) == (4, [0, 1, 1, 1], 8, 2, 2,
+                                                                                              1, 1)
+
+
+# preset: (published total, published active)
+PUBLISHED = {"deepseek_v3": ("671B", "37B"), "moonlight_16b_a3b": ("16B", "3B"), "kimi_k2": ("1.0T", "32B")}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_parameter_counts_are_the_released_checkpoints_tensor_sums(preset):
+    """Our census (the planner's counts) against the tensors of the HF checkpoint the preset exports to: transformers'
+    DeepseekV3ForCausalLM on the meta device plus the MTP layers released checkpoints keep (with their stored copies
+    of the embedding and head)."""
+    cfg = load_config(None, [f"model.preset={preset}"])
+    m, vocab = cfg.model, cfg.model.vocab_size
+    family = get_family(FAMILY)
+    hf_cfg = family.to_hf_config(m, vocab, bos=0, eos=1, dtype=torch.bfloat16)
+    shapes = family.hf_shapes(hf_cfg)
+    checkpoint = sum(torch.Size(s).numel() for s in shapes.values())
+    main = sum(torch.Size(s).numel() for n, s in shapes.items()
+               if not any(n.startswith(f"model.layers.{m.num_layers + j}.") for j in range(m.mtp_num_layers or 0)))
+    total, active = plan.count_parameters(cfg, vocab), plan.count_active_parameters(cfg, vocab)
+    mtp = plan.count_mtp_parameters(cfg, vocab)
+    copies = 2 * vocab * m.hidden_size * (m.mtp_num_layers or 0)  # MTP's stored embedding and head copies
+    assert total == main and total + mtp + copies == checkpoint
+    unit, digits = (1e12, 1) if PUBLISHED[preset][0].endswith("T") else (1e9, 0)
+    print(f"{preset}: {total:,} parameters ({total / unit:.{digits + 2}f}{PUBLISHED[preset][0][-1]}; published "
+          f"{PUBLISHED[preset][0]}), {active:,} active ({active / 1e9:.2f}B; published {PUBLISHED[preset][1]}); MTP "
+          f"{mtp:,}; checkpoint tensors {checkpoint:,}")
+    assert f"{total / unit:.{digits}f}" == PUBLISHED[preset][0][:-1]
+    assert f"{active / 1e9:.0f}" == PUBLISHED[preset][1][:-1] or int(active / 1e9) == int(PUBLISHED[preset][1][:-1])
+
+
+CASES = [
+    (["parallel.expert=3"], 3, "[model.num_moe_experts, parallel.expert] model.num_moe_experts=8 is not divisible by "
+     "parallel.expert=3. Fix: choose parallel.expert from 1, 2, 4, 8"),
+    (["model.moe_router_num_groups=3"], 1, "[model.moe_router_num_groups, model.num_moe_experts] model.num_moe_experts"
+     "=8 is not divisible by model.moe_router_num_groups=3. Fix: choose moe_router_num_groups from 1, 2, 4, 8"),
+    (["model.moe_router_group_topk=4"], 1, "[model.moe_router_group_topk, model.moe_router_num_groups] "
+     "model.moe_router_group_topk=4 is more than model.moe_router_num_groups=2"),
+    (["model.moe_router_group_topk=null"], 1, "group-limited routing needs both model.moe_router_num_groups and "
+     "model.moe_router_group_topk (model.moe_router_group_topk is null; Megatron-Core would ignore the groups)"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=4", "model.moe_router_topk=2"], 1,
+     "model.moe_router_topk=2 cannot be chosen from model.moe_router_group_topk=4 groups of 2 experts"),
+    (["model.moe_router_score_function=softmax"], 1, "[model.moe_router_enable_expert_bias, "
+     "model.moe_router_score_function] the expert bias (aux-loss-free balancing) needs sigmoid scores"),
+    (["model.moe_shared_expert_intermediate_size=33", "parallel.tensor=2", "parallel.sequence_parallel=true",
+      "model.qk_pos_emb_head_dim=8"], 2, "[model.moe_shared_expert_intermediate_size, parallel.tensor] "
+     "model.moe_shared_expert_intermediate_size=33 is not divisible by parallel.tensor=2"),
+    (["model.moe_layer_freq=[0,1,1]"], 1, "[model.moe_layer_freq, model.num_layers] model.moe_layer_freq must list 0 "
+     "(dense) or 1 (MoE) for each of the model.num_layers=4 layers (got 3 values)"),
+    (["model.kv_lora_rank=15", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2,
+     "[model.kv_lora_rank, model.qk_pos_emb_head_dim, parallel.tensor] model.kv_lora_rank + model.qk_pos_emb_head_dim "
+     "= 23 is not divisible by parallel.tensor=2 (the local spec splits MLA's down-projections over TP)"),
+    (["model.qk_pos_emb_head_dim=7"], 1, "[model.qk_pos_emb_head_dim] model.qk_pos_emb_head_dim=7 must be even"),
+    (["model.position_embedding_type=learned_absolute"], 1, "Multi-Latent Attention applies its own RoPE"),
+    (["model.sliding_window=128"], 1, "Multi-Latent Attention has no sliding-window attention in Megatron-Core"),
+    (["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=2"], 1,
+     "full uniform recompute with MTP needs model.recompute_num_layers=1"),
+    (["model.mtp_num_layers=0"], 1, "[model.mtp_num_layers] model.mtp_num_layers=0 must be at least 1"),
+    (["model.num_moe_experts=null", "model.moe_shared_expert_intermediate_size=null", "model.moe_router_num_groups=null",
+      "model.moe_router_group_topk=null", "model.moe_router_topk_scaling_factor=null"], 1,
+     "[model.moe_router_enable_expert_bias, model.num_moe_experts] model.moe_router_enable_expert_bias is set but the "
+     "model has no experts"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", CASES, ids=[c[2][:40] for c in CASES])
+def test_each_megatron_assert_is_one_clear_line(overrides, world, message):
+    errors = problems(overrides, world)
+    assert any(message in e for e in errors), errors
+    assert len([e for e in errors if message in e]) == 1
+
+
+def test_the_shipped_configs_validate():
+    assert problems([], 1) == [] and problems(["parallel.expert=2"], 2) == []
+    assert problems(["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
+                     "parallel.expert=2", "parallel.expert_tensor=1"], 4) == []
+    assert problems([], 16, "moonlight_16b_a3b") == []
+
+
+def test_validate_cli_refuses_with_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_deepseek", "--world-size", "1",
+                        "model.moe_router_num_groups=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stdout.splitlines() if "moe_router_num_groups" in ln]
+    assert len(lines) == 1 and "not divisible by model.moe_router_num_groups=3" in lines[0], r.stdout
