@@ -195,3 +195,15 @@ def count_active_parameters(cfg: Config, padded_vocab: int) -> int:
     experts = sum(p.numel for p in params if p.expert)
     return total - experts + experts * m.moe_router_topk // m.num_moe_experts
 
+
+
+def count_checkpoint_elements(cfg: Config, vocab: int) -> int:
+    """Elements of the model's released-style HF checkpoint (true vocabulary `vocab`): every parameter, MTP layers
+    included; the routers' expert biases (Megatron buffers, HF `e_score_correction_bias` tensors); and the copies of
+    the embedding and output head each MTP layer stores."""
+    m = cfg.model
+    total = count_parameters(cfg, vocab, mtp=True)
+    if m.num_moe_experts and m.moe_router_enable_expert_bias:
+        moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers)) + (m.mtp_num_layers or 0)
+        total += moe_layers * m.num_moe_experts
+    return total + 2 * vocab * m.hidden_size * (m.mtp_num_layers or 0)

@@ -7,7 +7,12 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
-from pretrain.planner.census import count_active_parameters, count_mtp_parameters, count_parameters
+from pretrain.planner.census import (
+    count_active_parameters,
+    count_checkpoint_elements,
+    count_mtp_parameters,
+    count_parameters,
+)
 from pretrain.planner.common import (
     DEFAULT_MFU,
     GIB,
@@ -59,6 +64,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "num_parameters": count_parameters(cfg, vocab),
         "num_active_parameters": count_active_parameters(cfg, vocab),
         "num_mtp_parameters": count_mtp_parameters(cfg, vocab) if m.mtp_num_layers else None,
+        # The HF checkpoint's tensors (true vocabulary; expert biases, MTP's stored embedding/head copies).
+        "checkpoint_elements": count_checkpoint_elements(cfg, m.vocab_size) if m.vocab_size else None,
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
         "flops_per_step": f_step,

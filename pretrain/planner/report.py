@@ -58,7 +58,11 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 def _mtp(plan: dict[str, Any]) -> str:
     mtp = plan.get("num_mtp_parameters")
-    return f"; + {mtp:,} in the MTP layers (sharing the embedding and output head)" if mtp else ""
+    out = f"; + {mtp:,} in the MTP layers (sharing the embedding and output head)" if mtp else ""
+    ckpt = plan.get("checkpoint_elements")
+    if ckpt and ckpt != plan["num_parameters"] and plan.get("moe"):
+        out += f"; HF checkpoint {ckpt:,} elements"
+    return out
 
 
 def _active(plan: dict[str, Any]) -> str:

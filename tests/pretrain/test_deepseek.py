@@ -251,13 +251,22 @@ def test_expert_bias_moves_a_skewed_router_toward_balance(more_runs):
     load = {name: [runs[s]["moe_max_over_mean_load"] for s in steps] for name, runs in (("on", on), ("off", off))}
     print(f"most loaded expert / mean, worst layer, per step: bias update {SKEW_RATE}: "
           f"{[round(x, 3) for x in load['on']]}; no update: {[round(x, 3) for x in load['off']]}")
-    # Skewed: experts 0 and 1 take every token (4× the mean of 8 experts, top-2); without updates it stays so.
-    assert load["on"][0] == load["off"][0] == pytest.approx(4.0) and min(load["off"]) == pytest.approx(4.0)
-    assert load["on"][-1] < 0.6 * load["on"][0]  # the bias has moved load toward balance
-    for s in (1, 2):  # while skewed: the overloaded experts' bias down, the idle ones' up, by the rate each step
-        assert on[s]["moe_expert_bias"][1] == pytest.approx([SKEW - SKEW_RATE * s] * 2 + [SKEW_RATE * s] * 6)
-    for s in steps:
-        assert off[s]["moe_expert_bias"][1] == pytest.approx([SKEW, SKEW] + [0.0] * 6)
+    # Skewed: experts 0 and 1 take (nearly) every token, 4× the mean of 8 experts at top-2; without updates it stays so.
+    assert load["on"][0] >= 3.9 and min(load["off"]) >= 3.9
+    # With the update the load comes near balance (1.0) within a few steps (and, at this large rate, overshoots).
+    assert min(load["on"]) < 0.4 * load["on"][0] and load["on"][-1] < load["on"][0]
+    # Every step, every MoE layer: bias += rate · sign(mean load − expert load), from the logged global counts.
+    for runs, rate in ((on, SKEW_RATE), (off, 0.0)):
+        previous = [[SKEW, SKEW] + [0.0] * 6 if row is not None else None for row in runs[1]["moe_expert_bias"]]
+        for step in steps:
+            record = runs[step]
+            for layer, (bias, counts) in enumerate(zip(record["moe_expert_bias"], record["moe_tokens_per_expert"])):
+                if bias is None:
+                    continue
+                mean = sum(counts) / len(counts)
+                want = [b + rate * ((mean > c) - (mean < c)) for b, c in zip(previous[layer], counts)]
+                assert bias == pytest.approx(want, abs=1e-6), (rate, step, layer)
+                previous[layer] = bias
 
 
 # --------------------------------------------------------------------------------------------------

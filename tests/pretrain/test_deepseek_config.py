@@ -63,8 +63,9 @@ def test_parameter_counts_are_the_released_checkpoints_tensor_sums(preset):
                if not any(n.startswith(f"model.layers.{m.num_layers + j}.") for j in range(m.mtp_num_layers or 0)))
     total, active = plan.count_parameters(cfg, vocab), plan.count_active_parameters(cfg, vocab)
     mtp = plan.count_mtp_parameters(cfg, vocab)
-    copies = 2 * vocab * m.hidden_size * (m.mtp_num_layers or 0)  # MTP's stored embedding and head copies
-    assert total == main and total + mtp + copies == checkpoint
+    biases = m.num_moe_experts * (sum(m.moe_layer_freq) + (m.mtp_num_layers or 0))  # e_score_correction_bias
+    assert total + biases - m.num_moe_experts * (m.mtp_num_layers or 0) == main  # the model as transformers builds it
+    assert plan.count_checkpoint_elements(cfg, vocab) == checkpoint  # + MTP, its stored embedding and head copies
     unit, digits = (1e12, 1) if PUBLISHED[preset][0].endswith("T") else (1e9, 0)
     print(f"{preset}: {total:,} parameters ({total / unit:.{digits + 2}f}{PUBLISHED[preset][0][-1]}; published "
           f"{PUBLISHED[preset][0]}), {active:,} active ({active / 1e9:.2f}B; published {PUBLISHED[preset][1]}); MTP "
@@ -100,8 +101,9 @@ CASES = [
     (["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=2"], 1,
      "full uniform recompute with MTP needs model.recompute_num_layers=1"),
     (["model.mtp_num_layers=0"], 1, "[model.mtp_num_layers] model.mtp_num_layers=0 must be at least 1"),
-    (["model.num_moe_experts=null", "model.moe_shared_expert_intermediate_size=null", "model.moe_router_num_groups=null",
-      "model.moe_router_group_topk=null", "model.moe_router_topk_scaling_factor=null"], 1,
+    (["model.num_moe_experts=null", "model.moe_shared_expert_intermediate_size=null",
+      "model.moe_router_num_groups=null", "model.moe_router_group_topk=null",
+      "model.moe_router_topk_scaling_factor=null"], 1,
      "[model.moe_router_enable_expert_bias, model.num_moe_experts] model.moe_router_enable_expert_bias is set but the "
      "model has no experts"),
 ]
@@ -118,7 +120,10 @@ def test_the_shipped_configs_validate():
     assert problems([], 1) == [] and problems(["parallel.expert=2"], 2) == []
     assert problems(["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2",
                      "parallel.expert=2", "parallel.expert_tensor=1"], 4) == []
-    assert problems([], 16, "moonlight_16b_a3b") == []
+    for config in ("moonlight_16b_a3b", "deepseek_v3"):  # the cluster configs, layout only (data is on the cluster)
+        report = validate(load_config(config), 16 if config.startswith("moon") else 256, te_on_gpu=True,
+                          cuda_available=True, files=False)
+        assert report.ok, report.text()
 
 
 def test_validate_cli_refuses_with_one_line_and_exit_2():
@@ -127,3 +132,97 @@ def test_validate_cli_refuses_with_one_line_and_exit_2():
     assert r.returncode == 2
     lines = [ln for ln in r.stdout.splitlines() if "moe_router_num_groups" in ln]
     assert len(lines) == 1 and "not divisible by model.moe_router_num_groups=3" in lines[0], r.stdout
+
+
+def test_uneven_stages_place_layers_as_megatron_core_does():
+    """`Layout.chunk_layers` (planner, census, activations) against Megatron-Core's own offset and layer count for
+    even, uneven and interleaved-uneven pipelines (DeepSeek-V3's 61 layers on PP8 and PP16, Moonlight's 27 on PP2)."""
+    from unittest import mock
+
+    import megatron.core.parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from pretrain.layout import chunk_layer_range
+
+    checked = 0
+    for layers, pp, vp, first, last in [(61, 8, 1, 7, 6), (61, 16, 1, 3, 2), (27, 2, 1, 14, 13), (14, 4, 2, 2, None),
+                                        (16, 4, 2, None, 4), (62, 8, 2, 6, 8), (8, 2, 2, None, None)]:
+        cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                                pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+                                num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+        for rank in range(pp):
+            for stage in range(vp):
+                v = stage if vp > 1 else None
+                with mock.patch.object(ps, "get_pipeline_model_parallel_rank", return_value=rank), \
+                        mock.patch.object(ps, "get_pipeline_model_parallel_world_size", return_value=pp), \
+                        mock.patch.object(ps, "get_virtual_pipeline_model_parallel_world_size",
+                                          return_value=vp if vp > 1 else None):
+                    want = (get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=rank),
+                            get_num_layers_to_build(cfg, vp_stage=v, pp_rank=rank))
+                assert chunk_layer_range(layers, pp, vp, rank, stage, first, last) == want
+                checked += 1
+    assert checked == 62
+    # Validation: the same rules as Megatron-Core's TransformerConfig.
+    assert problems(["parallel.pipeline=2", "parallel.num_layers_in_first_pipeline_stage=1",
+                     "parallel.num_layers_in_last_pipeline_stage=3"], 2) == []
+    assert any("leaves 1 layers for 0 middle pipeline stage(s)" in e for e in problems(
+        ["parallel.pipeline=2", "parallel.num_layers_in_first_pipeline_stage=1",
+         "parallel.num_layers_in_last_pipeline_stage=2"], 2))
+
+
+def _plan(*args: str) -> dict:
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", *args, "--json"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_launch_script_plans_to_fit_on_two_nodes():
+    """What `sbatch launch/pretrain_deepseek.sh` passes (LAUNCH_PRINT_OVERRIDES), planned for 2 × 8 H100."""
+    import os
+
+    printed = subprocess.run(["bash", str(REPO / "launch/pretrain_deepseek.sh")], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "LAUNCH_PRINT_OVERRIDES": "1"})
+    assert printed.returncode == 0, printed.stderr
+    config, *overrides = printed.stdout.split()
+    p = _plan(config, *overrides, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "h100")
+    print(f"launch/pretrain_deepseek.sh: {p['memory_gib']['total']:.2f} GiB of {p['gpu_memory_gib']:.1f}; "
+          f"{p['cost_model']['step_s']:.2f} s/step, {p['cost_model']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+    assert p["fits"] and p["moe"]["experts_per_rank"] == 8 and p["moe"]["expert_data_parallel"] == 2
+    assert p["num_parameters"] == 15_960_108_544
+
+
+@pytest.mark.slow
+def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_published_one():
+    """`plan deepseek_v3 --nodes 32 --gpus-per-node 8 --gpu h100 --search` lists layouts that fit; Megatron-Bridge's
+    published TP1 PP8 VP2 EP32 cannot be expressed (61 layers over 16 virtual stages need Megatron-Core's
+    pipeline_model_parallel_layout), its closest expressible form — PP8 with 7 and 6 layers on the first and last
+    stages — fits with full recompute and not without."""
+    import json
+
+    cluster = ["--nodes", "32", "--gpus-per-node", "8", "--gpu", "h100"]
+    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "deepseek_v3", *cluster, "--search", "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    best = found["top"][0]
+    print(f"deepseek_v3 on 256 H100: {found['layouts_considered_ok']} layouts fit; best {best['overrides']}: "
+          f"{best['memory_gib']} GiB, {best['step_s']:.2f} s/step, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+    assert found["layouts_considered_ok"] > 0 and best["memory_gib"] <= 0.9 * 79.6
+    published = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.expert=32", "parallel.pipeline=8"]
+    refused = subprocess.run([sys.executable, "-m", "pretrain", "plan", "deepseek_v3", *cluster, *published,
+                              "parallel.virtual_pipeline=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "model.num_layers=61 is not divisible by pipeline stages 8×2" in refused.stderr
+    uneven = [*published, "parallel.num_layers_in_first_pipeline_stage=7",
+              "parallel.num_layers_in_last_pipeline_stage=6"]
+    full = _plan("deepseek_v3", *cluster, *uneven)
+    none = _plan("deepseek_v3", *cluster, *uneven, "model.recompute_granularity=null", "model.recompute_method=null",
+                 "model.recompute_num_layers=null")
+    print(f"TP1 PP8 (7/6) EP32: full recompute {full['memory_gib']['total']:.1f} GiB "
+          f"({full['cost_model']['step_s']:.2f} s/step), none {none['memory_gib']['total']:.1f} GiB")
+    assert full["fits"] and not none["fits"]
