@@ -224,6 +224,19 @@ class DeepseekV3Family(Family):
             rules += [r.at(j, m.num_layers + j) for r in _mtp_layer(q_lora, shared)]
         return tuple(rules)
 
+    def config_for_weights(self, hf_cfg: Any, names: set[str]) -> tuple[Any, str | None]:
+        """Without any MTP tensor (transformers' `save_pretrained` drops them) the model is imported without MTP."""
+        import copy
+
+        mtp, layers = int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0), hf_cfg.num_hidden_layers
+        if not mtp or any(n.startswith(f"model.layers.{layers}.") for n in names):
+            return hf_cfg, None
+        out = copy.deepcopy(hf_cfg)
+        out.num_nextn_predict_layers = 0
+        return out, (f"config.json: num_nextn_predict_layers={mtp} but the weights have no MTP layer "
+                     f"(model.layers.{layers}.*; transformers' save_pretrained leaves it out): imported without MTP "
+                     "(model.mtp_num_layers=1 trains a new one)")
+
     def hf_shapes(self, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
         """transformers' tensors plus the MTP layers it does not build (the last decoder layer's shapes, the
         norms, eh_proj and the embedding/head copies), as released checkpoints store them."""

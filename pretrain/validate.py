@@ -12,7 +12,7 @@ from __future__ import annotations
 from pretrain.config import Config
 from pretrain.layout import LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
-from pretrain.rules.mla import deepseek_moe_rules, mla_rules, mtp_rules
+from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
@@ -45,8 +45,8 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
             lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
             pass
-        rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, model_rules, *rules,
-                 document_rules, recompute_module_rules, fsdp_rules]
+        rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
+                 *rules, document_rules, recompute_module_rules, fsdp_rules]
     if files:
         rules.append(data_rules)
     for rule in rules:

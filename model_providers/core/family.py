@@ -87,6 +87,11 @@ class Family:
         layers apart expand their templates per layer)."""
         return self.mapping
 
+    def config_for_weights(self, hf_cfg: Any, names: set[str]) -> tuple[Any, str | None]:
+        """The transformers config to import with, given the HF tensor `names` present, and a note when it differs
+        from config.json (default: config.json as it is)."""
+        return hf_cfg, None
+
     def hf_shapes(self, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
         """Names and shapes of the HF checkpoint's tensors (default: what transformers saves for `hf_cfg`)."""
         return hf_parameter_shapes(hf_cfg)

@@ -8,6 +8,7 @@ into place when complete. The HF model's other files are carried along in `CKPT/
 from __future__ import annotations
 
 import io
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -122,6 +123,10 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         hf_cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         raise ConversionError(f"{hf_dir / 'config.json'}: {exc}") from None
+    reader = HFReader(hf_dir)
+    hf_cfg, note = family_for_hf(hf_cfg).config_for_weights(hf_cfg, set(reader.info))
+    if note:
+        print(f"[convert] note: {note}", file=sys.stderr)
     fields = family_for_hf(hf_cfg).from_hf_config(hf_cfg)
     cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides), output.resolve() / ASSET_DIR)
     m = cfg.model
@@ -129,7 +134,6 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
     family = get_family(m.family)
     d = dims(m, vocab, padded)
-    reader = HFReader(hf_dir)
     expected = family.hf_shapes(hf_cfg)
     rules = family.mapping_for(m)
     ignored = family.ignored_patterns()
@@ -166,7 +170,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             slice_shape = tuple(rule.from_hf(metas, d).shape)
         except (RuntimeError, ConversionError) as exc:
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
-        tdtype = DTYPES[dtype] if dtype else reader.info[names0[0]][1]
+        tdtype = DTYPES[dtype] if dtype and not rule.keeps_dtype else reader.info[names0[0]][1]
         stack = rule.stack_shape(m.num_layers, d.num_experts)
         global_shape = (*stack, *slice_shape)
         props = TensorProperties(dtype=tdtype)

@@ -170,3 +170,21 @@ def mtp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     if m.recompute_granularity == "full" and m.recompute_method == "block":
         r.notes.append("model.recompute_method=block: Megatron-Core does not recompute the MTP layers (block recompute "
                        "is not implemented for MTP); they keep their activations")
+
+
+def blockwise_fp8_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """model.fp8=blockwise (DeepSeek-V3's 128-wide block scaling, TE's Float8BlockScaling): Megatron-Core builds it
+    only with Transformer Engine >= 2.3 (`fp8_utils.py`) and raises ValueError otherwise."""
+    if cfg.model.fp8 != "blockwise" or not te_on_gpu:
+        return  # without TE on a GPU, precision_rules refuses FP8 already
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        te = Version(metadata.version("transformer-engine"))
+    except (metadata.PackageNotFoundError, ValueError):
+        return
+    if te < Version("2.3.0.dev0"):
+        r.error("model.fp8", f"model.fp8=blockwise needs Transformer Engine >= 2.3 (installed {te})",
+                "install transformer-engine >= 2.3, or use model.fp8=tensorwise")

@@ -136,3 +136,23 @@ def run_worker_cases(root: Path, world: int, cases: list[dict], timeout: float) 
     failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
     assert not failed, failed
     return results
+
+
+def kill9_and_resume(cmd: list[str], work: Path, steps: int, timeout: float = 600) -> int:
+    """Run `cmd` (a training launch writing metrics to `work`), SIGKILL its process group at a random point after
+    a random step before the last (in the step or the save after it), then run it again to completion (the resume).
+    Returns the step after which it was killed."""
+    import random
+
+    rng = random.Random()
+    kill_at = rng.randrange(1, steps)
+    proc = start(cmd, work / "log")
+    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=timeout)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
+        kill_group(proc)
+    finish(proc, timeout=60)
+    rc = run(cmd, work / "log", timeout=timeout)
+    assert rc == 0, log_text(work / "log")[-3000:]
+    assert "resumed from" in log_text(work / "log")
+    return kill_at

@@ -16,7 +16,6 @@ megatron-core 0.19.2), world 4 (pipelined layouts), world 1 again (EP2 → one r
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import pytest
@@ -26,14 +25,9 @@ from tests.data_tools.test_convert import tokenizer_dir  # noqa: F401  (fixture:
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
     command,
-    finish,
-    kill_group,
-    log_text,
+    kill9_and_resume,
     metrics,
-    run,
     run_worker_cases,
-    start,
-    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -192,19 +186,9 @@ def test_mtp_loss_expert_load_and_bias_in_metrics_jsonl_and_tensorboard(core_run
 
 
 def test_kill9_and_resume_reproduce_every_number_at_ep2(core_runs, tmp_path):
-    rng = random.Random()
-    kill_at = rng.randrange(1, STEPS)
     work = tmp_path / "run"
     cmd = command([], nproc=2, args=["train", CONFIG, *BASE, *EP2, "checkpoint.interval=1", f"run.dir={work}"])
-    proc = start(cmd, work / "log")
-    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=600)
-    if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
-        kill_group(proc)
-    finish(proc, timeout=60)
-    rc = run(cmd, work / "log", timeout=600)
-    assert rc == 0, log_text(work / "log")[-3000:]
-    assert "resumed from" in log_text(work / "log")
+    kill_at = kill9_and_resume(cmd, work, STEPS)
     keys = DETERMINISTIC + ("mtp_loss", "moe_seq_load_balancing_loss", "moe_tokens_per_expert", "moe_expert_bias")
     got = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(work) if "loss" in m]
     want = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(core_runs / "ep2") if "loss" in m]
@@ -277,20 +261,12 @@ def test_expert_bias_moves_a_skewed_router_toward_balance(more_runs):
 def test_trained_at_tp2_pp2_ep2_exports_and_transformers_computes_our_loss(more_runs, tmp_path):
     from torch.nn.functional import cross_entropy
 
-    from tests.data_tools.test_convert import PY, hf_logits, megatron_logits
-    from tests.data_tools.test_convert import run as run_checked
+    from tests.data_tools.test_convert import exported_logits
 
-    run_dir = more_runs / "tp2_pp2_ep2"
-    out = tmp_path / "hf"
-    run_checked([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
-                 "--no-progress"])
-    config = json.loads((out / "config.json").read_text())
+    config, ours, theirs = exported_logits(more_runs / "tp2_pp2_ep2", tmp_path, length=64)
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["num_nextn_predict_layers"] == 1
     assert config["first_k_dense_replace"] == 1 and config["n_group"] == 2 and config["topk_group"] == 1
-    tokens = torch.randint(0, config["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    ours = megatron_logits(run_dir, inputs, tmp_path)
-    theirs = hf_logits(out, inputs)
+    labels = torch.randint(0, config["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(2))
     loss = [cross_entropy(x.reshape(-1, x.shape[-1]), labels.reshape(-1)).item() for x in (ours, theirs)]
     diff = (ours - theirs).abs().max().item()
     print(f"trained at TP2×PP2×EP2 (4 ranks): loss ours {loss[0]:.6f}, transformers {loss[1]:.6f} (relative diff "

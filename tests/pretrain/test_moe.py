@@ -11,25 +11,17 @@ targets; world 4 the pipelined ones; world 1 the reference and the EP2 → one-r
 
 from __future__ import annotations
 
-import json
-import random
 import time
 
 import pytest
-import torch
 
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
     command,
     deterministic,
-    finish,
-    kill_group,
-    log_text,
+    kill9_and_resume,
     metrics,
-    run,
     run_worker_cases,
-    start,
-    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -151,19 +143,9 @@ def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
 
 
 def test_kill9_and_resume_reproduce_every_number_at_ep2(moe_runs, tmp_path):
-    rng = random.Random()
-    kill_at = rng.randrange(1, STEPS)
     work = tmp_path / "run"
     cmd = command([], nproc=2, args=["train", "tiny_moe", *BASE, *EP2, "checkpoint.interval=1", f"run.dir={work}"])
-    proc = start(cmd, work / "log")
-    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
-    if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
-        kill_group(proc)
-    finish(proc, timeout=60)
-    rc = run(cmd, work / "log", timeout=300)
-    assert rc == 0, log_text(work / "log")[-3000:]
-    assert "resumed from" in log_text(work / "log")
+    kill_at = kill9_and_resume(cmd, work, STEPS, timeout=300)
     keys = DETERMINISTIC + ("moe_load_balancing_loss", "moe_z_loss", "moe_tokens_per_expert")
     got = [tuple(m[k] for k in keys) for m in metrics(work) if "loss" in m]
     want = [tuple(m[k] for k in keys) for m in metrics(moe_runs / "ep2") if "loss" in m]
@@ -173,18 +155,10 @@ def test_kill9_and_resume_reproduce_every_number_at_ep2(moe_runs, tmp_path):
 
 
 def test_trained_at_ep2_tp2_pp2_exports_to_transformers_with_megatron_logits(moe_runs, tmp_path):
-    from tests.data_tools.test_convert import PY, hf_logits, megatron_logits
-    from tests.data_tools.test_convert import run as run_checked
+    from tests.data_tools.test_convert import exported_logits
 
-    run_dir = moe_runs / "tp2_pp2_vp2_ep2"
-    out = tmp_path / "hf"
-    run_checked([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
-                 "--no-progress"])
-    config = json.loads((out / "config.json").read_text())
+    config, ref, got = exported_logits(moe_runs / "tp2_pp2_vp2_ep2", tmp_path, length=32)
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
-    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
-    ref = megatron_logits(run_dir, tokens, tmp_path)
-    got = hf_logits(out, tokens)
     diff = (got - ref).abs().max().item()
     print(f"trained at TP2×PP2×VP2×EP2 (4 ranks, experts folded into TP): transformers vs Megatron logits max abs "
           f"diff {diff:.3g}")
