@@ -125,6 +125,11 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
     return directory
 
 
+# Tensors drawn at another scale than the rest (name suffix: factor): DeepSeek's router sharp enough that tokens route
+# differently (and group limiting changes the choice), its expert bias small but not zero.
+SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2}}
+
+
 def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1) -> Path:
     """A random transformers model of `family` saved as a released model directory is."""
     from transformers import AutoConfig
@@ -134,6 +139,16 @@ def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], se
     config = CONFIGS[family]
     hf_cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     write_random_hf(directory, hf_cfg, seed=seed, std=0.05)
+    if family in SCALES:
+        from safetensors.torch import load_file, save_file
+
+        for f in directory.glob("*.safetensors"):
+            tensors = load_file(str(f))
+            for name in tensors:
+                factor = next((x for suffix, x in SCALES[family].items() if name.endswith(suffix)), None)
+                if factor is not None:
+                    tensors[name] = tensors[name] * factor
+            save_file(tensors, str(f), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for f in tokenizers[TOKENIZER[family]].iterdir():
         (directory / f.name).write_bytes(f.read_bytes())

@@ -88,6 +88,24 @@ def metrics(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def by_step(run_dir: str | Path) -> dict[int, dict]:
+    """The training-step records of `metrics.jsonl`, keyed by step."""
+    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def layout_case(root: Path, config: str, base: list[str], name: str, overrides: list[str], source: str | None) -> dict:
+    """A worker case `name` training `config` in `root/name`; `source`: a run in `root` whose step-2 checkpoint it
+    starts from."""
+    case = {"name": name, "config": config, "overrides": base + overrides + [f"run.dir={root}/{name}"]}
+    if source is not None:
+        case["copy_from"] = [f"{root}/{source}", 2]
+    return case
+
+
 def deterministic(run_dir: str | Path) -> list[tuple]:
     return [tuple(rec[k] for k in DETERMINISTIC) for rec in metrics(run_dir) if "loss" in rec]
 

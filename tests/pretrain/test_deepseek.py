@@ -24,9 +24,12 @@ import torch
 from tests.data_tools.test_convert import tokenizer_dir  # noqa: F401  (fixture: the embedded tokenizer, HF style)
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
+    by_step,
     command,
     kill9_and_resume,
+    layout_case,
     metrics,
+    rel_diff,
     run_worker_cases,
 )
 
@@ -60,10 +63,7 @@ RESHARD = {"distopt_ep2_to_ep1": "dp2_distopt_ep2", "ep2_to_one_rank": "ep2"}
 
 
 def _case(root, name: str, overrides: list[str], source: str | None) -> dict:
-    case = {"name": name, "config": CONFIG, "overrides": BASE + overrides + [f"run.dir={root}/{name}"]}
-    if source is not None:
-        case["copy_from"] = [f"{root}/{source}", 2]
-    return case
+    return layout_case(root, CONFIG, BASE, name, overrides, source)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +89,6 @@ def more_runs(core_runs, tokenizer_dir):  # noqa: F811
     return root
 
 
-def _by_step(run_dir) -> dict[int, dict]:
-    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 def _bias_agrees(got: dict[int, dict], ref: dict[int, dict], steps) -> str:
     """Expert bias vectors: identical while the routing (tokens per expert) is; after the first step that routes
     differently, each entry within one update (the rate) per step since. Returns a summary."""
@@ -113,14 +105,14 @@ def _bias_agrees(got: dict[int, dict], ref: dict[int, dict], steps) -> str:
 
 
 def _layout(root, name: str) -> None:
-    ref, got = _by_step(root / "ref"), _by_step(root / name)
+    ref, got = by_step(root / "ref"), by_step(root / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    rel = {k: max(_rel(got[s][k], ref[s][k]) for s in ref) for k in LOSSES}
+    rel = {k: max(rel_diff(got[s][k], ref[s][k]) for s in ref) for k in LOSSES}
     bias = _bias_agrees(got, ref, sorted(ref))
     print(f"{name}: losses {[got[s]['loss'] for s in sorted(got)]}; max relative diff: loss {rel['loss']:.2e}, "
           f"MTP loss {rel['mtp_loss']:.2e}, balance loss {rel['moe_seq_load_balancing_loss']:.2e}; expert bias {bias}")
     assert max(rel.values()) <= TOLERANCE, rel
-    assert _rel(got[1]["loss"], ref[1]["loss"]) <= 1e-6  # the same function of the same (layout-invariant) weights
+    assert rel_diff(got[1]["loss"], ref[1]["loss"]) <= 1e-6  # the same function of the same (layout-invariant) weights
     assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]  # the same routing
     assert got[STEPS]["loss"] != got[1]["loss"] and got[STEPS]["moe_expert_bias"] != got[1]["moe_expert_bias"]
 
@@ -138,11 +130,11 @@ def test_pipelined_layout_matches_single_rank(more_runs, name):
 
 def _resharded(root, name: str) -> None:
     source = RESHARD[name]
-    ref, got = _by_step(root / source), _by_step(root / name)
+    ref, got = by_step(root / source), by_step(root / name)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in (3, 4):
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and got[s]["lr"] == ref[s]["lr"]
-        rel = max(_rel(got[s][k], ref[s][k]) for k in ("loss", "mtp_loss"))
+        rel = max(rel_diff(got[s][k], ref[s][k]) for k in ("loss", "mtp_loss"))
         print(f"{name} step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({source}), max relative diff "
               f"(loss, MTP loss) {rel:.2e}")
         assert rel <= 2e-6, (s, got[s], ref[s])
@@ -164,7 +156,7 @@ def test_ep2_checkpoint_resumes_on_one_rank(more_runs):
 def test_mtp_loss_expert_load_and_bias_in_metrics_jsonl_and_tensorboard(core_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    lines = _by_step(core_runs / "ref")
+    lines = by_step(core_runs / "ref")
     layers, experts = 4 + 1, 8  # decoder layers and the MTP layer
     for record in lines.values():
         assert record["mtp_loss"] > 0 and record["mtp_loss_per_layer"] == [record["mtp_loss"]]
@@ -229,7 +221,7 @@ def _skewed_cases(root, tokenizer) -> list[dict]:
 
 
 def test_expert_bias_moves_a_skewed_router_toward_balance(more_runs):
-    on, off = (_by_step(more_runs / f"skewed_{r}") for r in (SKEW_RATE, 0.0))
+    on, off = (by_step(more_runs / f"skewed_{r}") for r in (SKEW_RATE, 0.0))
     steps = sorted(on)
     assert steps == list(range(1, SKEW_STEPS + 1))
     load = {name: [runs[s]["moe_max_over_mean_load"] for s in steps] for name, runs in (("on", on), ("off", off))}
@@ -270,5 +262,5 @@ def test_trained_at_tp2_pp2_ep2_exports_and_transformers_computes_our_loss(more_
     loss = [cross_entropy(x.reshape(-1, x.shape[-1]), labels.reshape(-1)).item() for x in (ours, theirs)]
     diff = (ours - theirs).abs().max().item()
     print(f"trained at TP2×PP2×EP2 (4 ranks): loss ours {loss[0]:.6f}, transformers {loss[1]:.6f} (relative diff "
-          f"{_rel(loss[1], loss[0]):.2e}); logits max abs diff {diff:.2e}")
-    assert _rel(loss[1], loss[0]) <= 1e-5 and diff <= 1e-4
+          f"{rel_diff(loss[1], loss[0]):.2e}); logits max abs diff {diff:.2e}")
+    assert rel_diff(loss[1], loss[0]) <= 1e-5 and diff <= 1e-4

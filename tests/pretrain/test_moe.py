@@ -17,10 +17,13 @@ import pytest
 
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
+    by_step,
     command,
     deterministic,
     kill9_and_resume,
+    layout_case,
     metrics,
+    rel_diff,
     run_worker_cases,
 )
 
@@ -59,10 +62,7 @@ RESHARD = {
 
 
 def _case(root, name: str, overrides: list[str], source: str | None) -> dict:
-    case = {"name": name, "config": "tiny_moe", "overrides": BASE + overrides + [f"run.dir={root}/{name}"]}
-    if source is not None:
-        case["copy_from"] = [f"{root}/{source}", 2]
-    return case
+    return layout_case(root, "tiny_moe", BASE, name, overrides, source)
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +83,13 @@ def moe_runs(tmp_path_factory):
     return root
 
 
-def _by_step(run_dir) -> dict[int, dict]:
-    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_rank(moe_runs, name):
-    ref = _by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
-    got = _by_step(moe_runs / name)
+    ref = by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
+    got = by_step(moe_runs / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    rel = [_rel(got[s]["loss"], ref[s]["loss"]) for s in ref]
-    aux = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
+    rel = [rel_diff(got[s]["loss"], ref[s]["loss"]) for s in ref]
+    aux = [rel_diff(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
     print(f"{name}: losses {[got[s]['loss'] for s in got]}; max relative loss diff {max(rel):.2e}, "
           f"max relative aux/z-loss diff {max(aux):.2e}")
     assert max(rel) <= TOLERANCE and max(aux) <= TOLERANCE, (rel, aux)
@@ -111,11 +103,11 @@ def test_layout_matches_single_rank(moe_runs, name):
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
     source = RESHARD[name][2]
-    ref, got = _by_step(moe_runs / source), _by_step(moe_runs / name)
+    ref, got = by_step(moe_runs / source), by_step(moe_runs / name)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in (3, 4):
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and got[s]["lr"] == ref[s]["lr"]
-        rel = _rel(got[s]["loss"], ref[s]["loss"])
+        rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"{name} step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({source}), relative diff {rel:.2e}")
         assert rel <= 2e-6, (s, got[s], ref[s])
 
@@ -123,7 +115,7 @@ def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
 def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    lines = _by_step(moe_runs / "ref")
+    lines = by_step(moe_runs / "ref")
     layers, experts, topk, tokens = 4, 8, 2, 8 * 128  # global batch × sequence
     for record in lines.values():
         counts = record["moe_tokens_per_expert"]
