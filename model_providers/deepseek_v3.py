@@ -18,6 +18,7 @@ renormalised and scaled by `routed_scaling_factor`. Shapes follow the released c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from model_providers.core.family import Family, require
@@ -224,12 +225,12 @@ class DeepseekV3Family(Family):
             rules += [r.at(j, m.num_layers + j) for r in _mtp_layer(q_lora, shared)]
         return tuple(rules)
 
-    def config_for_weights(self, hf_cfg: Any, names: set[str]) -> tuple[Any, str | None]:
+    def config_for_weights(self, hf_cfg: Any, names: Callable[[], set[str]]) -> tuple[Any, str | None]:
         """Without any MTP tensor (transformers' `save_pretrained` drops them) the model is imported without MTP."""
         import copy
 
         mtp, layers = int(getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0), hf_cfg.num_hidden_layers
-        if not mtp or any(n.startswith(f"model.layers.{layers}.") for n in names):
+        if not mtp or any(n.startswith(f"model.layers.{layers}.") for n in names()):
             return hf_cfg, None
         out = copy.deepcopy(hf_cfg)
         out.num_nextn_predict_layers = 0

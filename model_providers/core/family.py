@@ -9,7 +9,7 @@ finds every such module, so adding a family is adding one file.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +87,9 @@ class Family:
         layers apart expand their templates per layer)."""
         return self.mapping
 
-    def config_for_weights(self, hf_cfg: Any, names: set[str]) -> tuple[Any, str | None]:
-        """The transformers config to import with, given the HF tensor `names` present, and a note when it differs
-        from config.json (default: config.json as it is)."""
+    def config_for_weights(self, hf_cfg: Any, names: Callable[[], set[str]]) -> tuple[Any, str | None]:
+        """The transformers config to import with, given the HF tensor names present (`names()` reads the index), and
+        a note when it differs from config.json (default: config.json as it is)."""
         return hf_cfg, None
 
     def hf_shapes(self, hf_cfg: Any) -> dict[str, tuple[int, ...]]:

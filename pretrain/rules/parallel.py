@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pretrain.config import Config
 from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_shape
 from pretrain.problems import Report
@@ -64,7 +66,9 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
         keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
         r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
                 f"{p.pipeline}{f'×{vp}' if vp else ''} = {stages}",
-                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)})")
+                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)}), or uneven stages "
+                "(parallel.num_layers_in_first_pipeline_stage / ..._last_...); other placements (Megatron-Core's "
+                "pipeline_model_parallel_layout) are not supported")
 
     # Attention heads and groups across tensor parallel ranks.
     shape = model_shape(m)
@@ -161,6 +165,16 @@ def uneven_pipeline_rules(r: Report, cfg: Config) -> None:
                 f"{middle_stages * vp or 1}")
 
 
+def _moe_keys_on_a_dense_model(r: Report, m) -> None:
+    """MoE settings changed from their defaults on a model without experts would do nothing: refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(m) if f.name.startswith("moe_")}
+    changed = [f"model.{k}={getattr(m, k)}" for k, default in defaults.items() if getattr(m, k) != default]
+    if changed:
+        r.error(tuple(c.split("=")[0] for c in changed) + ("model.num_moe_experts",),
+                f"{', '.join(changed)} set but the model has no experts (model.num_moe_experts is null): MoE "
+                "settings do nothing on a dense model", "remove them, or set model.num_moe_experts for an MoE model")
+
+
 def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Mixture of Experts: expert groups, routing, capacity and the spec."""
     m, p = cfg.model, cfg.parallel
@@ -170,6 +184,7 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
             keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)
             r.error(keys + ("model.num_moe_experts",), f"{keys[0]} is set but the model has no experts "
                     "(model.num_moe_experts is null)", f"set model.num_moe_experts or remove {keys[0]}")
+        _moe_keys_on_a_dense_model(r, m)
         return
     experts = m.num_moe_experts
     if experts % p.expert != 0:

@@ -130,8 +130,8 @@ def test_validate_cli_refuses_with_one_line_and_exit_2():
     r = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_deepseek", "--world-size", "1",
                         "model.moe_router_num_groups=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    lines = [ln for ln in r.stdout.splitlines() if "moe_router_num_groups" in ln]
-    assert len(lines) == 1 and "not divisible by model.moe_router_num_groups=3" in lines[0], r.stdout
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "moe_router_num_groups" in ln]
+    assert len(lines) == 1 and "not divisible by model.moe_router_num_groups=3" in lines[0], r.stdout + r.stderr
 
 
 def test_uneven_stages_place_layers_as_megatron_core_does():
@@ -214,15 +214,21 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     print(f"deepseek_v3 on 256 H100: {found['layouts_considered_ok']} layouts fit; best {best['overrides']}: "
           f"{best['memory_gib']} GiB, {best['step_s']:.2f} s/step, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
     assert found["layouts_considered_ok"] > 0 and best["memory_gib"] <= 0.9 * 79.6
-    published = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.expert=32", "parallel.pipeline=8"]
+    published = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1", "parallel.expert=32",
+                 "parallel.pipeline=8", "parallel.num_layers_in_first_pipeline_stage=null",
+                 "parallel.num_layers_in_last_pipeline_stage=null"]
     refused = subprocess.run([sys.executable, "-m", "pretrain", "plan", "deepseek_v3", *cluster, *published,
                               "parallel.virtual_pipeline=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "model.num_layers=61 is not divisible by pipeline stages 8×2" in refused.stderr
-    uneven = [*published, "parallel.num_layers_in_first_pipeline_stage=7",
+    assert "pipeline_model_parallel_layout) are not supported" in refused.stderr
+    uneven = [*published[:-2], "parallel.num_layers_in_first_pipeline_stage=7",
               "parallel.num_layers_in_last_pipeline_stage=6"]
-    full = _plan("deepseek_v3", *cluster, *uneven)
-    none = _plan("deepseek_v3", *cluster, *uneven, "model.recompute_granularity=null", "model.recompute_method=null",
-                 "model.recompute_num_layers=null")
+    none = _plan("deepseek_v3", *cluster, *uneven)
+    full = _plan("deepseek_v3", *cluster, *uneven, "model.recompute_granularity=full", "model.recompute_method=uniform",
+                 "model.recompute_num_layers=1")
     print(f"TP1 PP8 (7/6) EP32: full recompute {full['memory_gib']['total']:.1f} GiB "
-          f"({full['cost_model']['step_s']:.2f} s/step), none {none['memory_gib']['total']:.1f} GiB")
+          f"({full['cost_model']['step_s']:.2f} s/step, {full['cost_model']['tokens_per_s_per_gpu']:,.0f} "
+          f"tokens/s/GPU), none {none['memory_gib']['total']:.1f} GiB")
+    shipped = _plan("deepseek_v3", *cluster)  # pretrain/configs/deepseek_v3.yaml: the search's first layout
+    assert shipped["fits"] and abs(shipped["cost_model"]["step_s"] - best["step_s"]) < 1e-6
     assert full["fits"] and not none["fits"]
