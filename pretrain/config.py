@@ -119,6 +119,8 @@ class ModelConfig:
     moe_router_bias_update_rate: float = 1e-3  # ... moved by ± this per step toward balanced load
     mtp_num_layers: int | None = None  # Multi-Token Prediction depth (None: off)
     mtp_loss_scaling_factor: float = 0.1  # MTP loss weight (divided over the MTP layers)
+    # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
+    fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
 
 
 @dataclass
@@ -337,6 +339,11 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         model = {**base, **model}
     tree["model"] = model
     cfg = build(Config, tree, "")
+    m = cfg.model
+    if m.fp8_recipe is not None and m.fp8 is not None and m.fp8_recipe != m.fp8:
+        raise ConfigError(f"model.fp8_recipe={m.fp8_recipe} and model.fp8={m.fp8} disagree: they name the same "
+                          "FP8 recipe (set one of them)")
+    m.fp8 = m.fp8_recipe = m.fp8 or m.fp8_recipe  # one value under both names, as config.yaml records it
     if cfg.model.family not in FAMILIES:
         raise ConfigError(f"model.family={cfg.model.family!r} is not one of {', '.join(FAMILIES)}")
     return cfg

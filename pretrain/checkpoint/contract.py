@@ -47,7 +47,7 @@ _MODEL_TRAINING = (
     "bias_activation_fusion", "transformer_impl", "fp8", "fp8_param_gather", "moe_router_dtype",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
-    "moe_router_bias_update_rate", "mtp_loss_scaling_factor",
+    "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "fp8_recipe",
 )
 _SCHEDULE = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
 _ADAM = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")

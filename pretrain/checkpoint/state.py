@@ -104,7 +104,8 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
         )
-    state["opt_param_scheduler"] = scheduler.state_dict()  # its step count is read on resume, also without optimizer
+    if scheduler is not None:  # None: a weights-only load by a tool without a schedule (HF export checks)
+        state["opt_param_scheduler"] = scheduler.state_dict()  # its step count: read on resume, also without optimizer
     world, rank = dist.get_world_size(), dist.get_rank()
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     state["iteration"] = step

@@ -174,7 +174,8 @@ def mtp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
 
 def blockwise_fp8_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """model.fp8=blockwise (DeepSeek-V3's 128-wide block scaling, TE's Float8BlockScaling): Megatron-Core builds it
-    only with Transformer Engine >= 2.3 (`fp8_utils.py`) and raises ValueError otherwise."""
+    only with Transformer Engine >= 2.3 (`fp8_utils.py`) and raises ValueError otherwise; TE itself refuses it on
+    devices its `check_fp8_block_scaling_support` rejects (compute capability, CUDA version)."""
     if cfg.model.fp8 != "blockwise" or not te_on_gpu:
         return  # without TE on a GPU, precision_rules refuses FP8 already
     from importlib import metadata
@@ -188,3 +189,22 @@ def blockwise_fp8_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     if te < Version("2.3.0.dev0"):
         r.error("model.fp8", f"model.fp8=blockwise needs Transformer Engine >= 2.3 (installed {te})",
                 "install transformer-engine >= 2.3, or use model.fp8=tensorwise")
+        return
+    supported, reason = te_block_scaling_support()
+    if not supported:
+        r.error("model.fp8", f"model.fp8=blockwise is not supported on this GPU (Transformer Engine: {reason})",
+                "use another recipe, e.g. model.fp8=tensorwise")
+
+
+def te_block_scaling_support() -> tuple[bool, str]:
+    """Transformer Engine's own check of FP8 block scaling on this device (its module moved across releases)."""
+    import importlib
+
+    for module in ("transformer_engine.pytorch.fp8", "transformer_engine.pytorch.quantization"):
+        try:
+            check = getattr(importlib.import_module(module), "check_fp8_block_scaling_support", None)
+        except Exception:  # noqa: BLE001 - a TE build without this module, or one that cannot load here
+            continue
+        if check is not None:
+            return check()
+    return True, ""

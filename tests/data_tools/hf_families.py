@@ -4,6 +4,7 @@ files, generation_config.json), for the HF bridge tests."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -130,8 +131,18 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
 SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2}}
 
 
-def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1) -> Path:
-    """A random transformers model of `family` saved as a released model directory is."""
+def _scaled(family: str):
+    """The default tensor edit of `write_hf_model`: the family's SCALES."""
+    def edit(name: str, tensor):
+        factor = next((x for suffix, x in SCALES.get(family, {}).items() if name.endswith(suffix)), None)
+        return tensor if factor is None else tensor * factor
+    return edit
+
+
+def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1,
+                   edit: Callable | None = None) -> Path:
+    """A random transformers model of `family` saved as a released model directory is; `edit(name, tensor)` gives
+    each stored tensor (default: the family's SCALES applied)."""
     from transformers import AutoConfig
 
     from tests.data_tools.hf_random import write_random_hf
@@ -139,16 +150,13 @@ def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], se
     config = CONFIGS[family]
     hf_cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     write_random_hf(directory, hf_cfg, seed=seed, std=0.05)
-    if family in SCALES:
+    if edit is not None or family in SCALES:
         from safetensors.torch import load_file, save_file
 
+        edit = edit or _scaled(family)
         for f in directory.glob("*.safetensors"):
             tensors = load_file(str(f))
-            for name in tensors:
-                factor = next((x for suffix, x in SCALES[family].items() if name.endswith(suffix)), None)
-                if factor is not None:
-                    tensors[name] = tensors[name] * factor
-            save_file(tensors, str(f), metadata={"format": "pt"})
+            save_file({name: edit(name, t) for name, t in tensors.items()}, str(f), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for f in tokenizers[TOKENIZER[family]].iterdir():
         (directory / f.name).write_bytes(f.read_bytes())

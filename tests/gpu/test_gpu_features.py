@@ -194,9 +194,17 @@ def test_deepseek_te_spec_matches_local_spec_and_checkpoints_move_between_them(t
 
     import transformer_engine
 
+    from pretrain.rules.mla import te_block_scaling_support
+
     version = tuple(int(x) for x in transformer_engine.__version__.split(".")[:2] if x.isdigit())
-    if version >= (2, 3) and torch.cuda.get_device_capability() >= (9, 0):
-        fp8 = _train(tmp_path, "ds_fp8", ["model.transformer_impl=transformer_engine", "model.fp8=blockwise",
-                                          "train.steps=2"],
-                     config="tiny_deepseek", base=DEEPSEEK)
+    blockwise = ["model.transformer_impl=transformer_engine", "model.fp8_recipe=blockwise", "train.steps=2"]
+    if version >= (2, 3) and te_block_scaling_support()[0]:
+        fp8 = _train(tmp_path, "ds_fp8", blockwise, config="tiny_deepseek", base=DEEPSEEK)
         assert all(x == x for x in fp8) and abs(fp8[0] - local[0]) / local[0] < 5e-2, (fp8, local)
+    else:  # refused before training, naming the cause
+        from pretrain.config import load_config
+        from pretrain.validate import validate
+
+        report = validate(load_config("tiny_deepseek", [*DEEPSEEK, *blockwise]), 1, te_on_gpu=True,
+                          cuda_available=True, files=False)
+        assert any("model.fp8=blockwise" in str(e) for e in report.errors), report.text()

@@ -126,6 +126,28 @@ def test_the_shipped_configs_validate():
         assert report.ok, report.text()
 
 
+def test_fp8_recipe_is_model_fp8_under_megatron_cores_name(monkeypatch):
+    """`model.fp8_recipe` (Megatron-Core's name) and `model.fp8` set the same recipe; blockwise is refused without TE
+    on a GPU like any FP8, and with TE older than 2.3 (Megatron-Core's ValueError) naming the version."""
+    from importlib import metadata
+
+    from pretrain.config_parse import ConfigError
+
+    for key in ("fp8_recipe", "fp8"):
+        m = load_config("tiny_deepseek", [f"model.{key}=blockwise"]).model
+        assert (m.fp8, m.fp8_recipe) == ("blockwise", "blockwise")
+    with pytest.raises(ConfigError, match="model.fp8_recipe=blockwise and model.fp8=tensorwise disagree"):
+        load_config("tiny_deepseek", ["model.fp8_recipe=blockwise", "model.fp8=tensorwise"])
+    assert any("FP8 needs Transformer Engine on a GPU" in e for e in problems(["model.fp8_recipe=blockwise"], 1))
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "2.2.0" if name == "transformer-engine" else real(name))
+    cfg = load_config("tiny_deepseek", ["model.fp8_recipe=blockwise", "train.precision=bf16"])
+    errors = [str(e) for e in validate(cfg, 1, te_on_gpu=True, cuda_available=True, files=False).errors
+              if "[model.fp8]" in str(e)]  # (the versions rule also refuses that TE with this megatron-core)
+    assert errors == ["[model.fp8] model.fp8=blockwise needs Transformer Engine >= 2.3 (installed 2.2.0). Fix: install "
+                      "transformer-engine >= 2.3, or use model.fp8=tensorwise"], errors
+
+
 def test_validate_cli_refuses_with_one_line_and_exit_2():
     r = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_deepseek", "--world-size", "1",
                         "model.moe_router_num_groups=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
