@@ -140,13 +140,17 @@ def expert_bias(routers: list, shape: tuple[int, int]) -> dict:
 
 
 def mtp_losses(num_microbatches: int) -> dict:
-    """Megatron-Core's MTP loss tracker, averaged over data parallel, on the last stage (empty elsewhere); reset."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    """Megatron-Core's MTP loss tracker, averaged over data parallel, on the last stage (empty elsewhere); reset.
+    Its names: `values` / `reduce_loss_in_tracker` / `clean_loss_in_tracker` up to 0.18, `loss_values` /
+    `reduce_metrics_in_tracker` / `clean_metrics_in_tracker` (with prediction counts) from 0.19."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as Helper
 
-    tracker = MTPLossLoggingHelper.tracker
-    if "values" not in tracker:  # not the last pipeline stage (or no training forward yet)
+    tracker = Helper.tracker
+    new = hasattr(Helper, "reduce_metrics_in_tracker")
+    key = "loss_values" if new else "values"
+    if key not in tracker:  # not the last pipeline stage (or no training forward yet)
         return {}
-    MTPLossLoggingHelper.reduce_loss_in_tracker()
-    per_layer = [float(v) / num_microbatches for v in tracker["values"].tolist()]
-    MTPLossLoggingHelper.clean_loss_in_tracker()
+    (Helper.reduce_metrics_in_tracker if new else Helper.reduce_loss_in_tracker)()
+    per_layer = [float(v) / num_microbatches for v in tracker[key].tolist()]
+    (Helper.clean_metrics_in_tracker if new else Helper.clean_loss_in_tracker)()
     return {"mtp_loss": sum(per_layer) / len(per_layer), "mtp_loss_per_layer": per_layer}
