@@ -95,6 +95,32 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     moe_grouped_gemm: bool | None = None  # None: Transformer Engine grouped GEMM with the TE spec
+    # DeepSeek-V3 class (docs/moe.md): Multi-Latent Attention, DeepSeek routing, dense-first layers, Multi-Token
+    # Prediction. Names follow Megatron-Core's MLATransformerConfig / TransformerConfig.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: queries projected directly (HF q_proj); else q_a_proj → norm → q_b_proj
+    kv_lora_rank: int = 512  # the compressed KV width (HF kv_lora_rank)
+    qk_head_dim: int = 128  # per-head query/key width without RoPE (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 64  # per-head RoPE width, shared by all heads for keys (HF qk_rope_head_dim)
+    v_head_dim: int = 128
+    rope_type: Literal["rope", "yarn"] = "rope"  # MLA's RoPE; yarn: YaRN with the fields below
+    rotary_scaling_factor: float = 1.0  # YaRN factor
+    original_max_position_embeddings: int = 4096  # YaRN: the pre-extension context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    moe_layer_freq: int | list[int] = 1  # 1: every layer MoE; a list of 0 (dense) / 1 (MoE) per layer
+    moe_shared_expert_intermediate_size: int | None = None  # shared experts' total FFN size (None: none)
+    moe_router_num_groups: int | None = None  # group-limited routing: expert groups
+    moe_router_group_topk: int | None = None  # ... and how many of them a token may use
+    moe_router_topk_scaling_factor: float | None = None  # routing weights × this (HF routed_scaling_factor)
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias on the scores
+    moe_router_bias_update_rate: float = 1e-3  # ... moved by ± this per step toward balanced load
+    mtp_num_layers: int | None = None  # Multi-Token Prediction depth (None: off)
+    mtp_loss_scaling_factor: float = 0.1  # MTP loss weight (divided over the MTP layers)
+    # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
+    fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
 
 
 @dataclass
@@ -111,6 +137,10 @@ class ParallelConfig:
     tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
     # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).
     batch_p2p_comm: bool | None = None
+    # Uneven pipeline stages (Megatron-Core's names): decoder layers of the first / last stage (null: an even
+    # share); the other stages split the rest evenly. E.g. DeepSeek-V3's 61 layers on PP8: 7, 6 (8 per middle stage).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
 
 
 @dataclass
@@ -312,6 +342,11 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
         model = {**base, **model}
     tree["model"] = model
     cfg = build(Config, tree, "")
+    m = cfg.model
+    if m.fp8_recipe is not None and m.fp8 is not None and m.fp8_recipe != m.fp8:
+        raise ConfigError(f"model.fp8_recipe={m.fp8_recipe} and model.fp8={m.fp8} disagree: they name the same "
+                          "FP8 recipe (set one of them)")
+    m.fp8 = m.fp8_recipe = m.fp8 or m.fp8_recipe  # one value under both names, as config.yaml records it
     if cfg.model.family not in FAMILIES:
         raise ConfigError(f"model.family={cfg.model.family!r} is not one of {', '.join(FAMILIES)}")
     return cfg

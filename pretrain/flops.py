@@ -16,8 +16,15 @@ Activation recomputation is not counted: MFU measures useful model FLOPs.
 
 MoE (`model.num_moe_experts`): FLOPs follow the *active* parameters. The MLP term becomes
 `k · (f_e/h) · (3/2 if gated else 1)` (each token runs its top-k experts of size f_e = moe_ffn_hidden_size)
-plus the router GEMM `E/(2h)` (h → E logits per token); nominal, i.e. dropless (a capacity factor that drops
-tokens does fewer).
+plus the router GEMM `E/(2h)` (h → E logits per token) and the shared experts `(f_s/h) · (3/2 if gated else 1)`;
+nominal, i.e. dropless (a capacity factor that drops tokens does fewer). Dense-first models (`moe_layer_freq`) sum
+dense and MoE layers.
+
+Multi-Latent Attention (`model.multi_latent_attention`): the attention term is its projections, P/(2h²) with
+P = h·r_q + r_q·a·(d_qk + d_pe) (or h·a·(d_qk + d_pe) without q LoRA) + h·(r_kv + d_pe) + r_kv·a·(d_qk + d_v) +
+a·d_v·h, plus the causal scores s·a·(d_qk + d_pe + d_v)/(4h²). Multi-Token Prediction adds, per MTP layer, a
+transformer layer like the last, its input projection (2h → h: 1) and another output GEMM (V/(2h)), as
+Megatron-LM counts them (they run every step).
 """
 
 from __future__ import annotations
@@ -34,6 +41,22 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
+def _mla_attention(m: Any) -> float:
+    """MLA's attention term (projections and causal scores), in units of 12·h² FLOPs per token."""
+    h, a, s = m.hidden_size, m.num_attention_heads, m.seq_length
+    qk, pe, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    q = h * a * (qk + pe) if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank * a * (qk + pe)
+    projections = q + h * (m.kv_lora_rank + pe) + m.kv_lora_rank * a * (qk + v) + a * v * h
+    return projections / (2 * h * h) + s * a * (qk + pe + v) / (4 * h * h)
+
+
+def _moe_pattern(m: Any) -> list[bool]:
+    freq = getattr(m, "moe_layer_freq", 1)
+    if isinstance(freq, list):
+        return [bool(x) for x in freq]
+    return [i % freq == 0 for i in range(m.num_layers)]
+
+
 def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     """Training FLOPs per token (forward + backward) for the config's model."""
     m = model_cfg
@@ -43,12 +66,24 @@ def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     d = m.kv_channels or h // a
     f = m.ffn_hidden_size or 4 * h
     gated = 1.5 if m.gated_linear_unit else 1.0
-    attention = (1 + g / a + s / (2 * h)) * (a * d / h)
+    if getattr(m, "multi_latent_attention", False):
+        attention = _mla_attention(m)
+    else:
+        attention = (1 + g / a + s / (2 * h)) * (a * d / h)
     mlp = (f / h) * gated
-    if getattr(m, "num_moe_experts", None):
-        mlp = m.moe_router_topk * ((m.moe_ffn_hidden_size or f) / h) * gated + m.num_moe_experts / (2 * h)
     logits = padded_vocab / (2 * L * h)
-    return 12.0 * L * h * h * (attention + mlp + logits)
+    mtp = getattr(m, "mtp_num_layers", None) or 0
+    if not getattr(m, "num_moe_experts", None) and not mtp:
+        return 12.0 * L * h * h * (attention + mlp + logits)
+    last = mlp
+    if getattr(m, "num_moe_experts", None):
+        moe = m.moe_router_topk * ((m.moe_ffn_hidden_size or f) / h) * gated + m.num_moe_experts / (2 * h)
+        moe += (getattr(m, "moe_shared_expert_intermediate_size", None) or 0) / h * gated
+        pattern = _moe_pattern(m)
+        n_moe = sum(pattern)
+        mlp, last = ((L - n_moe) * mlp + n_moe * moe) / L, (moe if pattern[-1] else mlp)  # MTP: like the last
+    per_layer = attention + mlp + logits
+    return 12.0 * h * h * (L * per_layer + mtp * (attention + last + 1 + padded_vocab / (2 * h)))
 
 
 def flops_per_step(model_cfg: Any, padded_vocab: int, global_batch_size: int) -> float:

@@ -134,6 +134,8 @@ class Layout:
     edp: int = 1  # expert data parallel
     moe_loss_scale: int = 1  # on the router aux/z-loss coefficients: pretrain.compat.mcore.moe_router_loss_scale
     fsdp_sharding: str | None = None  # Megatron-FSDP's data_parallel_sharding_strategy; None: no Megatron-FSDP
+    first_stage_layers: int | None = None  # parallel.num_layers_in_first_pipeline_stage (uneven pipeline)
+    last_stage_layers: int | None = None  # parallel.num_layers_in_last_pipeline_stage
 
     @property
     def moe(self) -> bool:
@@ -162,10 +164,36 @@ class Layout:
 
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
 
+    def chunk_layers(self, num_layers: int, pp_rank: int, vp_stage: int) -> tuple[int, int]:
+        """(first global layer, layers) of one model chunk: `chunk_layer_range` for this layout."""
+        return chunk_layer_range(num_layers, self.pp, self.vp, pp_rank, vp_stage, self.first_stage_layers,
+                                 self.last_stage_layers)
+
     def describe(self) -> str:
         vp = f" × VP{self.vp}" if self.vp > 1 else ""
         experts = f"; experts ETP{self.etp} × EP{self.ep} × EDP{self.edp}" if self.moe else ""
         return f"TP{self.tp} × PP{self.pp}{vp} × CP{self.cp} × DP{self.dp}{experts}"
+
+
+def chunk_layer_range(num_layers: int, pp: int, vp: int, pp_rank: int, vp_stage: int, first: int | None = None,
+                      last: int | None = None) -> tuple[int, int]:
+    """(offset, count) of the decoder layers of model chunk (pp_rank, vp_stage), as Megatron-Core's
+    `get_transformer_layer_offset` / `get_num_layers_to_build` place them: an even split, or with uneven stages
+    (`first` / `last` layers on the first / last stage, each split over the virtual stages) the rest shared by the
+    middle stages; virtual stage v of every rank before v + 1 of any."""
+    if pp == 1 or (first is None and last is None):
+        per = num_layers // (pp * vp)
+        return (vp_stage * pp + pp_rank) * per, per
+    f, lst = first or 0, last or 0
+    middle_stages = pp - (first is not None) - (last is not None)
+    per_middle = (num_layers - f - lst) // vp // middle_stages if middle_stages else 0  # per chunk of a middle stage
+    per_vp_stage = f // vp + middle_stages * per_middle + lst // vp  # layers of one virtual stage, all ranks
+    base = vp_stage * per_vp_stage
+    if pp_rank == 0 and first is not None:
+        return base, f // vp
+    if pp_rank == pp - 1 and last is not None:
+        return base + f // vp + middle_stages * per_middle, lst // vp
+    return base + f // vp + (pp_rank - (first is not None)) * per_middle, per_middle
 
 
 def te_available() -> bool:
@@ -203,4 +231,5 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
         **vars(model_shape(m)), **vars(experts), moe_loss_scale=mcore.moe_router_loss_scale(p.tensor, p.context),
         fsdp_sharding=fsdp_sharding(cfg),
+        first_stage_layers=p.num_layers_in_first_pipeline_stage, last_stage_layers=p.num_layers_in_last_pipeline_stage,
     )

@@ -1,6 +1,7 @@
-"""Per-step MoE metrics: the routers' auxiliary losses and the load of every expert.
+"""Per-step MoE and Multi-Token Prediction metrics: the routers' auxiliary losses, the load of every expert, the
+expert bias of aux-loss-free balancing, and the MTP loss.
 
-    moe = MoEMetrics.attach(chunks)            # None for a dense model
+    moe = MoEMetrics.attach(chunks)            # None for a dense model without MTP
     ... one training step ...
     record.update(moe.step(num_microbatches))  # collective: every rank calls it
 
@@ -13,7 +14,14 @@ across PP, so a world-wide sum counts each once).
 
 Keys: `moe_<loss name>` (e.g. `moe_load_balancing_loss`, `moe_z_loss`), `moe_tokens_per_expert`
 ([layer][expert] counts), `moe_max_over_mean_load` (the most loaded expert over the mean, worst layer) and
-`moe_max_over_mean_load_per_layer`.
+`moe_max_over_mean_load_per_layer`. Layers are the decoder's then the MTP layers' (a dense layer's row is zeros).
+
+With `moe_router_enable_expert_bias` (DeepSeek's aux-loss-free balancing; Megatron-Core updates the bias in
+`finalize_model_grads`, once per step, by ± the update rate toward the mean load): `moe_expert_bias`
+([layer][expert], null for a dense layer, after this step's update), `moe_expert_bias_min`, `moe_expert_bias_max`
+and `moe_expert_bias_range` (the widest max − min of a layer). With MTP (`mtp_num_layers`): `mtp_loss` (mean over
+the MTP layers of Megatron-Core's per-microbatch MTP loss, averaged over microbatches and data-parallel ranks, before
+`mtp_loss_scaling_factor`) and `mtp_loss_per_layer`, on the last pipeline stage (where the loss is).
 """
 
 from __future__ import annotations
@@ -25,26 +33,36 @@ import torch.distributed as dist
 
 
 class MoEMetrics:
-    """Counts expert load through router hooks and reads the aux-loss tracker once per step."""
+    """Counts expert load through router hooks and reads the aux-loss and MTP trackers once per step."""
 
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device):
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device, moe_layers: int = 0,
+                 mtp_layers: int = 0):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         self.handles: list[Any] = []
+        self.moe_layers = moe_layers or num_layers  # decoder MoE layers + MTP layers: the aux losses' mean
+        self.mtp_layers = mtp_layers
+        self.biased: list[Any] = []  # this rank's routers with an expert bias
 
     @classmethod
     def attach(cls, chunks: list) -> MoEMetrics | None:
-        """Hook every router of this rank's model chunks; None when the model has no experts."""
+        """Hook every router of this rank's model chunks; None when the model has neither experts nor MTP."""
         from megatron.core.transformer.moe.router import Router
 
+        from model_providers.core.specs import moe_layer_pattern
+
         config = chunks[0].config
-        if not config.num_moe_experts:
+        mtp = config.mtp_num_layers or 0
+        if not config.num_moe_experts and not mtp:
             return None
         device = next(chunks[0].parameters()).device
-        metrics = cls(config.num_layers, config.num_moe_experts, device)
+        moe_layers = (sum(moe_layer_pattern(config)) + mtp) if config.num_moe_experts else 0
+        metrics = cls(config.num_layers + mtp, config.num_moe_experts or 0, device, moe_layers, mtp)
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, Router):
                     metrics.handles.append(module.register_forward_hook(metrics._count))
+                    if getattr(module, "expert_bias", None) is not None:
+                        metrics.biased.append(module)
         return metrics
 
     def _count(self, router, _inputs, output) -> None:
@@ -56,8 +74,13 @@ class MoEMetrics:
         self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.dtype)
 
     def step(self, num_microbatches: int) -> dict:
-        """This step's metrics on every rank (collective); resets the counts and the tracker."""
-        record = aux_losses(num_microbatches, self.counts.shape[0])
+        """This step's metrics on every rank (collective); resets the counts and the trackers."""
+        record = mtp_losses(num_microbatches) if self.mtp_layers else {}
+        if not self.counts.shape[1]:  # MTP without experts
+            return record
+        record.update(aux_losses(num_microbatches, self.moe_layers))
+        if self.biased:
+            record.update(expert_bias(self.biased, self.counts.shape))
         counts = self.counts.clone()
         dist.all_reduce(counts)
         self.counts.zero_()
@@ -90,3 +113,44 @@ def aux_losses(num_microbatches: int, num_moe_layers: int) -> dict:
            for name in names}
     clear_aux_losses_tracker()
     return out
+
+
+def expert_bias(routers: list, shape: tuple[int, int]) -> dict:
+    """Every MoE layer's expert bias on every rank (collective over the world: each layer's bias is contributed once,
+    by the router copy on TP/CP/DP rank 0 of its pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    device = routers[0].expert_bias.device
+    bias = torch.zeros(shape, dtype=torch.float64, device=device)
+    held = torch.zeros(shape[0], dtype=torch.float64, device=device)
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if dist.get_rank(group) == 0:
+        for router in routers:
+            bias[router.layer_number - 1] = router.expert_bias.detach().to(torch.float64)
+            held[router.layer_number - 1] = 1.0
+    dist.all_reduce(bias)
+    dist.all_reduce(held)
+    rows = [[float(x) for x in row] if h else None for row, h in zip(bias.tolist(), held.tolist())]
+    present = [row for row in rows if row is not None]
+    if not present:
+        return {}
+    return {"moe_expert_bias": rows, "moe_expert_bias_min": min(min(r) for r in present),
+            "moe_expert_bias_max": max(max(r) for r in present),
+            "moe_expert_bias_range": max(max(r) - min(r) for r in present)}
+
+
+def mtp_losses(num_microbatches: int) -> dict:
+    """Megatron-Core's MTP loss tracker, averaged over data parallel, on the last stage (empty elsewhere); reset.
+    Its names: `values` / `reduce_loss_in_tracker` / `clean_loss_in_tracker` up to 0.18, `loss_values` /
+    `reduce_metrics_in_tracker` / `clean_metrics_in_tracker` (with prediction counts) from 0.19."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as Helper
+
+    tracker = Helper.tracker
+    new = hasattr(Helper, "reduce_metrics_in_tracker")
+    key = "loss_values" if new else "values"
+    if key not in tracker:  # not the last pipeline stage (or no training forward yet)
+        return {}
+    (Helper.reduce_metrics_in_tracker if new else Helper.reduce_loss_in_tracker)()
+    per_layer = [float(v) / num_microbatches for v in tracker[key].tolist()]
+    (Helper.clean_metrics_in_tracker if new else Helper.clean_loss_in_tracker)()
+    return {"mtp_loss": sum(per_layer) / len(per_layer), "mtp_loss_per_layer": per_layer}

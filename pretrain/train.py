@@ -57,9 +57,10 @@ def forward_step(data_iterator, model):
     while hasattr(unwrapped, "module"):  # DDP → GPTModel; Megatron-FSDP: adapter → MegatronFSDP → GPTModel
         unwrapped = unwrapped.module
     pre, post = unwrapped.pre_process, unwrapped.post_process
+    tokens = pre or getattr(unwrapped, "mtp_process", False)  # MTP embeds the next tokens on its (last) stage
     output = model(
-        batch["tokens"] if pre else None,
-        batch["position_ids"] if pre else None,
+        batch["tokens"] if tokens else None,
+        batch["position_ids"] if tokens else None,
         batch.get("attention_mask"),  # per-document mask (data.reset_attention_mask), needed on every stage
         labels=batch["labels"] if post else None,
     )

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from model_providers.core import fusions
-from model_providers.core.specs import decoder_block_spec
+from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
 
 def transformer_config(cfg, layout: Any) -> TransformerConfig:
@@ -45,6 +45,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sp,
         normalization=m.normalization,
@@ -78,7 +80,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
         masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask),
         bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=on_gpu and use_te,
+        # MLA fuses RoPE only for YaRN (MLATransformerConfig refuses it with plain RoPE).
+        apply_rope_fusion=on_gpu and use_te and (not m.multi_latent_attention or m.rope_type == "yarn"),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=on_gpu,
@@ -91,7 +94,23 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         kwargs.update(fp8="hybrid", fp8_recipe=m.fp8, fp8_param=m.fp8_param_gather)
     if layout.moe:
         kwargs.update(moe_config(m, layout))
+    if m.mtp_num_layers:
+        kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+    if m.multi_latent_attention:
+        kwargs.update(mla_config(m))
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def mla_config(m) -> dict:
+    """Megatron-Core's MLATransformerConfig fields (the same names as our `model.*` keys)."""
+    return dict(
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type=m.rope_type,
+        rotary_base=m.rotary_base, rotary_percent=m.rotary_percent, rotary_scaling_factor=m.rotary_scaling_factor,
+        original_max_position_embeddings=m.original_max_position_embeddings, beta_fast=m.beta_fast,
+        beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim,
+    )
 
 
 def moe_config(m, layout: Any) -> dict:
@@ -124,6 +143,14 @@ def moe_config(m, layout: Any) -> dict:
         moe_grouped_gemm=layout.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        # DeepSeek routing, shared experts and dense-first layers (defaults: off).
+        moe_layer_freq=m.moe_layer_freq,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
     )
 
 
@@ -138,9 +165,11 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
+        block = decoder_block_spec(config, layout.use_te, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage),
+            transformer_layer_spec=block,
+            mtp_block_spec=mtp_block_spec(config, block, layout.use_te, vp_stage=stage),
             vocab_size=padded,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -240,6 +269,8 @@ def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
+# Norm weights (set to 1): layer norms, MLA's latent norms, MTP's embedding/hidden norms (enorm, hnorm).
+_NORM_RE = re.compile(r"layernorm|layer_norm|\.[eh]norm\.")
 # Local experts: SequentialMLP `experts.local_experts.{j}.linear_fc1.weight`, TE grouped GEMM
 # `experts.linear_fc1.weight{j}`; j is the index on this expert-parallel rank.
 _SEQUENTIAL_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -344,7 +375,7 @@ def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, pa
         for local, param in chunk.named_parameters():
             gname = names[local]
             full_shape, dim, rank = _full_shape(param, gname)
-            is_norm = param.dim() == 1 and ("layernorm" in gname or "layer_norm" in gname)
+            is_norm = param.dim() == 1 and _NORM_RE.search(gname) is not None
             if gname.endswith("bias"):
                 param.zero_()
                 continue

@@ -9,7 +9,7 @@ finds every such module, so adding a family is adding one file.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,22 @@ class Family:
         if "torch_dtype" not in out:
             out["dtype"] = dtype
         return out, []
+
+    # ---- the mapping of one model ---------------------------------------------------------------------
+
+    def mapping_for(self, m: Any) -> tuple[MappingRule, ...]:
+        """The rules for our `ModelConfig` `m` (default: the family's table; families whose checkpoints key
+        layers apart expand their templates per layer)."""
+        return self.mapping
+
+    def config_for_weights(self, hf_cfg: Any, names: Callable[[], set[str]]) -> tuple[Any, str | None]:
+        """The transformers config to import with, given the HF tensor names present (`names()` reads the index), and
+        a note when it differs from config.json (default: config.json as it is)."""
+        return hf_cfg, None
+
+    def hf_shapes(self, hf_cfg: Any) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the HF checkpoint's tensors (default: what transformers saves for `hf_cfg`)."""
+        return hf_parameter_shapes(hf_cfg)
 
     # ---- helpers for subclasses and the HF bridge -----------------------------------------------------
 

@@ -12,6 +12,8 @@ a rule on such a name works on one (layer, expert) slice and `{e}` in its HF nam
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,7 +38,11 @@ class Dims:
 
 
 EXPERTS_PREFIX = "decoder.layers.mlp.experts.experts."
-Index = int | tuple[int, int] | None  # a layer, a (layer, expert), or None for an unstacked tensor
+# A (layer, expert), a layer, an (expert,) of a per-layer expert tensor, or None for an unstacked tensor.
+Index = int | tuple[int, int] | tuple[int] | None
+# Megatron's per-layer keys (models whose layers differ, e.g. dense-first MoE, and MTP layers): one tensor per
+# layer, `decoder.layers.<i>.…` / `mtp.layers.<i>.…`; their experts are stacked on dim 0 alone.
+_PER_LAYER = re.compile(r"^(decoder|mtp)\.layers\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -51,32 +57,60 @@ class MappingRule:
     megatron: str
     hf: tuple[str, ...] | str
     op: ClassVar[str] = ""
+    keeps_dtype: ClassVar[bool] = False  # export writes the stored dtype, not the requested one
 
     def __post_init__(self) -> None:
         if isinstance(self.hf, str):
             object.__setattr__(self, "hf", (self.hf,))
 
     @property
+    def per_layer(self) -> bool:
+        """A per-layer key (`decoder.layers.3.…`, `mtp.layers.0.…`): not stacked over layers."""
+        return _PER_LAYER.match(self.megatron) is not None
+
+    @property
+    def per_layer_experts(self) -> bool:
+        return self.per_layer and ".mlp.experts.experts." in self.megatron
+
+    @property
     def stacked(self) -> bool:
-        return self.megatron.startswith("decoder.layers.")
+        return self.megatron.startswith("decoder.layers.") and not self.per_layer
 
     @property
     def stack_dims(self) -> int:
-        """Leading dims of the Megatron tensor that index slices: 0, 1 (layers) or 2 (layers, experts)."""
+        """Leading dims of the Megatron tensor that index slices: 0, 1 (layers, or a per-layer key's experts) or
+        2 (layers, experts)."""
+        if self.per_layer:
+            return 1 if self.per_layer_experts else 0
         if self.megatron.startswith(EXPERTS_PREFIX):
             return 2
         return 1 if self.stacked else 0
 
+    def stack_shape(self, num_layers: int, num_experts: int = 0) -> tuple[int, ...]:
+        """The sizes of the stacked leading dims."""
+        if self.per_layer_experts:
+            return (num_experts,)
+        return (num_layers, num_experts)[:self.stack_dims]
+
     def indices(self, num_layers: int, num_experts: int = 0) -> list[Index]:
         """Every slice of this rule's tensor, in storage order."""
+        if self.per_layer_experts:
+            return [(e,) for e in range(num_experts)]
         if self.stack_dims == 2:
             return [(i, e) for i in range(num_layers) for e in range(num_experts)]
         return list(range(num_layers)) if self.stack_dims == 1 else [None]
 
     def hf_names(self, layer: Index) -> list[str]:
+        if isinstance(layer, tuple) and len(layer) == 1:
+            return [n.format(e=layer[0]) for n in self.hf]
         if isinstance(layer, tuple):
             return [n.format(i=layer[0], e=layer[1]) for n in self.hf]
         return [n.format(i=layer) for n in self.hf]
+
+    def at(self, layer: int, hf_layer: int) -> MappingRule:
+        """This template rule for one layer: `{i}` is `layer` in the Megatron key, `hf_layer` in the HF names."""
+        return dataclasses.replace(self, megatron=self.megatron.replace("{i}", str(layer)),
+                                   hf=tuple(n.replace("{i}", str(hf_layer)) for n in self.hf))
 
     def to_hf(self, t: Tensor, d: Dims) -> list[Tensor]:
         raise NotImplementedError
@@ -95,6 +129,29 @@ class Copy(MappingRule):
 
     def from_hf(self, ts, d):
         return ts[0]
+
+
+class ExactCopy(Copy):
+    """A copy that keeps its stored dtype on export (e.g. DeepSeek's fp32 expert bias in a bf16 export)."""
+
+    op = "copy_exact"
+    keeps_dtype: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Duplicate(MappingRule):
+    """An HF tensor that is a stored copy of another one, `same_as` (DeepSeek-V3's MTP layer keeps copies of the
+    embedding and the output head, which Megatron ties to the model's own): written on export from the Megatron
+    tensor (vocabulary padding removed); on import only checked to equal `same_as`."""
+
+    same_as: str = ""
+    op: ClassVar[str] = "duplicate"
+
+    def to_hf(self, t, d):
+        return Vocab.to_hf(self, t, d)
+
+    def from_hf(self, ts, d):
+        return Vocab.from_hf(self, ts, d)
 
 
 class Transpose(MappingRule):
@@ -203,5 +260,5 @@ class FusedQKVBias(MappingRule):
 
 
 RULES: dict[str, type[MappingRule]] = {
-    cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias)
+    cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate)
 }

@@ -4,7 +4,11 @@ local spec with a norm that supports sequence parallelism (torch's own norms ref
 MoE layers (`config.num_moe_experts`) use Megatron-Core's MoE spec: TE grouped GEMM experts with the TE spec
 (`moe_grouped_gemm`), experts run one after another (`SequentialMLP`) with the local spec. Both store the
 pre-MLP norm as `pre_mlp_layernorm.weight` and experts under the same global keys, so checkpoints move
-between CPU and GPU."""
+between CPU and GPU.
+
+Multi-Latent Attention (`config.multi_latent_attention`) is Megatron-Core's `MLASelfAttention` from the same two
+specs; dense-first models (`moe_layer_freq`) mix dense and MoE layer specs as Megatron-Core's block spec does;
+Multi-Token Prediction is Megatron-Core's MTP block (`mtp_block_spec`) on the last pipeline stage."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -22,6 +28,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,27 +64,97 @@ class SequenceParallelNorm:
         return norm
 
 
+def _local_layer_spec(config: TransformerConfig, experts: int | None) -> ModuleSpec:
+    """Megatron-Core's local layer spec with norms that support sequence parallelism and the TE spec's keys."""
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+                                     num_experts=experts, multi_latent_attention=mla)
+    layer.submodules.input_layernorm = SequenceParallelNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    attention = layer.submodules.self_attention.submodules
+    if mla:
+        _local_mla_norms(config, layer, attention, experts)
+    elif config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
+        attention.q_layernorm = SequenceParallelNorm
+        attention.k_layernorm = SequenceParallelNorm
+    if experts:
+        # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
+        layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
+    return layer
+
+
+def _local_mla_norms(config: TransformerConfig, layer: ModuleSpec, attention, experts: int | None) -> None:
+    """MLA on the local spec: the latent norms as SP-capable modules, stored under the TE spec's keys.
+
+    The TE spec fuses the q/kv latent norms into `linear_q_up_proj` / `linear_kv_up_proj` and a dense layer's
+    pre-MLP norm into `linear_fc1`; the local spec keeps them separate, so its checkpoint keys are mapped onto
+    the TE ones (checkpoints move between CPU and GPU). Without q LoRA there is no query norm (Megatron-Core
+    0.19 refuses a q_layernorm it would not use).
+    """
+    keys = {}
+    if config.qk_layernorm:
+        attention.kv_layernorm = SequenceParallelNorm
+        keys["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+        if config.q_lora_rank is not None:
+            attention.q_layernorm = SequenceParallelNorm
+            keys["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
+        else:
+            attention.q_layernorm = IdentityOp
+    if not experts:
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    layer.submodules.sharded_state_dict_keys_map = keys
+
+
+def moe_layer_pattern(config: TransformerConfig) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer (Megatron-Core's `moe_layer_freq` rule)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
 def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
     """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
     experts = config.num_moe_experts
+    pattern = moe_layer_pattern(config)
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if use_te:
-        layer = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=bool(config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
-        norm = None  # TransformerBlock picks TENorm itself
+        def te_layer(num_experts):
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm) and bool(num_experts),
+                qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+
+        if all(pattern) or not experts:
+            return te_layer(experts)  # TransformerBlock picks TENorm itself
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        kinds = {1: te_layer(experts), 0: te_layer(None)}
+        norm = TENorm
     else:
-        layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
-                                         num_experts=experts)
-        layer.submodules.input_layernorm = SequenceParallelNorm
-        layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-        if config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
-            layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
-            layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
-        if experts:
-            # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
-            layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
+        kinds = {1: _local_layer_spec(config, experts)} if experts else {}
+        if not all(pattern):
+            kinds[0] = _local_layer_spec(config, None)
         norm = SequenceParallelNorm
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    if norm is None:
-        return layer
-    submodules = TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
+    layers = [kinds[pattern[i]] for i in range(offset, offset + num_layers)]
+    submodules = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
     return ModuleSpec(module=TransformerBlock, submodules=submodules)
+
+
+def mtp_block_spec(config: TransformerConfig, decoder: ModuleSpec, use_te: bool, vp_stage: int | None = None):
+    """Megatron-Core's Multi-Token Prediction block for this stage (None where it has none: every stage but the
+    last, or a model without MTP). Its transformer layer is the decoder's last layer spec; on the local spec its
+    three norms (enorm, hnorm, final) support sequence parallelism."""
+    if not config.mtp_num_layers:
+        return None
+    spec = decoder.submodules if decoder.module is TransformerBlock else decoder
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if block is not None and not use_te:
+        for layer in block.layer_specs:
+            layer.submodules.enorm = SequenceParallelNorm
+            layer.submodules.hnorm = SequenceParallelNorm
+            layer.submodules.layer_norm = SequenceParallelNorm
+    return block

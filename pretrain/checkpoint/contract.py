@@ -36,6 +36,10 @@ _MODEL_IDENTITY = (
     "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "sliding_window",
     "apply_residual_connection_post_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
     "moe_router_score_function", "moe_router_pre_softmax",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
 )
 _MODEL_TRAINING = (
     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
@@ -43,6 +47,7 @@ _MODEL_TRAINING = (
     "bias_activation_fusion", "transformer_impl", "fp8", "fp8_param_gather", "moe_router_dtype",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
+    "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "fp8_recipe",
 )
 _SCHEDULE = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
 _ADAM = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
@@ -61,7 +66,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "from the resumed step", "model", _MODEL_TRAINING),
     **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
              "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",
-                                     "expert_tensor", "sequence_parallel")),
+                                     "expert_tensor", "sequence_parallel",
+                                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")),
     **_group(CHANGE, "from the resumed step", "parallel", ("tp_comm_overlap", "batch_p2p_comm")),
     **_group(MATCH, "the tokenizer, compared by identity (kind and SHA-256 of its files), not by path",
              "data", [k.split(".")[1] for k in TOKENIZER_KEYS]),

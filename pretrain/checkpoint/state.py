@@ -32,13 +32,18 @@ VOCAB_PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def model_state(model, is_loading: bool = False) -> dict:
     """Sharded state of the (DDP-unwrapped) chunks: storage keys are the model's global names."""
+    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    # The data-parallel group Megatron-Core's modules default to, passed explicitly: 0.16's GPTModel reads
+    # metadata['dp_cp_group'] itself for an MTP stage's embedding copy (pipeline parallel with MTP).
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     if len(model) == 1:
-        state = {"model": unwrap(model[0]).sharded_state_dict()}
+        state = {"model": unwrap(model[0]).sharded_state_dict(metadata=metadata)}
     else:
-        state = {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        state = {f"model{i}": unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+                 for i, chunk in enumerate(model)}
     if is_loading:
         for item in nested_values(state):
             if isinstance(item, ShardedTensor) and item.key in VOCAB_PADDED_KEYS:

@@ -42,6 +42,26 @@ Without Transformer Engine (CPU, GPUs without TE):
    module): `TypeError: isinstance() arg 2 must be a type` at wrap time for parallel.tensor > 1. Fix: without TE
    the adapter sees a class no module is an instance of (there are no TE modules). Fixed upstream in 0.18.0 (it
    compares class names; checked in the 0.18.0 source and shown on 0.19.2 by the test).
+
+Multi-Latent Attention on the local spec (CPU, GPUs without TE):
+8. `mla_local_core_attention` — `MultiLatentAttention.__init__` (`transformer/multi_latent_attention.py`) builds its
+   core attention with `k_channels` / `v_channels` (query/key and value head widths differ: 192 and 128 for
+   DeepSeek-V3), which only TE's attention accepts; the local spec's `DotProductAttention.__init__` raises
+   `TypeError: unexpected keyword argument 'k_channels'`. Fix: the local attention takes both, and its output width
+   is heads × `v_channels` (its matmuls already follow the tensors' own head widths; MLA passes its softmax scale).
+   Present in 0.16.1 and 0.19.2 (`dot_product_attention.py`, same signature).
+9. `mla_without_te` — `multi_latent_attention.py` sets `HAVE_TE = True` when `megatron.core.extensions.
+   transformer_engine` imports, which it does without TE (its classes are then MagicMock placeholders), so
+   `MLASelfAttention.__init__` calls `isinstance(self.linear_proj, TELinear)` with a placeholder: `TypeError`. Fix:
+   the module's `HAVE_TE` is False without TE. Fixed upstream in 0.17.0 (it imports the extension's own `HAVE_TE`;
+   checked in the 0.17.0, 0.18.0 and 0.19.2 sources).
+10. `mla_q_norm_without_q_lora` — from 0.19.0 `MLASelfAttention` resolves its norms with `QKNormConfigResolver`
+   (`transformer/mla_qk_norm_config.py`), which, with `qk_layernorm` and no q LoRA (`q_lora_rank=None`:
+   DeepSeek-V2-Lite, Moonlight), puts a norm on the query projection's input: a fused norm+linear with TE (a norm
+   that neither 0.16–0.18 nor the HF model has: `q_proj` reads the input norm's output) and, without TE, a
+   `RuntimeError` ("qk_layernorm requires TransformerEngine ..."). Fix: without q LoRA the query projection is the
+   spec's plain linear and only the KV latent norm is resolved (as 0.16.1–0.18.0 build it). Absent from the
+   0.17.0 and 0.18.0 sources; present in 0.19.0 and 0.19.2.
 """
 
 from __future__ import annotations
@@ -222,6 +242,49 @@ def _without_te() -> bool:
     return not mrandom.HAVE_TE
 
 
+def _mla_local_core_attention() -> list:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.__init__
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:  # [sq, b, heads/TP × v_channels] out
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return [(DotProductAttention, "__init__", __init__)]
+
+
+def _mla_without_te() -> list:
+    from megatron.core.transformer import multi_latent_attention
+
+    placeholder = not isinstance(multi_latent_attention.TELinear, type)  # None or a MagicMock without TE
+    return [(multi_latent_attention, "HAVE_TE", False)] if placeholder else []
+
+
+def _mla_q_norm_without_q_lora() -> list:
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    original = MLASelfAttention._resolve_qk_norm_config
+
+    def _resolve_qk_norm_config(self, submodules):
+        if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+            return original(self, submodules)
+        r = QKNormConfigResolver(self.config, submodules)
+        kv_norm = submodules.kv_layernorm or IdentityOp
+        if r._is_trivial(kv_norm):  # the norm fused into the KV up-projection (TE)
+            kv_up = r._mla_fused_linear_or_default(submodules.linear_kv_up_proj, "linear_kv_up_proj")
+        else:
+            kv_up = r._non_fused_or_default(submodules.linear_kv_up_proj, "linear_kv_up_proj")
+        q_proj = submodules.linear_q_proj or r.linear_impl
+        return r._result(linear_q_proj=q_proj, linear_q_up_proj=IdentityOp, linear_kv_up_proj=kv_up,
+                         q_layernorm=IdentityOp, kv_layernorm=kv_norm)
+
+    return [(MLASelfAttention, "_resolve_qk_norm_config", _resolve_qk_norm_config)]
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -244,6 +307,9 @@ FIXES = (
     Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
     Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
     Fix("fsdp_tp_without_te", "0.16.1", "0.18.0", _fsdp_tp_without_te, _without_te),
+    Fix("mla_local_core_attention", "0.16.1", None, _mla_local_core_attention),
+    Fix("mla_without_te", "0.16.1", "0.17.0", _mla_without_te, _without_te),
+    Fix("mla_q_norm_without_q_lora", "0.19.0", None, _mla_q_norm_without_q_lora),
 )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from model_providers import get_family
-from model_providers.core.family import dims, hf_parameter_shapes
+from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Dims, Index, MappingRule
 from pretrain import safe_paths
 from pretrain.hf.files import DTYPES, Progress, commit_dir, discard_dir, peak_rss_bytes, staging_dir
@@ -42,12 +42,14 @@ def _meta_to_hf(rule: MappingRule, shape: tuple[int, ...], d: Dims, what: str) -
 
 
 def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: dict[str, tuple],
-                dtype: torch.dtype) -> list[_Unit]:
-    """Which reads produce which HF tensors; every name and shape checked against the HF model."""
+                dtype: torch.dtype, rules: tuple[MappingRule, ...] | None = None) -> list[_Unit]:
+    """Which reads produce which HF tensors; every name and shape checked against the HF model.
+
+    `rules`: the model's mapping (`Family.mapping_for`); default the family's table."""
     units: list[_Unit] = []
     used: set[str] = set()
     produced: set[str] = set()
-    for rule in get_family(family).mapping:
+    for rule in rules if rules is not None else get_family(family).mapping:
         md = tensors.get(rule.megatron)
         if md is None:
             continue
@@ -55,11 +57,12 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
         shape = tuple(md.size)
         layers = rule.indices(num_layers, d.num_experts)
         if rule.stack_dims:
-            if shape[0] != num_layers:
+            stack = rule.stack_shape(num_layers, d.num_experts)
+            if not rule.per_layer and shape[0] != num_layers:
                 raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[0]} layers, "
                                       f"model.num_layers is {num_layers}")
-            if rule.stack_dims == 2 and shape[1] != d.num_experts:
-                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[1]} experts, "
+            if shape[:len(stack)] != stack:
+                raise ConversionError(f"checkpoint tensor '{rule.megatron}' stacks {shape[len(stack) - 1]} experts, "
                                       f"model.num_moe_experts is {d.num_experts}")
             shape = shape[rule.stack_dims:]
         for layer in layers:
@@ -72,7 +75,7 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
                 if tuple(out.shape) != tuple(expected[name]):
                     raise ConversionError(f"checkpoint tensor '{rule.megatron}' gives '{name}' of shape "
                                           f"{list(out.shape)}; the transformers model expects {list(expected[name])}")
-                entries.append(TensorEntry(name, tuple(out.shape), dtype))
+                entries.append(TensorEntry(name, tuple(out.shape), md.properties.dtype if rule.keeps_dtype else dtype))
                 produced.add(name)
             units.append(_Unit(rule, layer, entries))
     unknown = sorted(set(tensors) - used)
@@ -176,8 +179,8 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     if departs:
         print(f"[convert] note: config.json differs from the imported model's in {', '.join(departs)} (the trained "
               "model's fields)", file=sys.stderr)
-    expected = hf_parameter_shapes(hf_cfg)
-    units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype)
+    expected = family.hf_shapes(hf_cfg)
+    units = plan_export(m.family, reader.tensors, d, m.num_layers, expected, out_dtype, family.mapping_for(m))
     entries = [e for u in units for e in u.entries]
 
     staging = staging_dir(output, overwrite, ckpt)
@@ -188,7 +191,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
             source = reader.read(unit.rule.megatron, unit.layer)
             outs = unit.rule.to_hf(source, d)
             for entry, tensor in zip(unit.entries, outs):
-                writer.write(entry.name, tensor.to(out_dtype))
+                writer.write(entry.name, tensor.to(entry.dtype))
                 bar.update(entry.nbytes)
             del source, outs
         writer.close()

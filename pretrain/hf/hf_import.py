@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from model_providers import family_for_hf, get_family
-from model_providers.core.family import dims, hf_parameter_shapes
-from model_providers.core.mapping import ConversionError, MappingRule
+from model_providers.core.family import dims
+from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
 from pretrain.hf.assets import ASSET_DIR, copy_assets
 from pretrain.hf.files import (
     DTYPES,
@@ -41,9 +41,17 @@ from pretrain.hf.import_checks import (
 from pretrain.hf.readers import HFReader
 from pretrain.hf.writers import StreamingSavePlanner, writer_class
 
-# Megatron linear modules (`...linear_*.weight` in the mapping) carry an (empty) `_extra_state` that the
-# trainer's sharded state dict expects.
-_LINEAR_WEIGHT = ".linear_"
+# Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`) carry an (empty) `_extra_state`
+# that the trainer's sharded state dict expects.
+_LINEAR_WEIGHT = (".linear_", ".eh_proj.")
+
+
+def check_duplicate(rule: Duplicate, reader: HFReader) -> None:
+    """An HF tensor stored as a copy of another (MTP's embedding and head) must equal it: Megatron ties them."""
+    for name in rule.hf_names(None):
+        if not torch.equal(reader.read(name), reader.read(rule.same_as)):
+            raise ConversionError(f"HF tensor '{name}' differs from '{rule.same_as}'; the trainer ties them (one "
+                                  "embedding and output head shared with the MTP layers)")
 
 
 def _hf_names_in(rule: MappingRule, layer: int | None, hf_info: dict) -> list[str] | None:
@@ -118,6 +126,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     hf_cfg, tree = read_hf_config(hf_dir)
     hf_family = family_for_hf(hf_cfg)
     notes = config_notes(tree, hf_family, config_json)
+    hf_cfg, note = hf_family.config_for_weights(hf_cfg, lambda: set(HFReader(hf_dir).info))  # e.g. no MTP weights
+    notes += [note] if note else []
     try:
         fields = hf_family.from_hf_config(hf_cfg)
     except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as exc:
@@ -135,7 +145,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     d = dims(m, vocab, padded)
     reader = HFReader(hf_dir)
     check_tied_head(reader, family, m.share_embeddings_and_output_weights, config_json)
-    expected = hf_parameter_shapes(hf_cfg)
+    expected = family.hf_shapes(hf_cfg)
+    rules = family.mapping_for(m)
     ignored = family.ignored_patterns()
     for name, (shape, st_dtype) in reader.info.items():
         if name in expected:
@@ -155,20 +166,23 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
 
     # Plan: one write item per layer slice (and per non-stacked tensor), plus the linears' empty extra state.
     items, sources = [], {}
-    for rule in family.mapping:
+    for rule in rules:
         layers = rule.indices(m.num_layers, d.num_experts)
         names0 = _hf_names_in(rule, layers[0], reader.info)
         if names0 is None:
             continue
         if rule.megatron == "output_layer.weight" and m.share_embeddings_and_output_weights:
             continue
+        if isinstance(rule, Duplicate):  # a stored copy of another HF tensor: checked, not written
+            check_duplicate(rule, reader)
+            continue
         metas = [torch.empty(reader.info[n][0], device="meta") for n in names0]
         try:
             slice_shape = tuple(rule.from_hf(metas, d).shape)
         except (RuntimeError, ConversionError) as exc:
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
-        tdtype = DTYPES[dtype] if dtype else reader.info[names0[0]][1]
-        stack = (m.num_layers, d.num_experts)[:rule.stack_dims]
+        tdtype = DTYPES[dtype] if dtype and not rule.keeps_dtype else reader.info[names0[0]][1]
+        stack = rule.stack_shape(m.num_layers, d.num_experts)
         global_shape = (*stack, *slice_shape)
         props = TensorProperties(dtype=tdtype)
         for layer in layers:
@@ -185,12 +199,13 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             sources[(rule.megatron, tuple(offsets))] = (rule, names, sizes, tdtype)
     extra = io.BytesIO()
     torch.save([None], extra)
-    for rule in family.mapping:
-        if _LINEAR_WEIGHT not in rule.megatron or not rule.megatron.endswith(".weight") or not rule.stack_dims:
+    for rule in rules:
+        if not any(w in rule.megatron for w in _LINEAR_WEIGHT) or not rule.megatron.endswith(".weight") or (
+                not rule.stack_dims and not rule.per_layer) or isinstance(rule, Duplicate):
             continue
-        stack = (m.num_layers, d.num_experts)[:rule.stack_dims]
+        stack = rule.stack_shape(m.num_layers, d.num_experts) or (1,)  # an unstacked per-layer key: shard 0 of 1
         for layer in rule.indices(m.num_layers, d.num_experts):
-            shard = f"shard_{'.'.join(map(str, lead_offsets(layer)))}_{'.'.join(map(str, stack))}"
+            shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
     total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()

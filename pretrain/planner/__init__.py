@@ -34,6 +34,8 @@ from pretrain.planner.census import (
     Param,
     chunk_parameters,
     count_active_parameters,
+    count_checkpoint_elements,
+    count_mtp_parameters,
     count_parameters,
     layer_parameters,
 )
@@ -61,7 +63,7 @@ __all__ = [
     "DEFAULT_MFU", "FORMULA", "GEMM_EFFICIENCY", "GIB", "GPU_MEMORY_GIB", "HEADROOM", "NETWORK_GBPS",
     "NVLINK_GBPS", "ActivationMemory", "Buffer", "Cost", "Layout", "Param", "PlanError", "RankMemory",
     "StaticMemory", "activation_memory", "check_layout", "chunk_parameters", "cost_model", "count_parameters",
-    "count_active_parameters",
+    "count_active_parameters", "count_checkpoint_elements", "count_mtp_parameters",
     "ddp_buffer", "format_plan", "format_search", "in_flight", "layer_activation_bytes", "layer_parameters",
     "layout_of", "make_plan", "most_loaded", "optimizer_elements", "padded_vocab_for", "rank_memory", "search",
     "static_memory",

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config
 from pretrain.layout import Layout
+from pretrain.planner.census import is_moe_layer
+from pretrain.planner.mla import mla_terms, mtp_extras, shared_expert_terms, sigmoid_router_terms
 
 FP8_BYTES = 1  # a Transformer Engine FP8 copy keeps one byte per value (scales are negligible)
 
@@ -64,13 +66,14 @@ def recomputed_modules(cfg: Config) -> frozenset[str]:
 
 
 def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
-                modules: Collection[str] = ()) -> dict[str, int]:
+                modules: Collection[str] = (), index: int | None = None) -> dict[str, int]:
     """Bytes one decoder layer keeps for one microbatch, by term (no full recompute).
 
     `modules`: selectively recomputed submodules (`recomputed_modules`); `core_attn` there is the same as
     `recompute_core_attention`. `mlp`: the checkpoint keeps only the MLP's input, already the fc1 GEMM input.
     `layernorm` (local spec; TE fuses its norms): each norm keeps only its input, the checkpoint's; its output and
-    statistics are freed and rebuilt in backward.
+    statistics are freed and rebuilt in backward. `index`: the global layer (dense or MoE in dense-first models;
+    None: MoE whenever the model has experts).
     """
     recompute_core_attention = recompute_core_attention or "core_attn" in modules
     m = cfg.model
@@ -84,7 +87,11 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     fp8 = bool(m.fp8) and lay.use_te
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
     out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
-    if recompute_core_attention:
+    moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
+    if m.multi_latent_attention:
+        out.update(mla_terms(cfg, lay, lambda n, r: _norm_terms(cfg, lay, n, r, fp8), recompute_core_attention))
+        sbd = s * b * m.v_head_dim // t  # the attention output's head width is the value's
+    elif recompute_core_attention:
         # The selective-recompute checkpoint keeps Q, K, V as given (see _qkv_saved_units).
         out["qkv"] = _qkv_saved_units(a, g, rope, expanded=False) * sbd * p
         if not lay.use_te and rope:
@@ -106,7 +113,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     kept = (FP8_BYTES if recompute_core_attention else p + FP8_BYTES) if fp8 else p
     out["attention_output"] = a * sbd * kept
     fc2_in = FP8_BYTES if fp8 else p
-    if m.num_moe_experts:
+    if moe:
         out.update(moe_terms(cfg, lay, rows, modules))
     else:
         sbf = s * b * f // t
@@ -144,26 +151,45 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     m = cfg.model
     p = lay.bytes_per_value
     experts, k = m.num_moe_experts, m.moe_router_topk
-    router = 5 * tokens * experts + 24 * tokens * k
-    if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
-        router += 4 * tokens * experts + 8 * tokens * k + 8 * experts + 4
-    if m.moe_z_loss_coeff:
-        router += 4 * tokens * experts + 4 * tokens + 4
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    if sigmoid:  # DeepSeek routing (pretrain.planner.mla)
+        router = sigmoid_router_terms(cfg, lay, tokens)
+    else:
+        router = 5 * tokens * experts + 24 * tokens * k
+        if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
+            router += 4 * tokens * experts + 8 * tokens * k + 8 * experts + 4
+        if m.moe_z_loss_coeff:
+            router += 4 * tokens * experts + 4 * tokens + 4
+    out = {"moe_router": router}
+    if m.moe_shared_expert_intermediate_size:
+        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
+    probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
     if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu):
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
         per_copy = m.hidden_size + 3 * width - (width if "moe_act" in modules else 0)
-        return {"moe_router": router, "moe_experts": tokens * k * lay.etp * (per_copy * p + 4)}
+        return {**out, "moe_experts": tokens * k * lay.etp * (per_copy * p + 4)}
     per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width - (width if "moe_act" in modules else 0)
-    return {"moe_router": router, "moe_experts": tokens * k * lay.etp * per_copy * p}
+    return {**out, "moe_experts": tokens * k * lay.etp * per_copy * p + probs * lay.etp}
 
 
 def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
-                           modules: Collection[str] = ()) -> int:
+                           modules: Collection[str] = (), index: int | None = None) -> int:
     """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute)."""
-    return sum(layer_terms(cfg, lay, recompute_core_attention, modules).values())
+    return sum(layer_terms(cfg, lay, recompute_core_attention, modules, index).values())
+
+
+def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules: Collection[str] = ()) -> list[int]:
+    """Bytes each transformer layer of one model chunk keeps per microbatch, in order: its decoder layers, then
+    (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
+    m = cfg.model
+    offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
+    out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
+    if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
+        out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers
+    return out
 
 
 def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
@@ -204,7 +230,7 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     softmax statistics.
     """
     full = layer_terms(cfg, lay)
-    mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"]
+    mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"] + full.get("moe_shared_experts", 0)
     if "core_attn" not in modules:
         norms = full["norms_and_gemm_inputs"] - layer_terms(cfg, lay, modules=("layernorm",))[
             "norms_and_gemm_inputs"]
@@ -271,19 +297,26 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     h = m.hidden_size
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
     selective = m.recompute_granularity == "selective"
     modules = recomputed_modules(cfg)
-    layer = layer_activation_bytes(cfg, lay, modules=modules)
-    stored, working, freed_first, once = per_chunk * layer, 0, 0, 0
+    chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
+    per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
+    working, freed_first, once = 0, 0, 0
     if m.recompute_granularity == "full":
-        stored, working, freed_first = _full_recompute(cfg, per_chunk, layer, hs * p)
+        layer = max(max(layers) for layers in chunk_layers.values())  # dense-first models: the larger layer
+        per_mb, work = {}, []
+        for c, layers in chunk_layers.items():
+            decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
+            stored, chunk_work, freed_first = _full_recompute(cfg, decoder, layer, hs * p)
+            per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
+            work.append(chunk_work)
+        working = max(work)
         if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)
     first, last = microbatch_extras(cfg, lay, padded_vocab)
-    per_mb = {c: stored for c in range(lay.vp)}
+    last += mtp_extras(cfg, lay, padded_vocab, lambda n, r: _norm_terms(cfg, lay, n, r, gemm_fp8=False))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
     if pp_rank == 0:
         per_mb[0] += first

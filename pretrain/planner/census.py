@@ -27,23 +27,65 @@ def _norm_params(prefix: str, m: Any) -> list[Param]:
     return out
 
 
-def layer_parameters(m: Any, lay: Layout, index: int) -> list[Param]:
-    """One decoder layer's parameters on one TP rank, in Megatron's local-spec registration order."""
+def is_moe_layer(m: Any, index: int) -> bool:
+    """Whether global decoder layer `index` is an MoE layer (Megatron-Core's `moe_layer_freq` rule)."""
+    if not m.num_moe_experts:
+        return False
+    freq = m.moe_layer_freq
+    return bool(freq[index]) if isinstance(freq, list) else index % freq == 0
+
+
+def mla_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
+    """Multi-Latent Attention's projections and latent norms on one TP rank, after `linear_proj`.
+
+    The up-projections are column-parallel. The down-projections are column-parallel on the local spec and
+    duplicated (whole on every TP rank) with Transformer Engine; the latent norms are replicated."""
+    h, a, tp = m.hidden_size, m.num_attention_heads, lay.tp
+    q_width = a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+    down = 1 if lay.use_te else tp
+    att = f"{pre}.self_attention"
+    out = []
+    if m.q_lora_rank is None:
+        out.append(Param(f"{att}.linear_q_proj.weight", q_width // tp * h, linear=True))
+    else:
+        out += [Param(f"{att}.linear_q_down_proj.weight", m.q_lora_rank // down * h, linear=True),
+                Param(f"{att}.linear_q_up_proj.weight", q_width // tp * m.q_lora_rank, linear=True)]
+    out += [Param(f"{att}.linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_pos_emb_head_dim) // down * h,
+                  linear=True),
+            Param(f"{att}.linear_kv_up_proj.weight", a * (m.qk_head_dim + m.v_head_dim) // tp * m.kv_lora_rank,
+                  linear=True)]
+    if m.qk_layernorm:
+        if m.q_lora_rank is not None:
+            out.append(Param(f"{att}.q_layernorm.weight", m.q_lora_rank))
+        out.append(Param(f"{att}.kv_layernorm.weight", m.kv_lora_rank))
+    return out
+
+
+def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None = None,
+                     pre: str | None = None) -> list[Param]:
+    """One decoder layer's parameters on one TP rank, in Megatron's local-spec registration order.
+
+    `global_index` decides dense or MoE (dense-first models); `pre` the name prefix (an MTP layer's
+    `mtp.layers.{j}.transformer_layer`)."""
     h, a, tp = m.hidden_size, m.num_attention_heads, lay.tp
     g, d, f = lay.num_query_groups, lay.head_dim, lay.ffn_hidden_size
-    pre = f"decoder.layers.{index}"
+    pre = pre or f"decoder.layers.{index}"
     out = _norm_params(f"{pre}.input_layernorm", m)
-    out.append(Param(f"{pre}.self_attention.linear_proj.weight", h * a * d // tp, linear=True))
+    value = m.v_head_dim if m.multi_latent_attention else d
+    out.append(Param(f"{pre}.self_attention.linear_proj.weight", h * a * value // tp, linear=True))
     if m.add_bias_linear:
         out.append(Param(f"{pre}.self_attention.linear_proj.bias", h))
-    qkv = (a + 2 * g) * d // tp
-    out.append(Param(f"{pre}.self_attention.linear_qkv.weight", qkv * h, linear=True))
-    if m.add_bias_linear or m.add_qkv_bias:
-        out.append(Param(f"{pre}.self_attention.linear_qkv.bias", qkv))
-    if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
-        out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
+    if m.multi_latent_attention:
+        out += mla_parameters(m, lay, pre)
+    else:
+        qkv = (a + 2 * g) * d // tp
+        out.append(Param(f"{pre}.self_attention.linear_qkv.weight", qkv * h, linear=True))
+        if m.add_bias_linear or m.add_qkv_bias:
+            out.append(Param(f"{pre}.self_attention.linear_qkv.bias", qkv))
+        if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
+            out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
     out += _norm_params(f"{pre}.pre_mlp_layernorm", m)
-    if m.num_moe_experts:
+    if is_moe_layer(m, index if global_index is None else global_index):
         return out + moe_parameters(m, lay, pre)
     fc1 = (2 if m.gated_linear_unit else 1) * f // tp
     out.append(Param(f"{pre}.mlp.linear_fc1.weight", fc1 * h, linear=True))
@@ -72,6 +114,25 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
         out.append(Param(f"{e}.linear_fc2.weight", h * fe // etp, linear=True, expert=True))
         if m.add_bias_linear:
             out.append(Param(f"{e}.linear_fc2.bias", h, expert=True))
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:  # shared experts: one dense MLP, split over TP like the attention
+        fs = (2 if m.gated_linear_unit else 1) * shared // lay.tp
+        out += [Param(f"{pre}.mlp.shared_experts.linear_fc1.weight", fs * h, linear=True),
+                Param(f"{pre}.mlp.shared_experts.linear_fc2.weight", h * shared // lay.tp, linear=True)]
+    return out
+
+
+def mtp_parameters(m: Any, lay: Layout) -> list[Param]:
+    """The Multi-Token Prediction layers (on the last pipeline stage): embedding and hidden norms, the projection
+    of their concatenation (column-parallel, 2h → h), a transformer layer like the decoder's last, a final norm."""
+    h = m.hidden_size
+    out: list[Param] = []
+    for j in range(m.mtp_num_layers or 0):
+        pre = f"mtp.layers.{j}"
+        out += _norm_params(f"{pre}.enorm", m) + _norm_params(f"{pre}.hnorm", m)
+        out.append(Param(f"{pre}.eh_proj.weight", h // lay.tp * 2 * h, linear=True))
+        out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
+        out += _norm_params(f"{pre}.final_layernorm", m)
     return out
 
 
@@ -81,18 +142,20 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
     pre = pp_rank == 0 and vp_stage == 0
     post = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
     tied = m.share_embeddings_and_output_weights
+    mtp = bool(m.mtp_num_layers) and post  # MTP layers on the last stage, with their own embedding copy there
     out: list[Param] = []
-    if pre:
+    if pre or mtp:
         out.append(Param("embedding.word_embeddings.weight", padded_vocab // lay.tp * m.hidden_size,
-                         shared_embedding=tied and lay.pp > 1 and not post))
+                         shared_embedding=(tied or bool(m.mtp_num_layers)) and lay.pp > 1 and not (pre and post)))
         if m.position_embedding_type == "learned_absolute":
             out.append(Param("embedding.position_embeddings.weight",
                              (m.max_position_embeddings or m.seq_length) * m.hidden_size))
-    per_chunk = m.num_layers // (lay.pp * lay.vp)
+    offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     for i in range(per_chunk):
-        out += layer_parameters(m, lay, i)
+        out += layer_parameters(m, lay, i, global_index=offset + i)
     if post:
         out += _norm_params("decoder.final_layernorm", m)
+        out += mtp_parameters(m, lay) if mtp else []
         if not (tied and pre):
             out.append(Param("output_layer.weight", padded_vocab // lay.tp * m.hidden_size,
                              shared_embedding=tied and not pre))
@@ -106,18 +169,41 @@ def _whole_model(cfg: Config, padded_vocab: int) -> list[Param]:
     return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
 
 
-def count_parameters(cfg: Config, padded_vocab: int) -> int:
-    """Parameters of the whole model (one copy of tied embeddings; every expert)."""
-    return sum(p.numel for p in _whole_model(cfg, padded_vocab))
+def _without_mtp(params: list[Param]) -> list[Param]:
+    return [p for p in params if not p.name.startswith("mtp.")]
+
+
+def count_parameters(cfg: Config, padded_vocab: int, mtp: bool = False) -> int:
+    """Parameters of the whole model (one copy of tied embeddings; every expert). `mtp`: with the Multi-Token
+    Prediction layers (which share the model's embedding and output head); without, the model as published."""
+    params = _whole_model(cfg, padded_vocab)
+    return sum(p.numel for p in (params if mtp else _without_mtp(params)))
+
+
+def count_mtp_parameters(cfg: Config, padded_vocab: int) -> int:
+    """The MTP layers' own parameters (embedding and head are the model's)."""
+    return count_parameters(cfg, padded_vocab, mtp=True) - count_parameters(cfg, padded_vocab)
 
 
 def count_active_parameters(cfg: Config, padded_vocab: int) -> int:
-    """Parameters one token uses: all but the experts it is not routed to (k of E per MoE layer)."""
+    """Parameters one token uses: all but the experts it is not routed to (k of E per MoE layer); without MTP."""
     m = cfg.model
-    params = _whole_model(cfg, padded_vocab)
+    params = _without_mtp(_whole_model(cfg, padded_vocab))
     total = sum(p.numel for p in params)
     if not m.num_moe_experts:
         return total
     experts = sum(p.numel for p in params if p.expert)
     return total - experts + experts * m.moe_router_topk // m.num_moe_experts
 
+
+
+def count_checkpoint_elements(cfg: Config, vocab: int) -> int:
+    """Elements of the model's released-style HF checkpoint (true vocabulary `vocab`): every parameter, MTP layers
+    included; the routers' expert biases (Megatron buffers, HF `e_score_correction_bias` tensors); and the copies of
+    the embedding and output head each MTP layer stores."""
+    m = cfg.model
+    total = count_parameters(cfg, vocab, mtp=True)
+    if m.num_moe_experts and m.moe_router_enable_expert_bias:
+        moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers)) + (m.mtp_num_layers or 0)
+        total += moe_layers * m.num_moe_experts
+    return total + 2 * vocab * m.hidden_size * (m.mtp_num_layers or 0)

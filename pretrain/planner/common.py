@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 from pretrain.config import Config
@@ -43,11 +44,19 @@ def padded_vocab_for(cfg: Config) -> int:
     return padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
 
 
+@functools.lru_cache(maxsize=1)
+def _installed():
+    """This interpreter's versions, read once (the search validates thousands of layouts)."""
+    from pretrain.compat import matrix
+
+    return matrix.installed()
+
+
 def check_layout(cfg: Config, world: int, use_te: bool) -> list[str]:
     """The validator's errors for `cfg` on a GPU cluster of `world` ranks (data need not be configured)."""
     from pretrain.validate import validate
 
     planning = copy.deepcopy(cfg)
     planning.data.mock = True
-    report = validate(planning, world, te_on_gpu=use_te, cuda_available=True, files=False)
+    report = validate(planning, world, te_on_gpu=use_te, cuda_available=True, files=False, versions=_installed())
     return [str(e) for e in report.errors]

@@ -7,7 +7,12 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
-from pretrain.planner.census import count_active_parameters, count_parameters
+from pretrain.planner.census import (
+    count_active_parameters,
+    count_checkpoint_elements,
+    count_mtp_parameters,
+    count_parameters,
+)
 from pretrain.planner.common import (
     DEFAULT_MFU,
     GIB,
@@ -18,7 +23,7 @@ from pretrain.planner.common import (
     layout_of,
     padded_vocab_for,
 )
-from pretrain.planner.cost import FORMULA, MOE_FORMULA, cost_model
+from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 
 
@@ -50,6 +55,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "gpus_per_node": gpus_per_node,
         "world_size": world,
         "layout": {"tensor": lay.tp, "pipeline": lay.pp, "virtual_pipeline": lay.vp if lay.vp > 1 else None,
+                   "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
                    "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
                    "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
@@ -58,10 +64,14 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "transformer_engine": use_te},
         "num_parameters": count_parameters(cfg, vocab),
         "num_active_parameters": count_active_parameters(cfg, vocab),
+        "num_mtp_parameters": count_mtp_parameters(cfg, vocab) if m.mtp_num_layers else None,
+        # The HF checkpoint's tensors (true vocabulary; expert biases, MTP's stored embedding/head copies).
+        "checkpoint_elements": count_checkpoint_elements(cfg, m.vocab_size) if m.vocab_size else None,
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
         "flops_per_step": f_step,
-        "flops_formula": FORMULA + (f"; {MOE_FORMULA}" if m.num_moe_experts else ""),
+        "flops_formula": FORMULA + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")
+        + (f"; {MLA_FORMULA}" if m.multi_latent_attention or m.mtp_num_layers else ""),
         "moe": None if not m.num_moe_experts else {
             "experts": m.num_moe_experts, "topk": m.moe_router_topk, "expert_parallel": lay.ep,
             "expert_tensor_parallel": lay.etp, "expert_data_parallel": lay.edp,

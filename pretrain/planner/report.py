@@ -11,6 +11,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     """The plan as text for people."""
     lay, mem, thr, cm = plan["layout"], plan["memory_gib"], plan["throughput"], plan["cost_model"]
     vp = f" VP{lay['virtual_pipeline']}" if lay["virtual_pipeline"] else ""
+    if lay.get("first_stage_layers") is not None or lay.get("last_stage_layers") is not None:
+        vp += f" (layers: first stage {lay['first_stage_layers'] or 'even'}, last {lay['last_stage_layers'] or 'even'})"
     lines = [
         f"plan: {plan['config']} on {plan['nodes']} node(s) × {plan['gpus_per_node']} {plan['gpu'].upper()} "
         f"= {plan['world_size']} GPUs",
@@ -21,7 +23,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{_optimizer(lay)}; "
         f"{'Transformer Engine' if lay['transformer_engine'] else 'local'} spec",
         f"  model      {plan['num_parameters']:,} parameters{_active(plan)} (padded vocabulary "
-        f"{plan['padded_vocab_size']:,})",
+        f"{plan['padded_vocab_size']:,}){_mtp(plan)}",
         f"  FLOPs      {plan['flops_per_token']:.4g} per token, {plan['flops_per_step']:.4g} per step",
         f"             {plan['flops_formula']}",
         f"  memory per GPU (GiB), most loaded rank = pipeline stage {plan['most_loaded_rank']['pipeline_stage']} "
@@ -64,6 +66,15 @@ def _optimizer(lay: dict[str, Any]) -> str:
     if lay.get("fsdp"):
         return f"Megatron-FSDP ({lay['fsdp']})"
     return f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer"
+
+
+def _mtp(plan: dict[str, Any]) -> str:
+    mtp = plan.get("num_mtp_parameters")
+    out = f"; + {mtp:,} in the MTP layers (sharing the embedding and output head)" if mtp else ""
+    ckpt = plan.get("checkpoint_elements")
+    if ckpt and ckpt != plan["num_parameters"] and plan.get("moe"):
+        out += f"; HF checkpoint {ckpt:,} elements"
+    return out
 
 
 def _active(plan: dict[str, Any]) -> str:

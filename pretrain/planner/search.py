@@ -17,6 +17,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def uneven_split(num_layers: int, pp: int, vp: int) -> tuple[int | None, int | None] | None:
+    """Layers of the first and last pipeline stage when `num_layers` does not split evenly over pp × vp: the most
+    balanced Megatron-Core allows (each a multiple of vp; the rest even over the middle stages), the last stage (loss,
+    MTP) no larger than the first. (None, None): even already; None: no split."""
+    if num_layers % (pp * vp) == 0:
+        return None, None
+    if pp < 2:
+        return None
+    best = None
+    for first in range(vp, num_layers, vp):
+        for last in range(vp, num_layers - first + 1, vp):
+            middle, stages = num_layers - first - last, pp - 2
+            if bool(middle) != bool(stages) or (stages and (middle % stages or (middle // stages) % vp)):
+                continue
+            key = (max(first, last, middle // stages if stages else 0), last > first, abs(first - last))
+            if best is None or key < best[0]:
+                best = (key, first, last)
+    return None if best is None else (best[1], best[2])
+
+
 def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: int = 5,
            fused_adam: bool = True) -> list[dict[str, Any]]:
     """Every layout that passes the validator and fits in memory, best first by the cost model."""
@@ -31,24 +51,38 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
     cps = [1, 2, 4, 8] if use_te else [1]
     recomputes: list[tuple[str | None, str | None, int | None]] = [
         (None, None, None), ("selective", None, None), ("full", "uniform", 1)]
-    # MoE: expert parallel sizes dividing the experts, within a node (the token all-to-all on NVLink), experts
-    # whole (expert TP 1).
-    eps = [e for e in _divisors(m.num_moe_experts) if e <= gpus_per_node] if m.num_moe_experts else [None]
+    # MoE: expert parallel sizes dividing the experts, experts whole (expert TP 1): within a node (the token
+    # all-to-all on NVLink); with more than 128 experts (DeepSeek-V3, Kimi K2) only across nodes, whole nodes
+    # (EP32/64 as published; their weights do not fit in fewer GPUs, and the cost model's EP term counts the network).
+    eps: list[int | None] = [None]
+    if m.num_moe_experts and m.num_moe_experts > 128:
+        eps = [e for e in _divisors(m.num_moe_experts) if e > gpus_per_node and e % gpus_per_node == 0 and e <= world]
+    elif m.num_moe_experts:
+        eps = [e for e in _divisors(m.num_moe_experts) if e <= gpus_per_node]
     for tp in tps:
         for cp in cps:
-            for pp in _divisors(m.num_layers):
+            # Even splits; and, for the usual 2–16 stages that do not divide the layers, uneven ones.
+            for pp in sorted(set(_divisors(m.num_layers)) | {q for q in (2, 4, 8, 16) if q < m.num_layers}):
                 if world % (tp * cp * pp):
                     continue
-                vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
+                if m.num_layers % pp == 0:
+                    vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
+                else:
+                    vps = [None] + [v for v in range(2, 11) if uneven_split(m.num_layers, pp, v)]
                 # Megatron-FSDP (ZeRO-3) as well as the distributed optimizer; it has no pipeline dimension.
                 fsdps = (False, True) if pp == 1 else (False,)
                 for vp, ep, mbs, fsdp in ((v, e, b, f) for v in vps for e in eps for b in (1, 2, 4) for f in fsdps):
+                    split = uneven_split(m.num_layers, pp, vp or 1)
+                    if split is None:
+                        continue
                     for gran, method, num in recomputes:
                         c = copy.deepcopy(cfg)
                         c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
                         if ep is not None:
                             c.parallel.expert, c.parallel.expert_tensor = ep, 1
                         c.parallel.virtual_pipeline = vp
+                        c.parallel.num_layers_in_first_pipeline_stage = split[0]
+                        c.parallel.num_layers_in_last_pipeline_stage = split[1]
                         c.parallel.sequence_parallel = tp > 1
                         c.parallel.tp_comm_overlap = False
                         c.train.micro_batch_size = mbs
@@ -86,6 +120,9 @@ def _overrides(c: Config) -> str:
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
              f"train.micro_batch_size={c.train.micro_batch_size}",
              "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
+    if p.num_layers_in_first_pipeline_stage is not None:
+        parts += [f"parallel.num_layers_in_first_pipeline_stage={p.num_layers_in_first_pipeline_stage}",
+                  f"parallel.num_layers_in_last_pipeline_stage={p.num_layers_in_last_pipeline_stage}"]
     if c.model.num_moe_experts:
         parts += [f"parallel.expert={p.expert}", "parallel.expert_tensor=1"]
     if c.model.recompute_granularity:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -68,7 +69,12 @@ def optimizer_elements(buf: Buffer, dp_cp: int, distributed: bool) -> list[int]:
     for s, e, b in buf.ranges:
         b_start, b_end = buf.buckets[b]
         shard = (b_end - b_start) // dp_cp
-        for r in range(dp_cp):
+        if shard == 0 or e <= s:
+            continue
+        # Only the ranks whose shard [b_start + r·shard, b_start + (r + 1)·shard) meets [s, e).
+        first = max(0, (s - b_start) // shard)
+        last = min(dp_cp - 1, (e - 1 - b_start) // shard)
+        for r in range(first, last + 1):
             lo, hi = b_start + r * shard, b_start + (r + 1) * shard
             per_rank[r] += max(0, min(e, hi) - max(s, lo))
     return per_rank
@@ -92,8 +98,30 @@ class StaticMemory:
         return self.optimizer_moments + self.optimizer_main_params
 
 
+_CACHE: dict[tuple, StaticMemory] = {}  # the search plans one layout at several batch sizes and recompute settings
+
+
+def _key(cfg: Config, lay: Layout, *rest) -> tuple:
+    """What static memory depends on: the model but its recompute settings, DDP's options, the layout but batch."""
+    values = ((f.name, getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model))
+    model = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in values if not k.startswith("recompute"))
+    o = cfg.optimizer
+    return (model, o.overlap_grad_reduce, o.grad_reduce_in_fp32, dataclasses.replace(lay, mbs=1, gbs=1), *rest)
+
+
 def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
                   dp_rank: int | None = None, edp_rank: int | None = None) -> StaticMemory:
+    """Weights, gradient buffers and optimizer state of one rank (memoised `_static_memory`)."""
+    key = _key(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank)
+    if key not in _CACHE:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        _CACHE[key] = _static_memory(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank)
+    return _CACHE[key]
+
+
+def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
+                   dp_rank: int | None = None, edp_rank: int | None = None) -> StaticMemory:
     """Weights, gradient buffers and optimizer state of one rank, as Megatron-Core allocates them.
 
     MoE expert weights live in their own DDP buffers, reduced (and with the distributed optimizer sharded) over

@@ -59,11 +59,16 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                     f"interleaving (parallel.virtual_pipeline={vp}) needs parallel.pipeline > 1",
                     "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
     stages = p.pipeline * (vp if vp and vp >= 2 else 1)
-    if m.num_layers % stages != 0:
+    uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
+    if uneven:
+        uneven_pipeline_rules(r, cfg)
+    elif m.num_layers % stages != 0:
         keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
         r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
                 f"{p.pipeline}{f'×{vp}' if vp else ''} = {stages}",
-                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)})")
+                f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)}), or uneven stages "
+                "(parallel.num_layers_in_first_pipeline_stage / ..._last_...); other placements (Megatron-Core's "
+                "pipeline_model_parallel_layout) are not supported")
 
     # Attention heads and groups across tensor parallel ranks.
     shape = model_shape(m)
@@ -129,6 +134,35 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                         f"interleaved pipelining needs the number of microbatches ({num_mb}) to be divisible "
                         f"by parallel.pipeline={p.pipeline}",
                         f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
+
+
+def uneven_pipeline_rules(r: Report, cfg: Config) -> None:
+    """parallel.num_layers_in_first/last_pipeline_stage: what Megatron-Core's TransformerConfig asserts on."""
+    m, p = cfg.model, cfg.parallel
+    vp = p.virtual_pipeline if p.virtual_pipeline and p.virtual_pipeline >= 2 else 1
+    keys = ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage")
+    if p.pipeline < 2:
+        r.error(keys + ("parallel.pipeline",), "uneven pipeline stages need parallel.pipeline > 1",
+                "set parallel.pipeline >= 2, or the stage layer counts to null")
+        return
+    middle_layers, middle_stages = m.num_layers, p.pipeline
+    for key, value in zip(keys, (p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage)):
+        if value is None:
+            continue
+        if value < 1 or value % vp:
+            by_vp = f" and divisible by parallel.virtual_pipeline={vp}" if vp > 1 else ""
+            r.error((key, "parallel.virtual_pipeline") if vp > 1 else key, f"{key}={value} must be positive{by_vp}",
+                    f"use a multiple of {vp}" if vp > 1 else "use at least 1")
+            return
+        middle_layers -= value
+        middle_stages -= 1
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            middle_stages and (middle_layers % middle_stages or (middle_layers // middle_stages) % vp)):
+        r.error(keys + ("model.num_layers", "parallel.pipeline"),
+                f"model.num_layers={m.num_layers} leaves {middle_layers} layers for {middle_stages} middle pipeline "
+                f"stage(s){f' × VP{vp}' if vp > 1 else ''}: they must split evenly",
+                f"choose the first/last stage layers so that {m.num_layers} minus them divides by "
+                f"{middle_stages * vp or 1}")
 
 
 def _moe_keys_on_a_dense_model(r: Report, m) -> None:

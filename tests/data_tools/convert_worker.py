@@ -41,6 +41,7 @@ def megatron_logits(*jobs: str) -> None:
                                     expert=1, expert_tensor=None)
             rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
             tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
+            tree["model"]["mtp_num_layers"] = None  # MTP layers do not change the logits (and need labels)
             cfg = config_from_dict(tree)
             vocab = resolve_vocab_size(cfg)
             layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)

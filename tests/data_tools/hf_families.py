@@ -4,6 +4,7 @@ files, generation_config.json), for the HF bridge tests."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,14 +75,32 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 50261,
     },
+    # DeepSeek-V3 style: MLA (q LoRA 32, KV rank 16, rope width 8), YaRN with mscale != mscale_all_dim, one dense
+    # layer then 2 MoE layers of 8 experts + 1 shared, sigmoid top-2 within 1 of 2 groups, weights × 2.5, one MTP
+    # layer stored as the extra decoder layer 3 (with copies of the embedding and the head).
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001, "bos_token_id": 1, "eos_token_id": 2, "ep_size": 1, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "kv_lora_rank": 16, "max_position_embeddings": 64, "model_type": "deepseek_v3", "moe_intermediate_size": 32,
+        "moe_layer_freq": 1, "n_group": 2, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 0.707, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 16, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "float32",
+        "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 16, "vocab_size": 32009,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral: within its sliding window).
-SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64}
+SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
-             "mixtral": "sentencepiece", "qwen3_moe": "bpe"}
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:
@@ -107,8 +126,23 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
     return directory
 
 
-def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1) -> Path:
-    """A random transformers model of `family` saved as a released model directory is."""
+# Tensors drawn at another scale than the rest (name suffix: factor): DeepSeek's router sharp enough that tokens route
+# differently (and group limiting changes the choice), its expert bias small but not zero.
+SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2}}
+
+
+def _scaled(family: str):
+    """The default tensor edit of `write_hf_model`: the family's SCALES."""
+    def edit(name: str, tensor):
+        factor = next((x for suffix, x in SCALES.get(family, {}).items() if name.endswith(suffix)), None)
+        return tensor if factor is None else tensor * factor
+    return edit
+
+
+def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], seed: int = 1,
+                   edit: Callable | None = None) -> Path:
+    """A random transformers model of `family` saved as a released model directory is; `edit(name, tensor)` gives
+    each stored tensor (default: the family's SCALES applied)."""
     from transformers import AutoConfig
 
     from tests.data_tools.hf_random import write_random_hf
@@ -116,6 +150,13 @@ def write_hf_model(family: str, directory: Path, tokenizers: dict[str, Path], se
     config = CONFIGS[family]
     hf_cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     write_random_hf(directory, hf_cfg, seed=seed, std=0.05)
+    if edit is not None or family in SCALES:
+        from safetensors.torch import load_file, save_file
+
+        edit = edit or _scaled(family)
+        for f in directory.glob("*.safetensors"):
+            tensors = load_file(str(f))
+            save_file({name: edit(name, t) for name, t in tensors.items()}, str(f), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for f in tokenizers[TOKENIZER[family]].iterdir():
         (directory / f.name).write_bytes(f.read_bytes())
@@ -149,3 +190,40 @@ def non_weight_files(directory: Path) -> dict[str, bytes]:
     """Every file of an HF directory but the weights and their index."""
     return {p.name: p.read_bytes() for p in directory.iterdir()
             if p.is_file() and p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}
+
+
+def hf_mtp(directory: Path, model):
+    """transformers' Multi-Token Prediction module for `model` (loaded from `directory`), with the MTP layers'
+    weights from the checkpoint files (transformers' own loader matches only layer 61, DeepSeek-V3's)."""
+    from safetensors.torch import load_file
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_layers import MtpModel
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    layers = model.config.num_hidden_layers
+    mtp = MtpModel(model, model.config.num_mtp_layers)
+    state = {}
+    for f in directory.glob("*.safetensors"):
+        state.update({k: v for k, v in load_file(str(f)).items()
+                      if int(k.split(".")[2]) >= layers if k.startswith("model.layers.")})
+    info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=state, load_config=LoadStateDictConfig(
+        weight_mapping=mtp.get_weight_conversions(model), dtype=torch.float32))
+    assert set(info.missing_keys) <= {"embed_tokens.weight", "shared_head.weight"}, info.missing_keys
+    mtp.tie_with_main_model(model)
+    return mtp.eval()
+
+
+def hf_mtp_loss(mtp, hidden: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> float:
+    """The depth-1 MTP loss Megatron-Core computes: at position i the MTP layer sees the main model's final hidden
+    state i and the embedding of token i+1, and predicts token i+2 (labels[i+1]); the loss mask moves along, the
+    last position has none. `hidden` [b, s, h] (after the final norm), `tokens`/`labels`/`mask` [b, s]."""
+    from torch.nn.functional import cross_entropy
+
+    s = tokens.shape[1]
+    positions = torch.arange(s - 1).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        out = mtp.forward_layer(0, hidden[:, : s - 1], positions, None, input_ids=tokens[:, 1:])
+        logits = mtp._project_to_logits(out)
+    per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="none")
+    m = mask[:, 1:].reshape(-1).float()
+    return (per_token * m).sum().item() / m.sum().item()

@@ -67,6 +67,17 @@ def megatron_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor
     return torch.load(tmp / "logits.pt", weights_only=True)
 
 
+def exported_logits(run_dir: Path, tmp: Path, length: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """`convert to-hf` of a trained run, then (config.json, Megatron's logits, transformers' logits) on 2 random
+    sequences of `length` tokens."""
+    out = tmp / "hf"
+    run([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
+         "--no-progress"])
+    config = json.loads((out / "config.json").read_text())
+    tokens = torch.randint(0, config["vocab_size"], (2, length), generator=torch.Generator().manual_seed(1))
+    return config, megatron_logits(run_dir, tokens, tmp), hf_logits(out, tokens)
+
+
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 

@@ -25,6 +25,8 @@ from .hf_families import (
     SEQ_LENGTH,
     TOKENIZER,
     hf_model,
+    hf_mtp,
+    hf_mtp_loss,
     non_weight_files,
     safetensors_dir,
     tokenizer_files,
@@ -112,7 +114,9 @@ def test_round_trip_gives_the_same_model_directory(tmp_path, imported, family):
     assert config == {**CONFIGS[family], "torch_dtype": "bfloat16"}
     original = safetensors_dir(src)
     for name, t in safetensors_dir(tmp_path / "bf16").items():
-        assert t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16)), name
+        kept = name.endswith("e_score_correction_bias")  # DeepSeek's expert bias keeps its fp32 (ExactCopy)
+        want = original[name] if kept else original[name].to(torch.bfloat16)
+        assert t.dtype == want.dtype and torch.equal(t, want), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -129,7 +133,9 @@ def test_config_from_the_model_fields_alone_means_the_same(tmp_path, imported, f
     ours = AutoConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True).to_dict()
     theirs = AutoConfig.from_pretrained(str(src), local_files_only=True).to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
-    assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope"}, differ
+    # ep_size: DeepSeek's inference-time expert parallel size (no model field decides it).
+    assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope", "ep_size"}, \
+        differ
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,8 +194,9 @@ def test_bad_input_is_one_line_naming_the_field(tmp_path, tokenizers, capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def _hf_step_losses(src: Path, cfg, steps: int) -> list[float]:
-    """transformers' loss on each global batch the trainer reads (the run's own dataset and tokenizer)."""
+def _hf_step_losses(src: Path, cfg, steps: int) -> tuple[list[float], list[float] | None]:
+    """transformers' loss on each global batch the trainer reads (the run's own dataset and tokenizer), and the
+    MTP loss of transformers' MTP module for a model with MTP layers (else None)."""
     from torch.nn.functional import cross_entropy
 
     from pretrain.data import build_datasets, build_tokenizer
@@ -197,21 +204,24 @@ def _hf_step_losses(src: Path, cfg, steps: int) -> list[float]:
     t = cfg.train
     train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)
     model = hf_model(src)
-    losses = []
+    mtp = hf_mtp(src, model) if getattr(model.config, "num_mtp_layers", 0) else None
+    losses, mtp_losses = [], []
     for step in range(steps):
         samples = [train[step * t.global_batch_size + i] for i in range(t.global_batch_size)]
-        tokens, labels = (torch.stack([s[k] for s in samples]) for k in ("tokens", "labels"))
-        mask = torch.stack([s["loss_mask"] for s in samples]).float().reshape(-1)
+        tokens, labels, mask = (torch.stack([s[k] for s in samples]) for k in ("tokens", "labels", "loss_mask"))
         with torch.no_grad():
-            logits = model(tokens).logits
+            hidden = model.model(tokens).last_hidden_state
+            logits = model.lm_head(hidden)
         per_token = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        losses.append((per_token * mask).sum().item() / mask.sum().item())
-    return losses
+        losses.append((per_token * mask.reshape(-1).float()).sum().item() / mask.float().sum().item())
+        if mtp is not None:
+            mtp_losses.append(hf_mtp_loss(mtp, hidden, tokens, labels, mask))
+    return losses, (mtp_losses if mtp is not None else None)
 
 
-def _step_losses(run_dir: Path) -> list[float]:
+def _step_losses(run_dir: Path, key: str = "loss") -> list[float]:
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in sorted((r for r in records if "loss" in r), key=lambda r: r["step"])]
+    return [r[key] for r in sorted((r for r in records if "loss" in r), key=lambda r: r["step"])]
 
 
 @pytest.mark.slow
@@ -245,13 +255,18 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
     for family in FAMILIES:
         src, ckpt = imported[family]
         run_dir, overrides = runs[family, "tp2"]
-        hf = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
+        hf, hf_mtp_losses = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
         for name in ("tp2", "pp2"):
             got = _step_losses(runs[family, name][0])
             rel = max(abs(a - b) / abs(b) for a, b in zip(got, hf))
             report[family, name] = rel
             print(f"{family} {name}: losses {got} vs transformers {hf}: max relative diff {rel:.2e}")
             assert len(got) == steps and rel <= 1e-5, (family, name, got, hf)
+            if hf_mtp_losses is not None:  # Megatron's MTP layer (PP2: on the last stage) = transformers' MTP module
+                got = _step_losses(runs[family, name][0], "mtp_loss")
+                rel = max(abs(a - b) / abs(b) for a, b in zip(got, hf_mtp_losses))
+                print(f"{family} {name}: MTP losses {got} vs transformers {hf_mtp_losses}: max relative diff {rel:.2e}")
+                assert rel <= 1e-5, (family, name, got, hf_mtp_losses)
         # lr 0 at TP2 (vocabulary padded for TP2, imported at TP1): the export is the imported model again.
         convert("to-hf", "--checkpoint", str(run_dir), "--output", str(tmp_path / f"{family}_tp2_hf"))
         assert_same_model_directory(tmp_path / f"{family}_tp2_hf", src)

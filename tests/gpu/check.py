@@ -13,7 +13,8 @@ Cases (bf16 weights, sequence 4096, micro batch 1, 4 microbatches a step, 8 step
     rank: megatron-core < 0.19);
   - last (the first skipped when time runs short), Mixture of Experts at Qwen3-30B-A3B width (2 layers, 128
     experts of 768, top-8; EP on one GPU is EP1), bf16: experts one after another (local spec) and Transformer
-    Engine grouped GEMM.
+    Engine grouped GEMM; then the DeepSeek-V3 class at Moonlight-16B-A3B width (MLA, a dense and an MoE layer of
+    64 + 2 shared experts, one MTP layer), local and TE, bf16.
 Each run is its own process. The whole check keeps to BUDGET_S (under 8 minutes with start-up); cases that
 would not fit are reported as skipped. `--dry-run` prints the cases with their planned memory and runs
 nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
@@ -44,7 +45,11 @@ WIDTHS = {  # name: (layers, hidden, ffn, heads, groups, vocabulary, preset)
     "8B": (4, 4096, 14336, 32, 8, 128256, "llama3_8b"),
     "70B": (2, 8192, 28672, 64, 8, 32000, "llama3_70b"),
     "30B-A3B MoE": (2, 2048, 6144, 32, 4, 32000, "qwen3_30b_a3b"),  # experts: the preset's 128 × 768, top-8
+    # DeepSeek-V3 class at Moonlight-16B-A3B width: MLA (no q LoRA), a dense layer then an MoE layer of 64 experts
+    # of 1408 + 2 shared, top-6 with the expert bias, one MTP layer.
+    "16B-A3B MLA": (2, 2048, 11264, 16, None, 32000, "moonlight_16b_a3b"),
 }
+MLA_EXTRA = ["model.moe_layer_freq=[0,1]", "model.mtp_num_layers=1"]
 COMMON = ["data.mock=true", "train.precision=bf16", f"model.seq_length={SEQ}", "train.micro_batch_size=1",
           f"train.global_batch_size={MICROBATCHES}", "parallel.tensor=1", "parallel.pipeline=1",
           "parallel.context=1", "optimizer.distributed=false", "optimizer.warmup_steps=0",
@@ -112,6 +117,8 @@ def cases(te: bool, fp8: str | None) -> list[Case]:
         out.append(Case(f"8B width 2 layers fp32, {name}", "8B", [*fp32, *optimizer]))
     for name, spec, use_te, recipe in specs[:2]:  # bf16: sequential experts (local), grouped GEMM (TE)
         out.append(Case(f"30B-A3B MoE width, {name}", "30B-A3B MoE", spec, use_te, recipe))
+    for name, spec, use_te, recipe in specs[:2]:  # MLA + DeepSeek MoE + MTP: local spec, TE (fused MLA RoPE off)
+        out.append(Case(f"16B-A3B MLA width, {name}", "16B-A3B MLA", [*spec, *MLA_EXTRA], use_te, recipe))
     return out
 
 

@@ -28,14 +28,15 @@ def test_dry_run_lists_every_case_with_its_plan():
     assert done.returncode == 0, done.stderr
     cases = [line for line in done.stdout.splitlines() if " plan " in line]
     # 3 specs x (8B trainer, 8B Megatron-Core loop, 70B with the meter), the Megatron-FSDP / distributed optimizer
-    # pair, then MoE at 30B-A3B width (local, TE)
-    assert len(cases) == 13, done.stdout
+    # pair, then MoE at 30B-A3B width (local, TE), then the DeepSeek-V3 class (MLA, MTP) at 16B-A3B width (local, TE)
+    assert len(cases) == 15, done.stdout
     assert sum("Megatron-Core loop" in c for c in cases) == 3
-    assert [c.split(" plan ")[0].strip() for c in cases[-4:-2]] == [
+    assert [c.split(" plan ")[0].strip() for c in cases[-6:-4]] == [
         "8B width 2 layers fp32, distributed optimizer", "8B width 2 layers fp32, Megatron-FSDP"]
     assert "optimizer.fsdp=true" in done.stdout
-    assert [c.split(" plan ")[0].strip() for c in cases[-2:]] == ["30B-A3B MoE width, local bf16",
-                                                                   "30B-A3B MoE width, TE bf16"]
+    assert [c.split(" plan ")[0].strip() for c in cases[-4:]] == [
+        "30B-A3B MoE width, local bf16", "30B-A3B MoE width, TE bf16", "16B-A3B MLA width, local bf16",
+        "16B-A3B MLA width, TE bf16"]
     assert "tests/gpu/mcore_loop.py" in done.stdout and "--meter" in done.stdout
 
 

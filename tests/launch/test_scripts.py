@@ -18,7 +18,8 @@ SCRIPTS = sorted((REPO / "launch").glob("*.sh"))
 
 def test_launch_scripts_exist():
     names = {p.name for p in SCRIPTS}
-    assert {"common.sh", "pretrain_70b.sh", "pretrain_8b.sh", "pretrain_tiny.sh", "pretrain_moe.sh"} <= names
+    assert {"common.sh", "pretrain_70b.sh", "pretrain_8b.sh", "pretrain_tiny.sh", "pretrain_moe.sh",
+            "pretrain_deepseek.sh"} <= names
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
@@ -29,7 +30,8 @@ def test_shellcheck_clean():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("script", ["pretrain_tiny.sh", "pretrain_8b.sh", "pretrain_70b.sh", "pretrain_moe.sh"])
+@pytest.mark.parametrize("script", ["pretrain_tiny.sh", "pretrain_8b.sh", "pretrain_70b.sh", "pretrain_moe.sh",
+                                    "pretrain_deepseek.sh"])
 def test_outside_slurm_fails_with_a_clear_message(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     done = subprocess.run(["bash", str(REPO / "launch" / script)], cwd=tmp_path, env=env,
@@ -97,6 +99,24 @@ def test_moe_script_layout_is_accepted_by_the_validator_and_the_planner(tmp_path
     assert config == "pretrain/configs/qwen3_30b_a3b.yaml" and "parallel.expert=8" in overrides
     cfg = load_config(REPO / config, [*overrides, "data.blend=[/data/web_text_document]"])
     assert cfg.model.preset == "qwen3_30b_a3b" and cfg.model.num_moe_experts == 128
+    report = validate(cfg, 16, te_on_gpu=True, cuda_available=True, files=False)  # layout only: data is on the cluster
+    assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("precision,mtp", [("bf16", "null"), ("fp8", "1")])
+def test_deepseek_script_layout_is_accepted_by_the_validator(tmp_path, precision, mtp):
+    """Moonlight-16B-A3B on 2 nodes x 8 GPUs: the layout launch/pretrain_deepseek.sh passes validates at world 16
+    (BF16 and FP8, without and with one MTP layer)."""
+    from pretrain.config import load_config
+    from pretrain.validate import validate
+
+    config, overrides = script_overrides("pretrain_deepseek.sh", tmp_path, PRECISION=precision, MTP=mtp)
+    assert config == "pretrain/configs/moonlight_16b_a3b.yaml" and "parallel.expert=8" in overrides
+    cfg = load_config(REPO / config, [*overrides, "data.blend=[/data/web_text_document]",
+                                      "data.tokenizer_model=/models/moonlight"])
+    m = cfg.model
+    assert (m.preset, m.num_moe_experts, m.multi_latent_attention, m.mtp_num_layers) == (
+        "moonlight_16b_a3b", 64, True, None if mtp == "null" else 1)
     report = validate(cfg, 16, te_on_gpu=True, cuda_available=True, files=False)  # layout only: data is on the cluster
     assert report.ok, report.text()
 

@@ -88,6 +88,24 @@ def metrics(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def by_step(run_dir: str | Path) -> dict[int, dict]:
+    """The training-step records of `metrics.jsonl`, keyed by step."""
+    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def layout_case(root: Path, config: str, base: list[str], name: str, overrides: list[str], source: str | None) -> dict:
+    """A worker case `name` training `config` in `root/name`; `source`: a run in `root` whose step-2 checkpoint it
+    starts from."""
+    case = {"name": name, "config": config, "overrides": base + overrides + [f"run.dir={root}/{name}"]}
+    if source is not None:
+        case["copy_from"] = [f"{root}/{source}", 2]
+    return case
+
+
 def deterministic(run_dir: str | Path) -> list[tuple]:
     return [tuple(rec[k] for k in DETERMINISTIC) for rec in metrics(run_dir) if "loss" in rec]
 
@@ -136,3 +154,23 @@ def run_worker_cases(root: Path, world: int, cases: list[dict], timeout: float) 
     failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
     assert not failed, failed
     return results
+
+
+def kill9_and_resume(cmd: list[str], work: Path, steps: int, timeout: float = 600) -> int:
+    """Run `cmd` (a training launch writing metrics to `work`), SIGKILL its process group at a random point after
+    a random step before the last (in the step or the save after it), then run it again to completion (the resume).
+    Returns the step after which it was killed."""
+    import random
+
+    rng = random.Random()
+    kill_at = rng.randrange(1, steps)
+    proc = start(cmd, work / "log")
+    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=timeout)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
+        kill_group(proc)
+    finish(proc, timeout=60)
+    rc = run(cmd, work / "log", timeout=timeout)
+    assert rc == 0, log_text(work / "log")[-3000:]
+    assert "resumed from" in log_text(work / "log")
+    return kill_at

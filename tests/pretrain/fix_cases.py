@@ -2,7 +2,7 @@
 
 A reference run saves at step 2 and trains to step 4; then, for each fix in turn, the same resume (or a load of
 a planted pickle from a torch_dist and from an fsdp_dtensor checkpoint, or one step with `recompute_modules:
-[layernorm]`, or one step of tiny_moe) runs with only that fix undone.
+[layernorm]`, or one step of tiny_moe or tiny_deepseek) runs with only that fix undone.
 """
 
 from __future__ import annotations
@@ -32,4 +32,8 @@ def fix_cases(root: Path, fsdp_evil: Path) -> list[dict]:
                                                    "model.recompute_modules=[layernorm]", f"run.dir={root}/norms"]})
     cases.append({"name": "moe_router_without_te", "config": "tiny_moe", "without_fixes": ["moe_router_without_te"],
                   "overrides": SMALL + one_step + [f"run.dir={root}/moe"]})
+    for name in ("mla_local_core_attention", "mla_without_te", "mla_q_norm_without_q_lora"):  # MLA, local spec
+        q_lora = ["model.q_lora_rank=null"] if name == "mla_q_norm_without_q_lora" else []  # Moonlight-style
+        cases.append({"name": name, "config": "tiny_deepseek", "without_fixes": [name],
+                      "overrides": SMALL + one_step + q_lora + [f"run.dir={root}/{name}"]})
     return cases

@@ -63,6 +63,13 @@ LAYOUTS: list[tuple[str, int, str, list[str]]] = [
     ("tiny_moe bf16 TP2 SP PP2 EP2 ETP1", 4, "tiny_moe",
      TINY + ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2", "parallel.expert=2",
              "parallel.expert_tensor=1", "train.precision=bf16"]),
+    # DeepSeek-V3 class: MLA (TP-split down-projections on the local spec), shared experts, a dense first layer,
+    # the expert bias (a buffer, not a parameter), MTP with its embedding copy on the last stage.
+    ("tiny_deepseek fp32 EP2 DP2 distopt", 2, "tiny_deepseek",
+     TINY + ["parallel.expert=2", "optimizer.distributed=true"]),
+    ("tiny_deepseek bf16 TP2 SP PP2 EP2 ETP1 distopt", 4, "tiny_deepseek",
+     TINY + ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2", "parallel.expert=2",
+             "parallel.expert_tensor=1", "train.precision=bf16", "optimizer.distributed=true"]),
 ]  # fmt: skip
 
 
@@ -77,6 +84,8 @@ BF16 = ["train.precision=bf16"]
 # MoE (8 experts, top-2, aux and z-loss): at EP1 a rank's experts see exactly T·k token copies (dropless).
 MOE = ["model.vocab_size=4096", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.seq_length=256",
        "model.moe_z_loss_coeff=1.0e-3"]
+# DeepSeek-V3 class: tiny_deepseek's shape at a larger hidden size, so that the layers, not the loss, dominate.
+DEEPSEEK = ["model.vocab_size=4096", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.seq_length=256"]
 SELECTIVE = ["model.recompute_granularity=selective"]
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 BLOCK = ["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1"]
@@ -124,6 +133,13 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
     ("moe bf16 TP2 SP EP2 ETP2", 4, "tiny_moe", MOE + BF16 + [
         "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "train.micro_batch_size=1",
         "train.global_batch_size=2"]),
+    # DeepSeek-V3 class (MLA, sigmoid routing in 2 groups with the expert bias, a shared expert, a dense first
+    # layer, MTP): per layer and stage peak within 1%.
+    ("deepseek bf16 TP2 SP EP2", 2, "tiny_deepseek", DEEPSEEK + BF16 + [
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "parallel.expert_tensor=1",
+        "train.micro_batch_size=1", "train.global_batch_size=2"]),
+    ("deepseek fp32 PP2 EP2 M4", 4, "tiny_deepseek", DEEPSEEK + [
+        "parallel.pipeline=2", "parallel.expert=2", "train.micro_batch_size=1", "train.global_batch_size=4"]),
 ]  # fmt: skip
 
 # Mock data with no tokenizer file of a type that embeds none: the null tokenizer of model.vocab_size ids, so the
@@ -141,7 +157,7 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
     import model_providers.core.builder as builder
     from pretrain import planner
     from pretrain.config import load_config
-    from pretrain.planner.activations import recomputed_modules
+    from pretrain.planner.activations import recomputed_modules, stage_layers
     from pretrain.planner.measure import SavedTensorMeter, parameter_storages
     from pretrain.train import train
 
@@ -178,7 +194,9 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
         "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
         "measured": measured,
         "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
-                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg))},
+                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg)),
+                      "layers": [x for c in range(lay.vp)  # per layer: dense-first models, MTP layers
+                                 for x in stage_layers(cfg, lay, pp_rank, c, recomputed_modules(cfg))]},
         "recompute": cfg.model.recompute_granularity,
     }  # fmt: skip
 

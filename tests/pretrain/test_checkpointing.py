@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.pretrain.ckpt_helpers import DETERMINISTIC, SMALL, command, log_text, metrics, run
+from tests.pretrain.ckpt_helpers import DETERMINISTIC, SMALL, by_step, command, log_text, metrics, run
 
 pytestmark = pytest.mark.mcore
 
@@ -375,13 +375,9 @@ def reshard_runs(tmp_path_factory):
     return root
 
 
-def _by_step(run_dir: Path) -> dict[int, dict]:
-    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
-
-
 @pytest.mark.slow
 def test_layouts_agree_from_scratch(reshard_runs):
-    a, c = _by_step(reshard_runs / "A"), _by_step(reshard_runs / "C")
+    a, c = by_step(reshard_runs / "A"), by_step(reshard_runs / "C")
     assert sorted(a) == sorted(c) == [1, 2, 3, 4]
     for s in a:
         assert abs(a[s]["loss"] - c[s]["loss"]) <= 2e-6 * abs(c[s]["loss"])
@@ -390,7 +386,7 @@ def test_layouts_agree_from_scratch(reshard_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,src,layout", RESHARD)
 def test_resharded_load_continues_with_same_loss(reshard_runs, name, src, layout):
-    ref, got = _by_step(reshard_runs / src), _by_step(reshard_runs / name)
+    ref, got = by_step(reshard_runs / src), by_step(reshard_runs / name)
     assert sorted(got) == [1, 2, 3, 4]
     for s in (3, 4):
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"]

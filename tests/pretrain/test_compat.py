@@ -41,11 +41,15 @@ _CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_ty
         "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:grad_norm_fp64_accumulation",
         "cpu:fsdp_cpu_device", "cpu:fsdp_cpu_device_mesh"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
-          "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te"]
+          "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te", "mla_local_core_attention",
+          "mla_without_te"]
 # moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE);
-# fsdp_tp_without_te: in 0.18.0 (the Megatron-FSDP adapter compares class names, not TELinear).
-_FIXED_BY_0_19 = ("moe_router_without_te", "fsdp_tp_without_te")
-APPLIED = {"0.16.1": _CPU + _FIXES, "0.19.2": [f for f in _CPU + _FIXES if f not in _FIXED_BY_0_19]}
+# fsdp_tp_without_te: in 0.18.0 (the Megatron-FSDP adapter compares class names, not TELinear);
+# mla_without_te: in 0.17.0 (multi_latent_attention.py imports the extension's own HAVE_TE).
+# mla_q_norm_without_q_lora: 0.19.0+ only (QKNormConfigResolver).
+_FIXED_BY_0_19 = ("moe_router_without_te", "fsdp_tp_without_te", "mla_without_te")
+APPLIED = {"0.16.1": _CPU + _FIXES,
+           "0.19.2": [f for f in _CPU + _FIXES if f not in _FIXED_BY_0_19] + ["mla_q_norm_without_q_lora"]}
 
 
 def test_startup_applies_what_the_release_needs():

@@ -1,13 +1,12 @@
 """Each Megatron-Core fix (`pretrain/compat/megatron_fixes.py`) is needed exactly on the releases it names.
 
-Single-process cases (`fix_cases.py`, run in the world-1 launch of `conftest.py::fsdp_runs`): a reference run
-saves at step 2 and trains to step 4; then, for each fix in turn, the same resume (or a load of a planted pickle
-from a torch_dist and from an fsdp_dtensor checkpoint, or one step with `recompute_modules: [layernorm]`, or one
-step of tiny_moe) runs with only that fix undone. The bug must show on the installed megatron-core if and only if
-the fix says it is needed there. Fixes that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the
-Megatron-FSDP launches too. Each Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way:
-one FSDP step then fails. CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`).
-"""
+Single-process cases (`fix_cases.py`, run in the world-1 launch of `conftest.py::fsdp_runs`): a reference run saves at
+step 2 and trains to step 4; then, for each fix in turn, the same resume (or a load of a planted pickle from a
+torch_dist and from an fsdp_dtensor checkpoint, or one step with `recompute_modules: [layernorm]`, or one step of
+tiny_moe or tiny_deepseek) runs with only that fix undone. The bug must show on the installed megatron-core if and
+only if the fix says it is needed there. Fixes that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the
+Megatron-FSDP launches too. Each Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way: one
+FSDP step then fails. CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`)."""
 
 from __future__ import annotations
 
@@ -60,6 +59,15 @@ def _bug_shows(name: str, root: Path, results: dict, marker: Path, fsdp_root: Pa
             str(res["error"])
     if name == "moe_router_without_te":  # the router's gating GEMM tests a name defined only with TE
         return (not res["ok"] and "NameError" in res["traceback"] and "te_general_gemm" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_local_core_attention":  # MLA builds its core attention with k/v widths
+        return (not res["ok"] and "TypeError" in res["traceback"] and "k_channels" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_without_te":  # isinstance(linear_proj, TELinear) with TE's placeholder class
+        return (not res["ok"] and "TypeError" in res["traceback"] and "isinstance" in res["traceback"]), \
+            str(res["error"])
+    if name == "mla_q_norm_without_q_lora":  # 0.19's resolver wants a norm before q_proj (a fused one: TE only)
+        return (not res["ok"] and "RuntimeError" in res["traceback"] and "qk_layernorm" in res["traceback"]), \
             str(res["error"])
     raise AssertionError(f"no check for fix {name}")
 

@@ -27,14 +27,16 @@ PRESETS = sorted(p for f in FAMILIES.values() for p in f.presets)
 
 
 def documented_world_size(config: str) -> int:
-    """Nodes x tasks per node of the launch script whose default CONFIG is `config`, else 1."""
+    """Nodes x tasks per node of the launch script whose default CONFIG is `config`, else the "(world size N)" its
+    header comment names, else 1."""
     for script in (REPO / "launch").glob("pretrain_*.sh"):
         text = script.read_text()
         if f"pretrain/configs/{config}.yaml" in text:
             nodes = re.search(r"^#SBATCH --nodes=(\d+)", text, re.M)
             tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
             return int(nodes.group(1)) * int(tasks.group(1))
-    return 1
+    stated = re.search(r"^#.*\(world size (\d+)\)", (CONFIG_DIR / f"{config}.yaml").read_text(), re.M)
+    return int(stated.group(1)) if stated else 1
 
 
 def _validate(capsys, *argv: str) -> tuple[int, str]:
@@ -49,8 +51,10 @@ def _null_note(vocab: int) -> str:
 
 
 def test_documented_world_sizes():
-    assert {c: documented_world_size(c) for c in ("llama3_70b", "llama3_8b", "qwen3_30b_a3b", "tiny_llama")} == {
-        "llama3_70b": 64, "llama3_8b": 8, "qwen3_30b_a3b": 16, "tiny_llama": 2}
+    assert {c: documented_world_size(c) for c in ("llama3_70b", "llama3_8b", "qwen3_30b_a3b", "tiny_llama",
+                                                  "moonlight_16b_a3b", "deepseek_v3")} == {
+        "llama3_70b": 64, "llama3_8b": 8, "qwen3_30b_a3b": 16, "tiny_llama": 2, "moonlight_16b_a3b": 16,
+        "deepseek_v3": 256}
 
 
 @pytest.mark.parametrize("config", SHIPPED)
@@ -63,7 +67,7 @@ def test_shipped_config_validates_with_mock_data_only(config, capsys):
     if cfg.data.tokenizer_type == "huggingface":  # the Llama-3 and Qwen3 configs: no tokenizer file needed
         assert f"training uses {_null_note(cfg.model.vocab_size)} from model.preset={cfg.model.preset}'s " \
                "model.vocab_size" in text, text
-    if cfg.parallel.context > 1:  # llama3_8b: CP needs Transformer Engine, so on this CPU only that is refused
+    if cfg.parallel.context > 1:  # llama3_8b, deepseek_v3: CP needs TE, so on this CPU only that is refused
         problems = [ln for ln in text.splitlines() if re.match(r"\s+\d+\. ", ln)]
         assert rc == 2 and len(problems) == 1 and "[parallel.context]" in problems[0], text
         report = validate(cfg, world, te_on_gpu=True, cuda_available=True)

@@ -11,25 +11,20 @@ targets; world 4 the pipelined ones; world 1 the reference and the EP2 → one-r
 
 from __future__ import annotations
 
-import json
-import random
 import time
 
 import pytest
-import torch
 
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
+    by_step,
     command,
     deterministic,
-    finish,
-    kill_group,
-    log_text,
+    kill9_and_resume,
+    layout_case,
     metrics,
-    run,
+    rel_diff,
     run_worker_cases,
-    start,
-    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -67,10 +62,7 @@ RESHARD = {
 
 
 def _case(root, name: str, overrides: list[str], source: str | None) -> dict:
-    case = {"name": name, "config": "tiny_moe", "overrides": BASE + overrides + [f"run.dir={root}/{name}"]}
-    if source is not None:
-        case["copy_from"] = [f"{root}/{source}", 2]
-    return case
+    return layout_case(root, "tiny_moe", BASE, name, overrides, source)
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +83,13 @@ def moe_runs(tmp_path_factory):
     return root
 
 
-def _by_step(run_dir) -> dict[int, dict]:
-    return {m["step"]: m for m in metrics(run_dir) if "loss" in m}
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_rank(moe_runs, name):
-    ref = _by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
-    got = _by_step(moe_runs / name)
+    ref = by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
+    got = by_step(moe_runs / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    rel = [_rel(got[s]["loss"], ref[s]["loss"]) for s in ref]
-    aux = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
+    rel = [rel_diff(got[s]["loss"], ref[s]["loss"]) for s in ref]
+    aux = [rel_diff(got[s][k], ref[s][k]) for s in ref for k in ("moe_load_balancing_loss", "moe_z_loss")]
     print(f"{name}: losses {[got[s]['loss'] for s in got]}; max relative loss diff {max(rel):.2e}, "
           f"max relative aux/z-loss diff {max(aux):.2e}")
     assert max(rel) <= TOLERANCE and max(aux) <= TOLERANCE, (rel, aux)
@@ -119,11 +103,11 @@ def test_layout_matches_single_rank(moe_runs, name):
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
     source = RESHARD[name][2]
-    ref, got = _by_step(moe_runs / source), _by_step(moe_runs / name)
+    ref, got = by_step(moe_runs / source), by_step(moe_runs / name)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in (3, 4):
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and got[s]["lr"] == ref[s]["lr"]
-        rel = _rel(got[s]["loss"], ref[s]["loss"])
+        rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"{name} step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({source}), relative diff {rel:.2e}")
         assert rel <= 2e-6, (s, got[s], ref[s])
 
@@ -131,7 +115,7 @@ def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
 def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    lines = _by_step(moe_runs / "ref")
+    lines = by_step(moe_runs / "ref")
     layers, experts, topk, tokens = 4, 8, 2, 8 * 128  # global batch × sequence
     for record in lines.values():
         counts = record["moe_tokens_per_expert"]
@@ -151,19 +135,9 @@ def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
 
 
 def test_kill9_and_resume_reproduce_every_number_at_ep2(moe_runs, tmp_path):
-    rng = random.Random()
-    kill_at = rng.randrange(1, STEPS)
     work = tmp_path / "run"
     cmd = command([], nproc=2, args=["train", "tiny_moe", *BASE, *EP2, "checkpoint.interval=1", f"run.dir={work}"])
-    proc = start(cmd, work / "log")
-    wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
-    if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
-        kill_group(proc)
-    finish(proc, timeout=60)
-    rc = run(cmd, work / "log", timeout=300)
-    assert rc == 0, log_text(work / "log")[-3000:]
-    assert "resumed from" in log_text(work / "log")
+    kill_at = kill9_and_resume(cmd, work, STEPS, timeout=300)
     keys = DETERMINISTIC + ("moe_load_balancing_loss", "moe_z_loss", "moe_tokens_per_expert")
     got = [tuple(m[k] for k in keys) for m in metrics(work) if "loss" in m]
     want = [tuple(m[k] for k in keys) for m in metrics(moe_runs / "ep2") if "loss" in m]
@@ -173,18 +147,10 @@ def test_kill9_and_resume_reproduce_every_number_at_ep2(moe_runs, tmp_path):
 
 
 def test_trained_at_ep2_tp2_pp2_exports_to_transformers_with_megatron_logits(moe_runs, tmp_path):
-    from tests.data_tools.test_convert import PY, hf_logits, megatron_logits
-    from tests.data_tools.test_convert import run as run_checked
+    from tests.data_tools.test_convert import exported_logits
 
-    run_dir = moe_runs / "tp2_pp2_vp2_ep2"
-    out = tmp_path / "hf"
-    run_checked([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
-                 "--no-progress"])
-    config = json.loads((out / "config.json").read_text())
+    config, ref, got = exported_logits(moe_runs / "tp2_pp2_vp2_ep2", tmp_path, length=32)
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
-    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
-    ref = megatron_logits(run_dir, tokens, tmp_path)
-    got = hf_logits(out, tokens)
     diff = (got - ref).abs().max().item()
     print(f"trained at TP2×PP2×VP2×EP2 (4 ranks, experts folded into TP): transformers vs Megatron logits max abs "
           f"diff {diff:.3g}")

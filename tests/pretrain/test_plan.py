@@ -232,7 +232,7 @@ def ranks(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.slow
 def test_predicted_bytes_equal_what_ranks_hold(ranks):
     records = ranks["static"]
-    assert len({r["layout"] for r in records}) == 14
+    assert len({r["layout"] for r in records}) == 16
     lines = [f"{'layout':<38}{'rank':>5} {'kind':<10}{'predicted':>14}{'actual':>14}{'diff':>8}"]
     for r in records:
         assert r["names_match"], f"{r['layout']} rank {r['rank']}: parameter list differs from the model's"
@@ -248,22 +248,25 @@ def test_predicted_bytes_equal_what_ranks_hold(ranks):
 def test_predicted_activations_match_saved_tensors(ranks):
     """The activation model against the bytes autograd holds on real ranks (local spec, CPU): each decoder
     layer of the first microbatch, and the stage's peak over a whole step (in-flight microbatches of 1F1B and
-    the interleaved schedule, recompute working sets), within 5% for every rank and layout. MoE at EP > 1: the mean
-    over the expert-parallel group (the planner counts balanced routing)."""
+    the interleaved schedule, recompute working sets), within 5% for every rank and layout (the DeepSeek-V3-class
+    cases, per layer — dense, MoE and MTP layers — and stage: within 1%). MoE at EP > 1: the mean over the
+    expert-parallel group (the planner counts balanced routing)."""
     records = ranks["activations"]
-    assert len({r["case"] for r in records}) == 17
+    assert len({r["case"] for r in records}) == 19
     lines = ["| layout | stage | layer: predicted | measured | stage peak: predicted | measured | diff |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["case"], r["pp_rank"], r["rank"])):
         pred, meas = r["predicted"], r["measured"]
+        tolerance = 0.01 if r["case"].startswith("deepseek") else 0.05
         if r["recompute"] != "full":  # full recompute: layers save nothing in the forward
             assert meas["layers"], r["case"]
-            for layer in meas["layers"]:
-                assert abs(pred["layer"] - layer) <= 0.05 * layer, (r["case"], r["rank"], pred["layer"], layer)
+            assert len(pred["layers"]) == len(meas["layers"]), (r["case"], pred["layers"], meas["layers"])
+            for predicted, layer in zip(pred["layers"], meas["layers"]):
+                assert abs(predicted - layer) <= tolerance * layer, (r["case"], r["rank"], predicted, layer)
         diff = (pred["peak"] - meas["peak"]) / meas["peak"]
         layer = (f"{pred['layer']:,} | {meas['layers'][0]:,}") if meas["layers"] else "- | -"
         line = f"| {r['case']} | {r['pp_rank']} | {layer} | {pred['peak']:,} | {meas['peak']:,} | {diff:+.2%} |"
         if line not in lines:
             lines.append(line)
-        assert abs(diff) <= 0.05, line
+        assert abs(diff) <= tolerance, line
     print("\n".join(lines))

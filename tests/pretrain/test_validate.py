@@ -24,10 +24,13 @@ CASES = [
      "= 2×1×1 = 2. Fix: launch a multiple of 2 processes, or choose sizes whose product divides 3"),
     (["parallel.pipeline=3"], 3,
      "[model.num_layers, parallel.pipeline] model.num_layers=4 is not divisible by pipeline stages 3 = 3. "
-     "Fix: choose a stage count dividing 4 (1, 2, 4)"),
+     "Fix: choose a stage count dividing 4 (1, 2, 4), or uneven stages (parallel.num_layers_in_first_pipeline_stage / "
+     "..._last_...); other placements (Megatron-Core's pipeline_model_parallel_layout) are not supported"),
     (["parallel.pipeline=2", "parallel.virtual_pipeline=4"], 2,
      "[model.num_layers, parallel.pipeline, parallel.virtual_pipeline] model.num_layers=4 is not divisible by "
-     "pipeline stages 2×4 = 8. Fix: choose a stage count dividing 4 (1, 2, 4)"),
+     "pipeline stages 2×4 = 8. Fix: choose a stage count dividing 4 (1, 2, 4), or uneven stages "
+     "(parallel.num_layers_in_first_pipeline_stage / ..._last_...); other placements (Megatron-Core's "
+     "pipeline_model_parallel_layout) are not supported"),
     (["parallel.virtual_pipeline=2"], 1,
      "[parallel.virtual_pipeline, parallel.pipeline] interleaving (parallel.virtual_pipeline=2) needs "
      "parallel.pipeline > 1. Fix: set parallel.pipeline >= 2 or parallel.virtual_pipeline=null"),
