@@ -39,6 +39,8 @@ class Run:
     train_ds: Any = None
     valid_ds: Any = None
     writer: Any = None  # pretrain.metrics.MetricsWriter on the rank that holds the loss, else None
+    tp_source: tuple | None = None  # TP > 1: (TP group, its reading rank); the other ranks have no datasets
+    evaluates: bool = False  # the run reads a validation split (valid_ds is None on ranks that do not read)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,9 +198,10 @@ def build_training(cfg: Config, run: Run, log) -> None:
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
 
-def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool) -> None:
+def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, log=None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
-    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped)."""
+    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). `log` (rank 0):
+    how long Megatron's index caches took and where they are."""
     from pretrain.data import build_datasets, data_cache_dir
     from pretrain.metrics import MetricsWriter
     from pretrain.run_dir import write_failure
@@ -206,9 +209,17 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool) -> None:
 
     t = cfg.train
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
+    from megatron.core import parallel_state as ps
+
+    # One reader per tensor-parallel group (its first rank) holds the datasets and sends the others its batches.
+    reads = ps.get_tensor_model_parallel_rank() == 0
+    if run.layout.tp > 1:
+        run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
+    run.evaluates = eval_steps > 0
     try:
         run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, t.steps * t.global_batch_size,
-                                                    eval_steps * t.global_batch_size)
+                                                    eval_steps * t.global_batch_size,
+                                                    is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
         why = write_failure(exc, data_cache_dir(cfg))
         if why is None:

@@ -195,14 +195,31 @@ def check_consistency(prefix: str | os.PathLike, info: IndexInfo | None = None) 
         raise IndexedFormatError(
             f"{ipath}: document indices are not non-decreasing up to the sequence count {lengths.size}"
         )
-    data_bytes = info.num_tokens * itemsize
+    check_bin_size(prefix, info.num_tokens, info.dtype)
+    return info
+
+
+def check_bin_size(prefix: str | os.PathLike, num_tokens: int, dtype: np.dtype) -> None:
+    """``PREFIX.bin`` holds exactly ``num_tokens`` tokens of ``dtype``; raise :class:`IndexedFormatError` if not."""
+    bpath = bin_path(prefix)
+    data_bytes = int(num_tokens) * np.dtype(dtype).itemsize
     actual = bpath.stat().st_size
     if actual != data_bytes:
         raise IndexedFormatError(
-            f"{bpath}: {actual} bytes but the index describes {info.num_tokens} tokens of "
-            f"{info.dtype.name} = {data_bytes} bytes ({'truncated' if actual < data_bytes else 'extra data'})"
+            f"{bpath}: {actual} bytes but the index describes {num_tokens} tokens of "
+            f"{np.dtype(dtype).name} = {data_bytes} bytes ({'truncated' if actual < data_bytes else 'extra data'})"
         )
-    return info
+
+
+def tokens_between(info: IndexInfo, beg: int, end: int) -> int:
+    """Tokens of sequences ``[beg, end)`` (clipped to the index) from two pointers, without reading the lengths
+    in between (equal to ``sequence_lengths[beg:end].sum()`` for a consistent index)."""
+    n = info.num_sequences
+    beg, end = min(max(beg, 0), n), min(max(end, 0), n)
+    if end <= beg:
+        return 0
+    last = int(info.sequence_pointers[end - 1]) + int(info.sequence_lengths[end - 1]) * info.dtype.itemsize
+    return (last - int(info.sequence_pointers[beg])) // info.dtype.itemsize
 
 
 def find_token_outside(prefix: str | os.PathLike, vocab_size: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
