@@ -74,31 +74,23 @@ def _report_cache(log, cache: str, seconds: float, before, removed: list[str]) -
     files, size = CacheState.read(cache).added_since(before)
     if files:
         log(f"[pretrain] data: Megatron's dataset indices built in {seconds:.2f} s by rank 0 and cached in {cache} "
-            f"({files} files, {size / 2**20:,.1f} MiB); the other ranks and later starts read them")
+            f"({files} files, {size / 2**20:,.1f} MiB); the other ranks that read data, and later starts, "
+            "read them")
     else:
         log(f"[pretrain] data: Megatron's dataset indices read from the cache in {cache} in {seconds:.2f} s "
             "(built by an earlier start; nothing rebuilt)")
 
 
-def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0, *,
-                   is_built_on_rank=None, log=None):
-    """(train, valid) datasets sized for the run; valid is None without evaluation (and both are None on a rank
-    for which `is_built_on_rank()` is False: it receives its batches from one that reads them).
+def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
+    """(dataset class, `GPTDatasetConfig`) of the run, exactly as `build_datasets` hands them to Megatron-Core's
+    `BlendedMegatronDatasetBuilder` (benchmarks/data_startup.py builds with them directly: Megatron's own cost).
 
-    Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads)
-    and the splits the run does not read are left out of the split matrix, so Megatron-Core never builds
-    them (it loops forever on a split that holds no documents). Pre-flight validation has checked that the
-    splits read hold tokens. Megatron builds the index caches on rank 0 while the others wait at a barrier,
-    then the others read them; a start that finds them reads them too. `log`: told how long that took and
-    where the cache is (rank 0).
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    The splits the run does not read are left out of the split matrix, so Megatron-Core never builds them (it
+    loops forever on a split that holds no documents)."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     d = cfg.data
     mock = uses_mock(d)
-    cache = data_cache_dir(cfg)
-    Path(cache).mkdir(parents=True, exist_ok=True)
     per_split = None
     if d.train_blend and not mock:
         per_split = [_blend(d.train_blend), _blend(d.valid_blend) if num_eval_samples else None, None]
@@ -108,7 +100,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
         blend=None if (mock or per_split) else _blend(d.blend),
         blend_per_split=per_split,
         split=None if per_split else d.split,
-        path_to_cache=cache,
+        path_to_cache=data_cache_dir(cfg),
         tokenizer=tokenizer,
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
@@ -119,7 +111,25 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     if per_split is None:
         train_range, valid_range, _ = ds_config.split_matrix
         ds_config.split_matrix = [train_range, valid_range if num_eval_samples else None, None]
-    cls = MockGPTDataset if mock else GPTDataset
+    return (MockGPTDataset if mock else GPTDataset), ds_config
+
+
+def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0, *,
+                   is_built_on_rank=None, log=None):
+    """(train, valid) datasets sized for the run; valid is None without evaluation (and both are None on a rank
+    for which `is_built_on_rank()` is False: it receives its batches from one that reads them).
+
+    Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads).
+    Pre-flight validation has checked that the splits read hold tokens. Megatron builds the index caches on
+    rank 0 while the others wait at a barrier, then the others read them; a start that finds them reads them
+    too. Truncated cache entries (a start killed while writing them) are removed first. `log`: told how long
+    that took and where the cache is (rank 0).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    cache = data_cache_dir(cfg)
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    cls, ds_config = megatron_dataset_config(cfg, tokenizer, num_eval_samples)
     sizes = [num_train_samples, num_eval_samples, 0]
     first = not dist.is_initialized() or dist.get_rank() == 0
     if first:
@@ -129,7 +139,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     started = time.perf_counter()
     builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), ds_config)
     train, valid, _ = builder.build()
-    if first and log is not None and not mock:
+    if first and log is not None and not uses_mock(cfg.data):
         _report_cache(log, cache, time.perf_counter() - started, before, removed)
     return train, valid
 

@@ -19,13 +19,16 @@ INDEX_KEY = "index"  # the record's key for the facts
 
 
 def index_fingerprint(idx_file: str | os.PathLike, bin_bytes: int) -> str:
-    """Hex SHA-256 over the sizes of both files, the ``.idx`` header, its first and last ``EDGE_BYTES``."""
+    """Hex SHA-256 over the sizes of both files and the first and last ``EDGE_BYTES`` of the ``.idx`` (its header
+    and the start of the lengths; the end of the document indices): the whole file when it is that small."""
     idx_file = Path(idx_file)
     size = idx_file.stat().st_size
     h = hashlib.sha256(f"idx {size} bin {int(bin_bytes)}\n".encode())
     with open(idx_file, "rb") as f:
-        h.update(f.read(min(size, 2 * EDGE_BYTES)))
-        if size > 2 * EDGE_BYTES:
+        if size <= 2 * EDGE_BYTES:
+            h.update(f.read())
+        else:
+            h.update(f.read(EDGE_BYTES))
             f.seek(size - EDGE_BYTES)
             h.update(f.read(EDGE_BYTES))
     return h.hexdigest()
