@@ -44,8 +44,9 @@ MEDIAN_TOKENS, SIGMA = 900.0, 1.0  # log-normal document lengths (mean = median 
 MAX_DOC_TOKENS = 1 << 20
 CHUNK_DOCS = 1 << 24
 SIZES = {"1B": 10**9, "10B": 10**10, "100B": 10**11, "1T": 10**12}
-TRAIN = ["train.steps=1", "train.eval_interval=null", "checkpoint.interval=null", "checkpoint.save_at_end=false",
-         "logging.tensorboard=false", "data.mock=false"]
+# One step of one sample per rank: the data figures do not depend on the batch (Megatron's indices cover an epoch).
+TRAIN = ["train.steps=1", "train.global_batch_size=2", "train.micro_batch_size=1", "train.eval_interval=null",
+         "checkpoint.interval=null", "checkpoint.save_at_end=false", "logging.tensorboard=false", "data.mock=false"]
 _CHECK = re.compile(r"dataset files checked: (\d+) prefix\(es\) in ([\d.]+) s")
 _BUILD = re.compile(r"indices (?:built|read from the cache in \S+) in ([\d.]+) s")
 
@@ -157,44 +158,69 @@ def write_config(path: Path, blend: list) -> Path:
     return path
 
 
-def run_measured(cmd: list[str], log: Path, first_loss: Path | None = None, timeout: float = 7200) -> dict:
-    """Run `cmd` (a torchrun); seconds to exit and to `first_loss` (a metrics.jsonl line with a loss), and the
-    per-rank peaks of VmHWM and RssAnon."""
+CHECKOUT = [REPO]  # where the trainer runs from (--checkout: another one, e.g. an older commit)
+
+
+def run_measured(cmd: list[str], log: Path, first_loss: Path | None = None, timeout: float = 7200,
+                 checkout: Path | None = None) -> dict:
+    """Run `cmd` (a torchrun, or one process: rank 0); seconds to exit and to `first_loss` (a metrics.jsonl line
+    with a loss), and the per-rank peaks of VmHWM, VmRSS, RssAnon and RssFile."""
+    checkout = checkout or REPO
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(checkout))
     started = time.perf_counter()
     peaks: dict[int, dict[str, int]] = {}
-    loss_at = None
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None:
-            for pid in _children(proc.pid):
-                rank = _rank_of(pid)
-                if rank is None:
-                    continue
-                st, peak = _status(pid), peaks.setdefault(rank, {})
-                for k, v in st.items():
-                    peak[k] = max(peak.get(k, 0), v)
-            if loss_at is None and first_loss is not None and first_loss.exists():
-                if any('"loss"' in line for line in first_loss.read_text().splitlines()):
-                    loss_at = time.perf_counter() - started
-            if time.perf_counter() - started > timeout:
+        proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            _sample(proc, peaks, first_loss, started, timeout, cmd, log)
+        finally:
+            if proc.poll() is None:
                 os.killpg(proc.pid, 9)
-                raise SystemExit(f"timed out after {timeout:.0f} s: {' '.join(cmd)} (log {log})")
-            time.sleep(0.05)
+                proc.wait()
+    loss_at = peaks.pop(-1, {}).get("loss_at")
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n{log.read_text()[-4000:]}")
     return {"wall_s": wall, "first_loss_s": loss_at, "peaks": peaks, "log": log.read_text()}
 
 
+def _sample(proc, peaks: dict, first_loss: Path | None, started: float, timeout: float, cmd, log) -> None:
+    """Until `proc` exits: every 50 ms the ranks' memory peaks and, once, the time of the first loss
+    (stored as peaks[-1]["loss_at"])."""
+    loss_at = None
+    launcher = "torch.distributed.run" in cmd
+    while proc.poll() is None:
+        for pid in _children(proc.pid) if launcher else [proc.pid]:
+            rank = _rank_of(pid) if launcher else 0
+            if rank is None:
+                continue
+            st, peak = _status(pid), peaks.setdefault(rank, {})
+            for k, v in st.items():
+                peak[k] = max(peak.get(k, 0), v)
+        if loss_at is None and first_loss is not None and first_loss.exists():
+            if any('"loss"' in line for line in first_loss.read_text().splitlines()):
+                loss_at = time.perf_counter() - started
+        if time.perf_counter() - started > timeout:
+            raise SystemExit(f"timed out after {timeout:.0f} s: {' '.join(cmd)} (log {log})")
+        time.sleep(0.05)
+    peaks[-1] = {"loss_at": loss_at}
+
+
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
 
 
+def run_validate(config: str, overrides: list[str], log: Path) -> dict:
+    """`python -m pretrain validate CONFIG ... --world-size 2`: one process, as the Slurm launcher runs it."""
+    return run_measured([sys.executable, "-m", "pretrain", "validate", config, *overrides, "--world-size", "2"], log,
+                        checkout=CHECKOUT[0])
+
+
 def run_ours(config: str, overrides: list[str], run_dir: Path, log: Path) -> dict:
     res = run_measured(_torchrun("-m", "pretrain", "train", config, *overrides, f"run.dir={run_dir}"), log,
-                       first_loss=run_dir / "metrics.jsonl")
+                       first_loss=run_dir / "metrics.jsonl", checkout=CHECKOUT[0])
     check = _CHECK.search(res["log"])
     build = _BUILD.search(res["log"])
     res["check_s"] = float(check.group(2)) if check else 0.0
@@ -273,7 +299,10 @@ def main() -> None:
     ap.add_argument("--root", type=Path, help="where the corpora and caches go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the corpora")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--checkout", type=Path, help="run the trainer from this checkout (e.g. an older commit: the "
+                    "before figures); Megatron's floor always from this one")
     args = ap.parse_args()
+    CHECKOUT[0] = (args.checkout or REPO).resolve()
     root = args.root or Path(tempfile.mkdtemp(prefix="data_startup_"))
     root.mkdir(parents=True, exist_ok=True)
     sizes = [(s, SIZES.get(s) or int(float(s[:-1]) * {"B": 1e9, "T": 1e12}[s[-1]])) for s in args.sizes.split(",")]
@@ -287,7 +316,7 @@ def main() -> None:
         mock[layout] = run_ours("tiny_llama", [*common, *par, "data.mock=true", f"data.cache_dir={root}/cache_mock"],
                                 root / f"mock_{layout}", root / f"mock_{layout}.log")
         shutil.rmtree(root / f"mock_{layout}", ignore_errors=True)
-    rows, peak_disk = [], 0
+    rows, validations, peak_disk = [], [], 0
     for size_name, tokens in sizes:
         for n_prefix in (int(x) for x in args.prefixes.split(",")):
             corpus = root / f"corpus_{size_name}_{n_prefix}"
@@ -298,6 +327,11 @@ def main() -> None:
             idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
             print(f"corpus {size_name} tokens in {n_prefix} prefix(es): {docs:,} documents, .idx {_gb(idx_bytes)} GiB, "
                   f"written in {made:.1f} s", flush=True)
+            val = run_validate(config, common, root / f"validate_{size_name}_{n_prefix}.log")
+            val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
+            validations.append({"size": size_name, "prefixes": n_prefix, "docs": docs, "s": val["wall_s"],
+                                "rss": val_rss})
+            print(f"  validate: {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB", flush=True)
             for layout in layouts:
                 need = estimate_bytes(docs, tokens, args.seq, layout)
                 if need > _mem_available() - (3 << 30):
@@ -329,10 +363,13 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(corpus, ignore_errors=True)
     print_table(rows, mock, peak_disk)
+    print("\n| tokens | prefixes | documents | `python -m pretrain validate` s | its peak RSS GiB |")
+    print("|---|---|---|---|---|")
+    for v in validations:
+        print(f"| {v['size']} | {v['prefixes']:,} | {v['docs']:,} | {v['s']:.2f} | {_gb(v['rss'])} |")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"rows": rows, "mock": {k: {kk: vv for kk, vv in v.items() if kk != "log"}
-                                                                    for k, v in mock.items()}}, indent=1))
-
+        mock_rows = {k: {kk: vv for kk, vv in v.items() if kk != "log"} for k, v in mock.items()}
+        args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows}, indent=1))
 
 def print_table(rows: list[dict], mock: dict, peak_disk: int) -> None:
     def peak(res: dict, key: str) -> int:

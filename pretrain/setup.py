@@ -40,7 +40,7 @@ class Run:
     valid_ds: Any = None
     writer: Any = None  # pretrain.metrics.MetricsWriter on the rank that holds the loss, else None
     tp_source: tuple | None = None  # TP > 1: (TP group, its reading rank); the other ranks have no datasets
-    evaluates: bool = False  # the run reads a validation split (valid_ds is None on ranks that do not read)
+    evaluates: bool = False  # there is a validation split (valid_ds is None on the ranks that do not read data)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,7 +215,6 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, log=None)
     reads = ps.get_tensor_model_parallel_rank() == 0
     if run.layout.tp > 1:
         run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
-    run.evaluates = eval_steps > 0
     try:
         run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, t.steps * t.global_batch_size,
                                                     eval_steps * t.global_batch_size,
@@ -225,6 +224,10 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, log=None)
         if why is None:
             raise
         raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
+    # Whether there is a validation split to evaluate on, known on the reading ranks: shared with every rank.
+    has_valid = torch.tensor([1.0 if run.valid_ds is not None else 0.0], device=run.rt.device)
+    torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
+    run.evaluates = bool(has_valid.item())
     run.writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
         if writes_metrics else None
     if run.writer is not None:

@@ -96,3 +96,17 @@ def test_moe_script_layout_is_accepted_by_the_validator_and_the_planner(tmp_path
     assert cfg.model.preset == "qwen3_30b_a3b" and cfg.model.num_moe_experts == 128
     report = validate(cfg, 16, te_on_gpu=True, cuda_available=True, files=False)  # layout only: data is on the cluster
     assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--", "--input", "x"], "--tasks must be a positive integer"),
+    (["--tasks", "4", "--finalize", "concat", "--", "--input", "x"], "--finalize must be merge or blend"),
+    (["--tasks", "4"], "no preprocess arguments after --"),
+])
+def test_preprocess_script_refuses_a_bad_command_line(args, message, tmp_path):
+    """launch/preprocess.sh (run on a login node) stops before planning or submitting anything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(["bash", str(REPO / "launch" / "preprocess.sh"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and message in done.stderr, done.stderr
+    assert "usage: launch/preprocess.sh --tasks N" in done.stderr and not list(tmp_path.iterdir())
