@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -302,6 +303,7 @@ def main() -> None:
     ap.add_argument("--checkout", type=Path, help="run the trainer from this checkout (e.g. an older commit: the "
                     "before figures); Megatron's floor always from this one")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: the running torchrun is ended too (finally)
     CHECKOUT[0] = (args.checkout or REPO).resolve()
     root = args.root or Path(tempfile.mkdtemp(prefix="data_startup_"))
     root.mkdir(parents=True, exist_ok=True)

@@ -45,12 +45,17 @@ class CacheState:
         return len(new), sum(self.files[n] for n in new)
 
 
-def _loads(path: Path) -> bool:
+def _complete(path: Path) -> bool:
+    """The `.npy` holds the bytes its header declares (the header is read, not the array)."""
     try:
-        np.load(path, mmap_mode="r", allow_pickle=False)  # header + a mapping of the declared size: no data read
+        with open(path, "rb") as f:
+            fmt = np.lib.format
+            version = fmt.read_magic(f)
+            shape, _, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(f)
+            offset = f.tell()
+        return os.stat(path).st_size >= offset + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     except (OSError, ValueError, EOFError):
         return False
-    return True
 
 
 def remove_truncated(cache_dir: str | os.PathLike) -> list[str]:
@@ -63,7 +68,7 @@ def remove_truncated(cache_dir: str | os.PathLike) -> list[str]:
         if arrays is None:
             continue
         paths = [desc.with_name(f"{base}-{a}") for a in arrays]
-        if all(p.is_file() for p in paths) and not all(_loads(p) for p in paths):
+        if all(p.is_file() for p in paths) and not all(_complete(p) for p in paths):
             for p in (desc, *paths):
                 p.unlink(missing_ok=True)
             removed.append(base)

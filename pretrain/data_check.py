@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pretrain.problems import Report
 
 SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
+CHECK_THREADS = 16  # prefixes checked at once
 SPLIT_NAMES = ("training", "validation", "test")
 
 
@@ -192,19 +193,42 @@ def _missing_hint(prefix: str) -> str:
     return ""
 
 
-def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
-    """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
+def _checked(prefix: str):
+    """`check_dataset` of one prefix (the metadata check where it can stand for the index), or its exception."""
     from pretrain.dataset_format.check import check_dataset
+
+    try:
+        return check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True)
+    except (ValueError, OSError) as e:
+        return e
+
+
+def check_all(prefixes: list[str]) -> dict:
+    """`_checked` of every prefix, CHECK_THREADS at a time (a parallel file system answers many small reads at
+    once; each check is a few opens and 128 KiB)."""
+    if len(prefixes) < 2:
+        return {p: _checked(p) for p in prefixes}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(prefixes))) as pool:
+        return dict(zip(prefixes, pool.map(_checked, prefixes)))
+
+
+def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
+    """One dataset prefix: files, format, metadata, tokenizer and largest id (`checked`: its `_checked`).
+    Returns its facts or None."""
     from pretrain.dataset_format.indexed import bin_path, idx_path
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
-    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
+    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(p)]
     if missing:
         r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){_missing_hint(prefix)}",
                 "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
         return None
     try:
-        facts = check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True)
+        if isinstance(checked, BaseException):
+            raise checked
+        facts = checked
     except ValueError as e:  # IndexedFormatError, MetadataError: the message names the file
         r.error(key, str(e), f"re-create the dataset (`python -m data_tools verify {prefix}` checks it)")
         return None
@@ -267,10 +291,11 @@ def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
     eval_on = eval_is_on(cfg)
     seen: dict[str, object] = {}
     started = time.perf_counter()
+    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)))
     for key, (prefixes, _weights) in blends.items():
         for prefix in prefixes:
             if prefix not in seen:
-                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab)
+                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab, checked[prefix])
             facts = seen[prefix]
             if facts is None:
                 continue

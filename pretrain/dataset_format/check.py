@@ -15,16 +15,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.dataset_format.fingerprint import index_fingerprint, recorded_facts
+from pretrain.dataset_format.fingerprint import read_edges, recorded_facts
 from pretrain.dataset_format.indexed import (
     IndexedFormatError,
+    IndexHeader,
     IndexInfo,
     bin_path,
     check_bin_size,
     check_consistency,
     idx_path,
     max_token_id,
-    read_index,
+    parse_header,
 )
 from pretrain.dataset_format.metadata import check_meta_matches, read_meta
 
@@ -34,7 +35,7 @@ class DatasetFacts:
     """A checked dataset: its index, its metadata (None without ``PREFIX.meta.json``) and its largest id."""
 
     prefix: str
-    info: IndexInfo  # memory-mapped: after a metadata check nothing past the header has been read
+    info: IndexInfo | IndexHeader  # the memory-mapped index; after a metadata check its header only
     meta: dict[str, Any] | None
     max_token_id: int | None  # None: empty, or not known (no metadata and the scan was skipped)
     max_id_from: str  # "metadata" | "scan" | "unchecked"
@@ -42,24 +43,34 @@ class DatasetFacts:
     why_full: str = ""  # with a full check under trust_metadata: why the metadata could not stand for the index
 
 
-def _metadata_mismatch(prefix: str | os.PathLike, info: IndexInfo, meta: dict[str, Any] | None) -> str:
-    """Why ``meta`` cannot stand for the index (empty string: it can)."""
+def _metadata_check(prefix: str) -> tuple[IndexHeader | None, dict[str, Any] | None, str]:
+    """(header, metadata, "") when the metadata's index facts match the pair (one open and 128 KiB of the .idx,
+    two stats, the metadata), else (None, metadata, why not). Raises for an unreadable header or metadata."""
+    idx, data = f"{prefix}.idx", f"{prefix}.bin"
+    try:
+        idx_size, bin_size = os.stat(idx).st_size, os.stat(data).st_size
+    except FileNotFoundError as e:
+        exists = "" if e.filename == idx else f" (index {idx} exists)"
+        raise IndexedFormatError(f"{e.filename}: {'index' if e.filename == idx else 'data'} file not found{exists}") \
+            from None
+    head, fingerprint = read_edges(idx, bin_size)
+    header = parse_header(idx, head, idx_size)
+    meta = read_meta(prefix)
     facts = recorded_facts(meta)
     if meta is None:
-        return "no metadata"
+        return None, meta, "no metadata"
     if facts is None:
-        return "no index facts"
-    idx_size, bin_size = idx_path(prefix).stat().st_size, bin_path(prefix).stat().st_size
-    counts = (info.num_documents, info.num_sequences)
-    if counts != (int(meta["documents"]), int(meta["sequences"])) or meta.get("dtype") != info.dtype.name:
-        return "counts differ"
+        return None, meta, "no index facts"
+    if (header.num_documents, header.num_sequences) != (int(meta["documents"]), int(meta["sequences"])) \
+            or meta.get("dtype") != header.dtype.name:
+        return None, meta, "counts differ"
     if idx_size != facts["idx_bytes"]:
-        return "index size differs"
+        return None, meta, "index size differs"
     if bin_size != facts["bin_bytes"]:
-        return "data size differs"
-    if index_fingerprint(idx_path(prefix), bin_size) != facts["fingerprint"]:
-        return "fingerprint differs"
-    return ""
+        return None, meta, "data size differs"
+    if fingerprint != facts["fingerprint"]:
+        return None, meta, "fingerprint differs"
+    return header, meta, ""
 
 
 def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None,
@@ -71,18 +82,16 @@ def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None
     index facts match (see the module). Raises ``IndexedFormatError`` / ``MetadataError`` (both ``ValueError``)
     naming the file.
     """
-    if not bin_path(prefix).is_file() and idx_path(prefix).is_file():
-        raise IndexedFormatError(f"{bin_path(prefix)}: data file not found (index {idx_path(prefix)} exists)")
-    why_full, checked = "", "full"
+    prefix = os.fspath(prefix)
+    why_full, info, meta = "", None, None
     if trust_metadata:
-        info = read_index(prefix)  # header, version, dtype and the .idx size; the arrays stay unread
-        meta = read_meta(prefix)
-        why_full = _metadata_mismatch(prefix, info, meta)
-        if not why_full:
+        info, meta, why_full = _metadata_check(prefix)
+        if info is not None:
             assert meta is not None
             check_bin_size(prefix, int(meta["tokens"]), info.dtype)
-            checked = "metadata"
-    if checked == "full":
+    if info is None:
+        if not bin_path(prefix).is_file() and idx_path(prefix).is_file():
+            raise IndexedFormatError(f"{bin_path(prefix)}: data file not found (index {idx_path(prefix)} exists)")
         info = check_consistency(prefix)
         meta = read_meta(prefix)
         if meta is not None:
@@ -92,4 +101,5 @@ def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None
         top, source = int(meta["max_token_id"]), "metadata"
     elif scan_limit_bytes is None or bin_path(prefix).stat().st_size <= scan_limit_bytes:
         top, source = max_token_id(prefix), "scan"  # None for an empty .bin
-    return DatasetFacts(os.fspath(prefix), info, meta, top, source, checked, why_full)
+    return DatasetFacts(prefix, info, meta, top, source, "metadata" if not why_full and trust_metadata else "full",
+                        why_full)

@@ -21,17 +21,23 @@ INDEX_KEY = "index"  # the record's key for the facts
 def index_fingerprint(idx_file: str | os.PathLike, bin_bytes: int) -> str:
     """Hex SHA-256 over the sizes of both files and the first and last ``EDGE_BYTES`` of the ``.idx`` (its header
     and the start of the lengths; the end of the document indices): the whole file when it is that small."""
-    idx_file = Path(idx_file)
-    size = idx_file.stat().st_size
+    return read_edges(idx_file, bin_bytes)[1]
+
+
+def read_edges(idx_file: str | os.PathLike, bin_bytes: int) -> tuple[bytes, str]:
+    """(the first ``EDGE_BYTES`` of the ``.idx``, which hold its header; its fingerprint), one open of the file."""
+    size = os.stat(idx_file).st_size
     h = hashlib.sha256(f"idx {size} bin {int(bin_bytes)}\n".encode())
     with open(idx_file, "rb") as f:
         if size <= 2 * EDGE_BYTES:
-            h.update(f.read())
+            head = f.read()
+            h.update(head)
         else:
-            h.update(f.read(EDGE_BYTES))
+            head = f.read(EDGE_BYTES)
+            h.update(head)
             f.seek(size - EDGE_BYTES)
             h.update(f.read(EDGE_BYTES))
-    return h.hexdigest()
+    return head, h.hexdigest()
 
 
 def index_facts(idx_file: str | os.PathLike, bin_file: str | os.PathLike) -> dict[str, Any]:
