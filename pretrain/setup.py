@@ -156,7 +156,7 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
     from pretrain.run_dir import prepare_run_dir
     from pretrain.runtime import any_rank_error, init_model_parallel
 
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train
@@ -198,10 +198,12 @@ def build_training(cfg: Config, run: Run, log) -> None:
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
 
-def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, log=None) -> None:
+def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None,
+               log=None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
-    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). `log` (rank 0):
-    how long Megatron's index caches took and where they are."""
+    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
+    reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
+    changed on resume). `log` (rank 0): how long Megatron's index caches took and where they are."""
     from pretrain.data import build_datasets, data_cache_dir
     from pretrain.metrics import MetricsWriter
     from pretrain.run_dir import write_failure
@@ -216,7 +218,8 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, log=None)
     if run.layout.tp > 1:
         run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
     try:
-        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, t.steps * t.global_batch_size,
+        needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
+        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, max(needed, t.steps * t.global_batch_size),
                                                     eval_steps * t.global_batch_size,
                                                     is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions

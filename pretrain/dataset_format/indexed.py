@@ -11,6 +11,7 @@ Keeping this module free of torch/megatron imports keeps ``preprocess`` start-up
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 from dataclasses import dataclass
@@ -135,6 +136,19 @@ class IndexInfo:
         return int(self.sequence_pointers[first]), int(self.sequence_pointers[last]), int(self.sequence_lengths[last])
 
 
+def prefix_hint(prefix: str) -> str:
+    """A hint for a dataset prefix with no files: the prefix given with an extension, or the ``preprocess``
+    ``--output-prefix`` without its ``_KEY_document`` (empty when neither is there)."""
+    for ext in (".bin", ".idx", ".meta.json"):
+        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
+            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
+    found = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    if found:
+        names = " or ".join(f[: -len(".idx")] for f in found[:3])
+        return f" (did you mean {names}? preprocess adds _KEY_document to its --output-prefix)"
+    return ""
+
+
 @dataclass
 class IndexHeader:
     """The fixed header of an ``.idx``, read without mapping the file: counts and dtype; single pointers and
@@ -187,7 +201,7 @@ def read_index(prefix: str | os.PathLike) -> IndexInfo:
     """Parse and sanity-check ``PREFIX.idx``; raise :class:`IndexedFormatError` naming the file."""
     path = idx_path(prefix)
     if not path.is_file():
-        raise IndexedFormatError(f"{path}: index file not found")
+        raise IndexedFormatError(f"{path}: index file not found{prefix_hint(str(prefix))}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(_FIXED_HEADER)
