@@ -283,12 +283,19 @@ def _mem_available() -> int:
     return 0
 
 
-def estimate_bytes(docs: int, tokens: int, seq: int, layout: str) -> int:
-    """Anonymous memory Megatron's cold build needs (both ranks): per document the split's int32 arange on every
-    reading rank, and on the building rank the document index, the lengths copy and the gathered lengths; per
-    sample the int32 pair of the sample index and the shuffle index."""
+def estimate_bytes(docs: int, tokens: int, prefixes: int, seq: int, layout: str) -> int:
+    """Anonymous memory Megatron's cold build needs (both ranks together), from gpt_dataset.py (0.16): every reading
+    rank holds an int32 arange of each dataset's documents; the building rank keeps, per dataset, the document index
+    (int32 per document), the sample index (two int32 per sample, int64 once a dataset has 2^31 tokens) and the
+    shuffle index (uint32 per sample), and while building one dataset needs at most max(20 bytes per document: the
+    int64 numpy.mgrid and its int32 copy, 8 per document + its sample and shuffle indices: the lengths copy). Plus
+    ~0.8 GiB per process (torch and the model)."""
     readers = 2 if layout == "dp2" else 1
-    return int(docs * 4 * (readers + 3) + tokens / seq * 12)
+    n, s = docs / prefixes, tokens / prefixes / seq
+    pair = 16 if tokens / prefixes >= 2**31 else 8
+    kept = 4 * n + (pair + 4) * s  # what one built dataset keeps on the building rank
+    builder = (prefixes - 1) * kept + 4 * n + max(20 * n, 8 * n + (pair + 4) * s)
+    return int(builder + (readers - 1) * 4 * docs + 2 * 0.8 * 2**30)
 
 
 def main() -> None:
@@ -302,7 +309,11 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--checkout", type=Path, help="run the trainer from this checkout (e.g. an older commit: the "
                     "before figures); Megatron's floor always from this one")
+    ap.add_argument("--max-gib", type=float, default=16.0, help="skip a layout whose cold build Megatron itself "
+                    "needs more memory for (estimate_bytes; the machine may be shared)")
+    ap.add_argument("--validate-only", action="store_true", help="only the corpora and `pretrain validate`")
     args = ap.parse_args()
+    started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: the running torchrun is ended too (finally)
     CHECKOUT[0] = (args.checkout or REPO).resolve()
     root = args.root or Path(tempfile.mkdtemp(prefix="data_startup_"))
@@ -313,12 +324,14 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
           f"{_gb(_mem_available())} GiB available; root {root}", flush=True)
     mock = {}
+    if args.validate_only:
+        layouts = []
     for layout in layouts:
         par = ["parallel.tensor=2"] if layout == "tp2" else []
         mock[layout] = run_ours("tiny_llama", [*common, *par, "data.mock=true", f"data.cache_dir={root}/cache_mock"],
                                 root / f"mock_{layout}", root / f"mock_{layout}.log")
         shutil.rmtree(root / f"mock_{layout}", ignore_errors=True)
-    rows, validations, peak_disk = [], [], 0
+    rows, validations, skipped, peak_disk = [], [], [], 0
     for size_name, tokens in sizes:
         for n_prefix in (int(x) for x in args.prefixes.split(",")):
             corpus = root / f"corpus_{size_name}_{n_prefix}"
@@ -335,10 +348,12 @@ def main() -> None:
                                 "rss": val_rss})
             print(f"  validate: {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB", flush=True)
             for layout in layouts:
-                need = estimate_bytes(docs, tokens, args.seq, layout)
-                if need > _mem_available() - (3 << 30):
-                    print(f"  {layout}: skipped: Megatron's cold build needs ~{_gb(need)} GiB, "
-                          f"{_gb(_mem_available())} GiB available", flush=True)
+                need = estimate_bytes(docs, tokens, n_prefix, args.seq, layout)
+                if need > min(_mem_available() - (3 << 30), args.max_gib * 2**30):
+                    why = (f"Megatron's cold build needs ~{_gb(need)} GiB (--max-gib {args.max_gib:g}, "
+                           f"{_gb(_mem_available())} GiB available)")
+                    skipped.append(f"{size_name} in {n_prefix:,} prefix(es), {layout.upper()}: {why}")
+                    print(f"  {layout}: skipped: {why}", flush=True)
                     continue
                 par = ["parallel.tensor=2"] if layout == "tp2" else []
                 for who in ("ours", "floor"):
@@ -364,14 +379,19 @@ def main() -> None:
                     shutil.rmtree(cache, ignore_errors=True)
             if not args.keep:
                 shutil.rmtree(corpus, ignore_errors=True)
-    print_table(rows, mock, peak_disk)
+    if rows:
+        print_table(rows, mock, peak_disk)
+    for line in skipped:
+        print(f"skipped: {line}")
     print("\n| tokens | prefixes | documents | `python -m pretrain validate` s | its peak RSS GiB |")
     print("|---|---|---|---|---|")
     for v in validations:
         print(f"| {v['size']} | {v['prefixes']:,} | {v['docs']:,} | {v['s']:.2f} | {_gb(v['rss'])} |")
     if args.json_out:
         mock_rows = {k: {kk: vv for kk, vv in v.items() if kk != "log"} for k, v in mock.items()}
-        args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows}, indent=1))
+        args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows,
+                                             "skipped": skipped}, indent=1))
+    print(f"benchmark wall time {(time.perf_counter() - started) / 60:.1f} min; checkout {CHECKOUT[0]}")
 
 def print_table(rows: list[dict], mock: dict, peak_disk: int) -> None:
     def peak(res: dict, key: str) -> int:

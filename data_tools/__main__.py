@@ -72,12 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _shard_command(args: argparse.Namespace) -> int:
+    """shard-plan / shard-run / finalize. Each task locks its own part (``PREFIX_partKKKKK.lock`` and its
+    datasets' locks), the final step the merged dataset, as ``preprocess`` and ``merge`` do."""
     import os
 
     from data_tools import shards
+    from pretrain.output_lock import hold
 
     if args.command == "shard-plan":
         pre = build_parser().parse_args(["preprocess", *args.preprocess_args])
+        # The tokenizer every task uses, decided once: the embedded fallback without files, as preprocess.
+        pre.tokenizer_type, pre.tokenizer_model, pre.vocab_file, pre.merge_file = _tokenizer_files(pre)
         plan = shards.make_plan(pre, args.tasks)
         path = args.plan or f"{plan.output_prefix}{shards.PLAN_SUFFIX}"
         shards.write_plan(plan, path)
@@ -98,14 +103,16 @@ def _shard_command(args: argparse.Namespace) -> int:
                 raise shards.ShardError("give --task K (or run inside a Slurm array job)")
             task = int(os.environ["SLURM_ARRAY_TASK_ID"])
         try:
-            print(shards.run_task(plan, task, lambda m: print(m, file=sys.stderr, flush=True)))
+            with hold(shards.task_targets(plan, task)):
+                print(shards.run_task(plan, task, lambda m: print(m, file=sys.stderr, flush=True)))
         except KeyboardInterrupt:
             print(f"\n{plan.describe(task)} interrupted; running it again (a requeue) resumes it", file=sys.stderr)
             return 130
         return 0
     from data_tools.finalize import finalize
 
-    print(finalize(plan, args.mode, remove_parts=args.remove_parts))
+    with hold(shards.final_targets(plan)):
+        print(finalize(plan, args.mode, remove_parts=args.remove_parts))
     return 0
 
 

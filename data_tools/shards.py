@@ -75,6 +75,25 @@ def part_prefix(output_prefix: str, task: int) -> str:
     return f"{output_prefix}_part{task:05d}"
 
 
+def task_targets(plan: Plan, task: int) -> list:
+    """The outputs task ``task`` writes, to lock (``pretrain.output_lock``): its part prefix (the resume state)
+    and each key's dataset, as ``preprocess`` locks them; a second run of the same task is refused naming the
+    first, and the lock of a killed attempt of the same Slurm job is taken over by its requeued run."""
+    from pretrain.output_lock import Target
+
+    if not 0 <= task < len(plan.tasks):
+        raise ShardError(f"task {task} is not in the plan (tasks 0..{len(plan.tasks) - 1})")
+    return [Target(part_prefix(plan.output_prefix, task), f"shard-run task {task}"),
+            *(Target(plan.part(task, k), "dataset") for k in plan.keys)]
+
+
+def final_targets(plan: Plan) -> list:
+    """The outputs of the final step: each key's merged dataset (or blend file beside it)."""
+    from pretrain.output_lock import Target
+
+    return [Target(f"{plan.output_prefix}_{k}_document", "finalize output") for k in plan.keys]
+
+
 def plan_shards(sizes: list[int], tasks: int) -> list[tuple[int, int]]:
     """Contiguous ``[first, end)`` runs of ``sizes`` for at most ``tasks`` tasks, balanced by bytes.
 
@@ -157,9 +176,10 @@ def part_problem(plan: Plan, task: int) -> str | None:
             meta = read_meta(prefix)
         except MetadataError as e:
             return str(e)
-        made_from = [x.get("path") for x in (meta or {}).get("inputs", [])]
-        if made_from != [str(Path(f).resolve()) for f in plan.files(task)]:
-            return f"{meta_path(prefix).name} was made from other files than the task's share"
+        made_from = [(x.get("path"), x.get("bytes")) for x in (meta or {}).get("inputs", [])]
+        first, end = plan.tasks[task]
+        if made_from != [(str(Path(x["path"]).resolve()), x["bytes"]) for x in plan.inputs[first:end]]:
+            return f"{meta_path(prefix).name} was made from other files (or sizes) than the task's share"
     return None
 
 

@@ -32,7 +32,7 @@ preprocess_in_job() {
     case $PREPROCESS_ROLE in
         task)
             launch_log "array job ${SLURM_ARRAY_JOB_ID:-?} task ${SLURM_ARRAY_TASK_ID:-?}" \
-                "(restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): plan $PREPROCESS_PLAN"
+                "(restart ${SLURM_RESTART_COUNT:-0}) on node ${SLURMD_NODENAME:-$(hostname)}: plan $PREPROCESS_PLAN"
             exec "$PYTHON" -m data_tools shard-run "$PREPROCESS_PLAN" --task "$SLURM_ARRAY_TASK_ID"
             ;;
         finalize)

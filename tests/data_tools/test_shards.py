@@ -92,3 +92,31 @@ def test_parts_merge_to_the_single_process_bytes_and_blend_only_verified_parts(t
     assert {k: merged[k] for k in same} == {k: single[k] for k in same}
     assert merged["index"]["fingerprint"] == single["index"]["fingerprint"]  # the same .idx
     assert not list(tmp_path.glob("out/web_part*"))  # --remove-parts
+
+
+def test_a_second_run_of_a_task_is_refused_while_the_first_holds_its_part(tmp_path, capsys):
+    """Each task locks its own part (`PREFIX_partKKKKK.lock`, as preprocess locks its prefix): a second
+    `shard-run` of the same task (a duplicate submission) is refused naming the holder and writes nothing; the
+    other tasks' parts are not locked by it."""
+    import os
+    import subprocess
+    import sys
+
+    from data_tools.shards import task_targets
+    from pretrain.output_lock import hold
+
+    corpus = _corpus(tmp_path)
+    (tmp_path / "out").mkdir()
+    prefix = tmp_path / "out" / "web"
+    args = ["--input", str(corpus), "--output-prefix", str(prefix), *SP, "--append-eod"]
+    assert main(["shard-plan", "--tasks", "3", "--", *args]) == 0
+    plan_file = capsys.readouterr().out.split()[0]
+    plan = read_plan(plan_file)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with hold(task_targets(plan, 1)):
+        done = subprocess.run([sys.executable, "-m", "data_tools", "shard-run", plan_file, "--task", "1"],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert "is in use by another writer" in line and f"pid {os.getpid()}" in line, line
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["web.shards.json"]
