@@ -306,11 +306,13 @@ PREPROCESS = REPO / "launch" / "preprocess.sh"
 
 
 def _write_corpus(root: Path, sizes: tuple[int, ...], bad: int | None = None) -> Path:
-    """JSONL files of `sizes` documents (slices of the embedded corpus); file `bad` gets a malformed line 2."""
+    """JSONL files of `sizes` documents (slices of the embedded corpus, repeated when more are asked than it has);
+    file `bad` gets a malformed line 2."""
     from data_tools.assets import DEFAULT_CORPUS
 
     with open(DEFAULT_CORPUS, encoding="utf-8") as f:
-        texts = [json.loads(line)["text"][:2500] for line, _ in zip(f, range(sum(sizes)))]
+        corpus = [json.loads(line)["text"][:2500] for line in f]
+    texts = [corpus[i % len(corpus)] for i in range(sum(sizes))]
     root.mkdir()
     for i, n in enumerate(sizes):
         lines = [json.dumps({"text": t}) + "\n" for t in texts[:n]]
@@ -376,12 +378,13 @@ def test_preprocess_array_requeue_resume_merge_and_failed_task(slurm_cluster, tm
     from data_tools.preprocess import preprocess
     from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
-    corpus_a = _write_corpus(tmp_path / "a", (4, 10, 60, 6, 5))  # task 1: f2 alone, ~60 batches
+    corpus_a = _write_corpus(tmp_path / "a", (20, 50, 300, 30, 25))  # task 1: f2 alone, ~300 batches
     corpus_b = _write_corpus(tmp_path / "b", (5, 5), bad=1)
     out_a, out_b = tmp_path / "out_a" / "web", tmp_path / "out_b" / "web"
-    array_a, final_a = submit_preprocess(tmp_path, corpus_a, out_a, "--tasks", "3", "--finalize", "merge")
+    # B first: A's task 1 must still be running when the loop below starts watching it.
     array_b, final_b = submit_preprocess(tmp_path, corpus_b, out_b, "--tasks", "2", "--finalize", "blend",
                                          strict=True)
+    array_a, final_a = submit_preprocess(tmp_path, corpus_a, out_a, "--tasks", "3", "--finalize", "merge")
     plan_a = Path(f"{out_a}.shards.json")
     state = Path(f"{out_a}_part00001.preprocess-state.json")
     deadline = time.monotonic() + 180
