@@ -332,53 +332,57 @@ def main() -> None:
                                 root / f"mock_{layout}", root / f"mock_{layout}.log")
         shutil.rmtree(root / f"mock_{layout}", ignore_errors=True)
     rows, validations, skipped, peak_disk = [], [], [], 0
-    for size_name, tokens in sizes:
-        for n_prefix in (int(x) for x in args.prefixes.split(",")):
-            corpus = root / f"corpus_{size_name}_{n_prefix}"
-            t0 = time.perf_counter()
-            blend, docs = make_blend(corpus, tokens, n_prefix)
-            made = time.perf_counter() - t0
-            config = str(write_config(root / f"config_{size_name}_{n_prefix}.yaml", blend))
-            idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
-            print(f"corpus {size_name} tokens in {n_prefix} prefix(es): {docs:,} documents, .idx {_gb(idx_bytes)} GiB, "
-                  f"written in {made:.1f} s", flush=True)
-            val = run_validate(config, common, root / f"validate_{size_name}_{n_prefix}.log")
-            val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
-            validations.append({"size": size_name, "prefixes": n_prefix, "docs": docs, "s": val["wall_s"],
-                                "rss": val_rss})
-            print(f"  validate: {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB", flush=True)
-            for layout in layouts:
-                need = estimate_bytes(docs, tokens, n_prefix, args.seq, layout)
-                if need > min(_mem_available() - (3 << 30), args.max_gib * 2**30):
-                    why = (f"Megatron's cold build needs ~{_gb(need)} GiB (--max-gib {args.max_gib:g}, "
-                           f"{_gb(_mem_available())} GiB available)")
-                    skipped.append(f"{size_name} in {n_prefix:,} prefix(es), {layout.upper()}: {why}")
-                    print(f"  {layout}: skipped: {why}", flush=True)
-                    continue
-                par = ["parallel.tensor=2"] if layout == "tp2" else []
-                for who in ("ours", "floor"):
-                    cache = root / f"cache_{who}"
-                    overrides = [*common, *par, f"data.cache_dir={cache}"]
-                    for state in ("cold", "warm"):
-                        load = os.getloadavg()[0]
-                        tag = f"{size_name}_{n_prefix}_{layout}_{who}_{state}"
-                        if who == "ours":
-                            res = run_ours(config, overrides, root / f"run_{tag}", root / f"{tag}.log")
-                            shutil.rmtree(root / f"run_{tag}", ignore_errors=True)
-                        else:
-                            res = run_floor(config, overrides, 2 if layout == "tp2" else 1, root / f"{tag}.log")
-                        disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
-                        peak_disk = max(peak_disk, disk)
-                        rows.append({"size": size_name, "tokens": tokens, "prefixes": n_prefix, "docs": docs,
-                                     "layout": layout, "who": who, "state": state, "load": load,
-                                     **{k: v for k, v in res.items() if k != "log"}})
-                        print(f"  {tag}: " + (f"data {res['data_s']:.2f} s (check {res['check_s']:.2f} + build "
-                              f"{res['build_s']:.2f}), first loss {res['first_loss_s']:.1f} s" if who == "ours"
-                              else f"build {res['build_s']:.2f} s") + f", load {load:.1f}, disk {_gb(disk)} GiB",
-                              flush=True)
-                    shutil.rmtree(cache, ignore_errors=True)
-            if not args.keep:
-                shutil.rmtree(corpus, ignore_errors=True)
+    interrupted = None
+    try:
+        for size_name, tokens in sizes:
+            for n_prefix in (int(x) for x in args.prefixes.split(",")):
+                corpus = root / f"corpus_{size_name}_{n_prefix}"
+                t0 = time.perf_counter()
+                blend, docs = make_blend(corpus, tokens, n_prefix)
+                made = time.perf_counter() - t0
+                config = str(write_config(root / f"config_{size_name}_{n_prefix}.yaml", blend))
+                idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
+                print(f"corpus {size_name} tokens in {n_prefix} prefix(es): {docs:,} documents, "
+                      f".idx {_gb(idx_bytes)} GiB, written in {made:.1f} s", flush=True)
+                val = run_validate(config, common, root / f"validate_{size_name}_{n_prefix}.log")
+                val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
+                validations.append({"size": size_name, "prefixes": n_prefix, "docs": docs, "s": val["wall_s"],
+                                    "rss": val_rss})
+                print(f"  validate: {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB", flush=True)
+                for layout in layouts:
+                    need = estimate_bytes(docs, tokens, n_prefix, args.seq, layout)
+                    if need > min(_mem_available() - (3 << 30), args.max_gib * 2**30):
+                        why = (f"Megatron's cold build needs ~{_gb(need)} GiB (--max-gib {args.max_gib:g}, "
+                               f"{_gb(_mem_available())} GiB available)")
+                        skipped.append(f"{size_name} in {n_prefix:,} prefix(es), {layout.upper()}: {why}")
+                        print(f"  {layout}: skipped: {why}", flush=True)
+                        continue
+                    par = ["parallel.tensor=2"] if layout == "tp2" else []
+                    for who in ("ours", "floor"):
+                        cache = root / f"cache_{who}"
+                        overrides = [*common, *par, f"data.cache_dir={cache}"]
+                        for state in ("cold", "warm"):
+                            load = os.getloadavg()[0]
+                            tag = f"{size_name}_{n_prefix}_{layout}_{who}_{state}"
+                            if who == "ours":
+                                res = run_ours(config, overrides, root / f"run_{tag}", root / f"{tag}.log")
+                                shutil.rmtree(root / f"run_{tag}", ignore_errors=True)
+                            else:
+                                res = run_floor(config, overrides, 2 if layout == "tp2" else 1, root / f"{tag}.log")
+                            disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+                            peak_disk = max(peak_disk, disk)
+                            rows.append({"size": size_name, "tokens": tokens, "prefixes": n_prefix, "docs": docs,
+                                         "layout": layout, "who": who, "state": state, "load": load,
+                                         **{k: v for k, v in res.items() if k != "log"}})
+                            print(f"  {tag}: " + (f"data {res['data_s']:.2f} s (check {res['check_s']:.2f} + build "
+                                  f"{res['build_s']:.2f}), first loss {res['first_loss_s']:.1f} s" if who == "ours"
+                                  else f"build {res['build_s']:.2f} s") + f", load {load:.1f}, disk {_gb(disk)} GiB",
+                                  flush=True)
+                        shutil.rmtree(cache, ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(corpus, ignore_errors=True)
+    except (KeyboardInterrupt, SystemExit) as exc:  # kill, Ctrl-C or a failed run: the rows so far still print
+        interrupted = exc
     if rows:
         print_table(rows, mock, peak_disk)
     for line in skipped:
@@ -392,6 +396,10 @@ def main() -> None:
         args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows,
                                              "skipped": skipped}, indent=1))
     print(f"benchmark wall time {(time.perf_counter() - started) / 60:.1f} min; checkout {CHECKOUT[0]}")
+    if interrupted is not None:
+        print("interrupted: the tables above hold only the rows measured before", flush=True)
+        raise interrupted
+
 
 def print_table(rows: list[dict], mock: dict, peak_disk: int) -> None:
     def peak(res: dict, key: str) -> int:
