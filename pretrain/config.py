@@ -111,6 +111,9 @@ class ParallelConfig:
     tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
     # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).
     batch_p2p_comm: bool | None = None
+    # Context-parallel attention (Megatron's cp_comm_type, on GPU with Transformer Engine and on CPU alike):
+    # p2p ring of K/V blocks, all_gather of K/V, a2a (Ulysses: heads <-> sequence), a2a+p2p (hierarchical).
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
 
 
 @dataclass

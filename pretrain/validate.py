@@ -2,8 +2,8 @@
 
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `model` (precision, shapes), `run`
-(optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP, logging). The trainer runs the
-same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone
+(optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP, logging), `context` (CP). The
+trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone
 (exit 2 on errors).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pretrain.config import Config
 from pretrain.layout import LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
+from pretrain.rules.context import context_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
@@ -45,7 +46,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         except LayoutError:
             pass
         rules = [layout_rules, moe_rules, model_rules, *rules, document_rules, recompute_module_rules,
-                 fsdp_rules]
+                 fsdp_rules, context_rules]
     if files:
         rules.append(data_rules)
     for rule in rules:

@@ -46,6 +46,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
         context_parallel_size=layout.cp,
+        cp_comm_type=p.cp_comm_type if layout.cp > 1 else None,
         sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
@@ -72,7 +73,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         recompute_modules=list(m.recompute_modules) if m.recompute_modules is not None else None,
         batch_p2p_comm=batch_p2p,
         batch_p2p_sync=on_gpu,
-        variable_seq_lengths=False,
+        # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
+        variable_seq_lengths=packed_sequences(cfg) and layout.cp > 1 and layout.pp > 1,
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
@@ -92,6 +94,11 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
     if layout.moe:
         kwargs.update(moe_config(m, layout))
     return TransformerConfig(**kwargs)
+
+
+def packed_sequences(cfg) -> bool:
+    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask."""
+    return bool(cfg.data.reset_attention_mask)
 
 
 def moe_config(m, layout: Any) -> dict:
@@ -140,7 +147,8 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         stage = vp_stage if layout.virtual_pipeline else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage),
+            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage,
+                                                      packed_sequences=packed_sequences(cfg)),
             vocab_size=padded,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

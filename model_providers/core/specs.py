@@ -4,7 +4,11 @@ local spec with a norm that supports sequence parallelism (torch's own norms ref
 MoE layers (`config.num_moe_experts`) use Megatron-Core's MoE spec: TE grouped GEMM experts with the TE spec
 (`moe_grouped_gemm`), experts run one after another (`SequentialMLP`) with the local spec. Both store the
 pre-MLP norm as `pre_mlp_layernorm.weight` and experts under the same global keys, so checkpoints move
-between CPU and GPU."""
+between CPU and GPU.
+
+Context parallelism (CP > 1) or packed sequences (THD) with the local spec: core attention is
+`model_providers.core.cp_attention.ContextParallelAttention` (Megatron-Core's `DotProductAttention` refuses both);
+it has no parameters, so checkpoints are the same as with `DotProductAttention`."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model_providers.core.cp_attention import ContextParallelAttention
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,8 +63,10 @@ class SequenceParallelNorm:
         return norm
 
 
-def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
-    """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None,
+                       packed_sequences: bool = False) -> ModuleSpec:
+    """The decoder block spec for this rank's pipeline stage (and virtual stage). `packed_sequences`: attention
+    receives THD `PackedSeqParams` (documents packed in a sample)."""
     experts = config.num_moe_experts
     if use_te:
         layer = get_gpt_layer_with_transformer_engine_spec(
@@ -72,6 +80,8 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
         if config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
             layer.submodules.self_attention.submodules.q_layernorm = SequenceParallelNorm
             layer.submodules.self_attention.submodules.k_layernorm = SequenceParallelNorm
+        if config.context_parallel_size > 1 or packed_sequences:
+            layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
         if experts:
             # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
             layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)

@@ -19,6 +19,10 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
   `all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on
   gloo; and `all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's
   routed tokens), which gloo refuses, pads every piece to the longest.
+- Torch factory functions drop `pin_memory=True` (page-locked memory needs CUDA: "Cannot access accelerator
+  device when none is available"): context parallelism's RoPE slice, `rope_utils.get_pos_emb_on_this_cp_rank`
+  (`models/common/embeddings/rope_utils.py:62-64` in 0.16.1 and 0.19.2), builds its chunk index with it. 0.16.1+.
+  `switched_off("pin_memory_without_cuda")` undoes it for a test that shows the failure.
 """
 
 from __future__ import annotations
@@ -61,6 +65,37 @@ def _cpu_factory(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+_SWITCHED_OFF: set[str] = set()  # shims a test has switched off (only those that check this set)
+
+
+def _unpinned_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("pin_memory") and "pin_memory_without_cuda" not in _SWITCHED_OFF:
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _pin_memory() -> None:
+    for name in _FACTORIES:
+        setattr(torch, name, _unpinned_factory(getattr(torch, name)))
+
+
+@contextlib.contextmanager
+def switched_off(*names: str):
+    """Within the block, the named shims behave as if absent (only `pin_memory_without_cuda` supports it)."""
+    unknown = set(names) - {"pin_memory_without_cuda"}
+    if unknown:
+        raise ValueError(f"CPU shim(s) that cannot be switched off: {', '.join(sorted(unknown))}")
+    _SWITCHED_OFF.update(names)
+    try:
+        yield
+    finally:
+        _SWITCHED_OFF.difference_update(names)
 
 
 def _device_and_sync() -> None:
@@ -217,6 +252,7 @@ SHIMS = (
     Shim("cuda_rng", "0.16.1", _rng),
     Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
     Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
+    Shim("pin_memory_without_cuda", "0.16.1", _pin_memory),
 )
 
 

@@ -18,6 +18,8 @@ from pretrain.planner.common import (
     layout_of,
     padded_vocab_for,
 )
+from pretrain.planner.activations import layer_terms
+from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 
@@ -51,6 +53,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "world_size": world,
         "layout": {"tensor": lay.tp, "pipeline": lay.pp, "virtual_pipeline": lay.vp if lay.vp > 1 else None,
                    "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
+                   "cp_comm_type": cfg.parallel.cp_comm_type if lay.cp > 1 else None,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
                    "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
@@ -66,6 +69,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "expert_tensor_parallel": lay.etp, "expert_data_parallel": lay.edp,
             "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
+        "context_parallel": context_summary(cfg, lay, layer_terms),
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
                              "microbatches_in_flight": sum(rm.in_flight.values())},

@@ -40,10 +40,12 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                 if world % (tp * cp * pp):
                     continue
                 vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
-                for vp, ep, mbs in ((v, e, b) for v in vps for e in eps for b in (1, 2, 4)):
+                comms = ("p2p", "a2a") if cp > 1 else (cfg.parallel.cp_comm_type,)
+                for vp, ep, mbs, comm in ((v, e, b, x) for v in vps for e in eps for b in (1, 2, 4) for x in comms):
                     for gran, method, num in recomputes:
                         c = copy.deepcopy(cfg)
                         c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
+                        c.parallel.cp_comm_type = comm
                         if ep is not None:
                             c.parallel.expert, c.parallel.expert_tensor = ep, 1
                         c.parallel.virtual_pipeline = vp
@@ -65,6 +67,7 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                                           rm.expert_params)
                         results.append({
                             "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
+                            "cp_comm_type": comm if cp > 1 else None,
                             "data": lay.dp, "expert": ep, "micro_batch_size": mbs, "sequence_parallel": tp > 1,
                             "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
                             "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
@@ -81,6 +84,7 @@ def _overrides(c: Config) -> str:
     parts = [f"parallel.tensor={p.tensor}", f"parallel.pipeline={p.pipeline}",
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
+             *([f"parallel.cp_comm_type={p.cp_comm_type}"] if p.context > 1 else []),
              f"train.micro_batch_size={c.train.micro_batch_size}", "optimizer.distributed=true"]
     if c.model.num_moe_experts:
         parts += [f"parallel.expert={p.expert}", "parallel.expert_tensor=1"]

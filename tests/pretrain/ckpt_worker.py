@@ -16,6 +16,7 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
                  (path: an iteration dir) act on whatever holds the common state: `common.pt` (megatron-core
                  ≤ 0.18) or the `common_state` object inside the torch_dist files (0.19+)
     without_fixes  [fix name, ...]: run the case with these Megatron fixes undone (pretrain.compat.megatron_fixes)
+    without_cpu_shims  [shim name, ...]: ... and these CPU shims switched off (pretrain.compat.cpu_shims.switched_off)
 Results (rank 0): {name: {"ok": bool, "error": str | None, "summary": dict | None}}.
 """
 
@@ -199,7 +200,7 @@ def run_case(case: dict, results: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from pretrain.checkpoint import state as checkpoint_state
-    from pretrain.compat import megatron_fixes
+    from pretrain.compat import cpu_shims, megatron_fixes
     from pretrain.config import load_config
     from pretrain.train import train
 
@@ -220,7 +221,8 @@ def run_case(case: dict, results: dict) -> None:
     if case.get("stall_in_save"):
         _install_stall(int(case["stall_in_save"]))
     try:
-        with megatron_fixes.disabled(*case.get("without_fixes", [])):
+        with megatron_fixes.disabled(*case.get("without_fixes", [])), \
+                cpu_shims.switched_off(*case.get("without_cpu_shims", [])):
             if case.get("load_object"):
                 _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)
                 summary = None

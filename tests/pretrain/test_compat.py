@@ -38,7 +38,7 @@ def test_validate_reports_installed_versions():
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
 _CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo"]
+        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
           "recompute_norms_without_te", "moe_router_without_te"]
 # moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE).

@@ -1,0 +1,177 @@
+"""Context parallelism on CPU (gloo), through `train()`: every CP layout against one rank, checkpoints, documents.
+
+Without Transformer Engine, CP > 1 runs the local spec's `model_providers/core/cp_attention.py` (all_gather, a2a,
+the p2p ring) inside Megatron-Core's GPTModel, with Megatron's own batch split, RoPE slice and DP×CP reductions.
+Each layout trains 4 steps (fp32, the embedded corpus) and must give the one-rank losses and gradient norms to
+1e-5 relative. One launch per world size runs all its cases (start-up dominates on CPU):
+
+- world 2: CP2 with each cp_comm_type, CP2 with recompute_modules=[core_attn], the CP2 checkpoint run and its
+  resharded load at TP2, packed documents (THD) at CP2;
+- world 1: the references, the CP2 checkpoint loaded at CP1, each document alone;
+- world 4: TP2+SP × CP2, PP2 × CP2, CP2 × DP2 with the distributed optimizer, CP2 × EP2 on tiny_moe, documents at
+  TP2 × CP2.
+
+A CP2 run killed with SIGKILL and restarted reproduces every deterministic metric of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tests.pretrain.ckpt_helpers import command as train_command
+from tests.pretrain.ckpt_helpers import (
+    deterministic,
+    finish,
+    kill_group,
+    log_text,
+    metrics,
+    run,
+    run_worker_cases,
+    start,
+    wait_until,
+)
+from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+TOLERANCE = 1e-5
+CP2 = ["parallel.context=2"]
+# name: (world, config, cp_comm_type, overrides)
+LAYOUTS = {
+    "cp2_p2p": (2, "tiny_llama", "p2p", CP2),
+    "cp2_all_gather": (2, "tiny_llama", "all_gather", CP2 + ["parallel.cp_comm_type=all_gather"]),
+    "cp2_a2a": (2, "tiny_llama", "a2a", CP2 + ["parallel.cp_comm_type=a2a"]),
+    "cp2_recompute_core_attn": (2, "tiny_llama", "p2p", CP2 + ["model.recompute_granularity=selective",
+                                                                "model.recompute_modules=[core_attn]"]),
+    "tp2_sp_cp2": (4, "tiny_llama", "a2a", CP2 + ["parallel.cp_comm_type=a2a", "parallel.tensor=2",
+                                                   "parallel.sequence_parallel=true"]),
+    "pp2_cp2": (4, "tiny_llama", "p2p", CP2 + ["parallel.pipeline=2"]),
+    "cp2_dp2_distopt": (4, "tiny_llama", "all_gather", CP2 + ["parallel.cp_comm_type=all_gather",
+                                                               "optimizer.distributed=true"]),
+    "cp2_ep2_moe": (4, "tiny_moe", "p2p", CP2 + ["parallel.expert=2"]),
+}
+REFERENCES = {"tiny_llama": "ref_llama", "tiny_moe": "ref_moe"}
+# The checkpoint run: saves at steps 2, 4, 6; the resharded loads continue from step 4.
+CKPT_STEPS = 6
+CKPT = ["train.steps=6", "checkpoint.interval=2", "checkpoint.save_at_end=true"]
+RESHARD = {"cp2_to_cp1": (1, []), "cp2_to_tp2": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"])}
+DOC_LAYOUTS = {"docs_cp2_p2p": (2, CP2), "docs_cp2_a2a": (2, CP2 + ["parallel.cp_comm_type=a2a"]),
+               "docs_tp2_cp2": (4, CP2 + ["parallel.tensor=2", "parallel.sequence_parallel=true"])}
+
+
+def _common(dataset: str, run_dir, steps: int = STEPS) -> list[str]:
+    return ["data.mock=false", f"data.blend=[{dataset}]", f"train.steps={steps}", "train.precision=fp32",
+            "checkpoint.save_at_end=false", "checkpoint.interval=null", "logging.tensorboard=false",
+            f"run.dir={run_dir}"]
+
+
+def _train_case(name: str, config: str, overrides: list[str], **extra) -> dict:
+    return {"name": name, "config": config, "overrides": overrides, **extra}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, embedded_dataset):
+    """Every launch of this file's cases; returns the root directory (one run directory per case name)."""
+    root = tmp_path_factory.mktemp("cp")
+    packed, seq, singles = documents(root)
+    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for config, name in REFERENCES.items():
+        by_world[1].append(_train_case(name, config, _common(embedded_dataset, root / name)))
+    for name, (world, config, _, extra) in LAYOUTS.items():
+        by_world[world].append(_train_case(name, config, _common(embedded_dataset, root / name) + extra))
+    ckpt = _common(embedded_dataset, root / "cp2_ckpt", CKPT_STEPS) + CKPT
+    by_world[2].append(_train_case("cp2_ckpt", "tiny_llama", ckpt + CP2))
+    for name, (world, extra) in RESHARD.items():
+        overrides = _common(embedded_dataset, root / name, CKPT_STEPS) + CKPT + extra
+        by_world[world].append(_train_case(name, "tiny_llama", overrides, copy_from=[str(root / "cp2_ckpt"), 4]))
+    for name, (path, n) in singles.items():
+        by_world[1].append(case(root / f"doc_{name}", path, n))
+    by_world[1].append(case(root / "docs_cp1", packed, seq, FLAGS))
+    for name, (world, extra) in DOC_LAYOUTS.items():
+        by_world[world].append(case(root / name, packed, seq, FLAGS + extra))
+    for world in (2, 1, 4):  # the CP2 checkpoint first: the world-1 launch loads it at CP1
+        (root / f"w{world}").mkdir()
+        run_worker_cases(root / f"w{world}", world, by_world[world], timeout=900)
+    return root, {name: n for name, (_, n) in singles.items()}
+
+
+def _steps(run_dir, key: str) -> list[float]:
+    lines = [x for x in metrics(run_dir) if "loss" in x]
+    return [x[key] for x in lines]
+
+
+def _rel(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want), (got, want)
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_layout_matches_one_rank(cp_runs, name):
+    root, _ = cp_runs
+    world, config, comm, _ = LAYOUTS[name]
+    ref = root / REFERENCES[config]
+    loss, norm = _rel(_steps(root / name, "loss"), _steps(ref, "loss")), _rel(
+        _steps(root / name, "grad_norm"), _steps(ref, "grad_norm"))
+    print(f"| {name} | {world} | {comm} | {loss:.1e} | {norm:.1e} |")
+    assert len(_steps(root / name, "loss")) == STEPS
+    assert loss <= TOLERANCE and norm <= TOLERANCE, (name, loss, norm)
+    losses = _steps(root / name, "loss")
+    assert losses[-1] != losses[0]  # training is happening
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_cp2_checkpoint_loads_at_other_layouts(cp_runs, name):
+    """A CP2 checkpoint of step 4 loaded at CP1 and at TP2 continues with the CP2 run's losses (steps 5, 6)."""
+    root, _ = cp_runs
+    ref = {x["step"]: x for x in metrics(root / "cp2_ckpt") if "loss" in x}
+    got = {x["step"]: x for x in metrics(root / name) if "loss" in x}
+    assert sorted(got) == list(range(1, CKPT_STEPS + 1)) and sorted(ref) == sorted(got)
+    for step in (5, 6):
+        for key in ("loss", "grad_norm"):
+            rel = abs(got[step][key] - ref[step][key]) / abs(ref[step][key])
+            print(f"{name} step {step} {key}: {got[step][key]:.7f} vs CP2 {ref[step][key]:.7f} (rel {rel:.1e})")
+            assert rel <= TOLERANCE, (name, step, key)
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", list(DOC_LAYOUTS))
+def test_packed_documents_under_cp_equal_documents_alone(cp_runs, name):
+    """The packed sample's step-1 loss at CP2 (THD: every document padded to a multiple of 4 and split in zigzag
+    chunks) equals the token-weighted mean of its documents trained alone, as at CP1 (test_documents.py)."""
+    root, predictions = cp_runs
+    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
+    got, cp1 = first_loss(root / name), first_loss(root / "docs_cp1")
+    print(f"{name}: packed {got:.7f}, CP1 packed {cp1:.7f}, documents alone {expected:.7f} "
+          f"(rel {abs(got - expected) / expected:.1e})")
+    assert abs(got - expected) / expected < 1e-6
+    assert abs(cp1 - expected) / expected < 1e-6
+
+
+def test_kill9_at_cp2_resumes_identically(cp_runs, tmp_path, embedded_dataset):
+    """SIGKILL a CP2 run after step 3 or 5 (checkpoints every 2 steps) and restart it: every deterministic metric
+    equals the uninterrupted CP2 run's."""
+    root, _ = cp_runs
+    seed = random.SystemRandom().randrange(10**6)
+    rng = random.Random(seed)
+    kill_after = rng.choice([3, 5])
+    overrides = _common(embedded_dataset, tmp_path, CKPT_STEPS) + CKPT + CP2
+    cmd = train_command(overrides, nproc=2)
+    proc = start(cmd, tmp_path / "log")
+    reached = wait_until(lambda: len(metrics(tmp_path)) >= kill_after, proc, timeout=300)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.5))
+        kill_group(proc)
+    finish(proc, timeout=60)
+    assert reached
+    rc = run(cmd, tmp_path / "log", timeout=300)
+    assert rc == 0, log_text(tmp_path / "log")[-3000:]
+    got, want = deterministic(tmp_path), deterministic(root / "cp2_ckpt")
+    print(f"seed {seed}: killed after step {kill_after}; {len(got)} steps after the restart")
+    assert [g[0] for g in got] == list(range(1, CKPT_STEPS + 1))
+    assert got == want
