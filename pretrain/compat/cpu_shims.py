@@ -23,6 +23,12 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
   device when none is available"): context parallelism's RoPE slice, `rope_utils.get_pos_emb_on_this_cp_rank`
   (`models/common/embeddings/rope_utils.py:62-64` in 0.16.1 and 0.19.2), builds its chunk index with it. 0.16.1+.
   `switched_off("pin_memory_without_cuda")` undoes it for a test that shows the failure.
+- The gradient norm (and so the clipping coefficient) sums squares in fp64: without apex/TE Megatron-Core's
+  `local_multi_tensor_l2_norm` (`utils.py:1200-1208` in 0.16.1, `:1325-1333` in 0.19.2, used by
+  `optimizer/clip_grads.py`) takes `torch.norm` of each fp32 gradient, whose CPU reduction loses up to ~3e-4 on a
+  4-million-value output layer (measured: 0.38776 vs 0.38786) — a layout-dependent error (TP and
+  distributed-optimizer shards round differently), 5e-5 on tiny_llama's grad norm. 0.16.1+.
+  `switched_off("fp64_grad_norm")` undoes it.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ def _cpu_factory(fn):
 
 
 _SWITCHED_OFF: set[str] = set()  # shims a test has switched off (only those that check this set)
+_SWITCHABLE = ("pin_memory_without_cuda", "fp64_grad_norm")
 
 
 def _unpinned_factory(fn):
@@ -87,8 +94,8 @@ def _pin_memory() -> None:
 
 @contextlib.contextmanager
 def switched_off(*names: str):
-    """Within the block, the named shims behave as if absent (only `pin_memory_without_cuda` supports it)."""
-    unknown = set(names) - {"pin_memory_without_cuda"}
+    """Within the block, the named shims behave as if absent (those in `_SWITCHABLE`)."""
+    unknown = set(names) - set(_SWITCHABLE)
     if unknown:
         raise ValueError(f"CPU shim(s) that cannot be switched off: {', '.join(sorted(unknown))}")
     _SWITCHED_OFF.update(names)
@@ -96,6 +103,26 @@ def switched_off(*names: str):
         yield
     finally:
         _SWITCHED_OFF.difference_update(names)
+
+
+def _fp64_grad_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+
+    original = clip_grads.l2_norm_impl
+    if getattr(original, "__module__", "") != "megatron.core.utils":  # apex / TE kernels: not ours to change
+        return
+
+    @functools.wraps(original)
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        if "fp64_grad_norm" in _SWITCHED_OFF:
+            return original(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+        total = torch.zeros((), dtype=torch.float64)
+        for tensors in tensor_lists:
+            for t in tensors:
+                total += torch.linalg.vector_norm(t, dtype=torch.float64).cpu() ** 2
+        return total.sqrt().float().reshape(1), None
+
+    clip_grads.l2_norm_impl = l2_norm
 
 
 def _device_and_sync() -> None:
@@ -253,6 +280,7 @@ SHIMS = (
     Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
     Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
     Shim("pin_memory_without_cuda", "0.16.1", _pin_memory),
+    Shim("fp64_grad_norm", "0.16.1", _fp64_grad_norm),
 )
 
 

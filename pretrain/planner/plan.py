@@ -7,6 +7,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.planner.activations import layer_terms
 from pretrain.planner.census import count_active_parameters, count_parameters
 from pretrain.planner.common import (
     DEFAULT_MFU,
@@ -18,7 +19,6 @@ from pretrain.planner.common import (
     layout_of,
     padded_vocab_for,
 )
-from pretrain.planner.activations import layer_terms
 from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory

@@ -25,8 +25,8 @@ HIERARCHICAL = ("[parallel.cp_comm_type, parallel.context] parallel.cp_comm_type
                 "context-parallel groups (Megatron's hierarchical_context_parallel_sizes), which this trainer does not "
                 "build. Fix: use parallel.cp_comm_type=p2p, a2a or all_gather")
 SP_SPLIT = ("[model.seq_length, parallel.context, parallel.tensor, parallel.sequence_parallel] a CP rank's 66 tokens "
-            "(model.seq_length / parallel.context) do not split over parallel.tensor=4 sequence-parallel ranks. Fix: use "
-            "a sequence length that is a multiple of 8")
+            "(model.seq_length / parallel.context) do not split over parallel.tensor=4 sequence-parallel ranks. Fix: "
+            "use a sequence length that is a multiple of 8")
 INTERLEAVED = ("[data.reset_attention_mask, parallel.context, parallel.virtual_pipeline] packed documents under "
                "context parallelism have a padded length per microbatch, which pipeline stages exchange before each "
                "tensor; with interleaving on 2 stages gloo pairs those same-peer messages first-in-first-out and can "
