@@ -54,12 +54,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tokenizer_files(args: argparse.Namespace) -> tuple[str, str | None, str | None, str | None]:
+    """(type, model, vocab, merges): without files, the embedded tokenizer the trainer falls back to as well
+    (`pretrain.tokenizer.embedded`, the one owner of that fallback: the SentencePiece types and GPT2BPETokenizer),
+    named in a note on stderr."""
+    from pretrain.tokenizer.embedded import with_embedded
+
+    ttype, model, vocab, merges, embedded = with_embedded(args.tokenizer_type, args.tokenizer_model,
+                                                          args.vocab_file, args.merge_file)
+    if embedded:
+        files = " + ".join(f for f in (model, vocab, merges) if f)
+        print(f"note: no tokenizer files given: using the embedded {embedded} tokenizer ({files}), as the trainer "
+              "does without data.tokenizer_model", file=sys.stderr)
+    return ttype, model, vocab, merges
+
+
 def _tokenizer_from(args: argparse.Namespace) -> object | None:
     if not args.tokenizer_type:
         return None
     from pretrain.tokenizer.load import load_tokenizer
 
-    return load_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    return load_tokenizer(*_tokenizer_files(args))
+
+
+def _output_locks(args: argparse.Namespace):
+    """One writer per output (``pretrain/output_lock.py``): preprocess locks its prefix (its resume state) and
+    each dataset it writes, merge its output dataset; a second writer is refused naming the first."""
+    from pretrain.output_lock import Held, Target, hold
+
+    if args.command == "preprocess":
+        p = args.output_prefix
+        return hold([Target(p, "preprocess --output-prefix"),
+                     *(Target(f"{p}_{k}_document", "dataset") for k in dict.fromkeys(args.json_keys))])
+    if args.command == "merge":
+        return hold([Target(args.output_prefix, "merge --output-prefix")])
+    return Held([])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,10 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         summary = preprocess(
             args.input,
             args.output_prefix,
-            args.tokenizer_type,
-            args.tokenizer_model,
-            args.vocab_file,
-            args.merge_file,
+            *_tokenizer_files(args),
             json_keys=args.json_keys,
             append_eod=args.append_eod,
             workers=args.workers,
@@ -95,8 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         from pretrain.tokenizer.identity import describe_tokenizer
 
         # Only the vocabulary and the identity are needed: no Megatron import (and none of its warnings).
-        tok = describe_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file) \
-            if args.tokenizer_type else None
+        tok = describe_tokenizer(*_tokenizer_files(args)) if args.tokenizer_type else None
         print(verify(args.prefix, tok))
         return 0
     if args.command == "merge":
@@ -124,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.tokenizer.types import TokenizerError
 
     try:
-        return _run(args)
+        with _output_locks(args):
+            return _run(args)
     except KeyboardInterrupt:
         print("\ninterrupted; re-run with --resume to continue", file=sys.stderr)
         return 130

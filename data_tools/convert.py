@@ -59,13 +59,44 @@ def _report(summary: dict, what: str) -> None:
           f"-> {summary['output']}", flush=True)
 
 
+def _bad_number(args: argparse.Namespace) -> str | None:
+    """The first numeric option out of range, as a message (None: all fine)."""
+    shard, iteration = getattr(args, "max_shard_gb", None), getattr(args, "iteration", None)
+    if shard is not None and not shard > 0:
+        return f"--max-shard-gb {shard}: must be positive"
+    if iteration is not None and iteration < 0:
+        return f"--iteration {iteration}: must be at least 0"
+    return None
+
+
+def _train_from(summary: dict, hf_dir: str) -> None:
+    """The line saying how to train from an import (and, without tokenizer files, that a tokenizer is needed)."""
+    out, vocab, padded = summary["output"], summary["vocab_size"], summary["padded_vocab_size"]
+    if summary["tokenizer"] == "none":
+        print(f"[convert] note: {hf_dir} has no tokenizer files: the checkpoint records none (to-hf exports its "
+              "weights and config.json only, as the directory was), and its run_config.yaml names no tokenizer of "
+              "the model's", file=sys.stderr)
+        print(f"[convert] train from it with: checkpoint.pretrained={out} data.tokenizer_type=TYPE "
+              f"data.tokenizer_model=PATH (the model's tokenizer: at most {vocab:,} tokens; the embedded default "
+              f"is refused unless it fits) (vocabulary padded to {padded})")
+        return
+    print(f"[convert] train from it with: checkpoint.pretrained={out} (vocabulary padded to {padded})")
+
+
 def main(argv: list[str]) -> int:
     """`python -m data_tools convert ...`; returns the exit status."""
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
+    from pretrain.output_lock import Held, OutputLocked, Target, hold
 
     args = build_parser().parse_args(argv)
+    bad = _bad_number(args)
+    if bad:
+        print(f"[convert] error: {bad}", file=sys.stderr)
+        return 1
+    lock = Held([])
     try:
+        lock = hold([Target(args.output, f"convert {args.direction} --output", create_parent=True)])  # one writer
         if args.direction == "to-hf":
             summary = export_to_hf(args.checkpoint, args.output, iteration=args.iteration, dtype=args.dtype,
                                    tokenizer=args.tokenizer, overwrite=args.overwrite,
@@ -75,13 +106,16 @@ def main(argv: list[str]) -> int:
             summary = import_from_hf(args.hf, args.output, config=args.config, dtype=args.dtype,
                                      overrides=args.overrides, overwrite=args.overwrite,
                                      progress=not args.no_progress)
+            for note in summary["notes"]:
+                print(f"[convert] note: {note}", file=sys.stderr)
             _report(summary, "from-hf")
-            print(f"[convert] train from it with: checkpoint.pretrained={summary['output']} "
-                  f"(vocabulary padded to {summary['padded_vocab_size']})")
+            _train_from(summary, args.hf)
         return 0
     except KeyboardInterrupt:
         print("\n[convert] interrupted; no output written", file=sys.stderr)
         return 130
-    except (ConversionError, CheckpointError, ConfigError, OSError) as exc:
+    except (ConversionError, CheckpointError, ConfigError, OSError, OutputLocked) as exc:
         print(f"[convert] error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        lock.release()

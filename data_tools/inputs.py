@@ -1,10 +1,13 @@
 """Streaming corpus readers: JSONL (plain, .gz, .zst) and Parquet, in bounded-size batches.
 
-JSONL chunks are parsed with pyarrow's multi-threaded JSON reader; a chunk it rejects (or one
-with blank lines or missing values) is re-parsed line by line with ``json`` so every bad line is
-reported with its file and line number. pyarrow's parser rejects invalid surrogate escapes (a lone
-``\\ud800``) itself, so such chunks take the exact path too. Texts of a clean chunk stay in Arrow
-memory (:class:`TextColumn`): the fast encoder reads them without building Python strings.
+JSONL chunks are parsed with pyarrow's multi-threaded JSON reader; a chunk it rejects (or one with blank
+lines, missing values or invalid UTF-8) is re-parsed line by line with ``json`` so every bad line is reported
+with its file and line number. pyarrow's JSON reader does *not* check UTF-8 (it copies invalid bytes into the
+string column, and gigatoken crashes on them), so every :class:`TextColumn` is validated when it is made and a
+chunk with invalid bytes takes the exact path. Parquet string columns are validated the same way, row by row
+when one is invalid. What a file really is (magic bytes) and its decompression, with a cut or corrupt stream
+refused, are in :mod:`data_tools.formats`. Texts of a clean chunk stay in Arrow memory (:class:`TextColumn`):
+the fast encoder reads them without building Python strings.
 """
 
 from __future__ import annotations
@@ -16,16 +19,15 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl.zstd")
-PARQUET_SUFFIXES = (".parquet",)
+from data_tools.formats import JSONL_SUFFIXES, PARQUET_SUFFIXES, Decompressed, InputError, check_format
 
-
-class InputError(ValueError):
-    """Unusable input: the message names the file (and line, where there is one)."""
+__all__ = ["JSONL_SUFFIXES", "PARQUET_SUFFIXES", "Batch", "InputError", "TextColumn", "as_text_list", "expand_inputs",
+           "read_batches"]
+_BOM = b"\xef\xbb\xbf"
 
 
 class TextColumn:
@@ -33,9 +35,11 @@ class TextColumn:
 
     Behaves as a read-only sequence of ``str``; :meth:`awkward` is a zero-copy view that
     gigatoken encodes directly, :meth:`to_list` materialises Python strings (reference encoders).
+    Made only from valid UTF-8 (``pyarrow.ArrowInvalid`` otherwise): no encoder ever sees invalid bytes.
     """
 
     def __init__(self, array: Any) -> None:
+        array.validate(full=True)  # UTF-8 of every string (SIMD; ~1 ms per 8 MB)
         self.array = array
 
     def __len__(self) -> int:
@@ -97,6 +101,21 @@ class Batch:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
+def invalid_utf8_rows(array: Any, column: str) -> list[tuple[int, str]]:
+    """(row, reason) of the strings of an Arrow string array (Parquet ``column``) that are not valid UTF-8."""
+    import pyarrow as pa
+
+    out = []
+    for i, raw in enumerate(array.cast(pa.large_binary()).to_pylist()):
+        if raw is None:
+            continue
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append((i, f"invalid UTF-8 (column {column!r}: byte 0x{raw[e.start]:02x} at byte {e.start + 1})"))
+    return out
+
+
 def _supported(p: Path) -> bool:
     name = p.name.lower()
     return name.endswith(JSONL_SUFFIXES) or name.endswith(PARQUET_SUFFIXES)
@@ -124,42 +143,12 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
                 raise InputError(f"{p}: unsupported input type (use .jsonl, .json, .jsonl.gz, .jsonl.zst or .parquet)")
             if not os.access(p, os.R_OK):
                 raise InputError(f"{p}: not readable")
+            check_format(p)  # a .jsonl that is gzip/Parquet/..., or a .gz that is not: one line naming it
             key = p.resolve()
             if key not in seen:
                 seen.add(key)
                 out.append(p)
     return out
-
-
-class _CountingReader(io.RawIOBase):
-    """Wraps a raw file to expose how many on-disk bytes were read (progress for compressed input)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        return self.f.readinto(b)  # type: ignore[attr-defined]
-
-    def disk_pos(self) -> int:
-        return self.f.tell()
-
-
-def _open_stream(path: Path) -> tuple[BinaryIO, Any, bool]:
-    """Return (decompressed stream, raw file, seekable)."""
-    raw = open(path, "rb")
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        import gzip
-
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw, False  # type: ignore[return-value]
-    if name.endswith((".zst", ".zstd")):
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw, False
-    return raw, raw, True
 
 
 class _Parser:
@@ -208,7 +197,8 @@ class _Parser:
 def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, TextColumn] | None:
     """Fast path: the chunk's per-key strings if every line is a clean object with string keys.
 
-    pyarrow rejects lone surrogate escapes and invalid UTF-8 (the chunk then takes the exact path).
+    pyarrow rejects lone surrogate escapes but copies invalid UTF-8 bytes into the strings: :class:`TextColumn`
+    refuses those, and the chunk then takes the exact path (which names each bad line).
     """
     import pyarrow as pa
     import pyarrow.json as pj
@@ -233,7 +223,10 @@ def _arrow_chunk(chunk: bytes, keys: list[str], n_lines: int) -> dict[str, TextC
         col = table.column(k)
         if col.null_count:
             return None
-        cols[k] = TextColumn(col.combine_chunks())
+        try:
+            cols[k] = TextColumn(col.combine_chunks())
+        except pa.ArrowInvalid:  # invalid UTF-8
+            return None
     return cols
 
 
@@ -260,6 +253,49 @@ def read_batches(
             yield from _jsonl_batches(fi, path, parser, batch_bytes, skip_records, skip_bytes, on_bad)
 
 
+def _parse_chunk(chunk: bytes, n_lines: int, line_no: int, parser: _Parser, path: Path,
+                 on_bad: Callable[[Path, int, str], None] | None) -> tuple[dict, dict, list[int], list]:
+    """(texts, seqs per doc, line numbers, skipped) of one chunk of whole lines."""
+    keys = parser.keys
+    fast = _arrow_chunk(chunk, keys, n_lines)
+    if fast is not None:
+        return fast, dict.fromkeys(keys), list(range(line_no + 1, line_no + n_lines + 1)), []
+    texts: dict[str, Any] = {}
+    seqs: dict[str, list[int] | None] = {}
+    lines: list[int] = []
+    skipped: list[tuple[int, str]] = []
+    multi = False
+    per_doc: dict[str, list[list[str]]] = {k: [] for k in keys}
+    for j, raw_line in enumerate(chunk.split(b"\n")[:n_lines]):
+        vals, reason = parser.parse_line(raw_line)
+        if vals is None:
+            skipped.append((line_no + j + 1, reason or "bad line"))
+            if on_bad is not None:
+                on_bad(path, line_no + j + 1, reason or "bad line")
+            continue
+        lines.append(line_no + j + 1)
+        for k in keys:
+            per_doc[k].append(vals[k])
+            multi = multi or len(vals[k]) != 1
+    for k in keys:
+        texts[k] = [s for doc in per_doc[k] for s in doc]
+        seqs[k] = [len(doc) for doc in per_doc[k]] if multi else None
+    return texts, seqs, lines, skipped
+
+
+def _skip_to(stream: Decompressed, skip_bytes: int) -> None:
+    """Position ``stream`` at decompressed byte ``skip_bytes`` (a resume point)."""
+    if stream.seekable:
+        stream.seek(skip_bytes)
+        return
+    left = skip_bytes
+    while left:
+        got = stream.read(min(left, 1 << 22))
+        if not got:
+            raise InputError(f"{stream.path}: shorter than the resume point; the input changed")
+        left -= len(got)
+
+
 def _jsonl_batches(
     fi: int,
     path: Path,
@@ -269,38 +305,28 @@ def _jsonl_batches(
     skip_bytes: int,
     on_bad: Callable[[Path, int, str], None] | None,
 ) -> Iterator[Batch]:
-    stream, raw, seekable = _open_stream(path)
-    keys = parser.keys
+    stream = Decompressed(path, check_format(path))
     try:
         pos = 0
         if skip_bytes:
-            if seekable:
-                stream.seek(skip_bytes)
-            else:
-                left = skip_bytes
-                while left:
-                    got = stream.read(min(left, 1 << 22))
-                    if not got:
-                        raise InputError(f"{path}: shorter than the resume point; the input changed")
-                    left -= len(got)
+            _skip_to(stream, skip_bytes)
             pos = skip_bytes
         line_no = skip_records
         carry = b""
         while True:
-            try:
-                data = stream.read(batch_bytes)
-            except (OSError, EOFError, Exception) as e:  # gzip/zstd corruption
-                if isinstance(e, InputError):
-                    raise
-                raise InputError(f"{path}: cannot decompress/read after line {line_no} ({e})") from e
+            data = stream.read(batch_bytes, after_line=line_no)
+            if pos == 0 and not carry and data.startswith(_BOM):  # a UTF-8 byte-order mark is not part of line 1
+                data, pos = data[len(_BOM):], len(_BOM)
             eof = not data
             buf = carry + data
+            unterminated = False
             if eof:
                 if not buf:
                     break
                 if not buf.endswith(b"\n"):
                     buf += b"\n"
                     pos -= 1  # the synthetic newline is not in the file
+                    unterminated = True
                 chunk, carry = buf, b""
             else:
                 cut = buf.rfind(b"\n")
@@ -309,50 +335,98 @@ def _jsonl_batches(
                     continue
                 chunk, carry = buf[: cut + 1], buf[cut + 1 :]
             n_lines = chunk.count(b"\n")
-            texts: dict[str, Any] = {k: [] for k in keys}
-            seqs: dict[str, list[int] | None] = {k: None for k in keys}
-            lines: list[int] = []
-            skipped: list[tuple[int, str]] = []
-            fast = _arrow_chunk(chunk, keys, n_lines)
-            if fast is not None:
-                texts = fast
-                lines = list(range(line_no + 1, line_no + n_lines + 1))
-            else:
-                multi = False
-                per_doc: dict[str, list[list[str]]] = {k: [] for k in keys}
-                for j, raw_line in enumerate(chunk.split(b"\n")[:n_lines]):
-                    vals, reason = parser.parse_line(raw_line)
-                    if vals is None:
-                        skipped.append((line_no + j + 1, reason or "bad line"))
-                        if on_bad is not None:
-                            on_bad(path, line_no + j + 1, reason or "bad line")
-                        continue
-                    lines.append(line_no + j + 1)
-                    for k in keys:
-                        per_doc[k].append(vals[k])
-                        multi = multi or len(vals[k]) != 1
-                for k in keys:
-                    texts[k] = [s for doc in per_doc[k] for s in doc]
-                    seqs[k] = [len(doc) for doc in per_doc[k]] if multi else None
+            texts, seqs, lines, skipped = _parse_chunk(chunk, n_lines, line_no, parser, path, on_bad)
             line_no += n_lines
+            if unterminated and skipped and skipped[-1][0] == line_no and skipped[-1][1].startswith("malformed"):
+                # A file cut in the middle of a line (a partial download or copy) is refused, never shortened.
+                raise InputError(f"{path}:{line_no}: the file ends inside this line (no final newline, not valid "
+                                 "JSON): truncated? re-download or re-copy it")
             pos += len(chunk)
-            disk = raw.tell() if not seekable else pos
-            yield Batch(
-                fi,
-                texts,
-                seqs,
-                lines,
-                line_no,
-                pos,
-                text_bytes=len(chunk),
-                progress_bytes=disk,
-                skipped=skipped,
-            )
+            yield Batch(fi, texts, seqs, lines, line_no, pos, text_bytes=len(chunk),
+                        progress_bytes=pos if stream.seekable else stream.disk_pos(), skipped=skipped)
             if eof:
                 break
     finally:
         stream.close()
-        raw.close()
+
+
+def _parquet_file(path: Path, keys: list[str]) -> Any:
+    """An opened ``pyarrow.parquet.ParquetFile`` whose ``keys`` are string columns (else :class:`InputError`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a readable Parquet file, truncated or corrupt ({e})") from e
+    names = pf.schema_arrow.names
+    for k in keys:
+        if k not in names:
+            raise InputError(f"{path}: no column {k!r} (columns: {', '.join(names)})")
+        t = pf.schema_arrow.field(k).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            raise InputError(f"{path}: column {k!r} is {t}, expected a string column")
+    return pf
+
+
+def _row_group_batches(pf: Any, path: Path, rg: int, keys: list[str], batch_rows: int, row: int) -> Iterator[Any]:
+    """The record batches of row group ``rg`` (its first row is file row ``row + 1``); a corrupt or short row
+    group is an :class:`InputError` naming it."""
+    import pyarrow as pa
+
+    expected, got = pf.metadata.row_group(rg).num_rows, 0
+    where = (f"{path}: row group {rg} (of {pf.metadata.num_row_groups}; rows {row + 1:,}-{row + expected:,} of the "
+             "file)")
+    it = pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=keys)
+    while True:
+        try:
+            rb = next(it)
+        except StopIteration:
+            break
+        except (pa.ArrowException, OSError, EOFError) as e:
+            raise InputError(f"{where} cannot be read from row {row + got + 1:,}: the file is corrupt ({e})") from e
+        got += rb.num_rows
+        yield rb
+    if got != expected:
+        raise InputError(f"{where} holds {got:,} rows, its metadata says {expected:,}: the file is corrupt")
+
+
+def _parquet_rows(rb: Any, keys: list[str], lo: int, first_row: int, path: Path,
+                  on_bad: Callable[[Path, int, str], None] | None) -> tuple[dict, list[int], list, int]:
+    """(texts, row numbers, skipped, text bytes) of rows ``lo:`` of a record batch (null or invalid UTF-8 rows
+    skipped; ``first_row``: the file row number of the batch's row 0, 1-based)."""
+    import pyarrow as pa
+
+    bad: dict[int, str] = {}
+    arrays = {}
+    for k in keys:
+        arr = rb.column(k).slice(lo)
+        try:
+            arr.validate(full=True)
+        except pa.ArrowInvalid:
+            for i, why in invalid_utf8_rows(arr, k):
+                bad.setdefault(i, why)
+            arr = pa.array([None if i in bad else v for i, v in enumerate(
+                arr.cast(pa.large_binary()).to_pylist())], pa.large_binary()).cast(pa.large_string())
+        for i in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)).tolist():
+            bad.setdefault(i, f"column {k!r} is null")
+        arrays[k] = arr.to_pylist()
+    texts: dict[str, list[str]] = {k: [] for k in keys}
+    lines: list[int] = []
+    skipped: list[tuple[int, str]] = []
+    nbytes = 0
+    for j in range(rb.num_rows - lo):
+        row = first_row + lo + j
+        if j in bad:
+            skipped.append((row, bad[j]))
+            if on_bad is not None:
+                on_bad(path, row, bad[j])
+            continue
+        lines.append(row)
+        for k in keys:
+            texts[k].append(arrays[k][j])
+            nbytes += len(arrays[k][j])
+    return texts, lines, skipped, nbytes
 
 
 def _parquet_batches(
@@ -363,57 +437,22 @@ def _parquet_batches(
     skip_records: int,
     on_bad: Callable[[Path, int, str], None] | None,
 ) -> Iterator[Batch]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise InputError(f"{path}: not a readable Parquet file ({e})") from e
-    names = pf.schema_arrow.names
-    for k in keys:
-        if k not in names:
-            raise InputError(f"{path}: no column {k!r} (columns: {', '.join(names)})")
-        t = pf.schema_arrow.field(k).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            raise InputError(f"{path}: column {k!r} is {t}, expected a string column")
+    pf = _parquet_file(path, keys)
     meta = pf.metadata
     avg = max(1, (meta.serialized_size + sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))))
-    rows_per_batch = max(1, int(batch_bytes * max(1, meta.num_rows) / avg))
+    batch_rows = min(65536, max(1, int(batch_bytes * max(1, meta.num_rows) / avg)))
     row = 0
     size = path.stat().st_size
-    for rb in pf.iter_batches(batch_size=min(rows_per_batch, 65536), columns=keys):
-        n = rb.num_rows
-        if row + n <= skip_records:
-            row += n
+    for rg in range(meta.num_row_groups):
+        if row + meta.row_group(rg).num_rows <= skip_records:  # resumed past this row group: not read
+            row += meta.row_group(rg).num_rows
             continue
-        lo = max(0, skip_records - row)
-        cols = {k: rb.column(k).to_pylist()[lo:] for k in keys}
-        texts: dict[str, list[str]] = {k: [] for k in keys}
-        lines: list[int] = []
-        skipped: list[tuple[int, str]] = []
-        nbytes = 0
-        for j in range(n - lo):
-            bad = next((k for k in keys if cols[k][j] is None), None)
-            if bad is not None:
-                reason = f"column {bad!r} is null"
-                skipped.append((row + lo + j + 1, reason))
-                if on_bad is not None:
-                    on_bad(path, row + lo + j + 1, reason)
+        for rb in _row_group_batches(pf, path, rg, keys, batch_rows, row):
+            n = rb.num_rows
+            if row + n <= skip_records:
+                row += n
                 continue
-            lines.append(row + lo + j + 1)
-            for k in keys:
-                texts[k].append(cols[k][j])
-                nbytes += len(cols[k][j])
-        row += n
-        yield Batch(
-            fi,
-            texts,
-            {k: None for k in keys},
-            lines,
-            row,
-            0,
-            text_bytes=nbytes,
-            progress_bytes=int(size * row / max(1, meta.num_rows)),
-            skipped=skipped,
-        )
+            texts, lines, skipped, nbytes = _parquet_rows(rb, keys, max(0, skip_records - row), row + 1, path, on_bad)
+            row += n
+            yield Batch(fi, texts, dict.fromkeys(keys), lines, row, 0, text_bytes=nbytes,
+                        progress_bytes=int(size * row / max(1, meta.num_rows)), skipped=skipped)

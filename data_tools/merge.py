@@ -69,6 +69,10 @@ def merge(inputs: list[str], output_prefix: str, log: Callable[[str], None] | No
     if not inputs:
         raise ValueError("merge needs at least one input prefix")
     out = Path(output_prefix)
+    for ext in (".bin", ".idx", ".meta.json"):
+        if output_prefix.endswith(ext):
+            raise ValueError(f"--output-prefix {output_prefix}: a prefix has no extension (merge writes PREFIX.bin, "
+                             f"PREFIX.idx, PREFIX.meta.json); use {output_prefix[: -len(ext)]}")
     for p in inputs:
         for path_of in (bin_path, idx_path):
             if _same_file(path_of(p), path_of(out)):
@@ -112,5 +116,6 @@ def merge(inputs: list[str], output_prefix: str, log: Callable[[str], None] | No
             p.unlink(missing_ok=True)
     docs = sum(i.num_documents for i in infos)
     toks = sum(i.num_tokens for i in infos)
+    written = " ".join(f"{out}{ext}" for ext in (".bin", ".idx", ".meta.json") if ext != ".meta.json" or record)
     return (f"merged {len(inputs)} datasets into {out}.bin/.idx{'/.meta.json' if record else ''}: "
-            f"{docs:,} documents, {toks:,} tokens")
+            f"{docs:,} documents, {toks:,} tokens\nwrote: {written} (train with data.blend=[{out}])")

@@ -47,6 +47,7 @@ class Summary:
     tokens: int = 0
     input_bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    first_skipped: dict[str, str] = field(default_factory=dict)  # reason -> FILE:LINE of its first occurrence
     seconds: float = 0.0  # from the call to the end (start-up + processing)
     startup_seconds: float = 0.0  # argument checks, tokenizer load and probe, output files created
     processing_seconds: float = 0.0  # tokenizer ready -> outputs in place (reading starts earlier)
@@ -67,12 +68,16 @@ class Summary:
             f"encoder {self.encoder})",
         ]
         if self.skipped:
-            lines.append("skipped:   " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())))
+            lines.append("skipped:   " + ", ".join(
+                f"{n:,} {why}" + (f" (first: {self.first_skipped[why]})" if why in self.first_skipped else "")
+                for why, n in sorted(self.skipped.items())))
         else:
             lines.append("skipped:   none")
         if self.encoder_resets:
             lines.append(f"memory:    encoder caches dropped {self.encoder_resets} times to bound RSS")
         lines += [f"output:    {p}.bin/.idx (+ .meta.json: tokenizer, options, counts)" for p in self.outputs.values()]
+        lines += [f"wrote:     {p}.bin {p}.idx {p}.meta.json (train with data.blend=[{p}])"
+                  for p in self.outputs.values()]
         return "\n".join(lines)
 
 
@@ -158,6 +163,21 @@ def _check_output_dir(output_prefix: str) -> None:
         raise PreprocessError(f"output directory is not writable: {out_dir}")
 
 
+def _check_numbers(workers: Any, batch_bytes: Any) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise PreprocessError(f"--workers {workers}: must be a whole number of tokenizer threads, at least 1")
+    if not isinstance(batch_bytes, int) or batch_bytes < 1:
+        raise PreprocessError(f"--batch-mb: must be positive (got {batch_bytes / (1 << 20):g} MB)")
+
+
+def _check_prefix(output_prefix: str) -> None:
+    """An output prefix is not a file name: ``o.bin`` would write ``o.bin_text_document.bin``."""
+    for ext in (".bin", ".idx", ".meta.json"):
+        if output_prefix.endswith(ext):
+            raise PreprocessError(f"--output-prefix {output_prefix}: a prefix has no extension (preprocess writes "
+                                  f"PREFIX_{{key}}_document.bin/.idx); use {output_prefix[: -len(ext)]}")
+
+
 def _read_state(state_path: Path, fingerprint: str, resume: bool, log: TextIO) -> dict[str, Any] | None:
     """The state of an interrupted run of the same inputs and options (None: start from the beginning)."""
     state: dict[str, Any] | None = None
@@ -190,6 +210,7 @@ class _Run:
     writers: dict[str, IndexedWriter] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     reported: Counter[str] = field(default_factory=Counter)
+    first_skipped: dict[str, str] = field(default_factory=dict)
 
     def open(self, enc: BatchEncoder, state: dict[str, Any] | None, start: tuple) -> tuple[Summary, Any, dict]:
         """Check the encoder, pick the dtype, restore a resumed run's totals and create the outputs."""
@@ -202,6 +223,7 @@ class _Run:
         if state is not None:
             summary.documents, summary.tokens, summary.input_bytes = state["documents"], state["tokens"], state["bytes"]
             self.skipped.update(state["skipped"])
+            self.first_skipped.update(state.get("first_skipped") or {})
             max_ids.update(state.get("max_ids") or dict.fromkeys(self.keys))
             summary.resumed = True
             print(f"resuming from {self.files[start[0]]} line {start[1]:,}", file=self.log)
@@ -216,6 +238,7 @@ class _Run:
         for line, reason in batch.skipped:
             cls = _reason_class(reason)
             self.skipped[cls] += 1
+            self.first_skipped.setdefault(cls, f"{self.files[batch.file_index]}:{line}")
             self.reported[cls] += 1
             if self.reported[cls] <= _MAX_REPORTED:
                 print(f"\rskipped {self.files[batch.file_index]}:{line}: {reason}", file=self.log)
@@ -226,6 +249,8 @@ class _Run:
             if self.strict and not self.keep_empty:
                 raise InputError(f"{where}: empty document ({k!r})")
             self.reported["empty document"] += 1
+            if not self.keep_empty:
+                self.first_skipped.setdefault("empty document", where)
             if self.reported["empty document"] <= _MAX_REPORTED and not self.keep_empty:
                 what = f" ({k!r})" if len(self.keys) > 1 else ""
                 print(f"\rskipped {where}: empty document{what}", file=self.log)
@@ -263,6 +288,7 @@ class _Run:
                 "position": [batch.file_index, batch.records_done, batch.byte_offset],
                 "sizes": sizes, "documents": summary.documents, "tokens": summary.tokens,
                 "bytes": summary.input_bytes, "skipped": dict(self.skipped), "max_ids": max_ids,
+                "first_skipped": self.first_skipped,
             })  # fmt: skip
         except OSError as e:
             where = e.filename or self.output_prefix + "_*"
@@ -349,7 +375,8 @@ def preprocess(
     keys = list(json_keys or ["text"])
     if len(set(keys)) != len(keys):
         raise PreprocessError(f"--json-keys lists a key twice: {' '.join(keys)}")
-    workers = max(1, int(workers))
+    _check_numbers(workers, batch_bytes)
+    _check_prefix(output_prefix)
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
     spec = resolve_spec(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     files = expand_inputs(inputs)
@@ -407,6 +434,7 @@ def preprocess(
         if not ok:
             run.discard(interrupted=isinstance(sys.exc_info()[1], KeyboardInterrupt))
     summary.skipped = dict(run.skipped)
+    summary.first_skipped = dict(run.first_skipped)
     t_end = time.monotonic()
     summary.seconds = t_end - t0
     summary.processing_seconds = t_end - t_ready

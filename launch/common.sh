@@ -4,8 +4,10 @@
 #
 # What one attempt (one start of the batch job, first run or requeue) does:
 #   1. resolve settings from the environment (table below), print them with the restart count;
-#   2. `python -m pretrain validate CONFIG OVERRIDES --world-size N` on the batch node: a bad layout
-#      fails the job in seconds, before any rank starts, with the validator's message in the job log;
+#   2. `python -m pretrain validate CONFIG OVERRIDES run.dir=RUN_DIR --world-size N --check-lock` on the batch
+#      node: a bad layout fails the job in seconds, before any rank starts, with the validator's message in
+#      the job log; so does a RUN_DIR another live trainer holds (a duplicate submission; exit 1, nothing in
+#      RUN_DIR touched), while the lock of an earlier attempt of this job (a requeue) is taken over;
 #   3. `srun` one task per GPU (or CPU rank) running `python -m pretrain train`, torch's RANK/WORLD_SIZE/
 #      LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT mapped from Slurm's variables; the trainer
 #      resumes from the latest checkpoint in RUN_DIR by itself;
@@ -19,8 +21,9 @@
 #
 # Environment (all optional; `sbatch --export=ALL`, the default, passes them from the submitting shell):
 #   CONFIG               trainer YAML (relative: to the submit directory, then to the checkout)
-#   OVERRIDES            space-separated dotted overrides, applied after the script's layout overrides,
-#                        e.g. "train.steps=6 parallel.tensor=2" (values without spaces)
+#   OVERRIDES            dotted overrides, applied after the script's layout overrides, split into words as a
+#                        shell would (quotes and backslashes group; nothing is expanded or run), e.g.
+#                        "train.steps=6 parallel.tensor=2" or 'run.name="my run" data.blend=["/d/a b"]'
 #   RUN_DIR              run directory: checkpoints, metrics.jsonl, exit_status.json
 #                        (default: <checkout>/runs/<job name>-<job id>; set it to resume an older run)
 #   PYTHON               interpreter (default: <checkout>/.venv/bin/python if present, else `python`;
@@ -30,7 +33,7 @@
 #   PROJECT_DIR          the checkout (default: found from the submitted script's path)
 #   MAX_FAILED_RESTARTS  requeues after failures without progress in between (default 2)
 #   MAX_RESTARTS         requeues in total, any reason (default 100)
-#   SRUN_ARGS            extra srun arguments, space-separated (e.g. "--label")
+#   SRUN_ARGS            extra srun arguments, split into words like OVERRIDES (e.g. "--label")
 #   LAUNCH_PRINT_OVERRIDES  1: print CONFIG and the overrides the job would pass, one per line, and exit
 #                        (no Slurm needed; e.g. for `python -m pretrain plan`)
 # Node count and ranks per node come from `sbatch --nodes=N --ntasks-per-node=R`.
@@ -39,6 +42,28 @@ launch_log() { printf '[launch %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 launch_die() {
     printf '[launch %s] error: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2
     exit 1
+}
+
+# launch_words NAME TEXT WHAT: split TEXT into the array NAME as a shell splits words ('...' and "..." quote,
+# backslash escapes) without expanding or running anything (xargs's quoting); WHAT names TEXT in the error
+# an unmatched quote gives.
+launch_words() {
+    local -n launch_words_out=$1
+    local tmp status=0
+    launch_words_out=()
+    [[ -n ${2//[[:space:]]/} ]] || return 0
+    tmp=$(mktemp) || launch_die "cannot create a temporary file to split $3"
+    printf '%s\n' "$2" | xargs printf '%s\0' >"$tmp" 2>"$tmp.err" || status=$?
+    if ((status != 0)); then
+        local why
+        why=$(head -n1 "$tmp.err")
+        why=${why#xargs: }
+        rm -f "$tmp" "$tmp.err"
+        launch_die "$3 cannot be split into words (${why%%;*}): $2"
+    fi
+    # shellcheck disable=SC2034  # a nameref: the caller's array
+    mapfile -d '' -t launch_words_out <"$tmp"
+    rm -f "$tmp" "$tmp.err"
 }
 
 # launch_precision_layout: append PRECISION's overrides (fp8 | bf16, default fp8) to the caller's `layout`.
@@ -116,7 +141,7 @@ launch_resolve_settings() {
         command -v "$PYTHON" >/dev/null || launch_die "PYTHON=$PYTHON not found on $(hostname)"
     fi
 
-    read -r -a LAUNCH_USER_OVERRIDES <<<"${OVERRIDES:-}"
+    launch_words LAUNCH_USER_OVERRIDES "${OVERRIDES:-}" OVERRIDES
     local o
     for o in "${LAUNCH_USER_OVERRIDES[@]}"; do
         [[ $o == *=* ]] || launch_die "OVERRIDES item '$o' is not key=value"
@@ -161,7 +186,10 @@ launch_resolve_settings() {
 # Steps
 # ---------------------------------------------------------------------------------------------------
 launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout is rejected
-    local cmd=("$PYTHON" -m pretrain validate "$CONFIG" "$@" --world-size "$LAUNCH_WORLD_SIZE") rc=0
+    # --check-lock: a live trainer holding RUN_DIR (a duplicate submission) ends this job before anything in
+    # RUN_DIR is touched (exit 1, the holder named above), instead of failing and requeueing against it.
+    local cmd=("$PYTHON" -m pretrain validate "$CONFIG" "$@" "run.dir=$RUN_DIR" --world-size "$LAUNCH_WORLD_SIZE"
+        --check-lock) rc=0
     launch_log "validate: ${cmd[*]}"
     if ((${#LAUNCH_CONTAINER_ARGS[@]})); then
         # The host may have no Python environment: validate in one container task on the first node.
@@ -174,7 +202,8 @@ launch_validate() {  # launch_validate OVERRIDE...: exit the job if the layout i
             "($SLURM_JOB_NUM_NODES node(s) x $LAUNCH_TASKS_PER_NODE task(s)); not starting training, not requeueing"
         exit 2
     elif ((rc != 0)); then
-        launch_log "validator failed with exit code $rc (not a layout verdict); not starting training"
+        launch_log "validator failed with exit code $rc (not a layout verdict; exit 1 after an error line naming" \
+            "another live trainer of RUN_DIR); not starting training, not requeueing"
         exit "$rc"
     fi
 }
@@ -201,7 +230,7 @@ launch_trap_signals() {
 
 launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
     local srun_args extra
-    read -r -a extra <<<"${SRUN_ARGS:-}"
+    launch_words extra "${SRUN_ARGS:-}" SRUN_ARGS
     srun_args=(--kill-on-bad-exit=1 --ntasks="$LAUNCH_WORLD_SIZE" --ntasks-per-node="$LAUNCH_TASKS_PER_NODE")
     # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each rank is bound to
     # a single core where Slurm binds tasks to CPUs.
@@ -296,7 +325,7 @@ launch_pretrain() {
     set -euo pipefail
     if [[ ${LAUNCH_PRINT_OVERRIDES:-} == 1 ]]; then
         local extra
-        read -r -a extra <<<"${OVERRIDES:-}"
+        launch_words extra "${OVERRIDES:-}" OVERRIDES
         printf '%s\n' "$CONFIG" "$@" "${extra[@]}"
         exit 0
     fi

@@ -7,6 +7,7 @@ mapping table, HF config both ways). Importing this package is cheap (no torch);
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import warnings
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from model_providers.core.family import Family
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron-core's plain version (see pretrain/__init__.py)
 
 
 def _discover() -> dict[str, Family]:

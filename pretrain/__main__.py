@@ -26,6 +26,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p.add_argument("--world-size", type=int, default=None,
                    help="processes of the job (default: $WORLD_SIZE, else tensor×pipeline×context)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
+    p.add_argument("--check-lock", action="store_true",
+                   help="also exit 1 when a live trainer holds run.dir (its writer.lock); launch/common.sh uses it")
     p = sub.add_parser("plan", help="memory and throughput plan for a config and cluster", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p = sub.add_parser("report", help="plot and summarise runs (PNG)", add_help=False)
@@ -68,7 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
-        return 0 if report.ok else 2
+        if not report.ok:
+            return 2
+        if args.check_lock:
+            from pretrain.output_lock import run_outputs_held
+
+            held = run_outputs_held(cfg)
+            if held:
+                print(f"[pretrain] error: {held}", file=sys.stderr, flush=True)
+                return 1
+        return 0
 
     from pretrain.train import main as train_main
 

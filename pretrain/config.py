@@ -2,17 +2,16 @@
 
     cfg = load_config("pretrain/configs/tiny_llama.yaml", ["parallel.tensor=2", "train.steps=10"])
 
-Override values are parsed as YAML (`data.blend=[1.0,/data/x_text_document]`). Unknown keys and values of
-the wrong type are rejected with one message naming the key. Model presets (`model.preset`) fill every
-model field the file and the overrides leave unset.
+Override values are parsed as YAML (`data.blend=[1.0,/data/x_text_document]`). Unknown keys, keys given twice,
+values of the wrong type and config paths that are no YAML text file are rejected with one message naming the
+key or path (the parsing is `pretrain/config_parse.py`). Model presets (`model.preset`) fill every model field
+the file and the overrides leave unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,12 +19,13 @@ from typing import Any, Literal
 import yaml
 
 from model_providers import DEFAULT_FAMILY, FAMILIES
+from pretrain.config_parse import ConfigError, build, parse_override, parse_yaml, set_dotted, yaml_error_line
+
+__all__ = ["CONFIG_DIR", "Config", "ConfigError", "config_from_dict", "load_config", "parse_override",
+           "resolve_config_path", "save_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be turned into a `Config`."""
+MAX_CONFIG_BYTES = 1 << 20  # a config is a small YAML file; anything bigger is the wrong file
 
 
 @dataclass
@@ -254,133 +254,6 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# --------------------------------------------------------------------------------------------------
-# Building the tree from plain dicts
-# --------------------------------------------------------------------------------------------------
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is Literal:
-        return value in typing.get_args(annotation)
-    if origin is list or annotation is list:
-        items = typing.get_args(annotation)
-        return isinstance(value, list) and (not items or all(_type_ok(v, items[0]) for v in value))
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown config key '{dotted}'{hint}")
-        annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            if not isinstance(value, dict):
-                raise ConfigError(f"'{dotted}' must be a mapping, got {value!r}")
-            kwargs[key] = _build(annotation, value, dotted + ".")
-            continue
-        if annotation is float or (float in typing.get_args(annotation)):
-            if isinstance(value, str):  # YAML reads "3e-4" as a string
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
-        if not _type_ok(value, annotation):
-            item_choices = _list_item_choices(annotation)
-            if item_choices is not None:
-                if not isinstance(value, list):
-                    raise ConfigError(f"'{dotted}' must be a list of {item_choices[1]}, got {value!r}")
-                bad = [v for v in value if v not in item_choices[0]]
-                raise ConfigError(f"{dotted}: {bad[0]!r} is not one of {item_choices[1]}")
-            choices = _choices(annotation)
-            if choices is not None:
-                raise ConfigError(f"{dotted}={value!r} is not one of {choices}")
-            raise ConfigError(
-                f"'{dotted}' must be of type {_type_name(annotation)}, got {value!r} ({type(value).__name__})"
-            )
-        if isinstance(value, int) and not isinstance(value, bool) and annotation is float:
-            value = float(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def _choices(annotation: Any) -> str | None:
-    """'a, b, c' (and ' (or null)') for a Literal field, None for other types."""
-    if typing.get_origin(annotation) is Literal:
-        return ", ".join(typing.get_args(annotation))
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    literals = [a for a in args if typing.get_origin(a) is Literal]
-    if len(literals) != 1 or len(args) != 1:
-        return None
-    optional = type(None) in typing.get_args(annotation)
-    return ", ".join(typing.get_args(literals[0])) + (" (or null)" if optional else "")
-
-
-def _list_item_choices(annotation: Any) -> tuple[tuple, str] | None:
-    """(choices, 'a, b, c') for a list-of-Literal field (optionally null), None for other types."""
-    for arg in (annotation, *typing.get_args(annotation)):
-        if typing.get_origin(arg) is list:
-            items = typing.get_args(arg)
-            if items and typing.get_origin(items[0]) is Literal:
-                choices = typing.get_args(items[0])
-                return choices, ", ".join(choices)
-    return None
-
-
-def _type_name(annotation: Any) -> str:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return "null"
-    if typing.get_origin(annotation) is list and typing.get_args(annotation):
-        return f"list of {_type_name(typing.get_args(annotation)[0])}"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set '{dotted}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split `a.b=value` and parse the value as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("-")
-    if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"override '{text}' has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({exc})") from exc
-    return key, value
-
-
 def resolve_config_path(path: str | Path) -> Path:
     """A config path as given, or a bare name (`tiny_llama`) looked up in pretrain/configs/."""
     p = Path(path)
@@ -390,6 +263,34 @@ def resolve_config_path(path: str | Path) -> Path:
         if candidate.exists():
             return candidate
     raise ConfigError(f"config file '{path}' not found (shipped configs: {_shipped_names()})")
+
+
+def read_config_text(p: Path) -> str:
+    """The text of a config file: a regular file of at most `MAX_CONFIG_BYTES`, UTF-8 without NUL bytes (a
+    directory, a device such as /dev/zero, a pipe or a binary file is refused with one line)."""
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise ConfigError(f"config file '{p}' cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"config file '{p}' is a directory; give a YAML file (shipped configs: {_shipped_names()})")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"config file '{p}' is not a regular file (a device, pipe or socket); give a YAML file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file '{p}' is {st.st_size:,} bytes; a config is a YAML file of at most "
+                          f"{MAX_CONFIG_BYTES:,} bytes (is this the right file?)")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"config file '{p}' cannot be read ({exc.strerror or exc})") from None
+    if b"\x00" in data:
+        raise ConfigError(f"config file '{p}' is a binary file (it holds NUL bytes), not YAML text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start})") from None
 
 
 def _shipped_names() -> str:
@@ -410,7 +311,7 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
             raise ConfigError(str(exc.args[0])) from None
         model = {**base, **model}
     tree["model"] = model
-    cfg = _build(Config, tree, "")
+    cfg = build(Config, tree, "")
     if cfg.model.family not in FAMILIES:
         raise ConfigError(f"model.family={cfg.model.family!r} is not one of {', '.join(FAMILIES)}")
     return cfg
@@ -421,10 +322,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     tree: dict[str, Any] = {}
     if path is not None:
         p = resolve_config_path(path)
+        text = read_config_text(p)
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = parse_yaml(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+            raise ConfigError(f"{p}: not valid YAML: {yaml_error_line(exc)}") from None
+        except ConfigError as exc:  # a key given twice
+            raise ConfigError(f"{p}: {exc}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -432,7 +336,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         tree = loaded
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     return config_from_dict(tree)
 
 

@@ -20,15 +20,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.data_check import parse_blend, uses_mock
+from pretrain.data_check import parse_blend, uses_mock, uses_null_tokenizer
 
 
 class DataError(RuntimeError):
     """Training data that cannot be used as read (e.g. a token id outside the model's vocabulary)."""
 
 
-def build_tokenizer(data_cfg):
-    """The run's tokenizer (embedded Mistral / GPT-2 files when no path is given)."""
+def build_tokenizer(data_cfg, vocab_size: int | None = None):
+    """The run's tokenizer: the named files, the embedded Mistral / GPT-2 files when no path is given, or for mock
+    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids."""
+    if uses_null_tokenizer(data_cfg):
+        from pretrain.tokenizer.null import null_tokenizer
+        from pretrain.tokenizer.types import TokenizerError
+
+        if vocab_size is None:
+            raise TokenizerError(f"mock data with data.tokenizer_type={data_cfg.tokenizer_type} and no tokenizer "
+                                 "file uses a null tokenizer, which needs model.vocab_size")
+        return null_tokenizer(vocab_size)
     from pretrain.tokenizer.load import run_tokenizer
 
     return run_tokenizer(data_cfg)

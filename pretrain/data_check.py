@@ -6,7 +6,8 @@ Rules owned here (the trainer's data code uses the same functions):
   as Megatron-LM trains on `--data-path` and uses mock data only without one.
 - `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite weights >= 0 that do not sum to 0.
 - `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE; `pretrain.tokenizer.embedded`)
-  apply only to the SentencePiece types and `GPT2BPETokenizer`; `huggingface` and `tiktoken` need their files.
+  apply only to the SentencePiece types and `GPT2BPETokenizer`; `huggingface` and `tiktoken` need their files,
+  except for mock data (`uses_null_tokenizer`: a null tokenizer of model.vocab_size ids, `pretrain.tokenizer.null`).
 - every prefix: files present, index header/version/dtype/pointers, `.bin` size, `PREFIX.meta.json` counts
   and tokenizer (`data.allow_tokenizer_mismatch` overrides), largest token id below the model's vocabulary
   (from the metadata; without it a chunked scan of `.bin` files up to `SCAN_LIMIT_BYTES`), and documents in
@@ -16,12 +17,13 @@ Rules owned here (the trainer's data code uses the same functions):
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import TYPE_CHECKING
 
 from pretrain.layout import resolve_vocab_size
+from pretrain.rules.vocab import vocab_covers_tokenizer
 from pretrain.tokenizer.embedded import with_embedded
+from pretrain.tokenizer.null import describe_null, falls_back_to_null, null_identity
 from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
 
 if TYPE_CHECKING:
@@ -67,7 +69,12 @@ def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
 def split_ranges(split: str) -> list[tuple[float, float] | None]:
     """Megatron's split matrix for a `data.split` string: [start, end) fractions per split, None for a split
     with no share. Raises ValueError for a malformed string."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
+    parts = [x.strip() for x in re.split(r"[,/]", str(split))]
+    bad = [x for x in parts if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", x)]
+    if bad:  # Megatron-Core's own parser keeps the numbers it finds and silently drops the rest
+        raise ValueError(f"data.split={split!r}: {bad[0]!r} is not a share (a non-negative number); write up to "
+                         "three shares separated by commas, e.g. '969,30,1'")
+    values = [float(x) for x in parts]
     if not values or len(values) > 3 or sum(values) <= 0:
         raise ValueError(f"data.split={split!r} must be up to three non-negative shares, e.g. '969,30,1'")
     values += [0.0] * (3 - len(values))
@@ -84,6 +91,24 @@ def tokenizer_args(d: DataConfig) -> tuple[str, str | None, str | None, str | No
     """(type, model, vocab, merges, embedded) for the run's tokenizer; `embedded` names the embedded
     tokenizer used because no file was given (None when the config names its files)."""
     return with_embedded(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+
+
+def uses_null_tokenizer(d: DataConfig) -> bool:
+    """Mock data, no tokenizer file, and a type with no embedded tokenizer: the run's tokenizer is a null
+    tokenizer of model.vocab_size ids (`pretrain.tokenizer.null`)."""
+    return falls_back_to_null(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, uses_mock(d))
+
+
+def run_tokenizer_identity(cfg: Config):
+    """The identity of the tokenizer a run of `cfg` trains with: the null tokenizer of a mock run without files
+    (None when model.vocab_size is unknown), else the named or embedded files (`TokenizerError` when unusable).
+    What a checkpoint records and a resume compares."""
+    from pretrain.tokenizer.identity import describe_tokenizer
+
+    if uses_null_tokenizer(cfg.data):
+        return null_identity(cfg.model.vocab_size) if cfg.model.vocab_size else None
+    ttype, model, vocab, merges, _ = tokenizer_args(cfg.data)
+    return describe_tokenizer(ttype, model, vocab, merges)
 
 
 def eval_is_on(cfg: Config) -> bool:
@@ -122,20 +147,20 @@ def check_data_config(cfg: Config, r: Report) -> dict[str, tuple[list[str], list
         r.error(("data.blend", "data.train_blend"), "set either data.blend (with data.split) or per-split blends "
                 "(data.train_blend, ...), not both", "remove one of them")
     blends = used_blends(cfg, r)
-    if "data.blend" in blends:
-        try:
-            ranges = split_ranges(d.split)
-        except ValueError as e:
-            r.error("data.split", str(e), "set data.split like '969,30,1' (training, validation, test shares)")
-        else:
-            if ranges[0] is None:
-                r.error("data.split", f"data.split={d.split!r} gives the training split no share",
-                        "give training a share, e.g. '969,30,1'")
-            if eval_is_on(cfg) and ranges[1] is None:
-                r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
-                        f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
-                        "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
-    kind = tokenizer_kind(d.tokenizer_type)
+    try:  # checked even where no blend reads it: a malformed split is still a mistake
+        ranges = split_ranges(d.split)
+    except ValueError as e:
+        ranges = None
+        r.error("data.split", str(e), "set data.split like '969,30,1' (training, validation, test shares)")
+    if "data.blend" in blends and ranges is not None:
+        if ranges[0] is None:
+            r.error("data.split", f"data.split={d.split!r} gives the training split no share",
+                    "give training a share, e.g. '969,30,1'")
+        if eval_is_on(cfg) and ranges[1] is None:
+            r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
+                    f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
+                    "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
+    kind = None if uses_null_tokenizer(d) else tokenizer_kind(d.tokenizer_type)
     if kind == HUGGINGFACE and d.tokenizer_model is None and d.vocab_file is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a tokenizer.json or its directory); no HuggingFace tokenizer is embedded",
@@ -159,6 +184,8 @@ def check_tokenizer(cfg: Config, r: Report):
     d, m = cfg.data, cfg.model
     if _tokenizer_problem_reported(r):
         return None
+    if uses_null_tokenizer(d):
+        return _null_tokenizer(cfg, r)
     ttype, model, vocab, merges, embedded = tokenizer_args(d)
     try:
         ident = describe_tokenizer(ttype, model, vocab, merges)
@@ -166,6 +193,7 @@ def check_tokenizer(cfg: Config, r: Report):
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
         return None
+    vocab_covers_tokenizer(r, cfg, ident, embedded, uses_mock(d))
     if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
         preset = f" (model.preset={m.preset})" if m.preset else ""
         msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
@@ -179,27 +207,41 @@ def check_tokenizer(cfg: Config, r: Report):
         r.error(("data.mock", "data.tokenizer_model"), f"mock data ends every document with the tokenizer's EOD "
                 f"token, but {ident.describe()} defines none", "use a tokenizer with an EOS token (for a "
                 "tokenizer.json: eos_token in tokenizer_config.json beside it)")
+    document_options = [f"data.{k}" for k in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+                        if getattr(d, k)]
+    if document_options and ident.eod is None:
+        r.error((*document_options, "data.tokenizer_model"), f"{'=true, '.join(document_options)}=true: document "
+                f"boundaries are the tokenizer's EOD tokens, but {ident.describe()} defines none, so this would do "
+                "nothing", "use a tokenizer with an EOS token (for a tokenizer.json: eos_token in "
+                f"tokenizer_config.json beside it), or set {'=false '.join(document_options)}=false")
     return ident
 
 
-def _missing_hint(prefix: str) -> str:
-    for ext in (".bin", ".idx", ".meta.json"):
-        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
-            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
-    if os.path.isfile(prefix + "_text_document.idx"):
-        return f" (did you mean {prefix}_text_document? preprocess adds _KEY_document)"
-    return ""
+def _null_tokenizer(cfg: Config, r: Report):
+    """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with an
+    error when the model's vocabulary size is unknown."""
+    d, m = cfg.data, cfg.model
+    preset = f" (model.preset={m.preset} sets none)" if m.preset else ""
+    if m.vocab_size is None:
+        r.error(("data.tokenizer_model", "model.vocab_size"), f"data.mock=true with data.tokenizer_type="
+                f"{d.tokenizer_type} and no tokenizer file uses a null tokenizer, which needs model.vocab_size"
+                f"{preset}", "set model.vocab_size, or data.tokenizer_model to the model's tokenizer")
+        return None
+    source = f"model.preset={m.preset}'s model.vocab_size" if m.preset else "model.vocab_size"
+    r.notes.append(f"data.mock=true and no tokenizer file for data.tokenizer_type={d.tokenizer_type}: training uses "
+                   f"{describe_null(m.vocab_size)} from {source}; a real blend needs data.tokenizer_model")
+    return null_identity(m.vocab_size)
 
 
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
     """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
     from pretrain.dataset_format.check import check_dataset
-    from pretrain.dataset_format.indexed import bin_path, idx_path
+    from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
     if missing:
-        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){_missing_hint(prefix)}",
+        r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){prefix_hint(prefix)}",
                 "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
         return None
     try:

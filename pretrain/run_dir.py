@@ -64,14 +64,14 @@ def write_config(cfg) -> None:
     (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
 
 
-def report_failure(cfg, message: str) -> int:
-    """An expected failure: one line on stderr, recorded in exit_status.json (rank 0, if this run had marked
-    itself running; best effort). Returns the exit status, 1."""
+def report_failure(cfg, message: str, step: int | None = None) -> int:
+    """An expected failure: one line on stderr, recorded in exit_status.json with the last step reached (rank 0,
+    if this run had marked itself running; best effort). Returns the exit status, 1."""
     print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             if json.loads((Path(cfg.run.dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
-                write_exit_status(cfg, "failed", None, None, message)
+                write_exit_status(cfg, "failed", step, None, message)
         except (OSError, ValueError, AttributeError):
             pass
     return 1

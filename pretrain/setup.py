@@ -154,7 +154,7 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
     from pretrain.run_dir import prepare_run_dir
     from pretrain.runtime import any_rank_error, init_model_parallel
 
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
     layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train
@@ -196,9 +196,11 @@ def build_training(cfg: Config, run: Run, log) -> None:
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
 
-def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool) -> None:
+def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
-    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped)."""
+    (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
+    reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
+    changed on resume)."""
     from pretrain.data import build_datasets, data_cache_dir
     from pretrain.metrics import MetricsWriter
     from pretrain.run_dir import write_failure
@@ -207,7 +209,8 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool) -> None:
     t = cfg.train
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
     try:
-        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, t.steps * t.global_batch_size,
+        needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
+        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, max(needed, t.steps * t.global_batch_size),
                                                     eval_steps * t.global_batch_size)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
         why = write_failure(exc, data_cache_dir(cfg))

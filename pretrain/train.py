@@ -10,7 +10,9 @@ metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import compat, setup
+from pretrain import compat, output_lock, setup
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
@@ -284,7 +286,7 @@ def document_packing(cfg: Config, run):
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
     from pretrain.run_dir import write_config
-    from pretrain.runtime import env_world_size, init_distributed
+    from pretrain.runtime import any_rank_error, env_world_size, init_distributed
 
     # 1. Pre-flight: every layout rule, before any process group exists.
     problems = validate(cfg, world_size=env_world_size())
@@ -295,13 +297,17 @@ def train(cfg: Config) -> dict:
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
+    # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
+    outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
     run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
 
     # 2. Model, optimizer, schedule.
     setup.build_training(cfg, run, log0)
     model, optimizer, scheduler, profiler = run.model, run.optimizer, run.scheduler, run.profiler
 
-    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch.
+    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
+    # directory that cannot be written is found now, not at the first save.
+    checkpoint_save.check_writable(cfg)
     step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
@@ -309,7 +315,7 @@ def train(cfg: Config) -> dict:
         write_config(cfg)
 
     # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss())
+    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
     metrics = _StepMetrics(cfg, run)
@@ -366,8 +372,10 @@ def train(cfg: Config) -> dict:
         if rt.rank == 0:
             write_exit_status(cfg, "failed", step, None, str(exc))
         raise
-    except BaseException:
+    except BaseException as exc:
         saves.abort()
+        with contextlib.suppress(AttributeError, TypeError):
+            exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
         profiler.close(step)
@@ -376,6 +384,7 @@ def train(cfg: Config) -> dict:
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, None)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
+    outputs.release()
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
 
@@ -402,8 +411,8 @@ def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device)
 def main(cfg: Config) -> int:
     """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
 
-    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory, or a
-    full / read-only / forbidden file system (the message names the path).
+    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory (or one
+    another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.run_dir import environment_error, os_error_line, report_failure
@@ -415,16 +424,21 @@ def main(cfg: Config) -> int:
     except ValidationFailed as exc:
         print(exc.report(), file=sys.stderr, flush=True)
         return 2
+    except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except TrainingStopped as exc:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
     except (CheckpointError, StorageError) as exc:
-        return report_failure(cfg, str(exc))
+        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:
             raise  # not an expected failure: the traceback is the report
-        return report_failure(cfg, os_error_line(os_error))
+        return report_failure(cfg, os_error_line(os_error), step=getattr(exc, "last_step", None))
     finally:
         shutdown()
+        output_lock.release_all()
 

@@ -2,9 +2,9 @@
 
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `model` (precision, shapes), `run`
-(optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP, logging), `context` (CP). The
-trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone
-(exit 2 on errors).
+(optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP, logging), `context` (CP), `bounds`
+(integer settings no other rule bounds). The trainer runs the same checks first; `python -m pretrain validate CONFIG
+[overrides] --world-size N` runs them alone (exit 2 on errors).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 from pretrain.config import Config
 from pretrain.layout import LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
+from pretrain.rules.bounds import bounds_rules
 from pretrain.rules.context import context_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
 from pretrain.rules.run import data_rules, optimizer_rules, run_rules
+from pretrain.rules.vocab import optional_sizes_rules
 
 __all__ = ["Problem", "Report", "ValidationFailed", "length_problems", "validate"]
 
@@ -39,14 +41,14 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules]
+    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules, optional_sizes_rules]
     if sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
         try:
             lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
             pass
         rules = [layout_rules, moe_rules, model_rules, *rules, document_rules, recompute_module_rules,
-                 fsdp_rules, context_rules]
+                 fsdp_rules, context_rules, bounds_rules]
     if files:
         rules.append(data_rules)
     for rule in rules:

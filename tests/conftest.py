@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron-core's plain version in tests and their workers
 
 
 @pytest.fixture(scope="session")

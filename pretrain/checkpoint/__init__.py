@@ -4,5 +4,7 @@
 - `state`: what a checkpoint holds (sharded model/optimizer state, step, config, RNG);
 - `save`: synchronous and asynchronous saves, the commit, pruning, the writer helper;
 - `load`: checks before loading, and loading;
-- `resume`: which checkpoint a run resumes from.
+- `resume`: which checkpoint a run resumes from (and finishing a commit a kill interrupted);
+- `contract`: the resume contract, what a resumed run may change (every config field has a class);
+- `optimizer_forms`: loading optimizer state written by the other optimizer (`optimizer.distributed` toggled).
 """

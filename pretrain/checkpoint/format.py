@@ -22,9 +22,11 @@ from typing import Any
 import torch
 import yaml
 
+from pretrain import safe_paths
 from pretrain.files import write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMIT_JOURNAL = "commit_in_progress.txt"  # the step being committed: from before run_config.yaml to after the tracker
 COMMON_FILE = "common.pt"
 INDEX_FILE = ".metadata"
 COMMON_OBJECT = "common_state/shard_0_1"  # megatron-core 0.19+: common state inside the torch_dist files
@@ -72,6 +74,14 @@ def latest_iteration(root: Path) -> int | None:
     return step
 
 
+def journal_step(root: Path) -> int | None:
+    """The step `COMMIT_JOURNAL` names (a commit that had not finished), None when there is none or it is unreadable."""
+    try:
+        return int((root / COMMIT_JOURNAL).read_text().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
 def iterations(root: Path) -> list[int]:
     """Steps of the `iter_*` directories under `root`, ascending."""
     if not root.is_dir():
@@ -88,14 +98,19 @@ def is_committed(path: Path) -> bool:
 def commit_files(path: Path, run_config_yaml: str, root: Path | None = None, step: int | None = None) -> None:
     """Mark `path` complete: write its `run_config.yaml`, then (given `root`) point the tracker at `step`.
 
-    Both are written atomically, `run_config.yaml` first, so the tracker never names an incomplete checkpoint.
+    Each is written atomically, `run_config.yaml` first, so the tracker never names an incomplete checkpoint.
+    Given `root`, the journal `COMMIT_JOURNAL` names `step` from before `run_config.yaml` until the tracker has
+    moved: a run killed between the two finds it and finishes the commit (`resume.resume_step`).
     """
     target = path / RUN_CONFIG_FILE
     try:
+        if root is not None:
+            write_atomic(root / COMMIT_JOURNAL, f"{step}\n")
         write_atomic(target, run_config_yaml)
         if root is not None:
             target = root / TRACKER
             write_atomic(target, f"{step}\n")
+            (root / COMMIT_JOURNAL).unlink(missing_ok=True)
     except OSError as exc:
         raise CheckpointError(f"{target}: committing the checkpoint failed ({exc.strerror or exc}); "
                               "the tracker was not moved") from None
@@ -228,6 +243,12 @@ def _check_files(path: Path, index) -> None:
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(need.items()):
         f = path / name
+        try:  # the index names its files: never one outside the checkpoint (pretrain/safe_paths.py)
+            safe_paths.inside(path, name, "named by the checkpoint index")
+        except safe_paths.UnsafePathError as exc:
+            raise CheckpointError(str(exc)) from None
+        except FileNotFoundError:
+            pass
         if not f.is_file():
             raise CheckpointError(f"{f}: missing, the checkpoint index refers to it")
         have = f.stat().st_size
@@ -256,19 +277,25 @@ def inspect_checkpoint(path: str | Path) -> tuple[dict, Any]:
 
 
 
+def _committed(path: Path) -> Path:
+    if not is_committed(path):
+        raise CheckpointError(f"{path}: an incomplete checkpoint (no {RUN_CONFIG_FILE}: its save never committed)")
+    return path
+
+
 def resolve_checkpoint(path: str | Path, iteration: int | None = None) -> Path:
-    """An iteration directory from a run dir, a checkpoints dir or an iteration dir itself."""
+    """A complete iteration directory from a run dir, a checkpoints dir or an iteration dir itself."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint or run directory")
-    if (p / FORMAT_FILE).exists():
-        return p
+    if (p / FORMAT_FILE).exists() or p.name.startswith("iter_"):
+        return _committed(p)
     for root in (p, p / "checkpoints"):
         if iteration is not None and iteration_dir(root, iteration).exists():
-            return iteration_dir(root, iteration)
+            return _committed(iteration_dir(root, iteration))
         latest = latest_iteration(root) if iteration is None else None
         if latest is not None:
-            return iteration_dir(root, latest)
+            return _committed(iteration_dir(root, latest))
     what = f"iteration {iteration}" if iteration is not None else f"complete checkpoint ({TRACKER})"
     raise CheckpointError(f"{p}: no {what} found")
 

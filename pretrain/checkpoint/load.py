@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint import contract, optimizer_forms
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
@@ -28,6 +29,13 @@ def _model_config_diff(cfg, common: dict) -> str:
     return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 
 
+def _optimizer_config_diff(cfg, common: dict) -> str:
+    saved = (common.get("config") or {}).get("optimizer") or {}
+    ours = cfg.to_dict()["optimizer"]
+    diffs = [f"optimizer.{k} {saved[k]} → {ours[k]}" for k in ("distributed", "fsdp")
+             if k in saved and saved[k] != ours[k]]
+    return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
+
 
 def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
     """What this rank will load exists in the checkpoint with the right shape and safe contents."""
@@ -41,7 +49,8 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
             found = meta.get(item.key)
             what = "optimizer state" if "optimizer." in item.key else "tensor"
             if found is None:
-                raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint"
+                why = _optimizer_config_diff(cfg, common) if what == "optimizer state" else ""
+                raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint{why}"
                                       f"{_model_config_diff(cfg, common)}")
             if not isinstance(found, TensorStorageMetadata):
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
@@ -99,7 +108,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    error, common, state = None, {}, {}
+    error, common, state, fills = None, {}, {}, []
     try:
         common, index = inspect_checkpoint(path)
         with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
@@ -110,7 +119,8 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             state.pop("rng_state")
         if not with_optimizer:
             state.pop("optimizer", None)
-            state.pop("opt_param_scheduler", None)
+        state.pop("opt_param_scheduler", None)  # the schedule is this config's (contract.apply_new_schedule)
+        fills = optimizer_forms.map_keys(state, index)
         _check_requested(cfg, path, index, common, state)
     except CheckpointError as exc:
         error = exc
@@ -122,6 +132,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
         raise
     except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
         raise CheckpointError(f"{path}: loading failed ({reason(exc)})") from exc
+    optimizer_forms.fill_from_model(loaded, fills)
     bad = _non_finite({k: v for k, v in loaded.items() if k.startswith(("model", "optimizer"))})
     agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
     for key in [k for k in loaded if k.startswith("model")]:
@@ -130,12 +141,12 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
             unwrap(model[index_]).load_state_dict(loaded[key], strict=True)
         except RuntimeError as exc:
             raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
+    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
     if with_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
-        try:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        except AssertionError as exc:
-            raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({exc})") from None
+        optimizer.load_state_dict(optimizer_forms.convert_common(optimizer, loaded["optimizer"]))
+    if not weights_only:  # the checkpoint's step count, this config's schedule
+        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
+        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])
     written_by = common.get("megatron_core")

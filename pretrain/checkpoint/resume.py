@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pretrain.checkpoint.contract import check_resume
 from pretrain.checkpoint.format import (
+    COMMIT_JOURNAL,
     TRACKER,
     CheckpointError,
     checkpoint_root,
@@ -14,10 +16,12 @@ from pretrain.checkpoint.format import (
     is_committed,
     iteration_dir,
     iterations,
+    journal_step,
     latest_iteration,
     resolve_checkpoint,
 )
 from pretrain.checkpoint.load import load_checkpoint
+from pretrain.files import write_atomic
 
 
 def _names(root: Path, steps: list[int]) -> str:
@@ -34,8 +38,11 @@ def resume_step(root: Path) -> tuple[int | None, str | None]:
     """
     tracker = root / TRACKER
     steps = iterations(root)
+    finished = _finish_interrupted_commit(root)
     tracked = latest_iteration(root)
     committed = [s for s in steps if is_committed(iteration_dir(root, s))]
+    if finished:
+        return tracked, finished
     if tracked is not None:
         newer = [s for s in committed if s > tracked]
         if newer:
@@ -59,20 +66,53 @@ def resume_step(root: Path) -> tuple[int | None, str | None]:
                            f"(complete checkpoints found: {_names(root, committed)})")
 
 
-def find_resume(cfg) -> tuple[Path | None, str | None]:
-    """`resume_step` decided on rank 0 and shared (collective): (checkpoint dir or None, note to log)."""
+def _finish_interrupted_commit(root: Path) -> str | None:
+    """A save killed during its commit left `COMMIT_JOURNAL`: if its checkpoint got its run_config.yaml (it is
+    complete), move the tracker to it as the commit would have. Returns a note when it did; the journal is
+    removed either way (an uncommitted checkpoint is a partial save, replaced by the next save)."""
+    journal = root / COMMIT_JOURNAL
+    if not journal.exists():
+        return None
+    step = journal_step(root)
+    note = None
+    if step is not None and is_committed(iteration_dir(root, step)) and latest_iteration(root) != step:
+        try:
+            write_atomic(root / TRACKER, f"{step}\n")
+        except OSError as exc:
+            raise CheckpointError(f"{root / TRACKER}: finishing the interrupted commit of "
+                                  f"{iteration_dir(root, step).name} failed ({exc.strerror or exc})") from None
+        note = (f"the commit of {iteration_dir(root, step)} was interrupted after it was complete: "
+                f"{TRACKER} moved to {step}")
+    journal.unlink(missing_ok=True)
+    return note
+
+
+def find_resume(cfg) -> tuple[Path | None, list[str]]:
+    """`resume_step` decided and the resume contract checked on rank 0, shared (collective): (checkpoint dir or
+    None, lines to log)."""
     root = checkpoint_root(cfg)
     decision: list = [None]
+    unexpected = None
     if dist.get_rank() == 0:
         try:
-            decision[0] = ("ok", *resume_step(root))
+            step, note = resume_step(root)
+            lines = [note] if note else []
+            if step is not None:  # the resume contract, before anything loads
+                path = iteration_dir(root, step)
+                lines += check_resume(cfg, path, inspect_checkpoint(path)[0])
+            decision[0] = ("ok", step, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
+        except Exception as exc:  # not expected: its traceback on rank 0, and no rank left waiting
+            unexpected = exc
+            decision[0] = ("error", f"rank 0 failed deciding the resume ({type(exc).__name__}: {exc})", None)
     dist.broadcast_object_list(decision, src=0)
-    kind, value, note = decision[0]
+    if unexpected is not None:
+        raise unexpected
+    kind, value, lines = decision[0]
     if kind == "error":
         raise CheckpointError(value)
-    return (iteration_dir(root, value) if value is not None else None), note
+    return (iteration_dir(root, value) if value is not None else None), lines
 
 
 
@@ -81,9 +121,9 @@ def start_from_checkpoint(cfg, model, optimizer, scheduler, log) -> tuple[int, i
 
     Returns (step, consumed_samples, resumed). `log` prints on rank 0.
     """
-    latest, note = find_resume(cfg)  # the tracker's, else the newest complete checkpoint
-    if note:
-        log(f"[pretrain] {note}")
+    latest, lines = find_resume(cfg)  # the tracker's, else the newest complete checkpoint
+    for line in lines:
+        log(f"[pretrain] {line}")
     if latest is not None:
         step, consumed = load_checkpoint(cfg, model, optimizer, scheduler, latest)
         log(f"[pretrain] resumed from {latest} at step {step}")

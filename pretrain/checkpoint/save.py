@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.checkpoint.format import (
+    RUN_CONFIG_FILE,
     CheckpointError,
     agree,
     checkpoint_root,
@@ -23,6 +24,7 @@ from pretrain.checkpoint.format import (
     is_committed,
     iteration_dir,
     iterations,
+    latest_iteration,
     reason,
 )
 from pretrain.checkpoint.state import sharded_state
@@ -93,16 +95,21 @@ def _commit(cfg, root: Path, path: Path, step: int) -> None:
 
 
 def _prune(root: Path, keep_last: int | None, current: int) -> None:
-    """Delete checkpoints beyond the newest `keep_last` and partial saves newer than `current`.
+    """Delete checkpoints beyond the newest `keep_last` and partial saves other than `current`.
 
     A committed checkpoint newer than `current` is kept: only uncommitted leftovers of a crashed save are stale.
+    Each deletion removes `run_config.yaml` first, so a kill in the middle leaves a partial save, never a
+    "complete" checkpoint with files missing.
     """
     iters = iterations(root)
-    stale = [it for it in iters if it > current and not is_committed(iteration_dir(root, it))]
-    kept = [it for it in iters if it <= current]
+    committed = {it for it in iters if is_committed(iteration_dir(root, it))}
+    stale = [it for it in iters if it != current and it not in committed]
+    kept = [it for it in iters if it <= current and it in committed]
     old = kept[:-keep_last] if keep_last else []
     for it in stale + old:
-        shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+        path = iteration_dir(root, it)
+        (path / RUN_CONFIG_FILE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class AsyncSaves:
@@ -117,9 +124,12 @@ class AsyncSaves:
         self.queue = AsyncCallsQueue(persistent=False)
         self.pending: int | None = None
         self.pending_path: Path | None = None
+        self.writer = None  # the writer process of the save in flight (multiprocessing.Process)
 
     def schedule(self, request) -> None:
         self.queue.schedule_async_request(request)
+        calls = getattr(self.queue, "async_calls", None)  # megatron-core 0.16-0.19: the caller holds its process
+        self.writer = getattr(calls[-1].async_caller, "process", None) if calls else None
 
     def finalize(self, blocking: bool = False) -> list[int]:
         """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""
@@ -130,7 +140,7 @@ class AsyncSaves:
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as exc:  # the writer failed, e.g. no space left on device
-            error = save_failed(self.pending_path, exc)
+            error = writer_died(self.pending_path, self.writer) or save_failed(self.pending_path, exc)
             _discard_partial(self.pending_path)
             self.pending = self.pending_path = None
             raise error from exc
@@ -203,6 +213,45 @@ def _discard_partial(path: Path | None) -> None:
     """Rank 0 removes the uncommitted directory of a failed save (every rank has stopped writing to it)."""
     if path is not None and dist.get_rank() == 0 and not is_committed(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def writer_died(path: Path | None, writer) -> CheckpointError | None:
+    """The one-line error for an asynchronous writer process that ended without reporting (e.g. killed)."""
+    code = getattr(writer, "exitcode", None)
+    if path is None or code is None or code == 0:
+        return None
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    except ValueError:
+        how = f"was killed by signal {-code}"
+    try:
+        previous = latest_iteration(path.parent)
+    except CheckpointError:
+        previous = None
+    still = f"; the newest complete checkpoint is still {iteration_dir(path.parent, previous).name}" \
+        if previous is not None else ""
+    return CheckpointError(f"{path}: saving the checkpoint failed: the asynchronous checkpoint writer (pid "
+                           f"{writer.pid}) {how} before it finished; nothing was committed{still}")
+
+
+def check_writable(cfg) -> None:
+    """Fail before step 1, not at the first save, when the checkpoint directory cannot be written (collective:
+    every rank writes and removes a probe file there). Nothing is checked when the run never saves."""
+    c, t = cfg.checkpoint, cfg.train
+    if not (c.interval or c.save_at_end or t.exit_signal_handler or t.exit_duration_in_mins):
+        return
+    root = checkpoint_root(cfg)
+    error = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_test.rank{dist.get_rank()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        error = CheckpointError(f"{exc.filename or root}: checkpoints cannot be written there "
+                                f"({exc.strerror or exc}); found before step 1: make it writable or set "
+                                "checkpoint.dir to a writable directory")
+    agree(error)
 
 
 def save_failed(path: Path | None, exc: BaseException) -> CheckpointError:

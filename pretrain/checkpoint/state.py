@@ -2,7 +2,8 @@
 
 Model and optimizer (the distributed optimizer in the `fully_reshardable` format) are sharded tensors keyed
 by global names, so a checkpoint loads at any TP/PP/VP/DP layout. The LR schedule, step, consumed samples,
-config and per-rank RNG states (Python, NumPy, torch, Megatron's RNG tracker) make a same-layout resume exact.
+config, the tokenizer's identity and per-rank RNG states (Python, NumPy, torch, Megatron's RNG tracker) make a
+same-layout resume exact.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint.contract import TOKENIZER_STATE, tokenizer_record
 from pretrain.compat import mcore
 
 OPTIMIZER_SHARDING = "fully_reshardable"
@@ -97,12 +99,16 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
             is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
         )
-        state["opt_param_scheduler"] = scheduler.state_dict()
+    state["opt_param_scheduler"] = scheduler.state_dict()  # its step count is read on resume, also without optimizer
     world, rank = dist.get_world_size(), dist.get_rank()
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     state["iteration"] = step
     state["consumed_samples"] = consumed_samples
     state["layout"] = list(layout_key(cfg))
     state["config"] = cfg.to_dict()
+    try:  # the resume contract compares it (None: a run without a tokenizer)
+        state[TOKENIZER_STATE] = tokenizer_record(cfg)
+    except Exception:  # noqa: BLE001 - its files went away during the run: not recorded, as in older checkpoints
+        pass
     state["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
     return state

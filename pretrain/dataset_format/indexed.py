@@ -11,6 +11,7 @@ Keeping this module free of torch/megatron imports keeps ``preprocess`` start-up
 
 from __future__ import annotations
 
+import glob
 import os
 import struct
 from dataclasses import dataclass
@@ -131,11 +132,24 @@ class IndexInfo:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
+def prefix_hint(prefix: str) -> str:
+    """A hint for a dataset prefix with no files: the prefix given with an extension, or the ``preprocess``
+    ``--output-prefix`` without its ``_KEY_document`` (empty when neither is there)."""
+    for ext in (".bin", ".idx", ".meta.json"):
+        if prefix.endswith(ext) and os.path.isfile(prefix[: -len(ext)] + ".idx"):
+            return f" (did you mean {prefix[: -len(ext)]}? a prefix has no extension)"
+    found = sorted(glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    if found:
+        names = " or ".join(f[: -len(".idx")] for f in found[:3])
+        return f" (did you mean {names}? preprocess adds _KEY_document to its --output-prefix)"
+    return ""
+
+
 def read_index(prefix: str | os.PathLike) -> IndexInfo:
     """Parse and sanity-check ``PREFIX.idx``; raise :class:`IndexedFormatError` naming the file."""
     path = idx_path(prefix)
     if not path.is_file():
-        raise IndexedFormatError(f"{path}: index file not found")
+        raise IndexedFormatError(f"{path}: index file not found{prefix_hint(str(prefix))}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(_FIXED_HEADER)

@@ -10,8 +10,9 @@ still mean the same configuration (`Family.export_config_json`).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
+
+from pretrain import safe_paths
 
 ASSET_DIR = "hf_assets"
 # Copied when present: the original config, the tokenizer (any of its formats) and the generation defaults.
@@ -23,10 +24,12 @@ TOKENIZER_FILES = tuple(f for f in ASSET_FILES if f not in ("config.json", "gene
 
 
 def asset_names(hf_dir: Path) -> list[str]:
-    """The asset files present in an HF model directory."""
-    names = {f for f in ASSET_FILES if (hf_dir / f).is_file()}
+    """The asset files present in an HF model directory (each checked: inside it, or in its HF cache blobs)."""
+    names = {f for f in ASSET_FILES if safe_paths.present(hf_dir, f) and not (hf_dir / f).is_dir()}
     for pattern in ASSET_PATTERNS:
-        names.update(p.name for p in hf_dir.glob(pattern) if p.is_file())
+        names.update(p.name for p in hf_dir.glob(pattern) if not p.is_dir())
+    for name in names:
+        safe_paths.inside(hf_dir, name, "an HF asset file")
     return sorted(names)
 
 
@@ -37,7 +40,7 @@ def copy_assets(hf_dir: Path, checkpoint_dir: Path) -> list[str]:
         target = checkpoint_dir / ASSET_DIR
         target.mkdir()
         for name in names:
-            shutil.copyfile(hf_dir / name, target / name)
+            safe_paths.copy_file(hf_dir, name, target / name)
     return names
 
 
@@ -64,10 +67,10 @@ def find_assets(checkpoint: Path, max_hops: int = 16) -> Path | None:
 
 def original_config(assets: Path | None, model_type: str) -> dict | None:
     """The imported model's config.json, when there is one of this model type."""
-    if assets is None or not (assets / "config.json").is_file():
+    if assets is None or not safe_paths.present(assets, "config.json"):
         return None
     try:
-        original = json.loads((assets / "config.json").read_text())
+        original = json.loads(safe_paths.read_bytes(assets, "config.json", "an imported HF file"))
     except ValueError:
         return None
     return original if isinstance(original, dict) and original.get("model_type") == model_type else None
@@ -77,11 +80,17 @@ def write_assets(assets: Path, output: Path, names: tuple[str, ...]) -> list[str
     """Copy the named asset files present in `assets` into `output`; the names copied."""
     copied = []
     for name in names:
-        if (assets / name).is_file():
-            shutil.copyfile(assets / name, output / name)
+        if safe_paths.present(assets, name):
+            safe_paths.copy_file(assets, name, output / name)
             copied.append(name)
     for pattern in ASSET_PATTERNS:
-        for p in assets.glob(pattern):
-            shutil.copyfile(p, output / p.name)
+        for p in sorted(assets.glob(pattern)):
+            safe_paths.copy_file(assets, p.name, output / p.name)
             copied.append(p.name)
     return copied
+
+
+def has_tokenizer_files(assets: Path | None) -> bool:
+    """Whether an `hf_assets` (or HF model) directory holds any tokenizer file."""
+    return assets is not None and (any(safe_paths.present(assets, f) for f in TOKENIZER_FILES)
+                                   or any(True for _ in assets.glob(ASSET_PATTERNS[0])))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from model_providers import get_family
 from model_providers.core.family import dims, hf_parameter_shapes
 from model_providers.core.mapping import ConversionError, Dims, Index, MappingRule
+from pretrain import safe_paths
 from pretrain.hf.files import DTYPES, Progress, commit_dir, discard_dir, peak_rss_bytes, staging_dir
 from pretrain.hf.readers import CheckpointReader, load_run_config
 from pretrain.hf.tokenizer import hf_tokenizer
@@ -86,6 +86,44 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
     return units
 
 
+def _without_custom_code(config: dict | None, architecture: str) -> tuple[dict | None, list[str]]:
+    """`config` without `auto_map` and with `architectures` naming only ours; the keys changed."""
+    if config is None:
+        return None, []
+    out, dropped = dict(config), []
+    if "auto_map" in out:
+        del out["auto_map"]
+        dropped.append("auto_map (custom code)")
+    if out.get("architectures") not in (None, [architecture]):
+        dropped.append(f"architectures={out['architectures']!r}")
+        out["architectures"] = [architecture]
+    return out, dropped
+
+
+def _export_tokenizer(cfg, assets: Path | None, given: str | None, original: dict | None):
+    """(transformers tokenizer or None, the imported tokenizer files' directory or None, original config).
+
+    `--tokenizer` wins; else the imported HF model's tokenizer files; else, for a model imported without a
+    tokenizer whose runs named none since, no tokenizer (weights and config only, with a note); else the run's.
+    """
+    from pretrain.hf.assets import has_tokenizer_files
+    from pretrain.hf.import_checks import TOKENIZER_FIELDS, read_import_record
+
+    if given is None and has_tokenizer_files(assets):
+        return hf_tokenizer(cfg.data, str(assets)), assets, original
+    record = read_import_record(assets)
+    if given is None and record is not None and record.get("no_tokenizer") and \
+            {k: getattr(cfg.data, k) for k in TOKENIZER_FIELDS} == record.get("data_tokenizer_fields"):
+        print(f"[convert] note: the model was imported from {record.get('source')} without tokenizer files and no "
+              "run named one since: exporting weights and config.json only (pass --tokenizer to add one)",
+              file=sys.stderr)
+        return None, None, original
+    tok = hf_tokenizer(cfg.data, given)
+    if original is not None and given is not None:  # the tokenizer given decides the token ids
+        original = {k: v for k, v in original.items() if k not in ("bos_token_id", "eos_token_id")}
+    return tok, None, original
+
+
 def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int | None = None,
                  dtype: str | None = None, tokenizer: str | None = None, overwrite: bool = False,
                  max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> dict:
@@ -109,32 +147,32 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     family = get_family(m.family)
     # The imported HF model's files (config.json, tokenizer, generation config), when the run started from one.
     assets = find_assets(ckpt)
-    original = original_config(assets, family.hf_model_type)
-    if tokenizer is None and assets is not None and any((assets / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer_files = assets
-        tok = hf_tokenizer(cfg.data, str(assets))
-    else:
-        tokenizer_files = None
-        tok = hf_tokenizer(cfg.data, tokenizer)
-        if original is not None and tokenizer is not None:  # the tokenizer given decides the token ids
-            original = {k: v for k, v in original.items() if k not in ("bos_token_id", "eos_token_id")}
+    raw_original = original_config(assets, family.hf_model_type)
+    original, dropped = _without_custom_code(raw_original, family.hf_architecture)
+    if dropped:
+        print(f"[convert] note: the imported config.json's {' and '.join(dropped)} are not exported (an exported "
+              f"model runs as the built-in {family.hf_architecture}, never custom code)", file=sys.stderr)
+    tok, tokenizer_files, original = _export_tokenizer(cfg, assets, tokenizer, original)
     vocab = m.vocab_size
     if vocab is None:
         try:
             vocab = build_tokenizer(cfg.data).vocab_size
         except Exception as exc:  # the run's tokenizer files may be gone; the HF one then decides
-            if tokenizer is None:
+            if tokenizer is None or tok is None:
                 raise ConversionError(f"cannot load the run's tokenizer ({exc}); pass --tokenizer") from None
             vocab = len(tok)
     rows = reader.tensors["embedding.word_embeddings.weight"].size[0]
     if rows < vocab:
         raise ConversionError(f"checkpoint tensor 'embedding.word_embeddings.weight' has {rows} rows, fewer than "
                               f"the vocabulary ({vocab})")
-    if len(tok) > vocab:
-        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}")
+    if tok is not None and len(tok) > vocab:
+        raise ConversionError(f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}: pass "
+                              "--tokenizer with the model's own tokenizer")
     d = dims(m, vocab, rows)
-    hf_cfg = family.to_hf_config(m, vocab, bos=tok.bos_token_id, eos=tok.eos_token_id, dtype=out_dtype, base=original)
+    bos, eos = (tok.bos_token_id, tok.eos_token_id) if tok is not None else (None, None)
+    hf_cfg = family.to_hf_config(m, vocab, bos=bos, eos=eos, dtype=out_dtype, base=original)
     config_json, departs = family.export_config_json(hf_cfg, original)
+    config_json, _ = _without_custom_code(config_json, family.hf_architecture)
     if departs:
         print(f"[convert] note: config.json differs from the imported model's in {', '.join(departs)} (the trained "
               "model's fields)", file=sys.stderr)
@@ -154,17 +192,19 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
                 bar.update(entry.nbytes)
             del source, outs
         writer.close()
-        if original is not None and config_json == original:  # same dtype too: the original file itself
-            shutil.copyfile(assets / "config.json", staging / "config.json")
+        if raw_original is not None and config_json == raw_original:  # same dtype too: the original file itself
+            safe_paths.copy_file(assets, "config.json", staging / "config.json")
         elif original is not None and not departs:
             (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         else:
             (staging / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         if tokenizer_files is not None:  # the imported model's files, unchanged
             write_assets(tokenizer_files, staging, TOKENIZER_FILES + ("generation_config.json",))
-        else:
+        elif tok is not None:
             tok.save_pretrained(str(staging))
-        if not (staging / "generation_config.json").exists():
+        elif assets is not None:  # imported without a tokenizer: weights and config, as the HF directory was
+            write_assets(assets, staging, ("generation_config.json",))
+        if tok is not None and not (staging / "generation_config.json").exists():
             GenerationConfig(bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id).save_pretrained(
                 staging)
         commit_dir(staging, output)

@@ -28,6 +28,16 @@ from pretrain.hf.files import (
     peak_rss_bytes,
     staging_dir,
 )
+from pretrain.hf.import_checks import (
+    TOKENIZER_FIELDS,
+    check_run_config,
+    check_tied_head,
+    config_notes,
+    one_line,
+    read_hf_config,
+    tokenizer_fields,
+    write_import_record,
+)
 from pretrain.hf.readers import HFReader
 from pretrain.hf.writers import StreamingSavePlanner, writer_class
 
@@ -79,12 +89,9 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
                 raise ConversionError(f"{config}: model.{key}={norm.get(key)!r} but the HF model has {want[key]!r}")
         fields = {**fields, "seq_length": model["seq_length"]}  # the training length is the config's
     else:
-        tokenizer_dir = assets if assets is not None else hf_dir.resolve()
-        if (hf_dir / "tokenizer.json").exists():
-            tree["data"].update(tokenizer_type="huggingface", tokenizer_model=str(tokenizer_dir),
-                                vocab_file=None, merge_file=None)
-        elif (hf_dir / "tokenizer.model").exists():
-            tree["data"].update(tokenizer_type="sentencepiece", tokenizer_model=str(tokenizer_dir / "tokenizer.model"))
+        tok = tokenizer_fields(hf_dir, assets if assets is not None else hf_dir.resolve())
+        if tok is not None:
+            tree["data"].update(tok)
         if any(o.split("=", 1)[0].strip() == "model.seq_length" for o in overrides):  # a training setting
             fields = {**fields, "seq_length": model["seq_length"]}
     tree["model"] = {**model, **fields, "preset": None}
@@ -101,27 +108,33 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-    from transformers import AutoConfig
 
     from pretrain.checkpoint.format import write_checkpoint_files
     from pretrain.layout import padded_vocab_size
 
     started = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
-    if not (hf_dir / "config.json").exists():
-        raise ConversionError(f"{hf_dir}: no config.json (not a transformers model directory)")
+    config_json = hf_dir / "config.json"
+    hf_cfg, tree = read_hf_config(hf_dir)
+    hf_family = family_for_hf(hf_cfg)
+    notes = config_notes(tree, hf_family, config_json)
     try:
-        hf_cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ConversionError(f"{hf_dir / 'config.json'}: {exc}") from None
-    fields = family_for_hf(hf_cfg).from_hf_config(hf_cfg)
-    cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides), output.resolve() / ASSET_DIR)
+        fields = hf_family.from_hf_config(hf_cfg)
+    except (TypeError, ValueError, AttributeError, KeyError, ZeroDivisionError) as exc:
+        if isinstance(exc, ConversionError):
+            raise
+        raise ConversionError(f"{config_json}: cannot read the model's sizes ({one_line(exc)})") from None
+    assets_dir = output.resolve() / ASSET_DIR
+    tokenizer = "config" if config else ("hf" if tokenizer_fields(hf_dir, assets_dir) else "none")
+    cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides), assets_dir)
+    check_run_config(cfg, config_json, tokenizer=tokenizer, hf_dir=hf_dir)  # before any tensor is read
     m = cfg.model
     vocab = fields["vocab_size"]
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
     family = get_family(m.family)
     d = dims(m, vocab, padded)
     reader = HFReader(hf_dir)
+    check_tied_head(reader, family, m.share_embeddings_and_output_weights, config_json)
     expected = hf_parameter_shapes(hf_cfg)
     ignored = family.ignored_patterns()
     for name, (shape, st_dtype) in reader.info.items():
@@ -202,10 +215,13 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         common = {"iteration": 0, "consumed_samples": 0, "layout": [0, 0, 0, 0, 0], "config": cfg.to_dict()}
         write_checkpoint_files(staging, common, cfg.to_yaml())
         assets = copy_assets(hf_dir, staging)
+        no_tokenizer = {k: getattr(cfg.data, k) for k in TOKENIZER_FIELDS} if tokenizer == "none" else None
+        write_import_record(staging, hf_dir, no_tokenizer)
         commit_dir(staging, output)
     except BaseException as exc:
         discard_dir(staging, output, exc)
         raise
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
-            "padded_vocab_size": padded, "family": m.family, "hf_assets": assets}
+            "padded_vocab_size": padded, "family": m.family, "hf_assets": assets, "notes": notes,
+            "tokenizer": tokenizer}

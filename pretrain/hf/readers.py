@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from model_providers.core.mapping import ConversionError, Index
+from pretrain import safe_paths
 from pretrain.hf.files import SAFETENSORS_DTYPES, lead_offsets
 
 # Optimizer state keys; MoE models chain a dense and an expert optimizer (`chained_<i>.optimizer...`).
@@ -85,38 +86,52 @@ def load_run_config(ckpt: Path):
 
 
 class HFReader:
-    """Reads single tensors from a safetensors model directory (opening the file per read: no lingering mmap)."""
+    """Reads single tensors from a safetensors model directory (opening the file per read: no lingering mmap).
+
+    Every file is found through `pretrain.safe_paths`: an index naming an absolute path, a `../` path or a
+    symlink that leaves the directory (other than into an HF cache's blobs) is refused."""
 
     def __init__(self, directory: Path):
         self.dir = directory
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+        index_name = "model.safetensors.index.json"
+        if safe_paths.present(directory, index_name):
+            try:
+                weight_map = json.loads(safe_paths.read_bytes(directory, index_name))["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConversionError(f"{directory / index_name}: not a safetensors index ({exc!r})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ConversionError(f"{directory / index_name}: weight_map is not a mapping of tensor names to "
+                                      "file names")
         else:
-            files = sorted(directory.glob("*.safetensors"))
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
             if not files:
                 bins = sorted(p.name for p in directory.glob("*.bin"))
                 hint = f" (found {bins[0]}; only safetensors are read: pickled .bin files can run code)" if bins else ""
                 raise ConversionError(f"{directory}: no *.safetensors weights{hint}")
             weight_map = {}
-            for f in files:
-                with _open_safetensors(f) as st:
-                    weight_map.update({k: f.name for k in st.keys()})
+            for name in files:
+                with _open_safetensors(self._path(name, "a weights file")) as st:
+                    weight_map.update({k: name for k in st.keys()})
         self.weight_map: dict[str, str] = weight_map
+        self.paths: dict[str, Path] = {}
         self.info: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for fname in sorted(set(weight_map.values())):
-            path = directory / fname
-            if not path.exists():
-                raise ConversionError(f"{path}: listed in the index but missing")
+            self.paths[fname] = path = self._path(fname, f"named by {index_name}")
             with _open_safetensors(path) as st:
                 for k in st.keys():
                     sl = st.get_slice(k)
                     self.info[k] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), k))
 
+    def _path(self, name: str, what: str) -> Path:
+        try:
+            return safe_paths.inside(self.dir, name, what)
+        except FileNotFoundError:
+            raise ConversionError(f"{self.dir / name}: listed in the index but missing") from None
+
     def read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self.dir / self.weight_map[name]), "pt") as st:
+        with safe_open(str(self.paths[self.weight_map[name]]), "pt") as st:
             return st.get_tensor(name)
 
 

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from model_providers.core.mapping import ConversionError
+from pretrain import safe_paths
 from pretrain.tokenizer.types import BYTE_BPE, HUGGINGFACE, SENTENCEPIECE, tokenizer_kind
 
 
@@ -22,8 +23,9 @@ def hf_tokenizer(data_cfg, override: str | None = None):
             return LlamaTokenizer.from_pretrained(tmp)
 
     def from_path(p: Path):
-        if p.is_dir():
-            return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        if p.is_dir():  # transformers reads the directory's files itself: each is checked first
+            return AutoTokenizer.from_pretrained(str(safe_paths.check_directory(p, "a tokenizer file")),
+                                                 local_files_only=True)
         if p.suffix == ".model":
             return from_sentencepiece(p)
         if p.suffix == ".json":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pretrain.config import Config
 from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_shape
 from pretrain.problems import Report
@@ -124,6 +126,16 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                         f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
 
 
+def _moe_keys_on_a_dense_model(r: Report, m) -> None:
+    """MoE settings changed from their defaults on a model without experts would do nothing: refused."""
+    defaults = {f.name: f.default for f in dataclasses.fields(m) if f.name.startswith("moe_")}
+    changed = [f"model.{k}={getattr(m, k)}" for k, default in defaults.items() if getattr(m, k) != default]
+    if changed:
+        r.error(tuple(c.split("=")[0] for c in changed) + ("model.num_moe_experts",),
+                f"{', '.join(changed)} set but the model has no experts (model.num_moe_experts is null): MoE "
+                "settings do nothing on a dense model", "remove them, or set model.num_moe_experts for an MoE model")
+
+
 def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Mixture of Experts: expert groups, routing, capacity and the spec."""
     m, p = cfg.model, cfg.parallel
@@ -133,6 +145,7 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
             keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)
             r.error(keys + ("model.num_moe_experts",), f"{keys[0]} is set but the model has no experts "
                     "(model.num_moe_experts is null)", f"set model.num_moe_experts or remove {keys[0]}")
+        _moe_keys_on_a_dense_model(r, m)
         return
     experts = m.num_moe_experts
     if experts % p.expert != 0:

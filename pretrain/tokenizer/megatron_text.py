@@ -93,3 +93,22 @@ class SpecTokenizer(MegatronTokenizerText):
             return self._tokenizer.eos_id
         return self._tokenizer.eod
 
+
+class NullTextTokenizer(MegatronTokenizerText):
+    """Megatron-Core's ``NullTokenizer`` (ids only, no files) with ``vocab_size`` ids and EOD the last id, on
+    every supported release (0.16's ``NullTokenizer(n)`` has ``n`` ids plus an EOD id ``n``; later releases'
+    have ``n`` ids with EOD ``n - 1``: the size is checked, not the version)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(None, {"library": "null", "model_type": _MEGATRON_MODEL_TYPE, "chat_template": None},
+                         vocab_size=int(vocab_size))
+        if self.vocab_size != vocab_size or self.eod != vocab_size - 1:
+            raise RuntimeError(f"megatron-core's NullTokenizer gave {self.vocab_size} ids with EOD {self.eod}, "
+                               f"expected {vocab_size} with EOD {vocab_size - 1}")
+
+    def _restore_model(self, **kwargs: Any) -> Any:
+        from megatron.core.tokenizers.text.libraries import NullTokenizer
+
+        size = int(kwargs["vocab_size"])
+        lib = NullTokenizer(size)
+        return lib if lib.vocab_size == size else NullTokenizer(size - 1)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain import safe_paths
 from pretrain.tokenizer.types import BYTE_BPE, SENTENCEPIECE, TIKTOKEN, TokenizerError, checked_kind
 
 
@@ -63,13 +64,23 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _in_dir(model_dir: Path, name: str) -> Path:
+    """A file the tokenizer directory names, read only inside it (`pretrain.safe_paths`)."""
+    try:
+        return safe_paths.inside(model_dir, name, "in the tokenizer directory")
+    except (safe_paths.UnsafePathError, FileNotFoundError) as e:
+        raise TokenizerError(str(e)) from None
+
+
 def _eos_from_config(model_dir: Path) -> str | None:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         cfg = model_dir / name
-        if cfg.is_file():
+        if safe_paths.present(model_dir, name) and not cfg.is_dir():
             try:
-                eos = _token_content(json.loads(cfg.read_text(encoding="utf-8")).get("eos_token"))
-            except (OSError, ValueError) as e:
+                eos = _token_content(json.loads(_in_dir(model_dir, name).read_text(encoding="utf-8")).get("eos_token"))
+            except (OSError, ValueError, AttributeError) as e:
+                if isinstance(e, TokenizerError):
+                    raise
                 raise TokenizerError(f"{cfg}: not valid JSON ({e})") from e
             if eos:
                 return eos
@@ -98,8 +109,9 @@ def resolve_spec(
         raise TokenizerError("huggingface tokenizer needs --tokenizer-model (tokenizer.json or its directory)")
     model = Path(tokenizer_model)
     if model.is_dir():
-        model = model / "tokenizer.json"
-        if not model.is_file():
+        if not safe_paths.present(model, "tokenizer.json"):
             raise TokenizerError(f"{tokenizer_model}: directory holds no tokenizer.json")
+        _in_dir(model, "tokenizer.json")
+        model = model / "tokenizer.json"
     model_path = _need_file(model, "HuggingFace --tokenizer-model")
     return TokenizerSpec("hf-json", model=model_path, eos_token=_eos_from_config(model.parent), add_special_tokens=True)

@@ -188,3 +188,29 @@ def test_arrow_text_column() -> None:
         rt, ro = ref.encode(texts)
         assert o.tolist() == ro.tolist() and t.tolist() == rt.tolist()
     assert enc.rerouted == 4 and enc.mismatches == 0
+
+
+def test_tokenizer_directory_is_read_only_inside(tmp_path: Path, small_corpus: Path, capsys) -> None:
+    """A tokenizer directory whose tokenizer.json / tokenizer_config.json leaves it (a symlink) is refused with one
+    line (pretrain/safe_paths.py); an HF cache snapshot's links into its own blobs/ are fine."""
+    from pretrain.tokenizer.spec import resolve_spec
+
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        d = tmp_path / f"tok_{name}"
+        d.mkdir()
+        (d / "tokenizer.json").write_text("{}")
+        (d / name).unlink(missing_ok=True)
+        (d / name).symlink_to(outside)
+        line = _cli_error(capsys, ["preprocess", "--input", str(small_corpus), "--output-prefix", str(tmp_path / "o"),
+                                   "--tokenizer-type", "huggingface", "--tokenizer-model", str(d)])
+        assert line.startswith(f"error: {d}/{name}: resolves to {outside}, outside {d} (in the tokenizer directory)")
+    blobs, snap = tmp_path / "models--a--b" / "blobs", tmp_path / "models--a--b" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (blobs / "abc").write_text('{"eos_token": "</s>"}')
+    (blobs / "def").write_text("{}")
+    (snap / "tokenizer_config.json").symlink_to("../../blobs/abc")
+    (snap / "tokenizer.json").symlink_to("../../blobs/def")
+    assert resolve_spec("huggingface", str(snap)).eos_token == "</s>"

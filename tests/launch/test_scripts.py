@@ -1,4 +1,5 @@
-"""launch/*.sh without a cluster: shellcheck-clean, and a clear error when not run under Slurm."""
+"""launch/*.sh without a cluster: shellcheck-clean, a clear error when not run under Slurm, OVERRIDES split like a
+shell, and a whole attempt (`launch_pretrain`) run against stand-ins for srun/scontrol and the trainer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,8 @@ def test_launch_scripts_exist():
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 def test_shellcheck_clean():
-    scripts = [*SCRIPTS, REPO / "tests" / "launch" / "local_slurm.sh"]
+    scripts = [*SCRIPTS, REPO / "tests" / "launch" / "local_slurm.sh", REPO / "tests" / "gpu" / "run.sh",
+               REPO / "scripts" / "install.sh", REPO / ".ci" / "run"]
     done = subprocess.run(["shellcheck", "-x", *map(str, scripts)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -80,7 +83,7 @@ def script_overrides(script: str, tmp_path: Path, **env: str) -> tuple[str, list
     done = subprocess.run(["bash", str(REPO / "launch" / script)], cwd=tmp_path, capture_output=True, text=True,
                           env={**clean, "PROJECT_DIR": str(tmp_path / "checkout"), **env}, timeout=30)
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.split()
+    lines = done.stdout.splitlines()
     return lines[0].removeprefix("CONFIG="), lines[1:]
 
 
@@ -96,3 +99,89 @@ def test_moe_script_layout_is_accepted_by_the_validator_and_the_planner(tmp_path
     assert cfg.model.preset == "qwen3_30b_a3b" and cfg.model.num_moe_experts == 128
     report = validate(cfg, 16, te_on_gpu=True, cuda_available=True, files=False)  # layout only: data is on the cluster
     assert report.ok, report.text()
+
+
+# OVERRIDES as a user writes it: a value with spaces in double quotes, a YAML list with a space in single quotes,
+# and text a shell would expand or run, which must arrive as it is.
+OVERRIDES = """run.name="my run" 'data.blend=["/d/a b"]' train.steps=3 logging.wandb.name=$HOME`id`"""
+SPLIT = ["run.name=my run", 'data.blend=["/d/a b"]', "train.steps=3", "logging.wandb.name=$HOME`id`"]
+
+
+def test_overrides_are_split_like_a_shell(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "LAUNCH_PRINT_OVERRIDES": "1"}
+    done = subprocess.run(["bash", str(REPO / "launch" / "pretrain_tiny.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "OVERRIDES": OVERRIDES}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["pretrain/configs/tiny_llama.yaml", *SPLIT]
+    done = subprocess.run(["bash", str(REPO / "launch" / "pretrain_tiny.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "OVERRIDES": 'run.name="my run'}, timeout=30)
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line.endswith('error: OVERRIDES cannot be split into words (unmatched double quote): run.name="my run'), line
+
+
+def _fake_cluster(tmp_path: Path) -> tuple[dict, Path]:
+    """Stand-ins on PATH for scontrol and srun (which runs its command once, here), and a PYTHON that records
+    each `-m pretrain ...` command line (NUL-separated, one file per subcommand) and, for `train`, writes
+    run.dir/exit_status.json `completed`; with FAKE_REAL_VALIDATE=1 `validate` runs the real one."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    calls.mkdir()
+    scripts = {
+        "scontrol": '#!/bin/bash\n[[ $1 == show && $2 == hostnames ]] && echo localhost\nexit 0\n',
+        "srun": f'#!/bin/bash\ntouch {calls}/srun\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n',
+        "python": ('#!/bin/bash\n'
+                   f'[[ $3 == validate && $FAKE_REAL_VALIDATE == 1 ]] && exec {sys.executable} "$@"\n'
+                   f'printf "%s\\0" "$@" > {calls}/$3\n'
+                   'if [[ $3 == train ]]; then for a in "$@"; do [[ $a == run.dir=* ]] && rd=${a#run.dir=}; done\n'
+                   '  echo \'{"reason": "completed", "step": 3}\' > "$rd/exit_status.json"; fi\n'),
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "PROJECT_DIR": str(REPO),
+           "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "RUN_DIR": str(tmp_path / "run")}
+    return env, calls
+
+
+def _argv(path: Path) -> list[str]:
+    return path.read_text().split("\0")[:-1]
+
+
+def test_overrides_with_spaces_reach_the_validator_and_the_trainer(tmp_path):
+    """One whole attempt of launch/pretrain_tiny.sh: each override arrives as one argument, in both commands."""
+    env, calls = _fake_cluster(tmp_path)
+    done = subprocess.run(["bash", str(REPO / "launch" / "pretrain_tiny.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "OVERRIDES": OVERRIDES}, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "training completed at step 3" in done.stdout, done.stdout
+    config, run_dir = str(REPO / "pretrain/configs/tiny_llama.yaml"), tmp_path / "run"
+    assert _argv(calls / "validate") == ["-m", "pretrain", "validate", config, *SPLIT, f"run.dir={run_dir}",
+                                         "--world-size", "1", "--check-lock"]
+    assert _argv(calls / "train") == ["-m", "pretrain", "train", config, *SPLIT, f"run.dir={run_dir}"]
+
+
+def test_a_duplicate_submission_is_stopped_before_touching_the_run_dir(tmp_path):
+    """Another live trainer holds RUN_DIR (here: this test process holds its lock): the attempt ends at the
+    validator with the holder's line, exit 1, no srun, no requeue, and RUN_DIR's files stay as they were."""
+    from pretrain.output_lock import Target, hold
+
+    env, calls = _fake_cluster(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    status = '{"reason": "running", "step": null, "signal": null, "message": null}\n'
+    (run_dir / "exit_status.json").write_text(status)
+    with hold([Target(run_dir, "run.dir", inside=True)]):
+        done = subprocess.run(["bash", str(REPO / "launch" / "pretrain_tiny.sh")], cwd=tmp_path, capture_output=True,
+                              text=True, env={**env, "FAKE_REAL_VALIDATE": "1", "OVERRIDES": "data.mock=true"},
+                              timeout=180)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if "error" in ln]
+    assert line.startswith(f"[pretrain] error: run.dir {run_dir} is in use by another writer: host "), line
+    assert f", pid {os.getpid()}, " in line, line
+    assert "not starting training, not requeueing" in done.stdout, done.stdout
+    assert not (calls / "srun").exists() and not (calls / "train").exists()
+    assert (run_dir / "exit_status.json").read_text() == status and sorted(p.name for p in run_dir.iterdir()) == [
+        "exit_status.json"]

@@ -8,6 +8,11 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
                  last, metrics.jsonl up to it)
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
     stall_in_save  step: the writer processes of that step's checkpoint hang (for a test to kill the trainer)
+    writer_dies_in_save  step: the asynchronous writer of that step's checkpoint is killed (SIGKILL) mid-write
+    die_at       [point, step]: stop train() dead (a BaseException nothing handles, like a kill: no later write
+                 happens) in the commit of that step's save, right after `journal` (commit_in_progress.txt),
+                 `run_config` (run_config.yaml) or `tracker` is written, or at `prune` (run_config.yaml of the
+                 first pruned checkpoint removed, its files not yet)
     evil_rng     true: save a per-rank RNG object that runs code when unpickled (for the refusal tests)
     load_object  [checkpoint_dir, key]: load only that ShardedObject with Megatron's planner (no pre-check)
     mutate       [[op, path relative to run.dir, arg], ...] applied after copy_from: truncate (fraction kept),
@@ -28,6 +33,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -131,58 +137,96 @@ def _nan_into(checkpoint: Path, key: str) -> None:
     raise KeyError(f"{key} not in {checkpoint}")
 
 
-def _install_crash(step: int) -> None:
+def _arm_writers(step: int, flag: str, action) -> list:
+    """Wrap Megatron's per-item checkpoint writer: in the save of `step` (the writer processes it forks inherit
+    the environment flag `flag`), `action()` runs after the first item is written. Returns what to undo."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from pretrain.checkpoint import save as checkpoint_save
+
+    original_write_item = filesystem_async._write_item
+    original_save = checkpoint_save.save_checkpoint
+
+    @functools.wraps(original_write_item)  # Megatron inspects its signature
+    def write_item(*args, **kwargs):
+        result = original_write_item(*args, **kwargs)
+        if os.environ.get(flag) == "1":
+            action()
+        return result
+
+    def save_checkpoint(*args, **kwargs):
+        if kwargs.get("step") == step:
+            os.environ[flag] = "1"  # inherited by the forked writers
+            os.environ["CKPT_TRAINER_PID"] = str(os.getpid())
+        return original_save(*args, **kwargs)
+
+    filesystem_async._write_item = write_item
+    checkpoint_save.save_checkpoint = save_checkpoint
+    return [(filesystem_async, "_write_item", original_write_item), (checkpoint_save, "save_checkpoint", original_save)]
+
+
+def _install_crash(step: int) -> list:
     """SIGKILL the trainer from inside a checkpoint writer process, after its first item of `step`."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from pretrain.checkpoint import save as checkpoint_save
-
     trainer = os.getpid()
-    original_write_item = filesystem_async._write_item
-    original_save = checkpoint_save.save_checkpoint
 
-    @functools.wraps(original_write_item)  # Megatron inspects its signature
-    def write_item(*args, **kwargs):
-        result = original_write_item(*args, **kwargs)
-        if os.environ.get("CKPT_CRASH_ARMED") == "1":
-            os.kill(trainer, signal.SIGKILL)
-            os._exit(1)
-        return result
+    def crash():
+        os.kill(trainer, signal.SIGKILL)
+        os._exit(1)
 
-    def save_checkpoint(*args, **kwargs):
-        if kwargs.get("step") == step:
-            os.environ["CKPT_CRASH_ARMED"] = "1"  # inherited by the forked writers
-        return original_save(*args, **kwargs)
-
-    filesystem_async._write_item = write_item
-    checkpoint_save.save_checkpoint = save_checkpoint
+    return _arm_writers(step, "CKPT_CRASH_ARMED", crash)
 
 
-def _install_stall(step: int) -> None:
+def _install_stall(step: int) -> list:
     """Make the checkpoint writer of `step` hang (as on a slow file system) after its first item."""
-    import time
+    return _arm_writers(step, "CKPT_STALL_ARMED", lambda: time.sleep(600))
 
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+def _install_writer_death(step: int) -> list:
+    """SIGKILL the asynchronous writer process (not the trainer) after its first item of `step`."""
+
+    def die():
+        trainer = os.environ["CKPT_TRAINER_PID"]
+        if str(os.getpid()) != trainer:  # the writer is the trainer's child; a worker it forked kills it too
+            os.kill(os.getpid() if str(os.getppid()) == trainer else os.getppid(), signal.SIGKILL)
+            os._exit(1)
+
+    return _arm_writers(step, "CKPT_WRITER_DIES", die)
+
+
+class SimulatedKill(BaseException):
+    """Raised where a kill would stop the trainer: nothing catches it, so nothing more is written."""
+
+
+def _install_die_at(point: str, step: int) -> list:
+    """`die_at`: wrap the writes of the commit (pretrain.checkpoint.format.write_atomic) and the pruning."""
+    from pretrain.checkpoint import format as checkpoint_format
     from pretrain.checkpoint import save as checkpoint_save
 
-    original_write_item = filesystem_async._write_item
+    names = {"journal": "commit_in_progress.txt", "run_config": "run_config.yaml",
+             "tracker": "latest_checkpointed_iteration.txt"}
+    original_write, original_rmtree = checkpoint_format.write_atomic, checkpoint_save.shutil.rmtree
+    armed = {"on": False}
     original_save = checkpoint_save.save_checkpoint
 
-    @functools.wraps(original_write_item)  # Megatron inspects its signature
-    def write_item(*args, **kwargs):
-        result = original_write_item(*args, **kwargs)
-        if os.environ.get("CKPT_STALL_ARMED") == "1":
-            time.sleep(600)
-        return result
-
     def save_checkpoint(*args, **kwargs):
-        if kwargs.get("step") == step:
-            os.environ["CKPT_STALL_ARMED"] = "1"  # inherited by the forked writers
+        armed["on"] = kwargs.get("step") == step
         return original_save(*args, **kwargs)
 
-    filesystem_async._write_item = write_item
+    def write_atomic(path, data, **kwargs):
+        original_write(path, data, **kwargs)
+        if armed["on"] and point in names and Path(path).name == names[point]:
+            raise SimulatedKill(f"killed after writing {path}")
+
+    def rmtree(path, *args, **kwargs):
+        if armed["on"] and point == "prune" and Path(path).name.startswith("iter_"):
+            raise SimulatedKill(f"killed while pruning {path}")
+        return original_rmtree(path, *args, **kwargs)
+
+    checkpoint_format.write_atomic = write_atomic
     checkpoint_save.save_checkpoint = save_checkpoint
+    checkpoint_save.shutil.rmtree = rmtree
+    return [(checkpoint_format, "write_atomic", original_write), (checkpoint_save, "save_checkpoint", original_save),
+            (checkpoint_save.shutil, "rmtree", original_rmtree)]
 
 
 def _load_object(checkpoint: str, key: str, world: int, rank: int) -> None:
@@ -216,10 +260,15 @@ def run_case(case: dict, results: dict) -> None:
     original_rng = checkpoint_state._rng_state
     if case.get("evil_rng"):
         checkpoint_state._rng_state = lambda: {"python": Evil(case["evil_rng"])}
+    undo = []
     if case.get("crash_in_save"):
-        _install_crash(int(case["crash_in_save"]))
+        undo += _install_crash(int(case["crash_in_save"]))
     if case.get("stall_in_save"):
-        _install_stall(int(case["stall_in_save"]))
+        undo += _install_stall(int(case["stall_in_save"]))
+    if case.get("writer_dies_in_save"):
+        undo += _install_writer_death(int(case["writer_dies_in_save"]))
+    undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
+    started = time.perf_counter()
     try:
         with megatron_fixes.disabled(*case.get("without_fixes", [])), \
                 cpu_shims.switched_off(*case.get("without_cpu_shims", [])):
@@ -229,11 +278,14 @@ def run_case(case: dict, results: dict) -> None:
             else:
                 summary = train(cfg)
         results[name] = {"ok": True, "error": None, "summary": summary}
-    except (Exception, CheckpointException) as exc:  # recorded for the test to assert on
+    except (Exception, CheckpointException, SimulatedKill) as exc:  # recorded for the test to assert on
         results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "summary": None,
                          "traceback": traceback.format_exc()}
     finally:
         checkpoint_state._rng_state = original_rng
+        for owner, attribute, original in reversed(undo):
+            setattr(owner, attribute, original)
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
 
 
 def main(plan_path: str) -> int:

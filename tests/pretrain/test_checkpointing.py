@@ -48,9 +48,11 @@ def test_tracker_names_missing_iteration(tmp_path):
 def test_prune_keeps_last_k_and_drops_stale_partials(tmp_path):
     from pretrain.checkpoint.save import _prune
 
-    for it in (2, 4, 6, 8, 10):
+    for it in (2, 4, 5, 6, 8, 10):
         (tmp_path / f"iter_{it:07d}").mkdir()
-    _prune(tmp_path, keep_last=2, current=6)  # 8 and 10: left by a crashed run after resuming from 6
+    for it in (2, 4, 6):  # complete; 8 and 10: left by a crashed run after resuming from 6; 5: a half-pruned one
+        (tmp_path / f"iter_{it:07d}" / "run_config.yaml").write_text("{}\n")
+    _prune(tmp_path, keep_last=2, current=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000006"]
     _prune(tmp_path, keep_last=None, current=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000006"]
@@ -141,6 +143,8 @@ def single_process_cases(tmp_path_factory):
          "load_object": [f"{root}/evil/checkpoints/iter_0000002", "rng_state"]},
         {"name": "shape_mismatch", "overrides": base + ["model.hidden_size=256", f"run.dir={root}/shape"],
          "copy_from": [f"{root}/good", 2]},
+        {"name": "shape_mismatch_pretrained", "overrides": base + ["model.hidden_size=256", f"run.dir={root}/shape_pre",
+                                                                   f"checkpoint.pretrained={root}/good"]},
         {"name": "pretrained_missing", "overrides": base + [f"checkpoint.pretrained={root}/none",
                                                             f"run.dir={root}/pre"]},
         {"name": "nan_stop", "overrides": SMALL + ["train.steps=3", "optimizer.lr=1e30", "optimizer.warmup_steps=0",
@@ -155,6 +159,19 @@ def single_process_cases(tmp_path_factory):
     keep = [["write", f"checkpoints/iter_{s:07d}/KEEP", "a file a deletion would take with it"] for s in (2, 4)]
     cases += [
         {"name": "six", "overrides": six + ["checkpoint.interval=2", f"run.dir={root}/six"]},
+        # optimizer.distributed toggled on resume: "good" (distributed, = six at step 2) → non-distributed for steps
+        # 3-4 (decay over 6 steps, as six) → distributed for steps 5-6.
+        {"name": "dist_off", "overrides": SMALL + ["train.steps=4", "optimizer.decay_steps=6",
+                                                   "checkpoint.interval=null", "optimizer.distributed=false",
+                                                   f"run.dir={root}/dist_off"],
+         "copy_from": [f"{root}/good", 2]},
+        {"name": "dist_on", "overrides": SMALL + ["train.steps=6", "checkpoint.interval=null",
+                                                  "optimizer.distributed=true", f"run.dir={root}/dist_on"],
+         "copy_from": [f"{root}/dist_off", 4]},
+        # A changed lr and min_lr on resume (megatron-core 0.19 pairs param groups by them): the new schedule runs.
+        {"name": "lr_changed", "overrides": base + ["train.steps=3", "optimizer.lr=5e-4", "optimizer.min_lr=5e-5",
+                                                    "checkpoint.save_at_end=false", f"run.dir={root}/lr_changed"],
+         "copy_from": [f"{root}/good", 2]},
         {"name": "no_tracker", "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/no_tracker"],
          "copy_from": [f"{root}/six", [2, 4]],
          "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
@@ -177,13 +194,13 @@ def single_process_cases(tmp_path_factory):
     log = root / "worker.log"
     rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=420)
     assert rc == 0, log_text(log)[-4000:]
-    return root, json.loads((root / "results.json").read_text()), marker
+    return root, json.loads((root / "results.json").read_text()), marker, log_text(log)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,expected", [(n, e) for n, _, e in BAD])
 def test_bad_checkpoint_clear_error(single_process_cases, name, expected):
-    _, results, marker = single_process_cases
+    _, results, marker, _ = single_process_cases
     assert results["good"]["ok"], results["good"]
     res = results[name]
     assert not res["ok"]
@@ -195,7 +212,7 @@ def test_bad_checkpoint_clear_error(single_process_cases, name, expected):
 
 @pytest.mark.slow
 def test_pickled_object_inside_checkpoint_refused(single_process_cases):
-    _, results, marker = single_process_cases
+    _, results, marker, _ = single_process_cases
     assert results["evil_rng_save"]["ok"]
     err = results["evil_rng_load"]["error"]
     assert "object 'rng_state/shard_0_1' refused by the weights-only loader" in err and "exec" in err, err
@@ -207,16 +224,49 @@ def test_pickled_object_inside_checkpoint_refused(single_process_cases):
 
 @pytest.mark.slow
 def test_incompatible_model_shape(single_process_cases):
-    _, results, _ = single_process_cases
+    root, results, _, _ = single_process_cases
+    # Resuming: the resume contract refuses before anything loads.
     err = results["shape_mismatch"]["error"]
+    assert err.startswith(f"CheckpointError: {root}/shape/checkpoints/iter_0000002: cannot resume with "
+                          "model.hidden_size 128 → 256, model.kv_channels 16 → 32: these must match"), err
+    # Pretrained weights: the tensor check names the first tensor that does not fit.
+    err = results["shape_mismatch_pretrained"]["error"]
     assert err.startswith("CheckpointError: "), err
     assert "has shape [" in err and "in the checkpoint but [" in err and "hidden_size 128 → 256" in err, err
     assert "no such checkpoint or run directory" in results["pretrained_missing"]["error"]
 
 
 @pytest.mark.slow
+def test_distributed_optimizer_toggled_on_resume(single_process_cases):
+    """Distributed → non-distributed → distributed optimizer on resume: the Adam state carries over (the losses
+    and gradient norms of steps 3-6 are the uninterrupted distributed run's), each toggle printed."""
+    root, results, _, log = single_process_cases
+    for name in ("six", "dist_off", "dist_on"):
+        assert results[name]["ok"], results[name].get("traceback") or results[name]["error"]
+    ref = {m["step"]: m for m in metrics(root / "six")}
+    got = {m["step"]: m for m in metrics(root / "dist_on")}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for s in (3, 4, 5, 6):
+        assert got[s]["lr"] == ref[s]["lr"] and got[s]["consumed_samples"] == ref[s]["consumed_samples"]
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 2e-6 * abs(ref[s]["loss"]), (s, got[s], ref[s])
+        assert abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) <= 1e-4 * ref[s]["grad_norm"], (s, got[s], ref[s])
+    assert "resume: optimizer.distributed true → false (the optimizer state is converted" in log
+    assert "resume: optimizer.distributed false → true (the optimizer state is converted" in log
+
+
+@pytest.mark.slow
+def test_changed_lr_applies_after_resume(single_process_cases):
+    """On this release too: after a resume with another optimizer.lr, the lr logged is the new schedule's
+    (tiny_llama: 5 warmup steps, so 3/5 of the new lr at step 3; the checkpoint's would be 6e-4)."""
+    root, results, _, log = single_process_cases
+    assert results["lr_changed"]["ok"], results["lr_changed"].get("traceback") or results["lr_changed"]["error"]
+    assert [m["lr"] for m in metrics(root / "lr_changed")] == pytest.approx([2e-4, 4e-4, 3e-4], rel=1e-12)
+    assert "resume: optimizer.lr 0.001 → 0.0005 (the LR schedule is re-derived" in log
+
+
+@pytest.mark.slow
 def test_nan_policy_and_time_limit(single_process_cases):
-    root, results, _ = single_process_cases
+    root, results, _, _ = single_process_cases
     err = results["nan_stop"]["error"]
     assert re.match(r"TrainingStopped: step 2: (loss|gradient norm) (nan|inf)", err), err
     assert "train.nan_policy=stop" in err
@@ -241,7 +291,7 @@ def _iters(run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_missing_tracker_resumes_from_newest_complete_checkpoint(single_process_cases):
-    root, results, _ = single_process_cases
+    root, results, _, _ = single_process_cases
     assert results["six"]["ok"], results["six"]
     res = results["no_tracker"]
     assert res["ok"], res
@@ -262,7 +312,7 @@ def test_missing_tracker_resumes_from_newest_complete_checkpoint(single_process_
 
 @pytest.mark.slow
 def test_complete_checkpoints_never_given_up(single_process_cases):
-    root, results, _ = single_process_cases
+    root, results, _, _ = single_process_cases
     err = results["tracker_behind"]["error"]
     tracker = root / "tracker_behind/checkpoints/latest_checkpointed_iteration.txt"
     assert err == (f"CheckpointError: {tracker}: names iteration 2 but newer complete checkpoints exist "

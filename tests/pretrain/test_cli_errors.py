@@ -87,6 +87,11 @@ def cli_results(tmp_path_factory):
                                                             f"checkpoint.dir={root}/ckpt_full_async"]},
             {"name": "disk_full_data_cache", "argv": [*TRAIN, f"run.dir={root}/full3",
                                                       f"data.cache_dir={root}/cache_full"]},
+            {"name": "checkpoints_read_only", "argv": [*TRAIN, f"run.dir={root}/roc",
+                                                       f"checkpoint.dir={root}/ro/ckpt"]},
+            {"name": "pretrained_uncommitted", "setup": [["copy", f"{root}/partial", f"{root}/good"],
+                                                         ["delete", f"{root}/partial/{ITER}/run_config.yaml"]],
+             "argv": ["validate", "tiny_llama", *SMALL, f"checkpoint.pretrained={root}/partial/{ITER}"]},
         ]
         plan = root / "plan.json"
         plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
@@ -137,7 +142,25 @@ def test_disk_full_checkpoint_one_line(cli_results, name, directory):
                         r"\([\d,]+ bytes free on its file system\); nothing was committed", line), line
     assert list((root / directory).iterdir()) == []  # the partial save is removed, no tracker
     run_dir = root / ("full1" if directory == "ckpt_full" else "full2")
-    assert json.loads((run_dir / "exit_status.json").read_text())["reason"] == "failed"
+    status = json.loads((run_dir / "exit_status.json").read_text())
+    assert status["reason"] == "failed" and status["step"] == 2, status  # the last step reached
+
+
+def test_read_only_checkpoints_found_before_step_1(cli_results):
+    root, results, _ = cli_results
+    line = _one_error_line(results["checkpoints_read_only"])
+    assert line == (f"{root}/ro/ckpt: checkpoints cannot be written there (Read-only file system); found before "
+                    "step 1: make it writable or set checkpoint.dir to a writable directory")
+    assert not (root / "roc/metrics.jsonl").exists()  # no step was trained
+    assert json.loads((root / "roc/exit_status.json").read_text())["reason"] == "failed"
+
+
+def test_validate_refuses_uncommitted_pretrained(cli_results):
+    root, results, _ = cli_results
+    res = results["pretrained_uncommitted"]
+    assert res["rc"] == 2 and res["escaped"] is None, res
+    assert (f"[checkpoint.pretrained] checkpoint.pretrained: {root}/partial/{ITER}: an incomplete checkpoint (no "
+            "run_config.yaml: its save never committed)") in res["stderr"], res["stderr"]
 
 
 def test_disk_full_data_cache_one_line(cli_results):

@@ -79,6 +79,21 @@ CASES = [
      "[model.rope_scaling_high_freq_factor, model.rope_scaling_low_freq_factor] RoPE scaling needs "
      "model.rope_scaling_high_freq_factor=1.0 above model.rope_scaling_low_freq_factor=1.0. Fix: use e.g. 4 (high) "
      "and 1 (low)"),
+    (["model.vocab_size=512"], 1,  # tiny_llama trains on mock data: ids 1..4095 of the tokenizer
+     "[model.vocab_size, data.mock, data.tokenizer_model] model.vocab_size=512 (model.preset=tiny_llama) is smaller "
+     "than the tokenizer's vocabulary of 32,000 (the embedded Mistral-7B SentencePiece, as data.tokenizer_model is "
+     "null), and mock data draws its ids up to 4,095 from it: token ids from 512 would have no embedding row. Fix: "
+     "set model.vocab_size >= 32000 (or null: the tokenizer's), or name the model's own tokenizer in "
+     "data.tokenizer_type/data.tokenizer_model"),
+    (["model.vocab_size=4096", "data.mock=false"], 1,
+     "[model.vocab_size, data.tokenizer_model] model.vocab_size=4,096 (model.preset=tiny_llama) is smaller than the "
+     "tokenizer's vocabulary of 32,000 (the embedded Mistral-7B SentencePiece, as data.tokenizer_model is null): "
+     "token ids 4,096 to 31,999 would have no embedding row. Fix: set model.vocab_size >= 32000 (or null: the "
+     "tokenizer's), or name the model's own tokenizer in data.tokenizer_type/data.tokenizer_model"),
+    (["model.vocab_size=0"], 1, "[model.vocab_size] model.vocab_size=0 must be at least 1. Fix: set "
+     "model.vocab_size to a positive integer, or null to derive it"),
+    (["model.ffn_hidden_size=-1"], 1, "[model.ffn_hidden_size] model.ffn_hidden_size=-1 must be at least 1. Fix: "
+     "set model.ffn_hidden_size to a positive integer, or null to derive it"),
 ]
 
 
@@ -86,6 +101,17 @@ CASES = [
 def test_each_rule_reports_exact_message(overrides, world, message):
     got = problems(overrides, world)
     assert message in got, got
+
+
+def test_mock_vocab_rule_knows_megatron_mock_ids():
+    """The vocabulary rule's bound on mock ids is Megatron-Core's (`MockGPTLowLevelDataset`), and a vocabulary that
+    covers them (the test suite's 4096 with the 32,000-token tokenizer) passes."""
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    from pretrain.rules.vocab import MOCK_MAX_SEQUENCE
+
+    assert MockGPTLowLevelDataset.max_sequence_length == MOCK_MAX_SEQUENCE
+    assert not [p for p in problems(["model.vocab_size=4096"], 1) if "model.vocab_size" in p]
 
 
 def test_context_parallel_runs_with_and_without_transformer_engine():
