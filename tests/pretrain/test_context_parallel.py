@@ -5,8 +5,9 @@ the p2p ring) inside Megatron-Core's GPTModel, with Megatron's own batch split, 
 Each layout trains 4 steps (fp32, the embedded corpus) and must give the one-rank losses and gradient norms to
 1e-5 relative. One launch per world size runs all its cases (start-up dominates on CPU):
 
-- world 2: CP2 with each cp_comm_type, CP2 with recompute_modules=[core_attn], the CP2 checkpoint run and its
-  resharded load at TP2+SP, packed documents (THD) at CP2;
+- world 2: CP2 with each cp_comm_type (p2p also saves checkpoints at steps 2 and 4), CP2 with
+  recompute_modules=[core_attn], its step-2 checkpoint resharded to TP2+SP, CP2 with attention dropout, packed
+  documents (THD) at CP2;
 - world 1: the references, the CP2 checkpoint loaded at CP1, each document alone;
 - world 4: TP2+SP × CP2, PP2 × CP2, CP2 × DP2 with the distributed optimizer, CP2 × EP2 on tiny_moe, documents at
   TP2+SP × CP2 (a2a).
@@ -46,10 +47,12 @@ LAYOUTS = {
     "cp2_ep2_moe": (4, "tiny_moe", "p2p", CP2 + ["parallel.expert=2"]),
 }
 REFERENCES = {"tiny_llama": "ref_llama", "tiny_moe": "ref_moe"}
-# The checkpoint run: saves at steps 2, 4, 6; the resharded loads continue from step 4.
-CKPT_STEPS = 6
-CKPT = ["train.steps=6", "checkpoint.interval=2", "checkpoint.save_at_end=true"]
+# The checkpoint run is cp2_p2p itself (saving does not change the losses): it saves at steps 2 and 4; the
+# resharded loads continue from step 2.
+CKPT_RUN, CKPT_FROM = "cp2_p2p", 2
+CKPT = ["checkpoint.interval=2", "checkpoint.save_at_end=true"]
 RESHARD = {"cp2_to_cp1": (1, []), "cp2_to_tp2": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"])}
+DROPOUT = CP2 + ["model.attention_dropout=0.1"]  # the ring draws its own masks: trains, not equal
 DOC_LAYOUTS = {"docs_cp2_p2p": (2, CP2),
                "docs_tp2_cp2": (4, CP2 + ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                           "parallel.cp_comm_type=a2a"])}
@@ -73,19 +76,22 @@ def cp_runs(request, tmp_path_factory, embedded_dataset):
     by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for config, name in REFERENCES.items():
         by_world[1].append(_train_case(name, config, _common(embedded_dataset, root / name)))
+    mcore_only = "mcore" in (request.config.getoption("markexpr") or "")
     for name, (world, config, _, extra) in LAYOUTS.items():
-        by_world[world].append(_train_case(name, config, _common(embedded_dataset, root / name) + extra))
-    if "mcore" in (request.config.getoption("markexpr") or ""):
+        saves = CKPT if name == CKPT_RUN and not mcore_only else []
+        by_world[world].append(_train_case(name, config, _common(embedded_dataset, root / name) + extra + saves))
+    if mcore_only:
         for world in (2, 1, 4):
             (root / f"w{world}").mkdir()
             run_worker_cases(root / f"w{world}", world, by_world[world], timeout=900)
         return root, {}
     packed, seq, singles = documents(root)
-    ckpt = _common(embedded_dataset, root / "cp2_ckpt", CKPT_STEPS) + CKPT
-    by_world[2].append(_train_case("cp2_ckpt", "tiny_llama", ckpt + CP2))
     for name, (world, extra) in RESHARD.items():
-        overrides = _common(embedded_dataset, root / name, CKPT_STEPS) + CKPT + extra
-        by_world[world].append(_train_case(name, "tiny_llama", overrides, copy_from=[str(root / "cp2_ckpt"), 4]))
+        overrides = _common(embedded_dataset, root / name) + CKPT + extra
+        by_world[world].append(_train_case(name, "tiny_llama", overrides,
+                                           copy_from=[str(root / CKPT_RUN), CKPT_FROM]))
+    by_world[2].append(_train_case("cp2_dropout", "tiny_llama", _common(embedded_dataset, root / "cp2_dropout")
+                                   + DROPOUT))
     for name, (path, n) in singles.items():
         by_world[1].append(case(root / f"doc_{name}", path, n))
     by_world[1].append(case(root / "docs_cp1", packed, seq, FLAGS))
@@ -101,7 +107,7 @@ def cp_runs(request, tmp_path_factory, embedded_dataset):
 
 
 def _killed(dataset: str, root) -> list[str]:
-    return _common(dataset, root / "cp2_killed", CKPT_STEPS) + CKPT + CP2
+    return _common(dataset, root / "cp2_killed") + CP2 + CKPT
 
 
 def _launch_until_killed(root, cases: list[dict]) -> None:
@@ -144,12 +150,12 @@ def test_cp_layout_matches_one_rank(cp_runs, name):
 
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_cp2_checkpoint_loads_at_other_layouts(cp_runs, name):
-    """A CP2 checkpoint of step 4 loaded at CP1 and at TP2 continues with the CP2 run's losses (steps 5, 6)."""
+    """A CP2 checkpoint of step 2 loaded at CP1 and at TP2+SP continues with the CP2 run's losses (steps 3, 4)."""
     root, _ = cp_runs
-    ref = {x["step"]: x for x in metrics(root / "cp2_ckpt") if "loss" in x}
+    ref = {x["step"]: x for x in metrics(root / CKPT_RUN) if "loss" in x}
     got = {x["step"]: x for x in metrics(root / name) if "loss" in x}
-    assert sorted(got) == list(range(1, CKPT_STEPS + 1)) and sorted(ref) == sorted(got)
-    for step in (5, 6):
+    assert sorted(got) == list(range(1, STEPS + 1)) and sorted(ref) == sorted(got)
+    for step in range(CKPT_FROM + 1, STEPS + 1):
         for key in ("loss", "grad_norm"):
             rel = abs(got[step][key] - ref[step][key]) / abs(ref[step][key])
             print(f"{name} step {step} {key}: {got[step][key]:.7f} vs CP2 {ref[step][key]:.7f} (rel {rel:.1e})")
@@ -170,9 +176,19 @@ def test_packed_documents_under_cp_equal_documents_alone(cp_runs, name):
     assert abs(cp1 - expected) / expected < 1e-6
 
 
+def test_attention_dropout_under_cp_trains(cp_runs):
+    """model.attention_dropout=0.1 at CP2 (p2p: the ring draws a mask per block and keeps it for backward) trains 4
+    finite steps whose losses differ from the dropout-free run's, but only slightly."""
+    root, _ = cp_runs
+    got, ref = _steps(root / "cp2_dropout", "loss"), _steps(root / "cp2_p2p", "loss")
+    print(f"CP2 p2p attention_dropout=0.1 losses {got}; without dropout {ref}")
+    assert len(got) == STEPS and all(x == x and abs(x) < 100 for x in got)
+    assert got != ref and _rel(got, ref) < 0.02
+
+
 def test_kill9_at_cp2_resumes_identically(cp_runs, embedded_dataset):
     """A CP2 run SIGKILLed (every rank) while writing its step-4 checkpoint, restarted with the same command: it
-    resumes from step 2 and every deterministic metric equals the uninterrupted CP2 run's."""
+    resumes from step 2 and every deterministic metric equals the uninterrupted CP2 run's (cp2_p2p)."""
     root, _ = cp_runs
     run_dir = root / "cp2_killed"
     assert [x["step"] for x in metrics(run_dir)] == [1, 2, 3, 4]
@@ -180,8 +196,8 @@ def test_kill9_at_cp2_resumes_identically(cp_runs, embedded_dataset):
     rc = run(train_command(_killed(embedded_dataset, root), nproc=2), root / "restart.log", timeout=300)
     assert rc == 0, log_text(root / "restart.log")[-3000:]
     assert "iter_0000002 at step 2" in log_text(root / "restart.log")
-    got, want = deterministic(run_dir), deterministic(root / "cp2_ckpt")
+    got, want = deterministic(run_dir), deterministic(root / CKPT_RUN)
     print(f"killed while saving step 4, resumed from step 2: {len(got)} steps, equal to the uninterrupted run: "
           f"{got == want}")
-    assert [g[0] for g in got] == list(range(1, CKPT_STEPS + 1))
+    assert [g[0] for g in got] == list(range(1, STEPS + 1))
     assert got == want
