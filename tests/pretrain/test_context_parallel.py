@@ -5,16 +5,16 @@ the p2p ring) inside Megatron-Core's GPTModel, with Megatron's own batch split, 
 Each layout trains 4 steps (fp32, the embedded corpus) and must give the one-rank losses and gradient norms to
 1e-5 relative. One launch per world size runs all its cases (start-up dominates on CPU):
 
-- world 2: CP2 with each cp_comm_type (p2p also saves checkpoints at steps 2 and 4), CP2 with
-  recompute_modules=[core_attn], its step-2 checkpoint resharded to TP2+SP, CP2 with attention dropout, packed
-  documents (THD) at CP2;
+- world 2: one CP2 step without the CPU shim for RoPE's `pin_memory=True` (it must fail), CP2 with each
+  cp_comm_type (p2p also saves checkpoints at steps 2 and 4), CP2 with recompute_modules=[core_attn], its step-2
+  checkpoint resharded to TP2+SP, CP2 with attention dropout, packed documents (THD) at CP2;
 - world 1: the references, the CP2 checkpoint loaded at CP1, each document alone;
 - world 4: TP2+SP × CP2, PP2 × CP2, CP2 × DP2 with the distributed optimizer, CP2 × EP2 on tiny_moe, documents at
   TP2+SP × CP2 (a2a).
 
 A CP2 run SIGKILLed while saving (the world-2 launch's last case) and restarted reproduces every deterministic
-metric of the uninterrupted run. Under
-`-m mcore` (megatron-core 0.19.2 in CI) only the layouts run.
+metric of the uninterrupted run. Under `-m mcore`
+(megatron-core 0.19.2 in CI) only the layouts and the shim check run.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from packaging.version import Version
 
+from pretrain.compat.mcore import MCORE
 from tests.pretrain.ckpt_helpers import command as train_command
 from tests.pretrain.ckpt_helpers import deterministic, log_text, metrics, run, run_worker_cases
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
@@ -53,6 +55,7 @@ CKPT_RUN, CKPT_FROM = "cp2_p2p", 2
 CKPT = ["checkpoint.interval=2", "checkpoint.save_at_end=true"]
 RESHARD = {"cp2_to_cp1": (1, []), "cp2_to_tp2": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"])}
 DROPOUT = CP2 + ["model.attention_dropout=0.1"]  # the ring draws its own masks: trains, not equal
+NO_PIN_SHIM = "cp2_without_pin_memory_shim"
 DOC_LAYOUTS = {"docs_cp2_p2p": (2, CP2),
                "docs_tp2_cp2": (4, CP2 + ["parallel.tensor=2", "parallel.sequence_parallel=true",
                                           "parallel.cp_comm_type=a2a"])}
@@ -70,21 +73,25 @@ def _train_case(name: str, config: str, overrides: list[str], **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def cp_runs(request, tmp_path_factory, embedded_dataset):
-    """Every launch of this file's cases; returns the root directory (one run directory per case name). Under
-    `-m mcore` (the second megatron-core release in CI) only the layouts run."""
+    """Every launch of this file's cases; returns the root directory (one run directory per case name), the
+    documents' prediction counts and the world-2 launch's results. Under `-m mcore` (the second megatron-core
+    release in CI) only the layouts and the shim check run."""
     root = tmp_path_factory.mktemp("cp")
     by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for config, name in REFERENCES.items():
         by_world[1].append(_train_case(name, config, _common(embedded_dataset, root / name)))
     mcore_only = "mcore" in (request.config.getoption("markexpr") or "")
+    by_world[2].append(_train_case(NO_PIN_SHIM, "tiny_llama", _common(embedded_dataset, root / NO_PIN_SHIM, 1) + CP2,
+                                   without_cpu_shims=["pin_memory_without_cuda"]))
     for name, (world, config, _, extra) in LAYOUTS.items():
         saves = CKPT if name == CKPT_RUN and not mcore_only else []
         by_world[world].append(_train_case(name, config, _common(embedded_dataset, root / name) + extra + saves))
     if mcore_only:
-        for world in (2, 1, 4):
+        results = _launch_world2(root / "w2", by_world[2], killed=False)
+        for world in (1, 4):
             (root / f"w{world}").mkdir()
             run_worker_cases(root / f"w{world}", world, by_world[world], timeout=900)
-        return root, {}
+        return root, {}, results
     packed, seq, singles = documents(root)
     for name, (world, extra) in RESHARD.items():
         overrides = _common(embedded_dataset, root / name) + CKPT + extra
@@ -99,28 +106,31 @@ def cp_runs(request, tmp_path_factory, embedded_dataset):
         by_world[world].append(case(root / name, packed, seq, FLAGS + extra))
     # Last of the world-2 launch: the CP2 checkpoint run again, SIGKILLed while writing its step-4 checkpoint.
     by_world[2].append(_train_case("cp2_killed", "tiny_llama", _killed(embedded_dataset, root), crash_in_save=4))
-    _launch_until_killed(root / "w2", by_world[2])
+    results = _launch_world2(root / "w2", by_world[2], killed=True)
     for world in (1, 4):  # after the CP2 checkpoint: the world-1 launch loads it at CP1
         (root / f"w{world}").mkdir()
         run_worker_cases(root / f"w{world}", world, by_world[world], timeout=900)
-    return root, {name: n for name, (_, n) in singles.items()}
+    return root, {name: n for name, (_, n) in singles.items()}, results
 
 
 def _killed(dataset: str, root) -> list[str]:
     return _common(dataset, root / "cp2_killed") + CP2 + CKPT
 
 
-def _launch_until_killed(root, cases: list[dict]) -> None:
-    """One world-2 launch whose last case kills every rank: the cases before it must have succeeded."""
+def _launch_world2(root, cases: list[dict], killed: bool) -> dict:
+    """The world-2 launch; when `killed`, its last case kills every rank. Every other case must succeed but the one
+    without the pin_memory shim (checked by its test). Returns the worker's results by case name."""
     root.mkdir()
     plan = root / "plan2.json"
     plan.write_text(json.dumps({"results": str(root / "results2.json"), "cases": cases}))
     log = root / "world2.log"
     rc = run(train_command([], nproc=2, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=900)
     results = json.loads((root / "results2.json").read_text())
-    assert rc != 0 and sorted(results) == sorted(c["name"] for c in cases[:-1]), (rc, log_text(log)[-3000:])
-    failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
+    done = cases[:-1] if killed else cases
+    assert (rc != 0) == killed and sorted(results) == sorted(c["name"] for c in done), (rc, log_text(log)[-3000:])
+    failed = {k: v["error"] for k, v in results.items() if not v["ok"] and k != NO_PIN_SHIM}
     assert not failed, failed
+    return results
 
 
 def _steps(run_dir, key: str) -> list[float]:
@@ -136,7 +146,7 @@ def _rel(got: list[float], want: list[float]) -> float:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_layout_matches_one_rank(cp_runs, name):
-    root, _ = cp_runs
+    root, _, _ = cp_runs
     world, config, comm, _ = LAYOUTS[name]
     ref = root / REFERENCES[config]
     loss, norm = _rel(_steps(root / name, "loss"), _steps(ref, "loss")), _rel(
@@ -148,10 +158,23 @@ def test_cp_layout_matches_one_rank(cp_runs, name):
     assert losses[-1] != losses[0]  # training is happening
 
 
+@pytest.mark.mcore
+def test_rope_pin_memory_shim_is_needed_under_context_parallelism(cp_runs):
+    """`rope_utils.get_pos_emb_on_this_cp_rank` (0.16.1 and 0.19.2) pins a host tensor, which needs CUDA: without
+    the CPU shim `pin_memory_without_cuda` the first CP2 forward fails there (with it, the layouts train)."""
+    from pretrain.compat.cpu_shims import SHIMS
+
+    res = cp_runs[2][NO_PIN_SHIM]
+    shim = next(s for s in SHIMS if s.name == "pin_memory_without_cuda")
+    print(f"megatron-core {MCORE}, CP2 without pin_memory_without_cuda: {res['error']}")
+    assert MCORE >= Version(shim.since)
+    assert not res["ok"] and "get_pos_emb_on_this_cp_rank" in res["traceback"], res
+
+
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_cp2_checkpoint_loads_at_other_layouts(cp_runs, name):
     """A CP2 checkpoint of step 2 loaded at CP1 and at TP2+SP continues with the CP2 run's losses (steps 3, 4)."""
-    root, _ = cp_runs
+    root, _, _ = cp_runs
     ref = {x["step"]: x for x in metrics(root / CKPT_RUN) if "loss" in x}
     got = {x["step"]: x for x in metrics(root / name) if "loss" in x}
     assert sorted(got) == list(range(1, STEPS + 1)) and sorted(ref) == sorted(got)
@@ -167,7 +190,7 @@ def test_packed_documents_under_cp_equal_documents_alone(cp_runs, name):
     """The packed sample's step-1 loss at CP2 and TP2+SP × CP2 (THD: every document padded to a multiple of 4 and
     split in zigzag chunks) equals the token-weighted mean of its documents trained alone, as at CP1
     (test_documents.py)."""
-    root, predictions = cp_runs
+    root, predictions, _ = cp_runs
     expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
     got, cp1 = first_loss(root / name), first_loss(root / "docs_cp1")
     print(f"{name}: packed {got:.7f}, CP1 packed {cp1:.7f}, documents alone {expected:.7f} "
@@ -179,7 +202,7 @@ def test_packed_documents_under_cp_equal_documents_alone(cp_runs, name):
 def test_attention_dropout_under_cp_trains(cp_runs):
     """model.attention_dropout=0.1 at CP2 (p2p: the ring draws a mask per block and keeps it for backward) trains 4
     finite steps whose losses differ from the dropout-free run's, but only slightly."""
-    root, _ = cp_runs
+    root, _, _ = cp_runs
     got, ref = _steps(root / "cp2_dropout", "loss"), _steps(root / "cp2_p2p", "loss")
     print(f"CP2 p2p attention_dropout=0.1 losses {got}; without dropout {ref}")
     assert len(got) == STEPS and all(x == x and abs(x) < 100 for x in got)
@@ -189,7 +212,7 @@ def test_attention_dropout_under_cp_trains(cp_runs):
 def test_kill9_at_cp2_resumes_identically(cp_runs, embedded_dataset):
     """A CP2 run SIGKILLed (every rank) while writing its step-4 checkpoint, restarted with the same command: it
     resumes from step 2 and every deterministic metric equals the uninterrupted CP2 run's (cp2_p2p)."""
-    root, _ = cp_runs
+    root, _, _ = cp_runs
     run_dir = root / "cp2_killed"
     assert [x["step"] for x in metrics(run_dir)] == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -4,8 +4,8 @@ One single-process launch of `ckpt_worker.py`: a reference run saves at step 2 a
 each fix in turn, the same resume (or a load of a planted pickle, or one step with `recompute_modules:
 [layernorm]`, or one step of tiny_moe) runs with only that fix undone. The bug must
 show on the installed megatron-core if and only if the fix says it is needed there. CI runs this on 0.16.1
-(`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`). The CPU shim for RoPE's `pin_memory=True` under context
-parallelism is switched off the same way, in one two-process CP2 step.
+(`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`). (The CPU shim for RoPE's `pin_memory=True` under context
+parallelism is switched off in tests/pretrain/test_context_parallel.py's two-process launch.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
 from pretrain.compat.mcore import MCORE
 from pretrain.compat.megatron_fixes import FIXES
@@ -76,33 +75,6 @@ def _bug_shows(name: str, root: Path, results: dict, marker: Path) -> tuple[bool
         return (not res["ok"] and "NameError" in res["traceback"] and "te_general_gemm" in res["traceback"]), \
             str(res["error"])
     raise AssertionError(f"no check for fix {name}")
-
-
-@pytest.fixture(scope="module")
-def cp2_without_pin_memory_shim(tmp_path_factory):
-    """One CP2 step (two processes) with the CPU shim `pin_memory_without_cuda` switched off."""
-    root = tmp_path_factory.mktemp("pin_memory")
-    one_step = ["train.steps=1", "checkpoint.interval=null", "checkpoint.save_at_end=false"]
-    cases = [{"name": "cp2", "overrides": SMALL + one_step + ["parallel.context=2", f"run.dir={root}/run"],
-              "without_cpu_shims": ["pin_memory_without_cuda"]}]
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
-    rc = run(command([], nproc=2, module="tests.pretrain.ckpt_worker", args=[str(plan)]), root / "worker.log",
-             timeout=300)
-    assert rc == 0, log_text(root / "worker.log")[-4000:]
-    return json.loads((root / "results.json").read_text())["cp2"]
-
-
-def test_rope_pin_memory_shim_is_needed_under_context_parallelism(cp2_without_pin_memory_shim):
-    """`rope_utils.get_pos_emb_on_this_cp_rank` (0.16.1 and 0.19.2) pins a host tensor, which needs CUDA: without
-    the CPU shim the first CP2 forward fails there (with it, tests/pretrain/test_context_parallel.py trains)."""
-    from pretrain.compat.cpu_shims import SHIMS
-
-    res = cp2_without_pin_memory_shim
-    shim = next(s for s in SHIMS if s.name == "pin_memory_without_cuda")
-    print(f"megatron-core {MCORE}, CP2 without pin_memory_without_cuda: {res['error']}")
-    assert MCORE >= Version(shim.since)
-    assert not res["ok"] and "get_pos_emb_on_this_cp_rank" in res["traceback"], res
 
 
 @pytest.mark.parametrize("fix", FIXES, ids=[f.name for f in FIXES])
