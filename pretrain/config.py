@@ -141,6 +141,9 @@ class ParallelConfig:
     # share); the other stages split the rest evenly. E.g. DeepSeek-V3's 61 layers on PP8: 7, 6 (8 per middle stage).
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    # Context-parallel attention (Megatron's cp_comm_type, on GPU with Transformer Engine and on CPU alike):
+    # p2p ring of K/V blocks, all_gather of K/V, a2a (Ulysses: heads <-> sequence), a2a+p2p (hierarchical).
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
 
 
 @dataclass

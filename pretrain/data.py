@@ -4,12 +4,18 @@ or `MockGPTDataset` for synthetic tokens, read in Megatron's sample order.
 Global batch `step` holds samples [step·GBS, (step+1)·GBS). Microbatch j of data-parallel rank d holds
 samples (j·DP + d)·MBS … +MBS of it (Megatron's pretraining sampler order), so `consumed_samples` is the
 whole data position and every layout sees the same global batch.
+
+With document boundaries (`data.reset_attention_mask`) a microbatch becomes packed sequences in THD form
+(`pack_documents`): its documents one after another, described by `cu_seqlens` built from the EOD positions,
+each padded to a multiple of 2×CP under context parallelism and cut to this CP rank's tokens. Transformer Engine
+attention (GPU) and `model_providers.core.cp_attention` (the local spec) read the same `PackedSeqParams`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -114,7 +120,7 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss,
-        create_attention_mask=d.reset_attention_mask,  # the per-document mask; else attention is causal
+        create_attention_mask=False,  # documents travel as packed sequences (pack_documents), never a dense mask
         mmap_bin_files=True,
     )
     if per_split is None:
@@ -165,20 +171,82 @@ def _check_ids(samples: list[dict], first: int, vocab_size: int | None) -> None:
                             "verify PREFIX --tokenizer-type ...`)")
 
 
+@dataclass(frozen=True)
+class DocumentPacking:
+    """How microbatches become packed sequences: the end-of-document token, the CP size and rank, and the TP size
+    a CP rank's tokens must divide into under sequence parallelism (1 without it)."""
+
+    eod: int
+    cp: int = 1
+    cp_rank: int = 0
+    sp_tp: int = 1
+
+
+def pack_documents(batch: dict[str, torch.Tensor], packing: DocumentPacking) -> dict:
+    """A microbatch as packed sequences (THD) on this CP rank: `{tokens, labels, loss_mask, position_ids}` of
+    shape [1, t/CP] and `packed_seq_params` (Megatron-Core `PackedSeqParams`, qkv_format "thd").
+
+    Documents end after each EOD token of `tokens` (where Megatron's `reset_attention_mask` cuts), sample by
+    sample. Under CP each document is padded to a multiple of 2×CP (Transformer Engine splits every document in
+    2×CP chunks) and the last one further, so that a CP rank's tokens divide by TP under sequence parallelism;
+    padding tokens have loss mask 0 and attend to nothing. `cu_seqlens_q` counts real tokens,
+    `cu_seqlens_q_padded` padded ones; `max_seqlen_q` is the longest padded document (RoPE's table).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from model_providers.core.cp_layout import thd_partition_index
+
+    tokens = batch["tokens"]
+    rows, seq = tokens.shape
+    lengths: list[int] = []
+    for row in tokens.cpu():
+        ends = [int(e) + 1 for e in (row == packing.eod).nonzero().flatten() if int(e) + 1 < seq]
+        bounds = [0, *ends, seq]
+        lengths += [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    cp = packing.cp
+    multiple = 2 * cp if cp > 1 else 1
+    padded = [-(-n // multiple) * multiple for n in lengths]
+    while cp > 1 and sum(padded) % (cp * packing.sp_tp):  # a CP rank's share must split over SP ranks
+        padded[-1] += multiple
+    device = tokens.device
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu_padded = torch.tensor([0, *padded], dtype=torch.int32).cumsum(0).to(torch.int32)
+    out: dict = {}
+    if cp == 1:
+        out = {k: v.reshape(1, -1) for k, v in batch.items() if k != "attention_mask"}
+    else:
+        starts = cu_padded[:-1].tolist()
+        dest = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)]).to(device)
+        index = thd_partition_index(cu_padded, cp, packing.cp_rank).to(device)
+        for key, value in batch.items():
+            if key == "attention_mask":
+                continue
+            flat = value.new_zeros(int(cu_padded[-1]))
+            flat[dest] = value.reshape(-1)
+            out[key] = flat[index].unsqueeze(0)
+    longest = max(padded)
+    cu, cu_padded = cu.to(device), cu_padded.to(device)
+    out["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                               cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                                               max_seqlen_q=longest, max_seqlen_kv=longest)
+    return out
+
+
 def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, device: torch.device,
-                 vocab_size: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's microbatches of the global batch starting at `start_sample`."""
+                 dp_rank: int, dp_size: int, device: torch.device, vocab_size: int | None = None,
+                 packing: DocumentPacking | None = None) -> list[dict]:
+    """This data-parallel rank's microbatches of the global batch starting at `start_sample` (packed sequences on
+    this CP rank with `packing`)."""
     out = []
     for j in range(num_microbatches):
         first = start_sample + (j * dp_size + dp_rank) * micro_batch_size
         samples = [dataset[first + i] for i in range(micro_batch_size)]
         _check_ids(samples, first, vocab_size)
-        # tokens, labels, loss_mask, position_ids (and attention_mask with data.reset_attention_mask); a
-        # blend's samples also carry their dataset's index (a numpy integer), which the model does not read
+        # tokens, labels, loss_mask, position_ids; a blend's samples also carry their dataset's index (a numpy
+        # integer), which the model does not read
         batch = {k: torch.stack([s[k] for s in samples]).to(device) for k, v in samples[0].items()
                  if torch.is_tensor(v)}
-        out.append(batch)
+        out.append(pack_documents(batch, packing) if packing is not None else batch)
     return out
 
 
@@ -207,6 +275,7 @@ def checked_microbatches(dataset, start_sample: int, *, vocab_size: int | None, 
 
     `tp_source` (tensor-parallel group, global rank of its reader): with TP > 1 only that rank holds the
     datasets (`dataset` is None on the others) and sends its microbatches to the group, as Megatron-LM does."""
+    packing = kwargs.pop("packing", None)  # packed after the TP broadcast: PackedSeqParams are not tensors
     bad, batches = None, []
     if dataset is not None:
         try:
@@ -220,4 +289,4 @@ def checked_microbatches(dataset, start_sample: int, *, vocab_size: int | None, 
             raise DataError(bad or "another rank read a token id outside the model's vocabulary")
     if tp_source is not None:
         batches = _from_tp_source(batches if dataset is not None else None, tp_source, device)
-    return batches
+    return [pack_documents(b, packing) for b in batches] if packing is not None else batches

@@ -51,8 +51,14 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """One microbatch through one model chunk (Megatron-Core schedule callback)."""
-    batch = mcore.cp_batch(next(data_iterator))
+    """One microbatch through one model chunk (Megatron-Core schedule callback).
+
+    Packed documents (THD, `pretrain.data.pack_documents`) arrive already cut to this CP rank; other batches are
+    cut here (a copy: interleaved model chunks read the same microbatch)."""
+    batch = next(data_iterator)
+    packed = batch.get("packed_seq_params")
+    if packed is None:
+        batch = mcore.cp_batch(dict(batch))
     unwrapped = model
     while hasattr(unwrapped, "module"):  # DDP → GPTModel; Megatron-FSDP: adapter → MegatronFSDP → GPTModel
         unwrapped = unwrapped.module
@@ -61,8 +67,9 @@ def forward_step(data_iterator, model):
     output = model(
         batch["tokens"] if tokens else None,
         batch["position_ids"] if tokens else None,
-        batch.get("attention_mask"),  # per-document mask (data.reset_attention_mask), needed on every stage
+        None,  # causal attention; document boundaries travel as packed_seq_params (needed on every stage)
         labels=batch["labels"] if post else None,
+        packed_seq_params=packed,
     )
     return output, partial(lm_loss, batch["loss_mask"])
 
@@ -244,21 +251,39 @@ def _microbatch_runner(cfg: Config, run):
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
     t, n, model = cfg.train, run.num_microbatches, run.model
+    packing = document_packing(cfg, run)
+    # Packed documents are one sequence of micro_batch_size × seq_length tokens (padded under CP: then
+    # pipeline stages exchange shapes, `variable_seq_lengths`).
+    seq, mbs = (cfg.model.seq_length * t.micro_batch_size, 1) if packing else (cfg.model.seq_length,
+                                                                               t.micro_batch_size)
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
         try:
             batches = load_microbatches(
                 dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
                 dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
-                vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None)
+                vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None, packing=packing)
         except DataError as exc:
             raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
-                                num_microbatches=n, seq_length=cfg.model.seq_length,
-                                micro_batch_size=t.micro_batch_size, forward_only=forward_only)
+                                num_microbatches=n, seq_length=seq, micro_batch_size=mbs,
+                                forward_only=forward_only)
 
     return run_microbatches
+
+
+def document_packing(cfg: Config, run):
+    """`pretrain.data.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
+    from megatron.core import parallel_state as ps
+
+    from pretrain.data import DocumentPacking
+
+    if not cfg.data.reset_attention_mask:
+        return None
+    lay = run.layout
+    return DocumentPacking(eod=run.tokenizer.eod, cp=lay.cp, cp_rank=ps.get_context_parallel_rank(),
+                           sp_tp=lay.tp if lay.sp else 1)
 
 
 def train(cfg: Config) -> dict:

@@ -3,7 +3,7 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging), `bounds` (integer settings no other rule bounds). The trainer runs the same checks first;
+logging), `context` (CP), `bounds` (integer settings no other rule bounds). The trainer runs the same checks first;
 `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone (exit 2 on errors).
 """
 
@@ -13,6 +13,7 @@ from pretrain.config import Config
 from pretrain.layout import LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
 from pretrain.rules.bounds import bounds_rules
+from pretrain.rules.context import context_rules
 from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
@@ -51,7 +52,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         except LayoutError:
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
-                 *rules, document_rules, recompute_module_rules, fsdp_rules, bounds_rules]
+                 *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, bounds_rules]
     if files:
         rules.append(data_rules if data_files else data_config_rules)
     for rule in rules:

@@ -48,6 +48,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.cp,
+        cp_comm_type=p.cp_comm_type if layout.cp > 1 else None,
         sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
@@ -74,7 +75,8 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         recompute_modules=list(m.recompute_modules) if m.recompute_modules is not None else None,
         batch_p2p_comm=batch_p2p,
         batch_p2p_sync=on_gpu,
-        variable_seq_lengths=False,
+        # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
+        variable_seq_lengths=packed_sequences(cfg) and layout.cp > 1 and layout.pp > 1,
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
@@ -111,6 +113,11 @@ def mla_config(m) -> dict:
         original_max_position_embeddings=m.original_max_position_embeddings, beta_fast=m.beta_fast,
         beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim,
     )
+
+
+def packed_sequences(cfg) -> bool:
+    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask."""
+    return bool(cfg.data.reset_attention_mask)
 
 
 def moe_config(m, layout: Any) -> dict:
@@ -165,7 +172,7 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
-        block = decoder_block_spec(config, layout.use_te, vp_stage=stage)
+        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed_sequences(cfg))
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,

@@ -8,7 +8,11 @@ between CPU and GPU.
 
 Multi-Latent Attention (`config.multi_latent_attention`) is Megatron-Core's `MLASelfAttention` from the same two
 specs; dense-first models (`moe_layer_freq`) mix dense and MoE layer specs as Megatron-Core's block spec does;
-Multi-Token Prediction is Megatron-Core's MTP block (`mtp_block_spec`) on the last pipeline stage."""
+Multi-Token Prediction is Megatron-Core's MTP block (`mtp_block_spec`) on the last pipeline stage.
+
+Context parallelism (CP > 1) or packed sequences (THD) with the local spec: core attention is
+`model_providers.core.cp_attention.ContextParallelAttention` (Megatron-Core's `DotProductAttention` refuses both);
+it has no parameters, so checkpoints are the same as with `DotProductAttention`."""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from model_providers.core.cp_attention import ContextParallelAttention
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,8 +70,9 @@ class SequenceParallelNorm:
         return norm
 
 
-def _local_layer_spec(config: TransformerConfig, experts: int | None) -> ModuleSpec:
-    """Megatron-Core's local layer spec with norms that support sequence parallelism and the TE spec's keys."""
+def _local_layer_spec(config: TransformerConfig, experts: int | None, packed_sequences: bool = False) -> ModuleSpec:
+    """Megatron-Core's local layer spec with norms that support sequence parallelism and the TE spec's keys; with
+    CP > 1 or packed sequences, the context-parallel core attention (not for MLA: refused by validation)."""
     mla = bool(getattr(config, "multi_latent_attention", False))
     layer = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm,
                                      num_experts=experts, multi_latent_attention=mla)
@@ -77,6 +84,8 @@ def _local_layer_spec(config: TransformerConfig, experts: int | None) -> ModuleS
     elif config.qk_layernorm:  # per-head norms; Megatron all-reduces their grads across TP (qk_layernorm)
         attention.q_layernorm = SequenceParallelNorm
         attention.k_layernorm = SequenceParallelNorm
+    if not mla and (config.context_parallel_size > 1 or packed_sequences):
+        attention.core_attention = ContextParallelAttention
     if experts:
         # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
@@ -115,8 +124,10 @@ def moe_layer_pattern(config: TransformerConfig) -> list[int]:
     return list(freq)
 
 
-def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None) -> ModuleSpec:
-    """The decoder block spec for this rank's pipeline stage (and virtual stage)."""
+def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None,
+                       packed_sequences: bool = False) -> ModuleSpec:
+    """The decoder block spec for this rank's pipeline stage (and virtual stage). `packed_sequences`: attention
+    receives THD `PackedSeqParams` (documents packed in a sample)."""
     experts = config.num_moe_experts
     pattern = moe_layer_pattern(config)
     mla = bool(getattr(config, "multi_latent_attention", False))
@@ -133,9 +144,9 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
         kinds = {1: te_layer(experts), 0: te_layer(None)}
         norm = TENorm
     else:
-        kinds = {1: _local_layer_spec(config, experts)} if experts else {}
+        kinds = {1: _local_layer_spec(config, experts, packed_sequences)} if experts else {}
         if not all(pattern):
-            kinds[0] = _local_layer_spec(config, None)
+            kinds[0] = _local_layer_spec(config, None, packed_sequences)
         norm = SequenceParallelNorm
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

@@ -19,11 +19,17 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
   `all_reduce(op=AVG)` — NCCL-only, used by the MoE aux-loss tracker — is a SUM divided by the group size on
   gloo; and `all_gather` into tensors of different lengths (expert tensor parallelism gathers each rank's
   routed tokens), which gloo refuses, pads every piece to the longest.
-- The gradient norm without apex (`optimizer/clip_grads.py`'s `local_multi_tensor_l2_norm`, `utils.py:1200` /
-  `:1325`) is `torch.norm` of each fp32 gradient, and torch's CPU reduction accumulates in fp32: its error grows
-  with the tensor (measured 3.5e-6 relative at 524k elements, 3.2e-5 at 2M) and depends on how the tensor is
-  split, so the same gradients reported norms 1e-5 apart at TP2 and on one rank (float64 sums of the gradients:
-  within 6e-9). Each tensor's norm accumulates in float64 here; the result stays fp32. 0.16.1+.
+- Torch factory functions drop `pin_memory=True` (page-locked memory needs CUDA: "Cannot access accelerator
+  device when none is available"): context parallelism's RoPE slice, `rope_utils.get_pos_emb_on_this_cp_rank`
+  (`models/common/embeddings/rope_utils.py:62-64` in 0.16.1 and 0.19.2), builds its chunk index with it. 0.16.1+.
+  `switched_off("pin_memory_without_cuda")` undoes it for a test that shows the failure.
+- The gradient norm (and so the clipping coefficient) sums squares in fp64: without apex/TE Megatron-Core's
+  `local_multi_tensor_l2_norm` (`utils.py:1200-1208` in 0.16.1, `:1325-1333` in 0.19.2, used by
+  `optimizer/clip_grads.py`) takes `torch.norm` of each fp32 gradient, whose CPU reduction accumulates in fp32: its
+  error grows with the tensor (measured 3.5e-6 relative at 524k elements, 3.2e-5 at 2M, ~3e-4 on a 4-million-value
+  output layer) and depends on how the tensor is split (TP, distributed-optimizer and FSDP shards round
+  differently), so the same gradients reported norms up to 5e-5 apart across layouts. Each tensor's norm
+  accumulates in float64 here; the result stays fp32. 0.16.1+. `switched_off("fp64_grad_norm")` undoes it.
 - Megatron-FSDP (`pretrain.compat.fsdp_cpu`, scoped to the FSDP modules): its CUDA device and its CUDA device
   meshes are the CPU's. 0.16.1+.
 """
@@ -68,6 +74,58 @@ def _cpu_factory(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+_SWITCHED_OFF: set[str] = set()  # shims a test has switched off (only those that check this set)
+_SWITCHABLE = ("pin_memory_without_cuda", "fp64_grad_norm")
+
+
+def _unpinned_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("pin_memory") and "pin_memory_without_cuda" not in _SWITCHED_OFF:
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _pin_memory() -> None:
+    for name in _FACTORIES:
+        setattr(torch, name, _unpinned_factory(getattr(torch, name)))
+
+
+@contextlib.contextmanager
+def switched_off(*names: str):
+    """Within the block, the named shims behave as if absent (those in `_SWITCHABLE`)."""
+    unknown = set(names) - set(_SWITCHABLE)
+    if unknown:
+        raise ValueError(f"CPU shim(s) that cannot be switched off: {', '.join(sorted(unknown))}")
+    _SWITCHED_OFF.update(names)
+    try:
+        yield
+    finally:
+        _SWITCHED_OFF.difference_update(names)
+
+
+def _fp64_grad_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+
+    original = clip_grads.l2_norm_impl
+    if getattr(original, "__module__", "") != "megatron.core.utils":  # apex / TE kernels: not ours to change
+        return
+
+    @functools.wraps(original)
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        if "fp64_grad_norm" in _SWITCHED_OFF:
+            return original(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+        total = torch.zeros((), dtype=torch.float64)
+        for tensors in tensor_lists:
+            for t in tensors:
+                total += torch.linalg.vector_norm(t, dtype=torch.float64).cpu() ** 2
+        return total.sqrt().float().reshape(1), None
+
+    clip_grads.l2_norm_impl = l2_norm
 
 
 def _device_and_sync() -> None:
@@ -210,22 +268,6 @@ def _moe_dispatch() -> None:
     dist.all_gather = all_gather
 
 
-def _fp64_grad_norm() -> None:
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.utils import local_multi_tensor_l2_norm
-
-    if clip_grads.l2_norm_impl is not local_multi_tensor_l2_norm:  # apex's kernel: left alone
-        return
-
-    @functools.wraps(local_multi_tensor_l2_norm)
-    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-        squares = [torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for ts in tensor_lists for t in ts]
-        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
-        return total.to(torch.float32).reshape(1), None
-
-    clip_grads.l2_norm_impl = l2_norm
-
-
 @dataclass(frozen=True)
 class Shim:
     name: str
@@ -240,7 +282,8 @@ SHIMS = (
     Shim("cuda_rng", "0.16.1", _rng),
     Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
     Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
-    Shim("grad_norm_fp64_accumulation", "0.16.1", _fp64_grad_norm),
+    Shim("pin_memory_without_cuda", "0.16.1", _pin_memory),
+    Shim("fp64_grad_norm", "0.16.1", _fp64_grad_norm),
 )
 
 

@@ -18,6 +18,12 @@ from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import is_moe_layer
+from pretrain.planner.context import (
+    cpu_attention_terms,
+    cpu_attention_working_set,
+    cpu_recompute_working_set,
+    uses_cpu_cp_attention,
+)
 from pretrain.planner.mla import mla_terms, mtp_extras, shared_expert_terms, sigmoid_router_terms
 
 FP8_BYTES = 1  # a Transformer Engine FP8 copy keeps one byte per value (scales are negligible)
@@ -101,6 +107,12 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
         # and the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
         out["qkv"] = (a + 2 * g) * sbd * p
         out["softmax_stats"] = 4 * b * (a // t) * s
+    elif uses_cpu_cp_attention(cfg, lay):
+        # The local spec's context-parallel / packed-sequence attention (pretrain.planner.context).
+        out.update(cpu_attention_terms(cfg, lay, sbd, _qkv_saved_units(a, g, rope, expanded=False),
+                                       _qkv_saved_units(a, g, rope, expanded=True)))
+        if rope:
+            out["rope_cos_sin"] = 4 * s * d * p
     else:
         # Local attention: K/V expanded to all heads, the causal mask, the fp32 softmax and its p-byte copy.
         out["qkv"] = _qkv_saved_units(a, g, rope, expanded=True) * sbd * p
@@ -243,6 +255,8 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     head = (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value
     if lay.use_te:
         return g * head + full["softmax_stats"], freed
+    if uses_cpu_cp_attention(cfg, lay):
+        return cpu_recompute_working_set(cfg, lay, full, head), freed
     expanded = 2 * a * head if g < a else 0
     return expanded + full["causal_mask"] + full["scores"], freed
 
@@ -339,7 +353,9 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             current -= per_mb[chunk]
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
-    if not lay.use_te and "core_attn" not in modules:
+    if uses_cpu_cp_attention(cfg, lay):
+        gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
+    elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
     if pp_rank == lay.pp - 1:

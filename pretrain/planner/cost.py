@@ -9,6 +9,7 @@ from pretrain.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
+from pretrain.planner.context import cp_comm_bytes
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
@@ -47,8 +48,9 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     - bubble: (P − 1) / (V · M) of the compute;
     - TP: 8 ring collectives per layer per microbatch (4 forward, 4 backward) of (t−1)/t · s·b·h·p bytes,
       over NVLink (TP stays inside a node);
-    - CP: ring exchange of K and V, (cp−1) · 2·(s/cp)·b·g·d/t·p bytes per layer per microbatch, ×3 for
-      the backward;
+    - CP: per layer and microbatch, `pretrain.planner.context.cp_comm_bytes` (p2p ring / all-gather of K and V,
+      (cp−1)·2·(s/cp)·b·g·d/t·p, ×3 with the backward; a2a of Q, K, V and the output), NVLink when TP × CP fits
+      in a node;
     - PP: each microbatch sends activations forward and gradients back once per model chunk;
     - DP: distributed optimizer reduce-scatter (fp32 grads) + all-gather (params), (n−1)/n of the rank's
       parameters each; without it an fp32 all-reduce (2·(n−1)/n). NVLink when the group fits in a node,
@@ -68,7 +70,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     compute = f_tok * lay.gbs * m.seq_length / (lay.world * peak * GEMM_EFFICIENCY)
     h, a = m.hidden_size, m.num_attention_heads
     modules = recomputed_modules(cfg)
-    d, g = lay.head_dim, lay.num_query_groups
+    d = lay.head_dim
     if m.recompute_granularity == "full":
         compute *= 4 / 3
     elif m.recompute_granularity == "selective":
@@ -86,7 +88,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     moe_recompute = "moe" in modules
     tp = mb * layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / nv
     cp_bw = nv if lay.tp * lay.cp <= gpus_per_node else net
-    cp = mb * layers * 3 * (lay.cp - 1) * 2 * s * b * g * d // lay.tp * p / cp_bw
+    cp = mb * layers * cp_comm_bytes(cfg, lay) / cp_bw
     hs = s * b * h // (lay.tp if lay.sp else 1)
     pp = 0.0
     if lay.pp > 1:

@@ -7,6 +7,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.planner.activations import layer_terms
 from pretrain.planner.census import (
     count_active_parameters,
     count_checkpoint_elements,
@@ -23,6 +24,7 @@ from pretrain.planner.common import (
     layout_of,
     padded_vocab_for,
 )
+from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 
@@ -57,6 +59,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "layout": {"tensor": lay.tp, "pipeline": lay.pp, "virtual_pipeline": lay.vp if lay.vp > 1 else None,
                    "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
                    "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
+                   "cp_comm_type": cfg.parallel.cp_comm_type if lay.cp > 1 else None,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
                    "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
                    "fsdp": lay.fsdp_sharding,
@@ -78,6 +81,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
         "fsdp": _fsdp_section(cfg, lay, vocab, rm),
+        "context_parallel": context_summary(cfg, lay, layer_terms),
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
                              "microbatches_in_flight": sum(rm.in_flight.values())},

@@ -44,6 +44,9 @@ def format_plan(plan: dict[str, Any]) -> str:
                         f"expert{'s' if moe['experts_per_rank'] > 1 else ''} per rank "
                         f"({moe['expert_parameters_on_rank']:,} expert parameters on the most loaded "
                         f"rank); all-to-all {moe['all_to_all_bytes_per_step'] / 1e9:.2f} GB sent per rank per step")
+    ctx = plan.get("context_parallel")
+    if ctx:
+        lines.insert(len(lines) - 1, _context_line(ctx))
     header = ("stage", "weights", "gradients", "optimizer", "activations", "fp8", "buffers", "total")
     lines.append("    " + "".join(f"{h:>12}" for h in header))
     for st in plan["stages"]:
@@ -85,11 +88,26 @@ def _active(plan: dict[str, Any]) -> str:
 
 
 
+def _context_line(ctx: dict[str, Any]) -> str:
+    cpu = ctx["cpu_only"]
+    how = f"CP{ctx['context']} {ctx['cp_comm_type']}" if ctx["cp_comm_type"] else "CP1"
+    docs = ", packed documents (THD)" if ctx["packed_documents"] else ""
+    return (f"  context    {how}{docs}: {ctx['comm_bytes_per_layer_microbatch'] / 2**20:,.1f} MiB sent per layer "
+            f"and microbatch; CPU dry run only (local spec's CP attention): keeps "
+            f"{cpu['attention_saved_bytes_per_layer'] / 2**20:,.1f} MiB per layer, works on "
+            f"{cpu['attention_working_set_bytes_per_layer'] / 2**20:,.1f} MiB of scores")
+
+
+def _cp(row: dict[str, Any]) -> str:
+    """CP size, with the comm type when CP > 1 ("2 a2a")."""
+    return f"{row['context']} {row['cp_comm_type']}" if row.get("cp_comm_type") else str(row["context"])
+
+
 def format_search(results: list[dict[str, Any]], total: int) -> str:
     moe = any(r.get("expert") for r in results)
     ep_head = f" {'EP':>3}" if moe else ""
     ep_s_head = f" {'EP s':>6}" if moe else ""
-    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>3} {'DP':>4}{ep_head} {'FSDP':>4} {'MBS':>4} " \
+    header = f"{'#':>3} {'TP':>3} {'PP':>3} {'VP':>3} {'CP':>7} {'DP':>4}{ep_head} {'FSDP':>4} {'MBS':>4} " \
              f"{'recompute':>10} " \
              f"{'mem GiB':>8} {'bubble':>7} {'TP s':>6} {'DP s':>6} {'PP s':>6} {'CP s':>6}{ep_s_head} {'step s':>7} " \
              f"{'tok/s/GPU':>10}"
@@ -99,7 +117,7 @@ def format_search(results: list[dict[str, Any]], total: int) -> str:
         ep = f" {r['expert']:>3}" if moe else ""
         ep_s = f" {c['ep_comm_s']:>6.2f}" if moe else ""
         lines.append(f"{i:>3} {r['tensor']:>3} {r['pipeline']:>3} {r['virtual_pipeline'] or '-':>3} "
-                     f"{r['context']:>3} {r['data']:>4}{ep} {'yes' if r.get('fsdp') else '-':>4} "
+                     f"{_cp(r):>7} {r['data']:>4}{ep} {'yes' if r.get('fsdp') else '-':>4} "
                      f"{r['micro_batch_size']:>4} {r['recompute'] or '-':>10} "
                      f"{r['memory_gib']:>8.1f} {r['bubble_fraction']:>7.3f} {c['tp_comm_s']:>6.2f} "
                      f"{c['dp_comm_s']:>6.2f} {c['pp_comm_s']:>6.2f} {c['cp_comm_s']:>6.2f}{ep_s} {r['step_s']:>7.2f} "

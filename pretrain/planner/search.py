@@ -71,13 +71,16 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                     vps = [None] + [v for v in range(2, 11) if uneven_split(m.num_layers, pp, v)]
                 # Megatron-FSDP (ZeRO-3) as well as the distributed optimizer; it has no pipeline dimension.
                 fsdps = (False, True) if pp == 1 else (False,)
-                for vp, ep, mbs, fsdp in ((v, e, b, f) for v in vps for e in eps for b in (1, 2, 4) for f in fsdps):
+                comms = ("p2p", "a2a") if cp > 1 else (cfg.parallel.cp_comm_type,)
+                for vp, ep, mbs, fsdp, comm in ((v, e, b, f, x) for v in vps for e in eps for b in (1, 2, 4)
+                                                for f in fsdps for x in comms):
                     split = uneven_split(m.num_layers, pp, vp or 1)
                     if split is None:
                         continue
                     for gran, method, num in recomputes:
                         c = copy.deepcopy(cfg)
                         c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
+                        c.parallel.cp_comm_type = comm
                         if ep is not None:
                             c.parallel.expert, c.parallel.expert_tensor = ep, 1
                         c.parallel.virtual_pipeline = vp
@@ -101,6 +104,7 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                                           rm.expert_params)
                         results.append({
                             "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
+                            "cp_comm_type": comm if cp > 1 else None,
                             "data": lay.dp, "expert": ep, "fsdp": fsdp, "micro_batch_size": mbs,
                             "sequence_parallel": tp > 1,
                             "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
@@ -118,6 +122,7 @@ def _overrides(c: Config) -> str:
     parts = [f"parallel.tensor={p.tensor}", f"parallel.pipeline={p.pipeline}",
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
+             *([f"parallel.cp_comm_type={p.cp_comm_type}"] if p.context > 1 else []),
              f"train.micro_batch_size={c.train.micro_batch_size}",
              "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
     if p.num_layers_in_first_pipeline_stage is not None:

@@ -39,6 +39,12 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                 keys = tuple(k.strip() for k in key.split("+")) + ("parallel.tensor",)
                 r.error(keys, f"{key} = {width} is not divisible by parallel.tensor={tp} (the local spec splits "
                         "MLA's down-projections over TP)", f"choose parallel.tensor from {_divisors(width)}")
+    if not use_te and (p.context > 1 or cfg.data.reset_attention_mask):
+        keys = ("model.multi_latent_attention",) + (("parallel.context",) if p.context > 1 else ()) \
+            + (("data.reset_attention_mask",) if cfg.data.reset_attention_mask else ())
+        r.error(keys, "Multi-Latent Attention with context parallelism or packed documents needs Transformer "
+                "Engine: the local spec's context-parallel attention is checked for standard attention only",
+                "set parallel.context=1 and data.reset_attention_mask=false on CPU, or run MLA with TE on GPUs")
     if m.position_embedding_type != "rope":
         r.error(("model.multi_latent_attention", "model.position_embedding_type"),
                 "Multi-Latent Attention applies its own RoPE (model.rope_type); model.position_embedding_type="

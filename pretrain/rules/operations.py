@@ -11,28 +11,23 @@ from pretrain.rules.recompute import recompute_problems
 def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Document boundaries in packed samples: refuse settings an attention implementation would ignore.
 
-    Local spec (Megatron-Core `DotProductAttention`): applies the per-document mask on CPU and GPU (the trainer
-    turns off the fused upper-triangular softmax kernel, which ignores explicit masks). Transformer Engine spec:
-    attention is built with a causal mask type, for which TE applies its own causal mask and does not read the
-    given one. RoPE in `GPTModel` follows the sequence index, not `position_ids`.
+    With data.reset_attention_mask every microbatch is packed sequences (THD: `cu_seqlens` from the EOD positions,
+    `pretrain.data.pack_documents`), read by Transformer Engine attention and, with the local spec, by
+    `model_providers.core.cp_attention` (Megatron-Core's `DotProductAttention` takes no packed sequences). RoPE
+    in `GPTModel` follows the sequence index, not `position_ids` (THD: the index inside each document).
     """
     d, m = cfg.data, cfg.model
     use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
-    if d.reset_attention_mask and use_te:
-        r.error(("data.reset_attention_mask", "model.transformer_impl"),
-                "data.reset_attention_mask=true: Transformer Engine attention in Megatron-Core's spec uses a causal "
-                "mask type and ignores a per-document mask (documents would attend across boundaries)",
-                "set model.transformer_impl=local (Megatron-Core's DotProductAttention applies the mask on CPU and "
-                "GPU) or data.reset_attention_mask=false")
     if d.reset_position_ids and m.position_embedding_type == "rope" and not d.reset_attention_mask:
         r.error(("data.reset_position_ids", "model.position_embedding_type"),
                 "data.reset_position_ids=true has no effect with RoPE: Megatron-Core's GPTModel rotates by the "
                 "sequence index, not by position_ids",
                 "also set data.reset_attention_mask=true (then each document sees only its own tokens and RoPE's "
                 "relative positions are the restarted ones), or set data.reset_position_ids=false")
-    if d.reset_attention_mask and not use_te:
-        r.notes.append(f"data.reset_attention_mask: a [{cfg.train.micro_batch_size}, 1, {m.seq_length}, "
-                       f"{m.seq_length}] boolean mask per microbatch; the fused softmax kernel is off")
+    if d.reset_attention_mask:
+        attention = "Transformer Engine attention" if use_te else "model_providers/core/cp_attention.py"
+        r.notes.append(f"data.reset_attention_mask: each microbatch is packed documents (THD, cu_seqlens from the "
+                       f"EOD positions), attended by {attention}")
 
 
 RECOMPUTE_DEFAULT = ("core_attn",)  # Megatron-Core's default recompute_modules

@@ -106,17 +106,12 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                 "(sequence parallel splits the sequence across TP ranks)",
                 f"use a sequence length that is a multiple of {p.tensor}")
     if p.context > 1:
-        if m.seq_length % (2 * p.context) != 0:
+        # Packed documents (data.reset_attention_mask) are padded per document instead (pretrain.data).
+        if m.seq_length % (2 * p.context) != 0 and not cfg.data.reset_attention_mask:
             r.error(("model.seq_length", "parallel.context"),
                     f"model.seq_length={m.seq_length} is not divisible by 2×parallel.context = {2 * p.context}",
                     f"use a sequence length that is a multiple of {2 * p.context}")
-        if not te_on_gpu:
-            r.error("parallel.context", f"parallel.context={p.context} needs Transformer Engine on a GPU "
-                    "(Megatron-Core implements context parallelism only in TE attention)",
-                    "set parallel.context=1 here, or run on a CUDA machine with transformer-engine installed")
-        elif m.transformer_impl == "local":
-            r.error(("parallel.context", "model.transformer_impl"),
-                    "context parallelism needs the Transformer Engine spec", "set model.transformer_impl=auto")
+        # Without Transformer Engine the local spec's CP attention runs it (pretrain.rules.context).
 
     # Batch sizes and microbatches.
     if lay is not None:

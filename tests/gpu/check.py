@@ -15,9 +15,11 @@ Cases (bf16 weights, sequence 4096, micro batch 1, 4 microbatches a step, 8 step
     experts of 768, top-8; EP on one GPU is EP1), bf16: experts one after another (local spec) and Transformer
     Engine grouped GEMM; then the DeepSeek-V3 class at Moonlight-16B-A3B width (MLA, a dense and an MoE layer of
     64 + 2 shared experts, one MTP layer), local and TE, bf16.
-Each run is its own process. The whole check keeps to BUDGET_S (under 8 minutes with start-up); cases that
-would not fit are reported as skipped. `--dry-run` prints the cases with their planned memory and runs
-nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
+Then context parallelism (tests/gpu/cp_check.py, its own CP_BUDGET_S): Transformer Engine's CP2 p2p and a2a, and
+CP1, against the CPU CP attention's losses on the same weights and data, without and with packed documents (THD);
+`--only cp` runs just that part. Each run is its own process. The throughput part keeps to BUDGET_S (under 8
+minutes with start-up); cases that would not fit are reported as skipped. `--dry-run` prints the cases with their
+planned memory and runs nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+import cp_check  # noqa: E402  (tests/gpu/cp_check.py: the context-parallel agreement runs)
+
 BUDGET_S = 450.0  # leaves margin under 8 minutes for start-up and the table
+CP_BUDGET_S = 240.0  # the context-parallel agreement runs (tests/gpu/cp_check.py)
 CASE_LIMIT_S = 150.0
 MIN_CASE_S = 45.0
 SEQ, MICROBATCHES, STEPS, WARMUP = 4096, 4, 8, 3
@@ -200,21 +206,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="list the cases and their plans; run nothing")
     parser.add_argument("--json-out", default=None, help="also write every case's figures here")
+    parser.add_argument("--only", choices=("all", "throughput", "cp"), default="all",
+                        help="cp: only the context-parallel agreement runs; throughput: only the rest")
     args = parser.parse_args(argv)
     if args.dry_run:
-        todo = cases(te=True, fp8="tensorwise")
+        todo = cases(te=True, fp8="tensorwise") if args.only != "cp" else []
         print(f"GPU check (dry run): {len(todo)} case(s); planned on a GPU:")
         for c in todo:
             total, act = planned(c)
             print(f"  {c.label:<44} plan {total:6.2f} GiB (activations {act:5.2f})")
             print(f"    {shlex.join(c.command(Path('OUT.json'))[1:])}")
+        if args.only != "throughput":
+            print("\n".join(cp_check.dry_run()))
         return 0
 
     import torch
 
     start = time.monotonic()
     device = torch.cuda.get_device_name()
-    todo = cases(*te_info())
+    todo = cases(*te_info()) if args.only != "cp" else []
     print(f"GPU check on {device}, torch {torch.__version__}: {len(todo)} case(s), budget {BUDGET_S:.0f} s",
           flush=True)
     done, failures, skipped = [], [], []
@@ -246,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                 case.result["planned_mem_gib"] = planned(case)[0]
             done.append(case)
             print(f"  done: {case.label} ({time.monotonic() - t0:.0f} s)", flush=True)
+        cp_done, cp_failures, cp_skipped = [], [], []
+        if args.only != "throughput":
+            cp_done, cp_failures, cp_skipped = cp_check.run(CP_BUDGET_S, Path(tmp), torch.cuda.device_count())
     print()
     print("\n".join(table(done)))
     agreement = fsdp_agreement(done)
@@ -253,13 +266,20 @@ def main(argv: list[str] | None = None) -> int:
         print(agreement[0])
         if not agreement[1]:
             failures.append(("Megatron-FSDP vs distributed optimizer", agreement[0]))
+    cp_lines, disagreements = cp_check.table(cp_done)
+    failures += cp_failures + disagreements
+    print("\n".join(["", *cp_lines, f"THD partition = Transformer Engine's: {cp_check.partition_matches_te()}"]))
+    for label, why in cp_skipped:
+        print(f"{label:<44} skipped ({why})")
     for label in skipped:
         print(f"{label:<44} skipped{'' if '(refused' in label else ' (time budget)'}")
     for label, why in failures:
         print(f"{label:<44} FAILED: {why}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                                   "cases": {c.label: c.result for c in done}}, indent=1))
+                                                   "cases": {c.label: c.result for c in done},
+                                                   "context_parallel": {c.label: c.losses for c in cp_done}},
+                                                  indent=1))
     print(f"total {time.monotonic() - start:.0f} s")
     return 1 if failures else 0
 

@@ -83,3 +83,26 @@ def test_cases_the_validator_refuses_are_skipped_with_the_reason():
         assert refused is None
     else:
         assert refused.startswith("[optimizer.fsdp] Megatron-FSDP with one data-parallel rank gives wrong gradients")
+def test_context_parallel_part_is_wired():
+    """`--only cp --dry-run` lists the CP agreement runs (CPU reference, TE CP1 / CP2 p2p / CP2 a2a, causal and
+    packed documents); without GPUs the TE runs are skipped with the reason, and the table flags a TE loss that
+    strays from the CPU attention's."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import cp_check
+
+    done = subprocess.run(["bash", str(REPO / "tests/gpu/run.sh"), "--dry-run", "--only", "cp"], capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    runs = [c.label for c in cp_check.cases()]
+    assert len(runs) == 8 and all(label in done.stdout for label in runs)
+    assert "parallel.cp_comm_type=a2a" in done.stdout and "data.reset_attention_mask=true" in done.stdout
+    ran, failures, skipped = cp_check.run(0.0, REPO, gpus=0)
+    assert ran == [] and failures == []
+    reasons = dict(skipped)
+    assert reasons["CP2 p2p TE bf16, causal"] == "needs 2 GPUs, 0 here"
+    assert reasons["CP2 p2p CPU attention fp32, causal"] == "time budget"
+    ref, te, off = cp_check.cases()[0], cp_check.cases()[2], cp_check.cases()[3]
+    ref.losses, te.losses, off.losses = [10.0, 9.0, 8.0], [10.05, 9.0, 8.1], [10.0, 9.5, 8.0]
+    lines, bad = cp_check.table([ref, te, off])
+    assert "reference" in lines[1] and f"{0.1 / 8:.2e}" in lines[2]
+    assert [label for label, _ in bad] == [off.label]

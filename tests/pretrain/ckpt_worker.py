@@ -22,6 +22,7 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
                  ≤ 0.18) or the `common_state` object inside the torch_dist files (0.19+)
     without_fixes  [fix name, ...]: run the case with these Megatron fixes undone (pretrain.compat.megatron_fixes)
     without_shims  [shim name, ...]: ... and these Megatron-FSDP CPU shims undone (pretrain.compat.fsdp_cpu)
+    without_cpu_shims  [shim name, ...]: ... and these CPU shims switched off (pretrain.compat.cpu_shims.switched_off)
     load_dcp_object [checkpoint_dir, key]: also load that byte item with DCP's own DefaultLoadPlanner
                  (fsdp_dtensor checkpoints; after load_object when both are given)
     marker       a path: the result records whether it exists after the case ("marker_exists")
@@ -257,7 +258,7 @@ def run_case(case: dict, results: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from pretrain.checkpoint import state as checkpoint_state
-    from pretrain.compat import fsdp_cpu, megatron_fixes
+    from pretrain.compat import cpu_shims, fsdp_cpu, megatron_fixes
     from pretrain.config import load_config
     from pretrain.train import train
 
@@ -283,7 +284,9 @@ def run_case(case: dict, results: dict) -> None:
     undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
     started = time.perf_counter()
     try:
-        with megatron_fixes.disabled(*case.get("without_fixes", [])), fsdp_cpu.disabled(*case.get("without_shims", [])):
+        with megatron_fixes.disabled(*case.get("without_fixes", [])), \
+                fsdp_cpu.disabled(*case.get("without_shims", [])), \
+                cpu_shims.switched_off(*case.get("without_cpu_shims", [])):
             if case.get("load_object") or case.get("load_dcp_object"):
                 if case.get("load_object"):
                     _load_object(case["load_object"][0], case["load_object"][1], dist.get_world_size(), rank)

@@ -87,6 +87,7 @@ MOE = ["model.vocab_size=4096", "model.hidden_size=256", "model.ffn_hidden_size=
 # DeepSeek-V3 class: tiny_deepseek's shape at a larger hidden size, so that the layers, not the loss, dominate.
 DEEPSEEK = ["model.vocab_size=4096", "model.hidden_size=256", "model.ffn_hidden_size=512", "model.seq_length=256"]
 SELECTIVE = ["model.recompute_granularity=selective"]
+CP2 = ["parallel.context=2"]
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 BLOCK = ["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=1"]
 
@@ -140,6 +141,20 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
         "train.micro_batch_size=1", "train.global_batch_size=2"]),
     ("deepseek fp32 PP2 EP2 M4", 4, "tiny_deepseek", DEEPSEEK + [
         "parallel.pipeline=2", "parallel.expert=2", "train.micro_batch_size=1", "train.global_batch_size=4"]),
+    # Context parallelism without TE: the local spec's CP attention (pretrain.planner.context), one per comm type
+    # (a2a under core-attention recompute: its saved terms are the recompute working set at the peak); packed
+    # documents (THD: the micro batch is one sequence; mock documents, padded to multiples of 2×CP: not counted).
+    ("llama bf16 CP2 p2p", 2, "tiny_llama", LLAMA + BF16 + CP2 + ["train.micro_batch_size=1",
+                                                                  "train.global_batch_size=2"]),
+    ("llama bf16 CP2 all_gather THD mbs2", 2, "tiny_llama", LLAMA + BF16 + CP2 + [
+        "parallel.cp_comm_type=all_gather", "data.reset_attention_mask=true", "train.micro_batch_size=2",
+        "train.global_batch_size=2"]),
+    ("llama fp32 CP2 a2a selective", 2, "tiny_llama", LLAMA + SELECTIVE + CP2 + [
+        "train.precision=fp32", "parallel.cp_comm_type=a2a", "train.micro_batch_size=1",
+        "train.global_batch_size=2"]),
+    ("llama bf16 TP2 SP CP2 p2p", 4, "tiny_llama", LLAMA + BF16 + CP2 + [
+        "parallel.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch_size=1",
+        "train.global_batch_size=2"]),
 ]  # fmt: skip
 
 # Mock data with no tokenizer file of a type that embeds none: the null tokenizer of model.vocab_size ids, so the

@@ -23,7 +23,7 @@ from tests.pretrain.ckpt_helpers import DETERMINISTIC, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # the fixture: four launches
 
-TOLERANCE = 1e-5  # loss and grad norm (the norm accumulates in float64 on CPU: cpu_shims.grad_norm_fp64_accumulation)
+TOLERANCE = 1e-5  # loss and grad norm (the norm accumulates in float64 on CPU: cpu_shims.fp64_grad_norm)
 
 
 def _steps(path: Path) -> dict[int, dict]:

@@ -6,7 +6,9 @@ torch_dist and from an fsdp_dtensor checkpoint, or one step with `recompute_modu
 tiny_moe or tiny_deepseek) runs with only that fix undone. The bug must show on the installed megatron-core if and
 only if the fix says it is needed there. Fixes that need more ranks (`fsdp_tp_without_te`: TP2 × DP2) are shown in the
 Megatron-FSDP launches too. Each Megatron-FSDP CPU shim (`pretrain/compat/fsdp_cpu.py`) is undone the same way: one
-FSDP step then fails. CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`)."""
+FSDP step then fails. CI runs this on 0.16.1 (`make test`) and 0.19.2 (`make test-mcore MCORE=0.19.2`). (The CPU
+shim for RoPE's `pin_memory=True` under context parallelism is switched off in
+tests/pretrain/test_context_parallel.py's two-process launch.)"""
 
 from __future__ import annotations
 

@@ -21,10 +21,6 @@ def problems(overrides: list[str], world: int = 1, gpu: bool = False, te: bool =
     return [str(p) for p in report.errors]
 
 
-TE_MASK = ("[data.reset_attention_mask, model.transformer_impl] data.reset_attention_mask=true: Transformer Engine "
-           "attention in Megatron-Core's spec uses a causal mask type and ignores a per-document mask (documents "
-           "would attend across boundaries). Fix: set model.transformer_impl=local (Megatron-Core's "
-           "DotProductAttention applies the mask on CPU and GPU) or data.reset_attention_mask=false")
 ROPE_POSITIONS = ("[data.reset_position_ids, model.position_embedding_type] data.reset_position_ids=true has no "
                   "effect with RoPE: Megatron-Core's GPTModel rotates by the sequence index, not by position_ids. "
                   "Fix: also set data.reset_attention_mask=true (then each document sees only its own tokens and "
@@ -53,8 +49,8 @@ FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP 
 
 
 @pytest.mark.parametrize("overrides,gpu,te,expected", [
-    # Document boundaries: which attention honours the per-document mask where.
-    (["data.reset_attention_mask=true"], True, True, [TE_MASK]),
+    # Document boundaries: packed sequences (THD) for Transformer Engine and the local spec alike.
+    (["data.reset_attention_mask=true"], True, True, []),
     (["data.reset_attention_mask=true", "model.transformer_impl=local"], True, True, []),
     (["data.reset_attention_mask=true"], False, False, []),  # CPU: local spec
     (["data.reset_position_ids=true"], False, False, [ROPE_POSITIONS]),

@@ -203,6 +203,21 @@ def test_search_lists_only_valid_layouts_that_fit():
     assert "best:" in out.stdout and len(rows) == 3
 
 
+def test_search_picks_context_parallelism_for_long_sequences():
+    """Llama-3-8B at 32k tokens on 8 H100: CP (with its comm type in the overrides) beats TP, which all-reduces the
+    whole hidden state; the plan reports the CP bytes and, CPU only, the local spec's CP attention."""
+    cfg = load_config("llama3_8b", ["model.seq_length=32768"])
+    found = plan.search(cfg, 1, 8, "h100", top=0)
+    best = found[0]
+    assert best["context"] == 4 and best["tensor"] == 1 and best["cp_comm_type"] in ("p2p", "a2a")
+    assert f"parallel.cp_comm_type={best['cp_comm_type']}" in best["overrides"]
+    assert {r["cp_comm_type"] for r in found if r["context"] > 1} == {"p2p", "a2a"}
+    p = plan.make_plan(load_config("llama3_8b", best["overrides"].split() + ["model.seq_length=32768"]), 1, 8)
+    ctx = p["context_parallel"]
+    assert ctx["context"] == 4 and ctx["comm_bytes_per_layer_microbatch"] > 0
+    assert ctx["cpu_only"]["attention_working_set_bytes_per_layer"] > 0
+
+
 # --------------------------------------------------------------------------------------------------
 # Predicted bytes vs what real Megatron ranks hold (torchrun, CPU)
 # --------------------------------------------------------------------------------------------------
@@ -252,7 +267,7 @@ def test_predicted_activations_match_saved_tensors(ranks):
     cases, per layer — dense, MoE and MTP layers — and stage: within 1%). MoE at EP > 1: the mean over the
     expert-parallel group (the planner counts balanced routing)."""
     records = ranks["activations"]
-    assert len({r["case"] for r in records}) == 19
+    assert len({r["case"] for r in records}) == 23
     lines = ["| layout | stage | layer: predicted | measured | stage peak: predicted | measured | diff |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["case"], r["pp_rank"], r["rank"])):
