@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import run_worker_cases
-from tests.pretrain.test_moe import DIST, EP2, SOURCE, STEPS, TOLERANCE, TP2_EP2, _by_step, _case, _rel
+from tests.pretrain.ckpt_helpers import by_step, rel_diff, run_worker_cases
+from tests.pretrain.test_moe import DIST, EP2, SOURCE, STEPS, TOLERANCE, TP2_EP2, _case
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
@@ -32,9 +32,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["dp2_distopt_ep2", "tp2_sp_ep2"])
 def test_expert_parallel_matches_single_rank(runs, name):
-    ref, got = _by_step(runs / "ref"), _by_step(runs / name)
+    ref, got = by_step(runs / "ref"), by_step(runs / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    rel = [_rel(got[s][k], ref[s][k]) for s in ref for k in ("loss", "moe_load_balancing_loss", "moe_z_loss")]
+    rel = [rel_diff(got[s][k], ref[s][k]) for s in ref for k in ("loss", "moe_load_balancing_loss", "moe_z_loss")]
     print(f"{name}: losses {[got[s]['loss'] for s in got]}; max relative diff {max(rel):.2e}")
     assert max(rel) <= TOLERANCE, rel
     assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
@@ -42,9 +42,9 @@ def test_expert_parallel_matches_single_rank(runs, name):
 
 
 def test_expert_parallel_checkpoint_resumes_at_ep1(runs):
-    ref, got = _by_step(runs / "dp2_distopt_ep2"), _by_step(runs / "distopt_ep2_to_ep1")
+    ref, got = by_step(runs / "dp2_distopt_ep2"), by_step(runs / "distopt_ep2_to_ep1")
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in (3, 4):
-        rel = _rel(got[s]["loss"], ref[s]["loss"])
+        rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"EP2 → EP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r}, relative diff {rel:.2e}")
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= 2e-6
