@@ -1,4 +1,5 @@
-"""``python -m data_tools {preprocess,inspect,verify,merge,convert} ...`` (imports are lazy)."""
+"""``python -m data_tools {preprocess,inspect,verify,merge,convert,shard-plan,shard-run,finalize} ...`` (imports are
+lazy). The last three spread ``preprocess`` over the tasks of a Slurm array (``launch/preprocess.sh``)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,74 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check a .bin/.idx pair for consistency")
     p.add_argument("prefix")
     _add_tokenizer_args(p, required=False)
+    p.add_argument("--update-meta", action="store_true",
+                   help="after the checks pass, record the index facts (sizes, fingerprint) in PREFIX.meta.json")
 
     p = sub.add_parser("merge", help="concatenate datasets with the same dtype")
     p.add_argument("--inputs", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)")
     p.add_argument("--output-prefix", required=True)
 
     sub.add_parser("convert", help="checkpoint conversion (see data_tools.convert)", add_help=False)
+
+    p = sub.add_parser("shard-plan", help="plan a preprocess run over N tasks: shard-plan --tasks N -- PREPROCESS-ARGS")
+    p.add_argument("--tasks", type=int, required=True, help="tasks to spread the input files over (by bytes)")
+    p.add_argument("--plan", help="where to write the plan (default: OUTPUT_PREFIX.shards.json)")
+    p.add_argument("preprocess_args", nargs="*", help="after --: the arguments of `preprocess`")
+
+    p = sub.add_parser("shard-run", help="preprocess one task's share of a plan (resumes an interrupted run)")
+    p.add_argument("plan")
+    p.add_argument("--task", type=int, help="task index (default: $SLURM_ARRAY_TASK_ID)")
+
+    p = sub.add_parser("finalize", help="check and verify every part of a plan, then merge them or write their blend")
+    p.add_argument("plan")
+    p.add_argument("--mode", choices=["merge", "blend"], default="merge")
+    p.add_argument("--remove-parts", action="store_true", help="delete the parts once merged (--mode merge)")
     return parser
+
+
+def _shard_command(args: argparse.Namespace) -> int:
+    """shard-plan / shard-run / finalize. Each task locks its own part (``PREFIX_partKKKKK.lock`` and its
+    datasets' locks), the final step the merged dataset, as ``preprocess`` and ``merge`` do."""
+    import os
+
+    from data_tools import shards
+    from pretrain.output_lock import hold
+
+    if args.command == "shard-plan":
+        pre = build_parser().parse_args(["preprocess", *args.preprocess_args])
+        # The tokenizer every task uses, decided once: the embedded fallback without files, as preprocess.
+        pre.tokenizer_type, pre.tokenizer_model, pre.vocab_file, pre.merge_file = _tokenizer_files(pre)
+        plan = shards.make_plan(pre, args.tasks)
+        path = args.plan or f"{plan.output_prefix}{shards.PLAN_SUFFIX}"
+        shards.write_plan(plan, path)
+        total = sum(x["bytes"] for x in plan.inputs)
+        sizes = [plan.task_bytes(t) for t in range(len(plan.tasks))]
+        print(f"plan {path}: {len(plan.inputs):,} file(s), {total:,} bytes over {len(plan.tasks)} task(s) "
+              f"(largest share {max(sizes):,} bytes, smallest {min(sizes):,})", file=sys.stderr)
+        if len(plan.tasks) < args.tasks:
+            print(f"note: {args.tasks} tasks asked, {len(plan.tasks)} planned: a task's share is whole files",
+                  file=sys.stderr)
+        print(f"{path} {len(plan.tasks)}")
+        return 0
+    plan = shards.read_plan(args.plan)
+    if args.command == "shard-run":
+        task = args.task
+        if task is None:
+            if not os.environ.get("SLURM_ARRAY_TASK_ID", "").isdigit():
+                raise shards.ShardError("give --task K (or run inside a Slurm array job)")
+            task = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        try:
+            with hold(shards.task_targets(plan, task)):
+                print(shards.run_task(plan, task, lambda m: print(m, file=sys.stderr, flush=True)))
+        except KeyboardInterrupt:
+            print(f"\n{plan.describe(task)} interrupted; running it again (a requeue) resumes it", file=sys.stderr)
+            return 130
+        return 0
+    from data_tools.finalize import finalize
+
+    with hold(shards.final_targets(plan)):
+        print(finalize(plan, args.mode, remove_parts=args.remove_parts))
+    return 0
 
 
 def _tokenizer_files(args: argparse.Namespace) -> tuple[str, str | None, str | None, str | None]:
@@ -92,6 +154,8 @@ def _output_locks(args: argparse.Namespace):
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("shard-plan", "shard-run", "finalize"):
+        return _shard_command(args)
     if args.command == "preprocess":
         from data_tools.preprocess import preprocess
 
@@ -122,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
 
         # Only the vocabulary and the identity are needed: no Megatron import (and none of its warnings).
         tok = describe_tokenizer(*_tokenizer_files(args)) if args.tokenizer_type else None
-        print(verify(args.prefix, tok))
+        print(verify(args.prefix, tok, update_meta=args.update_meta))
         return 0
     if args.command == "merge":
         from data_tools.merge import merge
@@ -146,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. a scheduler's kill) interrupts like Ctrl-C, so an interrupted run can --resume.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     from data_tools.inputs import InputError
+    from data_tools.shards import ShardError
     from pretrain.tokenizer.types import TokenizerError
 
     try:
@@ -154,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; re-run with --resume to continue", file=sys.stderr)
         return 130
-    except (InputError, TokenizerError, OSError, RuntimeError, ValueError) as e:
+    except (InputError, ShardError, TokenizerError, OSError, RuntimeError, ValueError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
 

@@ -9,6 +9,7 @@ whole data position and every layout sees the same global batch.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -46,21 +47,59 @@ def data_cache_dir(cfg) -> str:
     return cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache")
 
 
-def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0):
-    """(train, valid) datasets sized for the run; valid is None without evaluation.
+def check_data_files_once(cfg, report, device=None) -> None:
+    """The dataset-file part of pre-flight validation (`pretrain.data_check.check_data_files`: files, index,
+    `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
+    broadcast and added to every rank's `report`, so one process opens the files instead of all of them."""
+    from pretrain.data_check import check_data_files, used_blends
+    from pretrain.problems import Report
 
-    Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads)
-    and the splits the run does not read are left out of the split matrix, so Megatron-Core never builds
-    them (it loops forever on a split that holds no documents). Pre-flight validation has checked that the
-    splits read hold tokens.
-    """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    verdict, failure = None, None
+    if dist.get_rank() == 0:
+        verdict = Report(report.world_size)
+        try:
+            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
+            failure = exc
+            verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")
+    box = [verdict]
+    dist.broadcast_object_list(box, src=0, device=device)
+    if failure is not None:
+        raise failure
+    verdict = box[0]
+    report.errors += verdict.errors
+    report.warnings += verdict.warnings
+    report.notes += [f"{n} (on rank 0, shared with every rank)" if n.startswith("dataset files checked") else n
+                     for n in verdict.notes]
+    report.ids_unchecked = report.ids_unchecked or verdict.ids_unchecked
+
+
+def _report_cache(log, cache: str, seconds: float, before, removed: list[str]) -> None:
+    from pretrain.data_cache import CacheState
+
+    for name in removed:
+        log(f"[pretrain] data: removed the truncated index cache entry {name} (left by an interrupted start); "
+            "rebuilding it")
+    files, size = CacheState.read(cache).added_since(before)
+    if files:
+        log(f"[pretrain] data: Megatron's dataset indices built in {seconds:.2f} s by rank 0 and cached in {cache} "
+            f"({files} files, {size / 2**20:,.1f} MiB); the other ranks that read data, and later starts, "
+            "read them")
+    else:
+        log(f"[pretrain] data: Megatron's dataset indices read from the cache in {cache} in {seconds:.2f} s "
+            "(built by an earlier start; nothing rebuilt)")
+
+
+def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
+    """(dataset class, `GPTDatasetConfig`) of the run, exactly as `build_datasets` hands them to Megatron-Core's
+    `BlendedMegatronDatasetBuilder` (benchmarks/data_startup.py builds with them directly: Megatron's own cost).
+
+    The splits the run does not read are left out of the split matrix, so Megatron-Core never builds them (it
+    loops forever on a split that holds no documents)."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     d = cfg.data
     mock = uses_mock(d)
-    cache = data_cache_dir(cfg)
-    Path(cache).mkdir(parents=True, exist_ok=True)
     per_split = None
     if d.train_blend and not mock:
         per_split = [_blend(d.train_blend), _blend(d.valid_blend) if num_eval_samples else None, None]
@@ -70,7 +109,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
         blend=None if (mock or per_split) else _blend(d.blend),
         blend_per_split=per_split,
         split=None if per_split else d.split,
-        path_to_cache=cache,
+        path_to_cache=data_cache_dir(cfg),
         tokenizer=tokenizer,
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
@@ -81,9 +120,36 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     if per_split is None:
         train_range, valid_range, _ = ds_config.split_matrix
         ds_config.split_matrix = [train_range, valid_range if num_eval_samples else None, None]
-    cls = MockGPTDataset if mock else GPTDataset
+    return (MockGPTDataset if mock else GPTDataset), ds_config
+
+
+def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0, *,
+                   is_built_on_rank=None, log=None):
+    """(train, valid) datasets sized for the run; valid is None without evaluation (and both are None on a rank
+    for which `is_built_on_rank()` is False: it receives its batches from one that reads them).
+
+    Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads).
+    Pre-flight validation has checked that the splits read hold tokens. Megatron builds the index caches on
+    rank 0 while the others wait at a barrier, then the others read them; a start that finds them reads them
+    too. Truncated cache entries (a start killed while writing them) are removed first. `log`: told how long
+    that took and where the cache is (rank 0).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    cache = data_cache_dir(cfg)
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    cls, ds_config = megatron_dataset_config(cfg, tokenizer, num_eval_samples)
     sizes = [num_train_samples, num_eval_samples, 0]
-    train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, ds_config).build()
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    if first:
+        from pretrain.data_cache import CacheState, remove_truncated
+
+        before, removed = CacheState.read(cache), remove_truncated(cache)
+    started = time.perf_counter()
+    builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), ds_config)
+    train, valid, _ = builder.build()
+    if first and log is not None and not uses_mock(cfg.data):
+        _report_cache(log, cache, time.perf_counter() - started, before, removed)
     return train, valid
 
 
@@ -116,19 +182,42 @@ def microbatches(dataset, start_sample: int, *, num_microbatches: int, micro_bat
     return out
 
 
+def _from_tp_source(batches: list[dict] | None, tp_source: tuple, device: torch.device) -> list[dict]:
+    """The reading rank's microbatches on every rank of its tensor-parallel group (the same inputs, one reader):
+    their keys, shapes and dtypes in one object broadcast, then each tensor (bool as uint8: gloo has no bool)."""
+    group, src = tp_source
+    box = [[[(k, tuple(v.shape), v.dtype) for k, v in b.items()] for b in batches] if batches is not None else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    out = []
+    for i, items in enumerate(box[0]):
+        batch = {}
+        for key, shape, dtype in items:
+            mine = batches[i][key] if batches is not None else torch.empty(shape, dtype=dtype, device=device)
+            wire = mine.to(torch.uint8) if dtype == torch.bool else mine
+            dist.broadcast(wire, src=src, group=group)
+            batch[key] = mine if batches is not None or dtype != torch.bool else wire.to(torch.bool)
+        out.append(batch)
+    return out
+
+
 def checked_microbatches(dataset, start_sample: int, *, vocab_size: int | None, device: torch.device,
-                         **kwargs) -> list[dict[str, torch.Tensor]]:
+                         tp_source: tuple | None = None, **kwargs) -> list[dict[str, torch.Tensor]]:
     """`microbatches` with every token id checked against `vocab_size` (None: no check). All ranks agree:
-    when one reads a bad id, every rank raises `DataError` (no rank is left waiting in a collective)."""
-    if vocab_size is None:
-        return microbatches(dataset, start_sample, device=device, **kwargs)
+    when one reads a bad id, every rank raises `DataError` (no rank is left waiting in a collective).
+
+    `tp_source` (tensor-parallel group, global rank of its reader): with TP > 1 only that rank holds the
+    datasets (`dataset` is None on the others) and sends its microbatches to the group, as Megatron-LM does."""
     bad, batches = None, []
-    try:
-        batches = microbatches(dataset, start_sample, device=device, vocab_size=vocab_size, **kwargs)
-    except DataError as exc:
-        bad = str(exc)
-    flag = torch.tensor([1.0 if bad else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() > 0:
-        raise DataError(bad or "another rank read a token id outside the model's vocabulary")
+    if dataset is not None:
+        try:
+            batches = microbatches(dataset, start_sample, device=device, vocab_size=vocab_size, **kwargs)
+        except DataError as exc:
+            bad = str(exc)
+    if vocab_size is not None:
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            raise DataError(bad or "another rank read a token id outside the model's vocabulary")
+    if tp_source is not None:
+        batches = _from_tp_source(batches if dataset is not None else None, tp_source, device)
     return batches

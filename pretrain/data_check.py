@@ -17,7 +17,9 @@ Rules owned here (the trainer's data code uses the same functions):
 from __future__ import annotations
 
 import math
+import os
 import re
+import time
 from typing import TYPE_CHECKING
 
 from pretrain.layout import resolve_vocab_size
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from pretrain.problems import Report
 
 SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
+CHECK_THREADS = 16  # prefixes checked at once
 SPLIT_NAMES = ("training", "validation", "test")
 
 
@@ -233,19 +236,42 @@ def _null_tokenizer(cfg: Config, r: Report):
     return null_identity(m.vocab_size)
 
 
-def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None):
-    """One dataset prefix: files, format, metadata, tokenizer and largest id. Returns its facts or None."""
+def _checked(prefix: str):
+    """`check_dataset` of one prefix (the metadata check where it can stand for the index), or its exception."""
     from pretrain.dataset_format.check import check_dataset
+
+    try:
+        return check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True)
+    except (ValueError, OSError) as e:
+        return e
+
+
+def check_all(prefixes: list[str]) -> dict:
+    """`_checked` of every prefix, CHECK_THREADS at a time (a parallel file system answers many small reads at
+    once; each check is a few opens and 128 KiB)."""
+    if len(prefixes) < 2:
+        return {p: _checked(p) for p in prefixes}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(prefixes))) as pool:
+        return dict(zip(prefixes, pool.map(_checked, prefixes)))
+
+
+def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
+    """One dataset prefix: files, format, metadata, tokenizer and largest id (`checked`: its `_checked`).
+    Returns its facts or None."""
     from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
-    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not p.is_file()]
+    missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(p)]
     if missing:
         r.error(key, f"{prefix}: no dataset there ({' and '.join(missing)} not found){prefix_hint(prefix)}",
                 "give the prefix of a .bin/.idx pair from `python -m data_tools preprocess`, without extension")
         return None
     try:
-        facts = check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES)
+        if isinstance(checked, BaseException):
+            raise checked
+        facts = checked
     except ValueError as e:  # IndexedFormatError, MetadataError: the message names the file
         r.error(key, str(e), f"re-create the dataset (`python -m data_tools verify {prefix}` checks it)")
         return None
@@ -278,12 +304,23 @@ def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: i
 
 
 def _empty_split(prefix: str, facts, rng: tuple[float, float] | None) -> tuple[int, int]:
-    """(documents, tokens) of `prefix` in the split range `rng` (Megatron-Core's document bookends)."""
+    """(documents, tokens) of `prefix` in the split range `rng` (Megatron-Core's document bookends); the tokens
+    from two sequence pointers, so a large index is not read."""
+    from pretrain.dataset_format.indexed import tokens_between
+
     n = facts.info.num_documents
     if rng is None:
         return 0, 0
     beg, end = int(round(rng[0] * float(n))), int(round(rng[1] * float(n)))
-    return end - beg, int(facts.info.sequence_lengths[beg:end].sum(dtype="int64"))
+    return end - beg, tokens_between(facts.info, beg, end)
+
+
+def _full_read_note(full: list[tuple[str, str]]) -> str:
+    """One note for the datasets whose metadata could not stand for their index (read in full)."""
+    names = ", ".join(f"{p} ({why})" for p, why in full[:3]) + (f" and {len(full) - 3} more" if len(full) > 3 else "")
+    return (f"{len(full)} dataset(s) were checked by reading their whole .idx because their .meta.json has no "
+            f"index facts (written by an older data_tools) or facts that do not match: {names}; `python -m "
+            "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
 
 
 def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
@@ -296,10 +333,12 @@ def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
         ranges = None  # reported by check_data_config
     eval_on = eval_is_on(cfg)
     seen: dict[str, object] = {}
+    started = time.perf_counter()
+    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)))
     for key, (prefixes, _weights) in blends.items():
         for prefix in prefixes:
             if prefix not in seen:
-                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab)
+                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab, checked[prefix])
             facts = seen[prefix]
             if facts is None:
                 continue
@@ -320,3 +359,11 @@ def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
                             f"{docs} document(s) with {tokens} tokens, and Megatron-Core cannot sample from an empty "
                             "split", "add documents, change data.split, or use per-split blends (data.train_blend, "
                             "data.valid_blend)" + (" or set train.eval_interval=null" if i == 1 else ""))
+    checked = [f for f in seen.values() if f is not None]
+    full = [(f.prefix, f.why_full) for f in checked if f.checked == "full" and f.meta is not None]
+    if full:
+        r.notes.append(_full_read_note(full))
+    if seen:
+        fast = sum(f.checked == "metadata" for f in checked)
+        r.notes.append(f"dataset files checked: {len(seen)} prefix(es) in {time.perf_counter() - started:.2f} s "
+                       f"({fast} from their metadata and .idx header, {len(checked) - fast} read in full)")

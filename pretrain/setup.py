@@ -39,6 +39,8 @@ class Run:
     train_ds: Any = None
     valid_ds: Any = None
     writer: Any = None  # pretrain.metrics.MetricsWriter on the rank that holds the loss, else None
+    tp_source: tuple | None = None  # TP > 1: (TP group, its reading rank); the other ranks have no datasets
+    evaluates: bool = False  # there is a validation split (valid_ds is None on the ranks that do not read data)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,11 +203,12 @@ def build_training(cfg: Config, run: Run, log) -> None:
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
 
-def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None) -> None:
+def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None,
+               log=None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
     (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
     reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
-    changed on resume)."""
+    changed on resume). `log` (rank 0): how long Megatron's index caches took and where they are."""
     from pretrain.data import build_datasets, data_cache_dir
     from pretrain.metrics import MetricsWriter
     from pretrain.run_dir import write_failure
@@ -213,15 +216,26 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
 
     t = cfg.train
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
+    from megatron.core import parallel_state as ps
+
+    # One reader per tensor-parallel group (its first rank) holds the datasets and sends the others its batches.
+    reads = ps.get_tensor_model_parallel_rank() == 0
+    if run.layout.tp > 1:
+        run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
     try:
         needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
         run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, max(needed, t.steps * t.global_batch_size),
-                                                    eval_steps * t.global_batch_size)
+                                                    eval_steps * t.global_batch_size,
+                                                    is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
         why = write_failure(exc, data_cache_dir(cfg))
         if why is None:
             raise
         raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
+    # Whether there is a validation split to evaluate on, known on the reading ranks: shared with every rank.
+    has_valid = torch.tensor([1.0 if run.valid_ds is not None else 0.0], device=run.rt.device)
+    torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
+    run.evaluates = bool(has_valid.item())
     run.writer = MetricsWriter(cfg.run.dir, tensorboard=cfg.logging.tensorboard, sinks=wandb_sinks(cfg)) \
         if writes_metrics else None
     if run.writer is not None:

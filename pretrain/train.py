@@ -248,7 +248,7 @@ def _microbatch_runner(cfg: Config, run):
         try:
             batches = load_microbatches(
                 dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
-                dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device,
+                dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
                 vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None)
         except DataError as exc:
             raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
@@ -262,18 +262,21 @@ def _microbatch_runner(cfg: Config, run):
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
+    from pretrain.data import check_data_files_once
     from pretrain.run_dir import write_config
     from pretrain.runtime import any_rank_error, env_world_size, init_distributed
 
-    # 1. Pre-flight: every layout rule, before any process group exists.
-    problems = validate(cfg, world_size=env_world_size())
-    if problems.errors:
-        raise ValidationFailed(problems)
+    # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
+    # on rank 0 only, its verdict shared (all problems are reported together, by every rank).
+    problems = validate(cfg, world_size=env_world_size(), data_files=False)
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
+    check_data_files_once(cfg, problems, rt.device)
+    if problems.errors:
+        raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
     run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
@@ -292,7 +295,7 @@ def train(cfg: Config) -> dict:
         write_config(cfg)
 
     # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed)
+    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
     metrics = _StepMetrics(cfg, run)
@@ -337,7 +340,7 @@ def train(cfg: Config) -> dict:
             profiler.step_end(step)
             if run.writer is not None:
                 metrics.write(step, loss, grad_norm, step_time, consumed, {**timing_fields, **moe_record})
-            if t.eval_interval and step % t.eval_interval == 0 and run.valid_ds is not None:
+            if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
                 evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
                 break

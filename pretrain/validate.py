@@ -16,14 +16,15 @@ from pretrain.rules.bounds import bounds_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
-from pretrain.rules.run import data_rules, optimizer_rules, run_rules
+from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
 from pretrain.rules.vocab import optional_sizes_rules
 
 __all__ = ["Problem", "Report", "ValidationFailed", "length_problems", "validate"]
 
 
 def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
-             cuda_available: bool | None = None, files: bool = True, versions=None) -> Report:
+             cuda_available: bool | None = None, files: bool = True, versions=None,
+             data_files: bool = True) -> Report:
     """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
@@ -32,6 +33,8 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     layouts of configs whose data lives elsewhere).
 
     `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
+    `data_files=False`: the data rules that open no dataset file (the trainer checks the files on one rank and
+    shares the verdict: `pretrain.data.check_data_files_once`).
     """
     if cuda_available is None:
         import torch
@@ -49,7 +52,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         rules = [layout_rules, moe_rules, model_rules, *rules, document_rules, recompute_module_rules,
                  fsdp_rules, bounds_rules]
     if files:
-        rules.append(data_rules)
+        rules.append(data_rules if data_files else data_config_rules)
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.

@@ -131,6 +131,10 @@ class IndexInfo:
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
+    def span(self, first: int, last: int) -> tuple[int, int, int]:
+        """(pointer of sequence `first`, pointer of sequence `last`, length of `last`)."""
+        return int(self.sequence_pointers[first]), int(self.sequence_pointers[last]), int(self.sequence_lengths[last])
+
 
 def prefix_hint(prefix: str) -> str:
     """A hint for a dataset prefix with no files: the prefix given with an extension, or the ``preprocess``
@@ -145,14 +149,31 @@ def prefix_hint(prefix: str) -> str:
     return ""
 
 
-def read_index(prefix: str | os.PathLike) -> IndexInfo:
-    """Parse and sanity-check ``PREFIX.idx``; raise :class:`IndexedFormatError` naming the file."""
-    path = idx_path(prefix)
-    if not path.is_file():
-        raise IndexedFormatError(f"{path}: index file not found{prefix_hint(str(prefix))}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(_FIXED_HEADER)
+@dataclass
+class IndexHeader:
+    """The fixed header of an ``.idx``, read without mapping the file: counts and dtype; single pointers and
+    lengths are read on demand (:func:`tokens_between`)."""
+
+    path: str
+    dtype: np.dtype
+    num_sequences: int
+    num_documents: int
+
+    def span(self, first: int, last: int) -> tuple[int, int, int]:
+        """(pointer of sequence `first`, pointer of sequence `last`, length of `last`): one open, three reads."""
+        with open(self.path, "rb") as f:
+            def read(offset: int, fmt: str) -> int:
+                f.seek(offset)
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+            pointers = _FIXED_HEADER + 4 * self.num_sequences
+            return (read(pointers + 8 * first, "<q"), read(pointers + 8 * last, "<q"),
+                    read(_FIXED_HEADER + 4 * last, "<i"))
+
+
+def parse_header(path: str | os.PathLike, head: bytes, size: int) -> IndexHeader:
+    """Check the first bytes ``head`` of the ``.idx`` at ``path`` (``size`` bytes long); raise
+    :class:`IndexedFormatError` naming the file."""
     if len(head) < len(INDEX_HEADER) or head[: len(INDEX_HEADER)] != INDEX_HEADER:
         raise IndexedFormatError(f"{path}: not a Megatron indexed dataset index (bad magic header)")
     if len(head) < _FIXED_HEADER:
@@ -173,6 +194,19 @@ def read_index(prefix: str | os.PathLike) -> IndexInfo:
         )
     if size != expected:
         raise IndexedFormatError(f"{path}: {size - expected} unexpected trailing bytes after the index")
+    return IndexHeader(os.fspath(path), np.dtype(DTYPE_CODES[code]), int(n_seq), int(n_doc) - 1)
+
+
+def read_index(prefix: str | os.PathLike) -> IndexInfo:
+    """Parse and sanity-check ``PREFIX.idx``; raise :class:`IndexedFormatError` naming the file."""
+    path = idx_path(prefix)
+    if not path.is_file():
+        raise IndexedFormatError(f"{path}: index file not found{prefix_hint(str(prefix))}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_FIXED_HEADER)
+    header = parse_header(path, head, size)
+    n_seq, n_doc = header.num_sequences, header.num_documents + 1
     mm = np.memmap(path, mode="r", dtype=np.uint8)
     offset = _FIXED_HEADER
     lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=offset)
@@ -180,7 +214,7 @@ def read_index(prefix: str | os.PathLike) -> IndexInfo:
     pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=offset)
     offset += 8 * n_seq
     docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=offset)
-    return IndexInfo(np.dtype(DTYPE_CODES[code]), lengths, pointers, docs)
+    return IndexInfo(header.dtype, lengths, pointers, docs)
 
 
 def check_consistency(prefix: str | os.PathLike, info: IndexInfo | None = None) -> IndexInfo:
@@ -209,14 +243,31 @@ def check_consistency(prefix: str | os.PathLike, info: IndexInfo | None = None) 
         raise IndexedFormatError(
             f"{ipath}: document indices are not non-decreasing up to the sequence count {lengths.size}"
         )
-    data_bytes = info.num_tokens * itemsize
+    check_bin_size(prefix, info.num_tokens, info.dtype)
+    return info
+
+
+def check_bin_size(prefix: str | os.PathLike, num_tokens: int, dtype: np.dtype) -> None:
+    """``PREFIX.bin`` holds exactly ``num_tokens`` tokens of ``dtype``; raise :class:`IndexedFormatError` if not."""
+    bpath = bin_path(prefix)
+    data_bytes = int(num_tokens) * np.dtype(dtype).itemsize
     actual = bpath.stat().st_size
     if actual != data_bytes:
         raise IndexedFormatError(
-            f"{bpath}: {actual} bytes but the index describes {info.num_tokens} tokens of "
-            f"{info.dtype.name} = {data_bytes} bytes ({'truncated' if actual < data_bytes else 'extra data'})"
+            f"{bpath}: {actual} bytes but the index describes {num_tokens} tokens of "
+            f"{np.dtype(dtype).name} = {data_bytes} bytes ({'truncated' if actual < data_bytes else 'extra data'})"
         )
-    return info
+
+
+def tokens_between(info: IndexInfo | IndexHeader, beg: int, end: int) -> int:
+    """Tokens of sequences ``[beg, end)`` (clipped to the index) from two pointers and a length, without reading
+    the lengths in between (equal to ``sequence_lengths[beg:end].sum()`` for a consistent index)."""
+    n = info.num_sequences
+    beg, end = min(max(beg, 0), n), min(max(end, 0), n)
+    if end <= beg:
+        return 0
+    first_pointer, last_pointer, last_length = info.span(beg, end - 1)
+    return (last_pointer + last_length * info.dtype.itemsize - first_pointer) // info.dtype.itemsize
 
 
 def find_token_outside(prefix: str | os.PathLike, vocab_size: int, chunk: int = 1 << 24) -> tuple[int, int] | None:

@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pretrain.dataset_format.indexed import IndexInfo
+from pretrain.dataset_format.fingerprint import INDEX_KEY, index_facts
+from pretrain.dataset_format.indexed import IndexInfo, bin_path, idx_path
 from pretrain.files import commit, tmp_path, write_synced
 from pretrain.tokenizer.identity import TokenizerIdentity
 
@@ -63,7 +64,18 @@ def dataset_record(*, tool: str, tokenizer: TokenizerIdentity, append_eod: bool 
 
 
 def write_meta_tmp(prefix: str | os.PathLike, record: dict[str, Any]) -> Path:
-    """Write ``PREFIX.meta.json.tmp`` (synced); :func:`commit_meta` renames it into place."""
+    """Write ``PREFIX.meta.json.tmp`` (synced); :func:`commit_meta` renames it into place.
+
+    The record gets the pair's index facts (``"index"``: sizes and fingerprint, see ``fingerprint``) unless it
+    has them: from the prepared temporaries ``PREFIX.idx.tmp``/``PREFIX.bin.tmp`` that are about to be committed
+    with it (``preprocess``, ``merge``), else from ``PREFIX.idx``/``PREFIX.bin``.
+    """
+    if INDEX_KEY not in record:
+        pair = (tmp_path(idx_path(prefix)), tmp_path(bin_path(prefix)))
+        if not all(p.is_file() for p in pair):
+            pair = (idx_path(prefix), bin_path(prefix))
+        if all(p.is_file() for p in pair):
+            record = {**record, INDEX_KEY: index_facts(*pair)}
     return write_synced(tmp_path(meta_path(prefix)), json.dumps(record, indent=1) + "\n")
 
 

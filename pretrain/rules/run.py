@@ -64,6 +64,14 @@ def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
     _check_pretrained(cfg, r)
 
 
+def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data`)."""
+    from pretrain.data_check import check_data_config
+
+    check_data_config(cfg, r)
+    _check_pretrained(cfg, r)
+
+
 def _check_pretrained(cfg: Config, r: Report) -> None:
     """checkpoint.pretrained names a complete checkpoint (a run dir, a checkpoints dir or an iteration dir)."""
     if not cfg.checkpoint.pretrained:

@@ -185,3 +185,17 @@ def test_a_duplicate_submission_is_stopped_before_touching_the_run_dir(tmp_path)
     assert not (calls / "srun").exists() and not (calls / "train").exists()
     assert (run_dir / "exit_status.json").read_text() == status and sorted(p.name for p in run_dir.iterdir()) == [
         "exit_status.json"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--", "--input", "x"], "--tasks must be a positive integer"),
+    (["--tasks", "4", "--finalize", "concat", "--", "--input", "x"], "--finalize must be merge or blend"),
+    (["--tasks", "4"], "no preprocess arguments after --"),
+])
+def test_preprocess_script_refuses_a_bad_command_line(args, message, tmp_path):
+    """launch/preprocess.sh (run on a login node) stops before planning or submitting anything."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(["bash", str(REPO / "launch" / "preprocess.sh"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and message in done.stderr, done.stderr
+    assert "usage: launch/preprocess.sh --tasks N" in done.stderr and not list(tmp_path.iterdir())

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -296,3 +297,124 @@ def test_moe_expert_parallel_across_two_nodes(slurm_cluster, tmp_path):
     for g, w in zip(got, want):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]), (g, w)
     assert got[0]["moe_tokens_per_expert"] == want[0]["moe_tokens_per_expert"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Preprocessing over an array job: launch/preprocess.sh
+# --------------------------------------------------------------------------------------------------
+PREPROCESS = REPO / "launch" / "preprocess.sh"
+
+
+def _write_corpus(root: Path, sizes: tuple[int, ...], bad: int | None = None) -> Path:
+    """JSONL files of `sizes` documents (slices of the embedded corpus, repeated when more are asked than it has);
+    file `bad` gets a malformed line 2."""
+    from data_tools.assets import DEFAULT_CORPUS
+
+    with open(DEFAULT_CORPUS, encoding="utf-8") as f:
+        corpus = [json.loads(line)["text"][:2500] for line in f]
+    texts = [corpus[i % len(corpus)] for i in range(sum(sizes))]
+    root.mkdir()
+    for i, n in enumerate(sizes):
+        lines = [json.dumps({"text": t}) + "\n" for t in texts[:n]]
+        if i == bad:
+            lines.insert(1, '{"text": "unterminated\n')
+        (root / f"f{i}.jsonl").write_text("".join(lines), encoding="utf-8")
+        texts = texts[n:]
+    return root
+
+
+def submit_preprocess(tmp: Path, corpus: Path, prefix: Path, *options: str, strict: bool = False) -> tuple[str, str]:
+    """launch/preprocess.sh run where a user would run it (it plans, then submits); (array job, final job)."""
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
+
+    prefix.parent.mkdir()
+    args = ["--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", "sentencepiece",
+            "--tokenizer-model", str(MISTRAL_TOKENIZER), "--append-eod", "--batch-mb", "0.002", "--encoder",
+            "reference", *(["--strict"] if strict else [])]
+    done = subprocess.run(["bash", str(PREPROCESS), *options, "--log-dir", str(tmp / "logs"), "--", *args],
+                          cwd=tmp, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    array_job, final_job = done.stdout.split()[-2:]
+    return array_job, final_job
+
+
+def _task_pid(plan: Path, task: int) -> int | None:
+    """The `shard-run PLAN --task K` process of a running task (its node is this host)."""
+    want = [b"shard-run", str(plan).encode(), b"--task", str(task).encode()]
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and all(w in argv for w in want):
+            return int(proc.name)
+    return None
+
+
+def wait_for_jobs(jobs: list[str], logs: Path, timeout: float = 300) -> dict[str, dict[str, str]]:
+    """Poll until every job is terminal, releasing requeued ones from their BeginTime hold (see wait_for_job)."""
+    deadline, held = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        infos = {j: job_info(j) for j in jobs}
+        if all(i.get("JobState") in TERMINAL for i in infos.values()):
+            return infos
+        for j, i in infos.items():
+            if i.get("JobState") == "PENDING" and i.get("Reason") == "BeginTime":
+                held.setdefault(j, time.monotonic())
+                if time.monotonic() - held[j] >= RELEASE_AFTER_S:
+                    subprocess.run(["scontrol", "update", f"JobId={j}", "StartTime=now"], check=True)
+                    held.pop(j)
+        time.sleep(0.5)
+    logs_text = "\n".join(read(p) for p in sorted(logs.glob("*.log")))
+    pytest.fail(f"jobs {jobs} did not finish in {timeout:.0f} s; logs:\n{logs_text}")
+
+
+def test_preprocess_array_requeue_resume_merge_and_failed_task(slurm_cluster, tmp_path):
+    """Two submissions of launch/preprocess.sh on the two nodes at once.
+    A: 3 tasks, merge. Task 1 is stopped mid-way (after its first batch), requeued with `scontrol requeue`,
+    resumes its share, and the final job's merge is byte-identical to one `preprocess` of the same files.
+    B: 2 tasks, blend, `--strict`, a malformed line in task 1's file: that task fails naming itself and its file,
+    the final job never runs (afterok), and no blend line lists a part."""
+    from data_tools.preprocess import preprocess
+    from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
+
+    corpus_a = _write_corpus(tmp_path / "a", (20, 50, 300, 30, 25))  # task 1: f2 alone, ~300 batches
+    corpus_b = _write_corpus(tmp_path / "b", (5, 5), bad=1)
+    out_a, out_b = tmp_path / "out_a" / "web", tmp_path / "out_b" / "web"
+    # B first: A's task 1 must still be running when the loop below starts watching it.
+    array_b, final_b = submit_preprocess(tmp_path, corpus_b, out_b, "--tasks", "2", "--finalize", "blend",
+                                         strict=True)
+    array_a, final_a = submit_preprocess(tmp_path, corpus_a, out_a, "--tasks", "3", "--finalize", "merge")
+    plan_a = Path(f"{out_a}.shards.json")
+    state = Path(f"{out_a}_part00001.preprocess-state.json")
+    deadline = time.monotonic() + 180
+    while not state.exists():  # task 1's first batch is written
+        assert time.monotonic() < deadline, "task 1 wrote no batch in 180 s:\n" + read(tmp_path / "logs" /
+                                                                                     f"preprocess-{array_a}_1.log")
+        time.sleep(0.05)
+    pid = _task_pid(plan_a, 1)
+    assert pid is not None, "task 1 ended before it could be stopped mid-way"
+    os.kill(pid, signal.SIGSTOP)  # frozen mid-share until Slurm's kill (SIGCONT, SIGTERM) of the requeue
+    subprocess.run(["scontrol", "requeue", f"{array_a}_1"], check=True)
+
+    infos = wait_for_jobs([f"{array_a}_{t}" for t in range(3)] + [final_a, f"{array_b}_0", f"{array_b}_1", final_b],
+                          tmp_path / "logs")
+    logs = {p.name: read(p) for p in (tmp_path / "logs").glob("*.log")}
+    task1 = logs[f"preprocess-{array_a}_1.log"]
+    assert infos[final_a]["JobState"] == "COMPLETED", logs
+    assert infos[f"{array_a}_1"]["Restarts"] == "1", task1
+    assert "interrupted; running it again (a requeue) resumes it" in task1 and "(restart 1)" in task1, task1
+    assert re.search(rf"resuming from {corpus_a}/f2.jsonl line \d+", task1) and "done (resumed)" in task1, task1
+    single = tmp_path / "single"
+    preprocess([str(corpus_a)], str(single), "sentencepiece", str(MISTRAL_TOKENIZER), append_eod=True,
+               encoder="reference", progress=False)
+    for ext in ("bin", "idx"):
+        assert Path(f"{out_a}_text_document.{ext}").read_bytes() == Path(f"{single}_text_document.{ext}").read_bytes()
+    assert "verified 3 part(s) of 'text'" in logs[f"preprocess-final-{final_a}.log"]
+
+    failed = logs[f"preprocess-{array_b}_1.log"]
+    assert infos[f"{array_b}_0"]["JobState"] == "COMPLETED" and infos[f"{array_b}_1"]["JobState"] == "FAILED"
+    assert re.search(rf"error: task 1 of 2 \(1 file\(s\), [\d,]+ bytes: {corpus_b}/f1.jsonl\) failed: "
+                     rf"{corpus_b}/f1.jsonl:2: malformed JSON", failed), failed
+    assert infos[final_b]["JobState"] == "CANCELLED", infos[final_b]  # its dependency can never be met
+    assert not list(out_b.parent.glob("*.blend")) and not Path(f"{out_b}_text_document.bin").exists()

@@ -1,0 +1,129 @@
+"""The index facts in PREFIX.meta.json (sizes + fingerprint): with them the trainer's check reads the .idx header
+and its two ends, not the whole index; without them, or when they do not match, it reads everything, as
+`verify` always does (`verify --update-meta` records them). And Megatron's index cache: a truncated entry left
+by a killed start is removed and rebuilt, the samples unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_tools.__main__ import main
+from pretrain.dataset_format.check import check_dataset
+from pretrain.dataset_format.fingerprint import EDGE_BYTES
+from pretrain.dataset_format.indexed import IndexedFormatError, IndexedWriter, idx_path, read_index
+from pretrain.dataset_format.metadata import commit_meta, dataset_record, write_meta_tmp
+from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
+from pretrain.tokenizer.identity import describe_tokenizer
+
+DOCS = 12_000  # .idx of 240 KB: more than its two hashed ends
+
+
+def _dataset(prefix: Path) -> Path:
+    """A dataset written as preprocess writes one (temporaries, metadata, commit) with DOCS documents."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 9, DOCS).astype(np.int32)
+    w = IndexedWriter(prefix, np.uint16)
+    w.add_batch(rng.integers(0, 32000, int(lengths.sum())).astype(np.uint16), lengths, np.ones(DOCS, np.int64))
+    w.prepare()
+    write_meta_tmp(prefix, dataset_record(
+        tool="test", tokenizer=describe_tokenizer("sentencepiece", str(MISTRAL_TOKENIZER)), append_eod=False,
+        dtype="uint16", documents=DOCS, sequences=DOCS, tokens=int(lengths.sum()), max_token_id=31999, inputs=[]))
+    w.commit()
+    commit_meta(prefix)
+    return prefix
+
+
+def _meta(prefix: Path) -> dict:
+    return json.loads(Path(f"{prefix}.meta.json").read_text())
+
+
+def _poke(prefix: Path, offset: int, value: int) -> None:
+    with open(idx_path(prefix), "r+b") as f:
+        f.seek(offset)
+        f.write(np.int64(value).tobytes())
+
+
+def test_metadata_check_reads_header_and_ends_full_check_everything(tmp_path):
+    ds = _dataset(tmp_path / "d")
+    facts = _meta(ds)["index"]
+    assert facts["idx_bytes"] == idx_path(ds).stat().st_size > 2 * EDGE_BYTES
+    got = check_dataset(ds, trust_metadata=True)
+    assert (got.checked, got.max_token_id, got.max_id_from) == ("metadata", 31999, "metadata")
+    assert check_dataset(ds).checked == "full"
+
+    # A pointer in the middle of the index: the metadata check does not read it; the full check (verify) does.
+    middle = 34 + 4 * DOCS + 8 * (DOCS // 2)
+    assert EDGE_BYTES < middle < facts["idx_bytes"] - EDGE_BYTES
+    bad = tmp_path / "bad"
+    for ext in ("bin", "idx", "meta.json"):
+        shutil.copy(f"{ds}.{ext}", f"{bad}.{ext}")  # another path: the fingerprint holds
+    _poke(bad, middle, 1)
+    assert check_dataset(bad, trust_metadata=True).checked == "metadata"
+    with pytest.raises(IndexedFormatError, match=f"sequence pointer {DOCS // 2} is 1"):
+        check_dataset(bad)
+
+    # The last document index changed: the fingerprint no longer matches, so everything is read (and refused).
+    shutil.copy(f"{ds}.idx", f"{bad}.idx")
+    _poke(bad, facts["idx_bytes"] - 8, DOCS - 1)
+    with pytest.raises(IndexedFormatError, match="document indices are not non-decreasing"):
+        check_dataset(bad, trust_metadata=True)
+
+    # A truncated .bin is refused with the full check's words.
+    shutil.copy(f"{ds}.idx", f"{bad}.idx")
+    os.truncate(f"{bad}.bin", 100)
+    with pytest.raises(IndexedFormatError, match=r"bad\.bin: 100 bytes but the index describes .* \(truncated\)"):
+        check_dataset(bad, trust_metadata=True)
+
+
+def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, capsys):
+    from pretrain.config import load_config
+    from pretrain.validate import validate
+
+    old, new = _dataset(tmp_path / "old"), _dataset(tmp_path / "new")
+    meta = _meta(old)
+    del meta["index"]
+    Path(f"{old}.meta.json").write_text(json.dumps(meta))
+    got = check_dataset(old, trust_metadata=True)
+    assert (got.checked, got.why_full, got.max_token_id) == ("full", "no index facts", 31999)
+
+    cfg = load_config("tiny_llama", [f"data.blend=[{old},{new}]"])
+    notes = validate(cfg, 1).notes
+    assert [n for n in notes if "whole .idx" in n] == [
+        f"1 dataset(s) were checked by reading their whole .idx because their .meta.json has no index facts "
+        f"(written by an older data_tools) or facts that do not match: {old} (no index facts); `python -m "
+        "data_tools verify PREFIX --update-meta` records them, so later starts read only the header"]
+    assert "dataset files checked: 2 prefix(es) in " in "\n".join(notes)
+    assert "(1 from their metadata and .idx header, 1 read in full)" in "\n".join(notes)
+
+    assert main(["verify", str(old), "--update-meta"]) == 0
+    assert "index facts recorded in old.meta.json" in capsys.readouterr().out
+    assert _meta(old)["index"] == _meta(new)["index"]  # the same contents (same seed): the same facts
+    assert check_dataset(old, trust_metadata=True).checked == "metadata"
+    assert not any("whole .idx" in n for n in validate(cfg, 1).notes)
+
+
+def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, tmp_path):
+    from pretrain.config import load_config
+    from pretrain.data import build_datasets, build_tokenizer
+
+    cfg = load_config("tiny_llama", [f"data.blend=[{small_datasets['a']}]", f"run.dir={tmp_path / 'run'}"])
+    tokenizer, said = build_tokenizer(cfg.data), []
+    first, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    want = [first[i]["tokens"].tolist() for i in range(8)]
+    assert "indices built in" in said[-1] and f"cached in {tmp_path / 'run' / 'data_cache'}" in said[-1], said
+    (shuffle,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-shuffle_index.npy")
+    size = shuffle.stat().st_size
+    again, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert "read from the cache" in said[-1] and "nothing rebuilt" in said[-1], said
+    os.truncate(shuffle, size - 8)  # a start killed while numpy.save wrote the last array
+    rebuilt, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert said[-2].startswith("[pretrain] data: removed the truncated index cache entry ") and "built in" in said[-1]
+    assert shuffle.stat().st_size == size
+    assert [rebuilt[i]["tokens"].tolist() for i in range(8)] == want == [again[i]["tokens"].tolist() for i in range(8)]
+    assert read_index(small_datasets["a"]).num_documents == 40
