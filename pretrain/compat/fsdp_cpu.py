@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-_APPLIED: dict[str, list[tuple[object, str, object]]] = {}
-_DISABLED: set[str] = set()
+from pretrain.compat.patching import Patches
+
+_PATCHES = Patches("FSDP shim(s)", lambda: [s.name for s in FSDP_SHIMS])
+_APPLIED, _DISABLED = _PATCHES.applied, _PATCHES.disabled
 
 
 def _cpu_if_cuda(args: tuple) -> tuple:
@@ -117,28 +119,10 @@ def apply_fsdp_shims() -> list[str]:
     for shim in FSDP_SHIMS:
         if shim.name in _APPLIED or shim.name in _DISABLED or MCORE < Version(shim.since):
             continue
-        originals = []
-        for owner, attr, value in shim.patch():
-            originals.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, value)
-        _APPLIED[shim.name] = originals
+        _PATCHES.apply(shim.name, shim.patch())
     return [s.name for s in FSDP_SHIMS if s.name in _APPLIED]
 
 
-@contextlib.contextmanager
-def disabled(*names: str) -> Iterator[None]:
+def disabled(*names: str) -> contextlib.AbstractContextManager[None]:
     """Within the block, the named FSDP shims are undone (to show what they work around)."""
-    unknown = set(names) - {s.name for s in FSDP_SHIMS}
-    if unknown:
-        raise ValueError(f"unknown FSDP shim(s): {', '.join(sorted(unknown))}")
-    reapply = [n for n in names if n in _APPLIED]
-    for name in reapply:
-        for owner, attr, original in reversed(_APPLIED.pop(name)):
-            setattr(owner, attr, original)
-    _DISABLED.update(names)
-    try:
-        yield
-    finally:
-        _DISABLED.difference_update(names)
-        if reapply:
-            apply_fsdp_shims()
+    return _PATCHES.switched_off(names, apply_fsdp_shims)

@@ -68,17 +68,17 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from packaging.version import Version
 
 from pretrain.compat.mcore import MCORE
+from pretrain.compat.patching import Patches
 
-_APPLIED: dict[str, list[tuple[object, str, object]]] = {}  # fix name -> [(owner, attribute, original)]
-_INHERITED = object()  # the attribute came from a base class: undoing the fix deletes it again
-_DISABLED: set[str] = set()
+_PATCHES = Patches("Megatron fix(es)", lambda: [fix.name for fix in FIXES])
+_APPLIED, _DISABLED = _PATCHES.applied, _PATCHES.disabled  # fix name -> [(owner, attribute, original)]; names off
 
 
 class UnsafeCheckpointObject(RuntimeError):
@@ -318,11 +318,7 @@ def apply_megatron_fixes() -> list[str]:
     for fix in FIXES:
         if fix.name in _APPLIED or fix.name in _DISABLED or not fix.needed() or not fix.condition():
             continue
-        originals = []
-        for owner, attr, value in fix.patch():
-            originals.append((owner, attr, owner.__dict__.get(attr, _INHERITED)))
-            setattr(owner, attr, value)
-        _APPLIED[fix.name] = originals
+        _PATCHES.apply(fix.name, fix.patch())
     return applied_fixes()
 
 
@@ -330,23 +326,6 @@ def applied_fixes() -> list[str]:
     return [fix.name for fix in FIXES if fix.name in _APPLIED]
 
 
-@contextlib.contextmanager
-def disabled(*names: str) -> Iterator[None]:
+def disabled(*names: str) -> contextlib.AbstractContextManager[None]:
     """Within the block, the named fixes are undone and not re-applied (to show what they fix)."""
-    unknown = set(names) - {fix.name for fix in FIXES}
-    if unknown:
-        raise ValueError(f"unknown Megatron fix(es): {', '.join(sorted(unknown))}")
-    reapply = [n for n in names if n in _APPLIED]
-    for name in reapply:
-        for owner, attr, original in reversed(_APPLIED.pop(name)):
-            if original is _INHERITED:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, original)
-    _DISABLED.update(names)
-    try:
-        yield
-    finally:
-        _DISABLED.difference_update(names)
-        if reapply:
-            apply_megatron_fixes()
+    return _PATCHES.switched_off(names, apply_megatron_fixes)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tests.pretrain.ckpt_helpers import SMALL, command, log_text, run
@@ -103,6 +104,9 @@ def fsdp_on_one_rank() -> bool:
     return megatron_fsdp_limits["dp1"] == "right"
 
 
+NATIVE_FLAKE = "malloc(): unaligned tcache chunk detected"
+
+
 def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str = "") -> tuple[int, dict]:
     """One ckpt_worker launch; (exit code, results by case name). Cases may fail: the tests decide."""
     plan = root / f"plan{world}{tag}.json"
@@ -110,6 +114,17 @@ def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str =
     plan.write_text(json.dumps({"results": str(results), "cases": cases}))
     log = root / f"world{world}{tag}.log"
     rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=timeout)
+    if rc != 0 and NATIVE_FLAKE in log_text(log):
+        # Seen once in two runs on megatron-core 0.19.2 (world 4, at the second Megatron-FSDP model of a process):
+        # glibc aborts on a corrupted heap. Not our Python; the launch is rerun once from clean run dirs, and said.
+        print(f"world {world}{tag}: {NATIVE_FLAKE!r} in a rank: launching again once")
+        for case in cases:
+            for item in case.get("overrides", []):
+                if item.startswith("run.dir="):
+                    shutil.rmtree(item.split("=", 1)[1], ignore_errors=True)
+        results.unlink(missing_ok=True)
+        log.rename(log.with_suffix(".flake.log"))
+        rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=timeout)
     found = json.loads(results.read_text()) if results.exists() else {}
     if rc != 0 and not tag:
         raise AssertionError(log_text(log)[-4000:])
