@@ -243,8 +243,10 @@ def torchrun(nproc: int, config: str, run_dir: Path, *overrides: str) -> subproc
 
 
 @pytest.mark.slow
+# tiny_gpt (tied embeddings: the last stage's output layer is the first stage's embedding). The TP2 × PP2 × VP2
+# export of a Llama-style model is test_moe.py's (Mixtral at TP2×PP2×VP2×EP2); per family at TP2 and PP2:
+# test_hf_families.py.
 @pytest.mark.parametrize("preset,layout", [
-    ("tiny_llama", ["parallel.tensor=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"]),
     ("tiny_gpt", ["parallel.tensor=2", "parallel.pipeline=2"]),
 ])
 def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, layout):
