@@ -42,6 +42,8 @@ class MoEMetrics:
         self.moe_layers = moe_layers or num_layers  # decoder MoE layers + MTP layers: the aux losses' mean
         self.mtp_layers = mtp_layers
         self.biased: list[Any] = []  # this rank's routers with an expert bias
+        self.bias_enabled = False  # the model's routers have an expert bias (on some stage)
+        self.aux_names: list[str] | None = None  # every rank's tracked aux-loss names, gathered at the first step
 
     @classmethod
     def attach(cls, chunks: list) -> MoEMetrics | None:
@@ -57,6 +59,7 @@ class MoEMetrics:
         device = next(chunks[0].parameters()).device
         moe_layers = (sum(moe_layer_pattern(config)) + mtp) if config.num_moe_experts else 0
         metrics = cls(config.num_layers + mtp, config.num_moe_experts or 0, device, moe_layers, mtp)
+        metrics.bias_enabled = bool(getattr(config, "moe_router_enable_expert_bias", False))
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, Router):
@@ -78,9 +81,12 @@ class MoEMetrics:
         record = mtp_losses(num_microbatches) if self.mtp_layers else {}
         if not self.counts.shape[1]:  # MTP without experts
             return record
-        record.update(aux_losses(num_microbatches, self.moe_layers))
-        if self.biased:
-            record.update(expert_bias(self.biased, self.counts.shape))
+        if self.aux_names is None:
+            self.aux_names = tracked_names()
+        record.update(aux_losses(num_microbatches, self.moe_layers, self.aux_names, self.counts.shape[0],
+                                 self.counts.device))
+        if self.bias_enabled:
+            record.update(expert_bias(self.biased, self.counts.shape, self.counts.device))
         counts = self.counts.clone()
         dist.all_reduce(counts)
         self.counts.zero_()
@@ -93,21 +99,36 @@ class MoEMetrics:
         return record
 
 
-def aux_losses(num_microbatches: int, num_moe_layers: int) -> dict:
+def tracked_names() -> list[str]:
+    """The aux-loss names any rank's routers tracked this step (collective, once per run). A pipeline stage without
+    MoE layers (DeepSeek-V3's dense first layers on stage 0) tracks none, but Megatron-Core's reduction all-reduces
+    each name over the pipeline group: every rank must take part for every name."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(get_moe_layer_wise_logging_tracker()))
+    return sorted({name for names in gathered for name in names or []})
+
+
+def aux_losses(num_microbatches: int, num_moe_layers: int, names: list[str], num_layers: int,
+               device: torch.device) -> dict:
     """The tracker's losses, reduced across ranks: mean over MoE layers and microbatches (collective)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
         reduce_aux_losses_tracker_across_ranks,
+        save_to_aux_losses_tracker,
     )
 
+    missing = set(names) - set(get_moe_layer_wise_logging_tracker())
+    for name in sorted(missing):  # a stage without MoE layers: a zero entry, so it joins each name's reduction
+        save_to_aux_losses_tracker(name, torch.zeros((), device=device), 1, num_layers)
     tracker = get_moe_layer_wise_logging_tracker()
     for entry in tracker.values():
         if entry.get("reduce_group") is None and entry.get("avg_group") is None:
             # The z-loss is a per-rank mean over that rank's tokens: average it over every rank holding tokens.
             entry["avg_group"] = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    names = sorted(tracker)
     reduce_aux_losses_tracker_across_ranks(names)
     out = {f"moe_{name}": float(tracker[name]["values"].sum()) / num_moe_layers / num_microbatches
            for name in names}
@@ -115,12 +136,11 @@ def aux_losses(num_microbatches: int, num_moe_layers: int) -> dict:
     return out
 
 
-def expert_bias(routers: list, shape: tuple[int, int]) -> dict:
+def expert_bias(routers: list, shape: tuple[int, int], device: torch.device) -> dict:
     """Every MoE layer's expert bias on every rank (collective over the world: each layer's bias is contributed once,
-    by the router copy on TP/CP/DP rank 0 of its pipeline stage)."""
+    by the router copy on TP/CP/DP rank 0 of its pipeline stage; a stage without MoE layers contributes none)."""
     from megatron.core import parallel_state as ps
 
-    device = routers[0].expert_bias.device
     bias = torch.zeros(shape, dtype=torch.float64, device=device)
     held = torch.zeros(shape[0], dtype=torch.float64, device=device)
     group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
