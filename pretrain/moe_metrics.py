@@ -74,7 +74,7 @@ class MoEMetrics:
         if not (router.training and torch.is_grad_enabled()) or router.layer_number is None:
             return
         _probs, routing_map = output
-        self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts.dtype)
+        self.counts[_row(router)] += routing_map.sum(dim=0).to(self.counts.dtype)
 
     def step(self, num_microbatches: int) -> dict:
         """This step's metrics on every rank (collective); resets the counts and the trackers."""
@@ -97,6 +97,13 @@ class MoEMetrics:
         record["moe_max_over_mean_load"] = float(per_layer.max()) if bool(routed.any()) else float("nan")
         record["moe_max_over_mean_load_per_layer"] = [round(float(x), 6) for x in per_layer.tolist()]
         return record
+
+
+def _row(router) -> int:
+    """A router's row: the decoder's layers, then the MTP layers. From 0.19 an MTP layer's router numbers itself
+    within the MTP block and says so (`is_mtp_layer`; router.py adds `num_layers` for its own trackers); up to 0.18 the
+    MTP layer's number already runs on after the decoder's."""
+    return router.layer_number - 1 + (router.config.num_layers if getattr(router, "is_mtp_layer", False) else 0)
 
 
 def tracked_names() -> list[str]:
@@ -146,8 +153,8 @@ def expert_bias(routers: list, shape: tuple[int, int], device: torch.device) -> 
     group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
     if dist.get_rank(group) == 0:
         for router in routers:
-            bias[router.layer_number - 1] = router.expert_bias.detach().to(torch.float64)
-            held[router.layer_number - 1] = 1.0
+            bias[_row(router)] = router.expert_bias.detach().to(torch.float64)
+            held[_row(router)] = 1.0
     dist.all_reduce(bias)
     dist.all_reduce(held)
     rows = [[float(x) for x in row] if h else None for row, h in zip(bias.tolist(), held.tolist())]
