@@ -57,6 +57,7 @@ class MoEMetrics:
         if not config.num_moe_experts and not mtp:
             return None
         device = next(chunks[0].parameters()).device
+        _forget_earlier_runs()
         moe_layers = (sum(moe_layer_pattern(config)) + mtp) if config.num_moe_experts else 0
         metrics = cls(config.num_layers + mtp, config.num_moe_experts or 0, device, moe_layers, mtp)
         metrics.bias_enabled = bool(getattr(config, "moe_router_enable_expert_bias", False))
@@ -97,6 +98,17 @@ class MoEMetrics:
         record["moe_max_over_mean_load"] = float(per_layer.max()) if bool(routed.any()) else float("nan")
         record["moe_max_over_mean_load_per_layer"] = [round(float(x), 6) for x in per_layer.tolist()]
         return record
+
+
+def _forget_earlier_runs() -> None:
+    """Drop the aux-loss tracker's entries of an earlier run in this process (`clear_aux_losses_tracker` only zeroes
+    them): they hold that run's process groups, and a stage without MoE layers would reduce over those."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19+: the tracker object (the legacy dict is a copy)
+        moe_utils.get_moe_metrics_tracker()._metrics.clear()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def _row(router) -> int:

@@ -240,7 +240,8 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         src, ckpt = imported[family]
         prefix = embedded_corpus_by_tokenizer(TOKENIZER[family], ckpt / ASSET_DIR)
         for name, layout in layouts.items():
-            if name == "pp2" and CONFIGS[family]["num_hidden_layers"] % 2:  # DeepSeek's 3 layers: 1 | 2 (+ MTP); stage 0 dense-only
+            # DeepSeek's 3 layers at PP2: 1 | 2 (+ MTP), so stage 0 holds no MoE layer.
+            if name == "pp2" and CONFIGS[family]["num_hidden_layers"] % 2:
                 layout = [*layout, "parallel.num_layers_in_first_pipeline_stage=1"]
             run_dir = tmp_path / f"{family}_{name}"
             overrides = [f"run.dir={run_dir}", f"checkpoint.pretrained={ckpt}", f"data.blend=[{prefix}]", *common,

@@ -37,8 +37,8 @@ def test_validate_reports_installed_versions():
 
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
-_CPU = ["cpu:current_device_and_synchronize", "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng",
-        "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda",
+_CPU = ["cpu:current_device_and_synchronize", "cpu:eager_jit_fusions", "cpu:cuda_factories", "cpu:cuda_type_strings",
+        "cpu:cuda_rng", "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda",
         "cpu:fp64_grad_norm", "cpu:fsdp_cpu_device", "cpu:fsdp_cpu_device_mesh"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
           "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te", "mla_local_core_attention",

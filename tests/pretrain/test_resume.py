@@ -32,7 +32,8 @@ from tests.pretrain.ckpt_helpers import (
     worker_ranks,
 )
 
-pytestmark = pytest.mark.slow  # resume is our code: the whole suite only (test_checkpointing.py runs save/load on the second release)
+# Resume is our code: the whole suite only (test_checkpointing.py runs save/load on the second release).
+pytestmark = pytest.mark.slow
 
 STEPS = 8
 ONE_RANK = SMALL + [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=2",
