@@ -205,7 +205,7 @@ def hf_mtp(directory: Path, model):
     state = {}
     for f in directory.glob("*.safetensors"):
         state.update({k: v for k, v in load_file(str(f)).items()
-                      if int(k.split(".")[2]) >= layers if k.startswith("model.layers.")})
+                      if k.startswith("model.layers.") and int(k.split(".")[2]) >= layers})
     info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=state, load_config=LoadStateDictConfig(
         weight_mapping=mtp.get_weight_conversions(model), dtype=torch.float32))
     assert set(info.missing_keys) <= {"embed_tokens.weight", "shared_head.weight"}, info.missing_keys
