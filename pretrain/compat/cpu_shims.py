@@ -7,6 +7,9 @@ megatron-core releases that need it (facts measured in shared/docs/megatron_on_c
 - Megatron-Core's torch.compile'd fusions (`megatron.core.jit.jit_fuser`) are eager, by its own `disable_jit_fuser`
   made to hold from the first import of megatron.core: decorating them set up dynamo in every process (about 4 s of
   start-up); on CPU the fusions are off unless forced, and forced they compute the same in eager mode. 0.16.1+.
+- megatron.core's optional imports of `wandb` (inference context, timers) and `transformers` (HF and chat-template
+  tokenizers) are deferred to first use (`pretrain.compat.deferred_imports`): about 7.5 s of every CPU process's
+  start-up, spent on packages a SentencePiece run without W&B never calls. 0.16.1+.
 - `torch.cuda.current_device()` returns "cpu" (RoPE, global memory buffer, SP mappings). 0.16.1+.
 - Torch factory functions map a CUDA `device=` argument to CPU; `Tensor.cuda()` is the identity
   (hard-coded `device="cuda"` in schedules, optimizer and grad clipping). 0.16.1+.
@@ -136,26 +139,39 @@ def _device_and_sync() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
-def _eager_fusions() -> None:
-    """Megatron-Core's `jit_fuser` (torch.compile) fusions run eagerly, as its own `megatron.core.jit.disable_jit_fuser`
-    makes them, from the first import of megatron.core on: each decorated function otherwise sets up dynamo at import
-    (about 4 s of every CPU process's start-up), and on CPU the fusions are off unless forced (same math either way).
-    torch.compile itself is put back once megatron.core is imported."""
-    import sys
-
+@contextlib.contextmanager
+def _no_torch_compile():
+    """torch.compile as an identity decorator within the block."""
     original = torch.compile
 
     def _decorate(model=None, **_kwargs):
         return model if model is not None else (lambda fn: fn)
 
-    if "megatron.core" not in sys.modules:
-        torch.compile = _decorate
+    torch.compile = _decorate
     try:
-        from megatron.core import jit
-
-        jit.disable_jit_fuser()
+        yield
     finally:
         torch.compile = original
+
+
+def _eager_fusions() -> None:
+    """Megatron-Core's `jit_fuser` (torch.compile) fusions run eagerly, as its own `megatron.core.jit.disable_jit_fuser`
+    makes them, from the first import of megatron.core on: each decorated function otherwise sets up dynamo at import
+    (about 4 s of every CPU process's start-up), and on CPU the fusions are off unless forced (same math either way).
+    torch.compile itself is put back once megatron.core is imported."""
+    from pretrain.compat.deferred_imports import first_import
+
+    first_import(_no_torch_compile())  # a no-op if megatron.core is imported already
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+
+
+def _deferred_imports() -> None:
+    """megatron.core first imported with `wandb` and `transformers` deferred to first use (`deferred_imports`)."""
+    from pretrain.compat.deferred_imports import first_import
+
+    first_import(_no_torch_compile())
 
 
 def _factories() -> None:
@@ -302,7 +318,8 @@ class Shim:
 
 SHIMS = (
     Shim("current_device_and_synchronize", "0.16.1", _device_and_sync),
-    Shim("eager_jit_fusions", "0.16.1", _eager_fusions),  # first: before anything imports megatron.core
+    Shim("deferred_optional_imports", "0.16.1", _deferred_imports),  # before anything imports megatron.core
+    Shim("eager_jit_fusions", "0.16.1", _eager_fusions),
     Shim("cuda_factories", "0.16.1", _factories),
     Shim("cuda_type_strings", "0.16.1", _type_strings),
     Shim("cuda_rng", "0.16.1", _rng),

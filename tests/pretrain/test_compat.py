@@ -37,9 +37,10 @@ def test_validate_reports_installed_versions():
 
 
 # Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
-_CPU = ["cpu:current_device_and_synchronize", "cpu:eager_jit_fusions", "cpu:cuda_factories", "cpu:cuda_type_strings",
-        "cpu:cuda_rng", "cpu:cuda_streams_and_events", "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda",
-        "cpu:fp64_grad_norm", "cpu:fsdp_cpu_device", "cpu:fsdp_cpu_device_mesh"]
+_CPU = ["cpu:current_device_and_synchronize", "cpu:deferred_optional_imports", "cpu:eager_jit_fusions",
+        "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng", "cpu:cuda_streams_and_events",
+        "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda", "cpu:fp64_grad_norm", "cpu:fsdp_cpu_device",
+        "cpu:fsdp_cpu_device_mesh"]
 _FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
           "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te", "mla_local_core_attention",
           "mla_without_te"]
@@ -170,3 +171,29 @@ def test_grad_norm_of_fp32_gradients_is_exact_on_cpu():
     shimmed, plain = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"relative error of the grad norm: {shimmed:.1e} with the shim, {plain:.1e} without")
     assert shimmed < 1e-7 < 1e-6 < plain
+
+
+_DEFERRED_PROBE = """
+import json, sys
+from pretrain import compat
+compat.apply(on_gpu=False)
+at_start = [n for n in ("transformers", "wandb") if n in sys.modules]
+from megatron.core import timers
+from megatron.core.tokenizers.text.libraries import chat_template, huggingface_tokenizer
+flags = [huggingface_tokenizer.HAVE_TRANSFORMERS, chat_template.HAVE_TRANSFORMERS]
+import transformers, wandb
+from transformers.utils.chat_template_utils import _compile_jinja_template
+same = [huggingface_tokenizer.AutoTokenizer.from_pretrained == transformers.AutoTokenizer.from_pretrained,
+        chat_template._compile_jinja_template("{{ 1 + 1 }}").render() == _compile_jinja_template("{{ 1 + 1 }}").render(),
+        timers.wandb.init is wandb.init]
+print(json.dumps({"at_start": at_start, "flags": flags, "same": same}))
+"""
+
+
+def test_optional_imports_are_deferred_to_first_use():
+    """A CPU process's start-up imports neither transformers nor wandb (megatron.core's optional imports of them are
+    stand-ins), and Megatron's modules then see both as installed and reach the real objects."""
+    done = _run("-c", _DEFERRED_PROBE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"at_start": [], "flags": [True, True], "same": [True, True, True]}, got
