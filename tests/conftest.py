@@ -12,6 +12,18 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron-core's plain version in tests and their workers
 
 
+def pytest_configure(config):
+    from tests import launch_ledger
+
+    launch_ledger.configure(config)
+
+
+def pytest_unconfigure(config):
+    from tests import launch_ledger
+
+    launch_ledger.unconfigure()
+
+
 @pytest.fixture(scope="session")
 def embedded_dataset(tmp_path_factory) -> str:
     """The embedded corpus preprocessed with the embedded Mistral tokenizer: a `..._text_document` prefix."""
