@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test test-quick test-mcore test-slurm lint clean-runs wheelhouse
+.PHONY: install quickstart test test-all test-quick test-mcore test-slurm lint clean-runs wheelhouse
 
 install: $(STAMP)
 
@@ -21,9 +21,15 @@ $(STAMP): pyproject.toml scripts/install.sh
 quickstart: install
 	$(PY) scripts/quickstart.py
 
-## The whole test suite (CPU; GPU tests skip without CUDA; Slurm tests start a local cluster as root).
+## The test suite, tier 1: every capability proven at least once (CPU; GPU tests skip without CUDA; Slurm
+## tests start a local cluster as root). What CI runs. tests/README.md lists capability -> test -> tier.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## Every tier: tier 1 plus the exhaustive matrices (tests marked `full`: world-4 layouts, every reshard pair,
+## every family at every layout). Run it before calling a change to one of those areas done.
+test-all: install
+	TEST_TIER=all $(PY) -m pytest $(PYTEST_ARGS)
 
 ## The tests that exercise Megatron-Core (layouts, resume, resharding, distributed optimizer, HF bridge,
 ## quickstart, Megatron fixes, cross-version checkpoints, a small MoE/EP subset, validation rules quoting

@@ -18,6 +18,18 @@ def pytest_configure(config):
     launch_ledger.configure(config)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` leaves the `full` tests out (deselected, not skipped); `make test-all` keeps them."""
+    from tests.tiers import everything
+
+    if everything():
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
+        items[:] = kept
+
+
 def pytest_unconfigure(config):
     from tests import launch_ledger
 

@@ -79,7 +79,8 @@ class Ledger:
         if entry.t0:
             entry.seconds = time.monotonic() - entry.t0
             entry.t0 = 0.0
-            self._write({k: v for k, v in asdict(entry).items() if k != "t0"})
+            if entry.kind != "tool":
+                self._write({k: v for k, v in asdict(entry).items() if k != "t0"})
 
     def record_case(self, name: str, world: int, seconds: float) -> None:
         entry = Entry("case", self.current, name, world, seconds)

@@ -174,6 +174,7 @@ def torchrun_metrics(tmp_path_factory) -> list[dict]:
 # --------------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.full  # `make test`: the preemption test runs the same job over 2 nodes to completion
 def test_sbatch_two_nodes_matches_torchrun(slurm_cluster, torchrun_metrics, tmp_path):
     """`sbatch --wait` with 2 nodes x 2 tasks trains, checkpoints, and logs the torchrun run's metrics."""
     run_dir = tmp_path / "run"
@@ -222,6 +223,8 @@ def preempt_and_resume(tmp_path: Path, overrides: str, signal_after_steps: int, 
         subprocess.run(["scancel", "--full", job_id], capture_output=True)  # no-op once it has ended
     text = read(log)
     assert info["JobState"] == "COMPLETED", text
+    assert "world size 4" in text and "[n[1-2]]" in text, text  # really two nodes
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
     assert info["Restarts"] == "1", text
     assert "restart 1:" in text, text  # SLURM_RESTART_COUNT=1 in the second attempt
     assert re.search(rf"resumed from \S*iter_0*{saved_step} at step {saved_step}", text), text
@@ -278,6 +281,7 @@ MOE_CONFIG = "pretrain/configs/tiny_moe.yaml"
 MOE_OVERRIDES = "data.mock=true train.steps=4 checkpoint.interval=null logging.tensorboard=false"
 
 
+@pytest.mark.full  # `make test`: EP2 vs one rank (test_moe.py), two nodes (the preemption test)
 def test_moe_expert_parallel_across_two_nodes(slurm_cluster, tmp_path):
     """tiny_moe (8 experts, top-2) with EP4 on 2 nodes x 2 ranks: each layer's experts live 2 per rank on both
     emulated nodes, so every token all-to-all crosses them; the losses equal a one-process run's."""

@@ -144,7 +144,9 @@ def log_text(path: Path) -> str:
 
 def run_worker_cases(root: Path, world: int, cases: list[dict], timeout: float) -> dict:
     """One launch of `tests/pretrain/ckpt_worker.py` on `world` ranks for `cases`; every case must succeed.
-    Returns the worker's results by case name (plan and log under `root`)."""
+    Returns the worker's results by case name (plan and log under `root`); no launch for no cases."""
+    if not cases:
+        return {}
     plan = root / f"plan{world}.json"
     plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": cases}))
     log = root / f"world{world}.log"

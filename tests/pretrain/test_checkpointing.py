@@ -376,6 +376,7 @@ def reshard_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # world 4; `make test` reshards at world 2 (test_moe, test_context_parallel, test_fsdp)
 def test_layouts_agree_from_scratch(reshard_runs):
     a, c = by_step(reshard_runs / "A"), by_step(reshard_runs / "C")
     assert sorted(a) == sorted(c) == [1, 2, 3, 4]
@@ -384,6 +385,7 @@ def test_layouts_agree_from_scratch(reshard_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("name,src,layout", RESHARD)
 def test_resharded_load_continues_with_same_loss(reshard_runs, name, src, layout):
     ref, got = by_step(reshard_runs / src), by_step(reshard_runs / name)

@@ -25,6 +25,7 @@ import pytest
 from packaging.version import Version
 
 from pretrain.compat.mcore import MCORE
+from tests import tiers
 from tests.pretrain.ckpt_helpers import command as train_command
 from tests.pretrain.ckpt_helpers import deterministic, log_text, metrics, run, run_worker_cases
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
@@ -61,6 +62,10 @@ DOC_LAYOUTS = {"docs_cp2_p2p": (2, CP2),
                                           "parallel.cp_comm_type=a2a"])}
 
 
+# `make test-all` only: the world-4 combinations and the kill -9 at CP2 (`make test`: test_resume.py's kill -9).
+FULL = {"tp2_sp_cp2", "pp2_cp2", "cp2_dp2_distopt", "cp2_ep2_moe", "docs_tp2_cp2", "kill9"}
+
+
 def _common(dataset: str, run_dir, steps: int = STEPS) -> list[str]:
     return ["data.mock=false", f"data.blend=[{dataset}]", f"train.steps={steps}", "train.precision=fp32",
             "checkpoint.save_at_end=false", "checkpoint.interval=null", "logging.tensorboard=false",
@@ -78,12 +83,14 @@ def cp_runs(request, tmp_path_factory, embedded_dataset):
     release in CI) only the layouts and the shim check run."""
     root = tmp_path_factory.mktemp("cp")
     by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    layouts = tiers.pick(LAYOUTS, FULL & set(LAYOUTS))
     for config, name in REFERENCES.items():
-        by_world[1].append(_train_case(name, config, _common(embedded_dataset, root / name)))
+        if any(c == config for _, c, _, _ in layouts.values()):
+            by_world[1].append(_train_case(name, config, _common(embedded_dataset, root / name)))
     mcore_only = "mcore" in (request.config.getoption("markexpr") or "")
     by_world[2].append(_train_case(NO_PIN_SHIM, "tiny_llama", _common(embedded_dataset, root / NO_PIN_SHIM, 1) + CP2,
                                    without_cpu_shims=["pin_memory_without_cuda"]))
-    for name, (world, config, _, extra) in LAYOUTS.items():
+    for name, (world, config, _, extra) in layouts.items():
         saves = CKPT if name == CKPT_RUN and not mcore_only else []
         by_world[world].append(_train_case(name, config, _common(embedded_dataset, root / name) + extra + saves))
     if mcore_only:
@@ -102,11 +109,12 @@ def cp_runs(request, tmp_path_factory, embedded_dataset):
     for name, (path, n) in singles.items():
         by_world[1].append(case(root / f"doc_{name}", path, n))
     by_world[1].append(case(root / "docs_cp1", packed, seq, FLAGS))
-    for name, (world, extra) in DOC_LAYOUTS.items():
+    for name, (world, extra) in tiers.pick(DOC_LAYOUTS, FULL & set(DOC_LAYOUTS)).items():
         by_world[world].append(case(root / name, packed, seq, FLAGS + extra))
-    # Last of the world-2 launch: the CP2 checkpoint run again, SIGKILLed while writing its step-4 checkpoint.
-    by_world[2].append(_train_case("cp2_killed", "tiny_llama", _killed(embedded_dataset, root), crash_in_save=4))
-    results = _launch_world2(root / "w2", by_world[2], killed=True)
+    killed = tiers.everything()
+    if killed:  # last of the world-2 launch: the CP2 checkpoint run again, SIGKILLed while writing step 4's save
+        by_world[2].append(_train_case("cp2_killed", "tiny_llama", _killed(embedded_dataset, root), crash_in_save=4))
+    results = _launch_world2(root / "w2", by_world[2], killed=killed)
     for world in (1, 4):  # after the CP2 checkpoint: the world-1 launch loads it at CP1
         (root / f"w{world}").mkdir()
         run_worker_cases(root / f"w{world}", world, by_world[world], timeout=900)
@@ -144,7 +152,7 @@ def _rel(got: list[float], want: list[float]) -> float:
 
 
 @pytest.mark.mcore
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", tiers.params(LAYOUTS, FULL))
 def test_cp_layout_matches_one_rank(cp_runs, name):
     root, _, _ = cp_runs
     world, config, comm, _ = LAYOUTS[name]
@@ -185,7 +193,7 @@ def test_cp2_checkpoint_loads_at_other_layouts(cp_runs, name):
             assert rel <= TOLERANCE, (name, step, key)
 
 
-@pytest.mark.parametrize("name", list(DOC_LAYOUTS))
+@pytest.mark.parametrize("name", tiers.params(DOC_LAYOUTS, FULL))
 def test_packed_documents_under_cp_equal_documents_alone(cp_runs, name):
     """The packed sample's step-1 loss at CP2 and TP2+SP × CP2 (THD: every document padded to a multiple of 4 and
     split in zigzag chunks) equals the token-weighted mean of its documents trained alone, as at CP1
@@ -209,6 +217,7 @@ def test_attention_dropout_under_cp_trains(cp_runs):
     assert got != ref and _rel(got, ref) < 0.02
 
 
+@pytest.mark.full
 def test_kill9_at_cp2_resumes_identically(cp_runs, embedded_dataset):
     """A CP2 run SIGKILLed (every rank) while writing its step-4 checkpoint, restarted with the same command: it
     resumes from step 2 and every deterministic metric equals the uninterrupted CP2 run's (cp2_p2p)."""

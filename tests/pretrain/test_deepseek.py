@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 
+from tests import tiers
 from tests.data_tools.test_convert import tokenizer_dir  # noqa: F401  (fixture: the embedded tokenizer, HF style)
 from tests.pretrain.ckpt_helpers import (
     DETERMINISTIC,
@@ -83,7 +84,8 @@ def core_runs(tmp_path_factory):
 def more_runs(core_runs, tokenizer_dir):  # noqa: F811
     root = core_runs
     started = time.perf_counter()
-    run_worker_cases(root, 4, [_case(root, n, o, s) for n, (w, o, s) in MORE.items() if w == 4], timeout=900)
+    if tiers.everything():  # the world-4 layouts: `make test-all` only
+        run_worker_cases(root, 4, [_case(root, n, o, s) for n, (w, o, s) in MORE.items() if w == 4], timeout=900)
     ones = [_case(root, n, o, s) for n, (w, o, s) in MORE.items() if w == 1] + _skewed_cases(root, tokenizer_dir)
     run_worker_cases(root, 1, ones, timeout=900)
     print(f"DeepSeek pipelined, resharding and skewed-router runs: {time.perf_counter() - started:.0f} s")
@@ -124,6 +126,7 @@ def test_layout_matches_single_rank(core_runs, name):
     _layout(core_runs, name)
 
 
+@pytest.mark.full  # world 4; `make test` runs DeepSeek at PP2 with its MTP layer in test_hf_families
 @pytest.mark.parametrize("name", [n for n, (w, _, s) in MORE.items() if s is None])
 def test_pipelined_layout_matches_single_rank(more_runs, name):
     _layout(more_runs, name)
@@ -178,6 +181,7 @@ def test_mtp_loss_expert_load_and_bias_in_metrics_jsonl_and_tensorboard(core_run
         assert values == pytest.approx([lines[s][key] for s in sorted(lines)]), key
 
 
+@pytest.mark.full  # kill -9 at another layout; `make test` has test_resume.py's
 def test_kill9_and_resume_reproduce_every_number_at_ep2(core_runs, tmp_path):
     work = tmp_path / "run"
     cmd = command([], nproc=2, args=["train", CONFIG, *BASE, *EP2, "checkpoint.interval=1", f"run.dir={work}"])
@@ -247,6 +251,7 @@ def test_expert_bias_moves_a_skewed_router_toward_balance(more_runs):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.full  # the world-4 run; `make test` exports DeepSeek from TP2 in test_hf_families
 def test_trained_at_tp2_pp2_ep2_exports_and_transformers_computes_our_loss(more_runs, tmp_path):
     from torch.nn.functional import cross_entropy
 

@@ -19,6 +19,7 @@ import torch
 
 from pretrain.checkpoint.format import TRACKER, is_committed, iteration_dir, read_common
 from pretrain.compat.mcore import MCORE
+from tests import tiers
 from tests.pretrain.ckpt_helpers import DETERMINISTIC, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # the fixture: four launches
@@ -47,12 +48,13 @@ def _ok(runs: dict, *names: str) -> None:
 
 def test_fsdp_matches_the_distributed_optimizer_and_one_rank(fsdp_runs):
     root = fsdp_runs["root"]
-    _ok(fsdp_runs, "distopt", "one_rank", "zero2", "tp2_fsdp_dp2")
+    world4 = tiers.everything()  # TP2 × ZeRO-3 DP2 runs at world 4: `make test-all`
+    _ok(fsdp_runs, "distopt", "one_rank", "zero2", *(["tp2_fsdp_dp2"] if world4 else []))
     refs = {"distributed optimizer DP2": _steps(root / "distopt"), "one rank": _steps(root / "one_rank")}
     layouts = {
         "ZeRO-3 DP2": root / "killed_metrics.jsonl",  # the killed run, before the kill
         "ZeRO-2 DP2": root / "zero2",
-        "TP2 × ZeRO-3 DP2": root / "tp2_fsdp_dp2",
+        **({"TP2 × ZeRO-3 DP2": root / "tp2_fsdp_dp2"} if world4 else {}),
     }
     steps = range(1, 5)
     rows, worst = [], 0.0
@@ -89,13 +91,14 @@ def test_resharding_and_crossing_formats(fsdp_runs):
     root = fsdp_runs["root"]
     from tests.pretrain.fsdp_cases import fsdp_on_one_rank
 
-    dp1 = fsdp_on_one_rank()
-    _ok(fsdp_runs, "reshard_dp4", "fsdp_from_distopt", "distopt_from_fsdp", "zero2_from_zero3", "async",
-        *(["reshard_dp1"] if dp1 else []))
+    dp1, dp4 = fsdp_on_one_rank(), tiers.everything()  # DP4: the world-4 launch of `make test-all`
+    _ok(fsdp_runs, "fsdp_from_distopt", "distopt_from_fsdp", "zero2_from_zero3", "async",
+        *(["reshard_dp1"] if dp1 else []), *(["reshard_dp4"] if dp4 else []))
     fsdp_dp2 = _steps(root / "killed_metrics.jsonl")
     distopt = _steps(root / "distopt")
     rows = {
-        "fsdp_dtensor DP2 (async save) → FSDP DP4": _rel(_steps(root / "reshard_dp4"), fsdp_dp2, (3, 4)),
+        **({"fsdp_dtensor DP2 (async save) → FSDP DP4": _rel(_steps(root / "reshard_dp4"), fsdp_dp2, (3, 4))}
+           if dp4 else {}),
         **({"fsdp_dtensor DP2 (async save) → FSDP DP1": _rel(_steps(root / "reshard_dp1"), fsdp_dp2, (3, 4))}
            if dp1 else {}),
         "torch_dist DP2 (distributed optimizer) → FSDP DP2": _rel(_steps(root / "fsdp_from_distopt"), distopt, (3, 4)),

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests import tiers
 from tests.pretrain.ckpt_helpers import command, metrics, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
@@ -31,6 +32,8 @@ LLAMA_LAYOUTS = {
                            "parallel.virtual_pipeline=2"],
     },
 }
+# World 4 (combinations of the world-2 kinds): `make test-all` only.
+FULL = {"tp2_pp2", "tp2_sp_pp2_vp2"}
 # GPT: tied embeddings across pipeline stages, biases and learned positions under TP.
 GPT_LAYOUTS = {
     2: {"gpt_pp2": ["parallel.pipeline=2"], "gpt_tp2_sp": ["parallel.tensor=2", "parallel.sequence_parallel=true"]},
@@ -61,6 +64,9 @@ def layout_runs(tmp_path_factory, embedded_dataset):
         runs[("ref", suffix)] = ref
     for layouts, config, suffix in ((LLAMA_LAYOUTS, "tiny_llama", "llama"), (GPT_LAYOUTS, "tiny_gpt", "gpt")):
         for world, cases in layouts.items():
+            cases = tiers.pick(cases, FULL & set(cases))
+            if not cases:
+                continue
             spec = []
             for name, extra in cases.items():
                 overrides = _common(embedded_dataset, base / name) + extra
@@ -93,8 +99,9 @@ def _gpt_data(overrides: list[str], base) -> list[str]:
     return [o if not o.startswith("data.blend=") else f"data.blend=[{_GPT_DATASET['prefix']}]" for o in overrides]
 
 
-@pytest.mark.parametrize("name,family", [(n, "llama") for w in LLAMA_LAYOUTS.values() for n in w]
-                         + [(n, "gpt") for w in GPT_LAYOUTS.values() for n in w])
+@pytest.mark.parametrize("name,family", [pytest.param(n, f, marks=[tiers.full] if n in FULL else [])
+                                         for layouts, f in ((LLAMA_LAYOUTS, "llama"), (GPT_LAYOUTS, "gpt"))
+                                         for w in layouts.values() for n in w])
 def test_layout_matches_single_rank(layout_runs, name, family):
     reference = _losses(layout_runs[("ref", family)])
     got = _losses(layout_runs[(name, family)])

@@ -20,11 +20,13 @@ from packaging.version import Version
 from pretrain.compat.fsdp_cpu import FSDP_SHIMS
 from pretrain.compat.mcore import MCORE
 from pretrain.compat.megatron_fixes import FIXES
+from tests import tiers
 from tests.pretrain.ckpt_helpers import metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.timeout(2400)]  # with the fsdp_runs launches
 
-WORLD2 = ("fsdp_tp_without_te",)  # shown at TP2 × DP2 in the Megatron-FSDP launches (conftest.py::fsdp_runs)
+# Shown at TP2 × DP2 in the Megatron-FSDP world-4 launch (conftest.py::fsdp_runs): `make test-all`.
+WORLD2 = ("fsdp_tp_without_te",)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def _bug_shows_at_world2(name: str, results: dict) -> tuple[bool, str]:
     return (not res["ok"] and "isinstance() arg 2 must be a type" in res.get("traceback", "")), str(res["error"])
 
 
-@pytest.mark.parametrize("fix", FIXES, ids=[f.name for f in FIXES])
+@pytest.mark.parametrize("fix", [pytest.param(f, id=f.name, marks=[tiers.full] if f.name in WORLD2 else [])
+                                 for f in FIXES])
 def test_fix_needed_exactly_on_its_releases(without_each_fix, fix):
     root, results, marker, fsdp_runs = without_each_fix
     assert fix.condition(), f"{fix.name} only applies elsewhere (e.g. with Transformer Engine / apex)"

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests import tiers
 from tests.pretrain.ckpt_helpers import (
     by_step,
     layout_case,
@@ -55,6 +56,11 @@ RESHARD = {
 }
 
 
+# `make test-all` only: world 4, and the reshard pairs test_deepseek also runs (distopt EP2 -> EP1) or that are a
+# combination (distopt EP2 -> TP2×EP2). `make test` keeps EP2 -> EP1 and distopt EP1 -> EP2 (one each way).
+FULL = {"tp2_pp2_vp2_ep2", "tp2_sp_etp2_ep2", "distopt_ep2_to_ep1", "distopt_ep2_to_tp2_ep2"}
+
+
 def _case(root, name: str, overrides: list[str], source: str | None) -> dict:
     return layout_case(root, "tiny_moe", BASE, name, overrides, source)
 
@@ -69,7 +75,7 @@ def moe_runs(tmp_path_factory):
                 "overrides": BASE + CAPACITY + [f"run.dir={root}/ref_capacity"]}
     plans = {2: [], 4: [], 1: [reference, capacity]}
     for table in (LAYOUTS, RESHARD):
-        for name, (world, overrides, source) in table.items():
+        for name, (world, overrides, source) in tiers.pick(table, FULL & set(table)).items():
             plans[world].append(_case(root, name, overrides, source))
     for world in (2, 4, 1):  # world 1 loads a checkpoint written at world 2
         run_worker_cases(root, world, plans[world], timeout=900)
@@ -77,7 +83,7 @@ def moe_runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", tiers.params(LAYOUTS, FULL))
 def test_layout_matches_single_rank(moe_runs, name):
     ref = by_step(moe_runs / ("ref_capacity" if name.startswith("capacity") else "ref"))
     got = by_step(moe_runs / name)
@@ -94,7 +100,7 @@ def test_layout_matches_single_rank(moe_runs, name):
     assert (dropped > 0) == name.startswith("capacity"), dropped  # dropless unless a capacity factor is set
 
 
-@pytest.mark.parametrize("name", list(RESHARD))
+@pytest.mark.parametrize("name", tiers.params(RESHARD, FULL))
 def test_checkpoint_reshards_across_expert_layouts(moe_runs, name):
     source = RESHARD[name][2]
     ref, got = by_step(moe_runs / source), by_step(moe_runs / name)
@@ -128,6 +134,7 @@ def test_moe_metrics_in_metrics_jsonl_and_tensorboard(moe_runs):
         assert values == pytest.approx([lines[s][key] for s in sorted(lines)]), (key, tags)
 
 
+@pytest.mark.full  # the world-4 run; `make test` exports every family from TP2 (test_hf_families)
 def test_trained_at_ep2_tp2_pp2_exports_to_transformers_with_megatron_logits(moe_runs, tmp_path):
     from tests.data_tools.test_convert import exported_logits
 

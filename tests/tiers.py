@@ -1,0 +1,29 @@
+"""The test tiers. `make test` (what CI runs) proves every capability at least once; `make test-all` adds the
+exhaustive matrices (`TEST_TIER=all`). A test or a parametrized case only in the second tier carries
+`@pytest.mark.full`; a fixture that launches a matrix in one go asks `everything()` which cases to include.
+The capability → test → tier table is `tests/README.md`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+full = pytest.mark.full
+
+
+def everything() -> bool:
+    """True under `make test-all` (TEST_TIER=all)."""
+    return os.environ.get("TEST_TIER", "") == "all"
+
+
+def pick(cases: dict, full_only: set | frozenset = frozenset()) -> dict:
+    """`cases` without the names in `full_only` unless every tier runs."""
+    unknown = set(full_only) - set(cases)
+    assert not unknown, f"tiers.pick: no such case {sorted(unknown)}"
+    return dict(cases) if everything() else {k: v for k, v in cases.items() if k not in full_only}
+
+
+def params(names, full_only: set | frozenset = frozenset()) -> list:
+    """pytest.param per name, the `full_only` ones marked `full` (deselected in `make test`)."""
+    return [pytest.param(n, marks=full) if n in full_only else n for n in names]
