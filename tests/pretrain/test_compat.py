@@ -183,8 +183,9 @@ from megatron.core.tokenizers.text.libraries import chat_template, huggingface_t
 flags = [huggingface_tokenizer.HAVE_TRANSFORMERS, chat_template.HAVE_TRANSFORMERS]
 import transformers, wandb
 from transformers.utils.chat_template_utils import _compile_jinja_template
+two = "{{ 1 + 1 }}"
 same = [huggingface_tokenizer.AutoTokenizer.from_pretrained == transformers.AutoTokenizer.from_pretrained,
-        chat_template._compile_jinja_template("{{ 1 + 1 }}").render() == _compile_jinja_template("{{ 1 + 1 }}").render(),
+        chat_template._compile_jinja_template(two).render() == _compile_jinja_template(two).render(),
         timers.wandb.init is wandb.init]
 print(json.dumps({"at_start": at_start, "flags": flags, "same": same}))
 """
