@@ -351,7 +351,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 blend, docs = make_blend(corpus, tokens, n_prefix, meta=meta != "without")
                 made = time.perf_counter() - t0
-                config = str(write_config(root / f"config_{size_name}_{n_prefix}.yaml", blend))
+                config = str(write_config(root / f"config_{size_name}_{n_prefix}_{meta}.yaml", blend))
                 idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
                 print(f"corpus {size_name} tokens in {n_prefix} prefix(es) {meta} metadata: {docs:,} documents, "
                       f".idx {_gb(idx_bytes)} GiB, written in {made:.1f} s", flush=True)
