@@ -1,7 +1,7 @@
 """Time to the first step and peak memory per rank vs corpus size: the trainer against Megatron-Core's own build.
 
     python benchmarks/data_startup.py [--sizes 1B,10B,100B,1T] [--prefixes 1,100,1000] [--layouts dp2,tp2]
-        [--root DIR] [--seq 2048] [--keep]
+        [--root DIR] [--seq 2048] [--keep] [--metadata with,without] [--validate-only]
 
 For each corpus size x prefix count it writes a synthetic blend (`make_prefix`: a real `.idx`, a sparse `.bin` made
 with truncate, and PREFIX.meta.json; document lengths log-normal, median 900 tokens, sigma 1.0, mean ~1,480 —
@@ -15,6 +15,11 @@ by tokens. Then, per layout (2 ranks: DP2, or TP2 where only the first rank of t
   floor    Megatron-Core alone: `BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()` with
            `pretrain.data.megatron_dataset_config` (the very config the trainer passes), under torchrun, timed
            between two barriers; its RSS growth over the pre-build RSS.
+
+`--metadata without` writes the corpora without PREFIX.meta.json (as Megatron-LM's preprocess_data.py does): the
+cold start reads every `.idx` in full, the warm one checks them from the verdict cache (`data.cache_dir`,
+`pretrain.dataset_format.verdicts`). `validate` runs twice per corpus (cold, warm) against a cache directory of its
+own; its rows show the check line, which says how many prefixes came from metadata, the verdict cache, a full read.
 
 The table: ours (data s), Megatron's (s), ratio, our overhead (s), the first-loss time, our peak RSS (max over
 ranks) and its growth over a mock-data run, Megatron's growth. Timings are noisy on a shared machine: compare the
@@ -49,6 +54,7 @@ SIZES = {"1B": 10**9, "10B": 10**10, "100B": 10**11, "1T": 10**12}
 TRAIN = ["train.steps=1", "train.global_batch_size=2", "train.micro_batch_size=1", "train.eval_interval=null",
          "checkpoint.interval=null", "checkpoint.save_at_end=false", "logging.tensorboard=false", "data.mock=false"]
 _CHECK = re.compile(r"dataset files checked: (\d+) prefix\(es\) in ([\d.]+) s")
+_CHECK_LINE = re.compile(r"dataset files checked: [^\n]*? read in full\)")
 _BUILD = re.compile(r"indices (?:built|read from the cache in \S+) in ([\d.]+) s")
 
 
@@ -72,8 +78,9 @@ def _lengths(rng: np.random.Generator, tokens: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def make_prefix(prefix: Path, tokens: int, seed: int, identity) -> int:
-    """Write a uint16 dataset of `tokens` tokens at `prefix`: real .idx, sparse .bin, meta.json. Returns docs."""
+def make_prefix(prefix: Path, tokens: int, seed: int, identity, meta: bool = True) -> int:
+    """Write a uint16 dataset of `tokens` tokens at `prefix`: real .idx, sparse .bin, meta.json (`meta=False`:
+    none, as Megatron-LM's preprocess_data.py writes). Returns docs."""
     from pretrain.dataset_format.indexed import _header_bytes
     from pretrain.dataset_format.metadata import commit_meta, dataset_record, write_meta_tmp
 
@@ -91,6 +98,8 @@ def make_prefix(prefix: Path, tokens: int, seed: int, identity) -> int:
             f.write(np.arange(s, min(n + 1, s + CHUNK_DOCS), dtype=np.int64).tobytes())
     with open(f"{prefix}.bin", "wb") as f:
         f.truncate(tokens * 2)  # sparse: no disk used, reads as zeros
+    if not meta:
+        return n
     write_meta_tmp(prefix, dataset_record(
         tool="benchmarks/data_startup.py (synthetic)", tokenizer=identity, append_eod=True, dtype="uint16",
         documents=n, sequences=n, tokens=tokens, max_token_id=identity.vocab_size - 1, inputs=[]))
@@ -98,7 +107,7 @@ def make_prefix(prefix: Path, tokens: int, seed: int, identity) -> int:
     return n
 
 
-def make_blend(root: Path, tokens: int, prefixes: int) -> tuple[list, int]:
+def make_blend(root: Path, tokens: int, prefixes: int, meta: bool = True) -> tuple[list, int]:
     """`prefixes` datasets of tokens/prefixes tokens each under root; (weighted blend items, documents)."""
     from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
     from pretrain.tokenizer.identity import describe_tokenizer
@@ -109,7 +118,7 @@ def make_blend(root: Path, tokens: int, prefixes: int) -> tuple[list, int]:
     for i in range(prefixes):
         share = tokens // prefixes + (1 if i < tokens % prefixes else 0)
         prefix = root / f"shard{i:05d}_text_document"
-        docs += make_prefix(prefix, share, seed=i, identity=identity)
+        docs += make_prefix(prefix, share, seed=i, identity=identity, meta=meta)
         items += [share, str(prefix)]
     return items, docs
 
@@ -312,6 +321,8 @@ def main() -> None:
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip a layout whose cold build Megatron itself "
                     "needs more memory for (estimate_bytes; the machine may be shared)")
     ap.add_argument("--validate-only", action="store_true", help="only the corpora and `pretrain validate`")
+    ap.add_argument("--metadata", default="with", help="with,without: corpora with PREFIX.meta.json, and/or without "
+                    "(as Megatron-LM's preprocess_data.py writes them: checked from the verdict cache when warm)")
     args = ap.parse_args()
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: the running torchrun is ended too (finally)
@@ -335,20 +346,27 @@ def main() -> None:
     interrupted = None
     try:
         for size_name, tokens in sizes:
-            for n_prefix in (int(x) for x in args.prefixes.split(",")):
-                corpus = root / f"corpus_{size_name}_{n_prefix}"
+            for n_prefix, meta in ((int(x), m) for x in args.prefixes.split(",") for m in args.metadata.split(",")):
+                corpus = root / f"corpus_{size_name}_{n_prefix}_{meta}"
                 t0 = time.perf_counter()
-                blend, docs = make_blend(corpus, tokens, n_prefix)
+                blend, docs = make_blend(corpus, tokens, n_prefix, meta=meta != "without")
                 made = time.perf_counter() - t0
-                config = str(write_config(root / f"config_{size_name}_{n_prefix}.yaml", blend))
+                config = str(write_config(root / f"config_{size_name}_{n_prefix}_{meta}.yaml", blend))
                 idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
-                print(f"corpus {size_name} tokens in {n_prefix} prefix(es): {docs:,} documents, "
+                print(f"corpus {size_name} tokens in {n_prefix} prefix(es) {meta} metadata: {docs:,} documents, "
                       f".idx {_gb(idx_bytes)} GiB, written in {made:.1f} s", flush=True)
-                val = run_validate(config, common, root / f"validate_{size_name}_{n_prefix}.log")
-                val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
-                validations.append({"size": size_name, "prefixes": n_prefix, "docs": docs, "s": val["wall_s"],
-                                    "rss": val_rss})
-                print(f"  validate: {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB", flush=True)
+                (root / "cache_validate").mkdir(exist_ok=True)  # validate writes verdicts only into a cache there
+                for state in ("cold", "warm"):
+                    val = run_validate(config, [*common, f"data.cache_dir={root}/cache_validate"],
+                                       root / f"validate_{size_name}_{n_prefix}_{meta}_{state}.log")
+                    val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
+                    check = _CHECK_LINE.search(val["log"])
+                    validations.append({"size": size_name, "prefixes": n_prefix, "metadata": meta, "state": state,
+                                        "docs": docs, "s": val["wall_s"], "rss": val_rss,
+                                        "check": check.group(0) if check else ""})
+                    print(f"  validate ({state}): {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB; "
+                          f"{validations[-1]['check']}", flush=True)
+                shutil.rmtree(root / "cache_validate", ignore_errors=True)
                 for layout in layouts:
                     need = estimate_bytes(docs, tokens, n_prefix, args.seq, layout)
                     if need > min(_mem_available() - (3 << 30), args.max_gib * 2**30):
@@ -363,7 +381,7 @@ def main() -> None:
                         overrides = [*common, *par, f"data.cache_dir={cache}"]
                         for state in ("cold", "warm"):
                             load = os.getloadavg()[0]
-                            tag = f"{size_name}_{n_prefix}_{layout}_{who}_{state}"
+                            tag = f"{size_name}_{n_prefix}_{meta}_{layout}_{who}_{state}"
                             if who == "ours":
                                 res = run_ours(config, overrides, root / f"run_{tag}", root / f"{tag}.log")
                                 shutil.rmtree(root / f"run_{tag}", ignore_errors=True)
@@ -372,6 +390,7 @@ def main() -> None:
                             disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
                             peak_disk = max(peak_disk, disk)
                             rows.append({"size": size_name, "tokens": tokens, "prefixes": n_prefix, "docs": docs,
+                                         "metadata": meta,
                                          "layout": layout, "who": who, "state": state, "load": load,
                                          **{k: v for k, v in res.items() if k != "log"}})
                             print(f"  {tag}: " + (f"data {res['data_s']:.2f} s (check {res['check_s']:.2f} + build "
@@ -387,10 +406,12 @@ def main() -> None:
         print_table(rows, mock, peak_disk)
     for line in skipped:
         print(f"skipped: {line}")
-    print("\n| tokens | prefixes | documents | `python -m pretrain validate` s | its peak RSS GiB |")
-    print("|---|---|---|---|---|")
+    print("\n| tokens | prefixes | metadata | documents | cache | `python -m pretrain validate` s | its peak RSS GiB "
+          "| its check line |")
+    print("|---|---|---|---|---|---|---|---|")
     for v in validations:
-        print(f"| {v['size']} | {v['prefixes']:,} | {v['docs']:,} | {v['s']:.2f} | {_gb(v['rss'])} |")
+        print(f"| {v['size']} | {v['prefixes']:,} | {v['metadata']} | {v['docs']:,} | {v['state']} | {v['s']:.2f} "
+              f"| {_gb(v['rss'])} | {v['check']} |")
     if args.json_out:
         mock_rows = {k: {kk: vv for kk, vv in v.items() if kk != "log"} for k, v in mock.items()}
         args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows,
@@ -408,11 +429,11 @@ def print_table(rows: list[dict], mock: dict, peak_disk: int) -> None:
     print("\n| tokens | prefixes | documents | layout | cache | ours: data s | Megatron-Core s | ratio | overhead s "
           "| first loss s (mock) | ours peak RSS GiB | ours RSS − mock GiB | Megatron RSS growth GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    by_key = {(r["size"], r["prefixes"], r["layout"], r["who"], r["state"]): r for r in rows}
-    for (size, n, layout, who, state), ours in by_key.items():
+    by_key = {(r["size"], r["prefixes"], r["metadata"], r["layout"], r["who"], r["state"]): r for r in rows}
+    for (size, n, meta, layout, who, state), ours in by_key.items():
         if who != "ours":
             continue
-        floor = by_key.get((size, n, layout, "floor", state))
+        floor = by_key.get((size, n, meta, layout, "floor", state))
         if floor is None:
             continue
         m = mock[layout]
@@ -420,7 +441,8 @@ def print_table(rows: list[dict], mock: dict, peak_disk: int) -> None:
                            zip((floor["peaks"].get(r, {}).get("VmHWM", 0) for r in sorted(floor["peaks"])),
                                floor["rss_before"]))
         ratio = ours["data_s"] / floor["build_s"] if floor["build_s"] > 0 else float("nan")
-        print(f"| {size} | {n:,} | {ours['docs']:,} | {layout.upper()} | {state} | {ours['data_s']:.2f} | "
+        what = f"{n:,}" + ("" if meta == "with" else " (no metadata)")
+        print(f"| {size} | {what} | {ours['docs']:,} | {layout.upper()} | {state} | {ours['data_s']:.2f} | "
               f"{floor['build_s']:.2f} | {ratio:.2f} | {ours['data_s'] - floor['build_s']:+.2f} | "
               f"{ours['first_loss_s']:.1f} ({m['first_loss_s']:.1f}) | {_gb(peak(ours, 'VmHWM'))} | "
               f"{_gb(peak(ours, 'VmHWM') - peak(m, 'VmHWM'))} | {_gb(floor_growth)} |")

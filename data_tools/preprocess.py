@@ -314,7 +314,7 @@ class _Run:
                     tool="data_tools preprocess", tokenizer=identity, append_eod=self.append_eod,
                     dtype=np.dtype(dtype).name, documents=w.num_documents, sequences=w.num_sequences,
                     tokens=w.num_tokens, max_token_id=max_ids[k] if max_ids[k] != -1 else None, inputs=sources,
-                    json_key=k, keep_empty=self.keep_empty))
+                    json_key=k, keep_empty=self.keep_empty, strict=self.strict))
             except OSError as e:
                 raise PreprocessError(f"finalizing {e.filename or self.prefixes[k]} failed: {e.strerror}") from e
         for k, w in self.writers.items():

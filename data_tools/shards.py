@@ -160,8 +160,95 @@ def read_plan(path: str | os.PathLike) -> Plan:
     return plan
 
 
+@dataclass(frozen=True)
+class PlanTokenizer:
+    """The plan's tokenizer as a part's metadata records it: its identity hash (kind and files' contents)."""
+
+    sha256: str
+    text: str  # "KIND FILE + FILE (sha256 …)"
+
+
+def plan_tokenizer(plan: Plan) -> PlanTokenizer:
+    """The identity of the plan's tokenizer (its files hashed once per plan; the tokenizer is not loaded)."""
+    cached = plan.__dict__.get("_tokenizer")
+    if cached is None:
+        from pretrain.tokenizer.identity import spec_sha256
+        from pretrain.tokenizer.spec import resolve_spec
+
+        o = plan.options
+        spec = resolve_spec(o["tokenizer_type"], o.get("tokenizer_model"), o.get("vocab_file"), o.get("merge_file"))
+        files, sha = spec_sha256(spec)
+        cached = plan.__dict__["_tokenizer"] = PlanTokenizer(sha, _tokenizer_text(spec.kind, files, sha))
+    return cached
+
+
+def _tokenizer_text(kind: object, files: object, sha: object) -> str:
+    names = " + ".join(Path(str(f)).name for f in files) if isinstance(files, (list, tuple)) else "?"
+    return f"{kind} {names or 'no files'} (sha256 {str(sha)[:12]})"
+
+
+def option_differences(plan: Plan, key: str, meta: dict[str, Any]) -> list[str]:
+    """How a part's recorded options differ from the plan's, one ``"option: the part's X, the plan's Y"`` each.
+
+    Every option that changes a part's bytes is compared: the tokenizer (its identity: kind and the contents of
+    its files, so the same files elsewhere match), ``append_eod``, ``keep_empty``, the JSON key, the token dtype
+    (fixed by the tokenizer's vocabulary) and ``strict`` (a part made without it may have skipped lines the plan
+    would refuse). ``workers``, ``encoder`` and ``batch_bytes`` give the same bytes and are not compared."""
+    import numpy as np
+
+    from pretrain.dataset_format.indexed import optimal_dtype
+
+    o, diffs = plan.options, []
+    tok = plan_tokenizer(plan)
+    made = meta.get("tokenizer") or {}
+    if made.get("sha256") != tok.sha256:
+        part = _tokenizer_text(made.get("kind"), made.get("files"), made.get("sha256"))
+        diffs.append(f"tokenizer: the part's {part}, the plan's {tok.text}")
+    for name, want in (("append_eod", bool(o.get("append_eod"))), ("keep_empty", bool(o.get("keep_empty"))),
+                       ("json_key", key)):
+        if meta.get(name) != want:
+            diffs.append(f"{name}: the part's {meta.get(name)!r}, the plan's {want!r}")
+    try:
+        dtype = np.dtype(optimal_dtype(int(made["vocab_size"]))).name
+    except (KeyError, TypeError, ValueError):
+        dtype = None
+    if meta.get("dtype") != dtype:
+        diffs.append(f"dtype: the part's {meta.get('dtype')!r}, its tokenizer's vocabulary gives {dtype!r}")
+    if o.get("strict") and meta.get("strict") is not True:
+        diffs.append(f"strict: the part's {meta.get('strict')!r} (bad lines may have been skipped), the plan's True")
+    return diffs
+
+
+def part_mismatch(plan: Plan, task: int) -> str | None:
+    """Why task ``task``'s written part is not what its plan asks for (other files, sizes or options), naming the
+    part and each difference; None when it matches or is not (fully) written."""
+    from pretrain.dataset_format.metadata import MetadataError, meta_path, read_meta
+    from pretrain.tokenizer.types import TokenizerError
+
+    for key in plan.keys:
+        prefix = plan.part(task, key)
+        try:
+            meta = read_meta(prefix)
+        except MetadataError:
+            return None  # part_problem reports it
+        if meta is None:
+            return None
+        made_from = [(x.get("path"), x.get("bytes")) for x in meta.get("inputs", [])]
+        first, end = plan.tasks[task]
+        if made_from != [(str(Path(x["path"]).resolve()), x["bytes"]) for x in plan.inputs[first:end]]:
+            return f"{meta_path(prefix).name} was made from other files (or sizes) than the task's share"
+        try:
+            diffs = option_differences(plan, key, meta)
+        except (TokenizerError, OSError) as e:
+            return f"the plan's tokenizer cannot be read to check part {prefix} ({e})"
+        if diffs:
+            return f"part {prefix} was made with other options than the plan's ({'; '.join(diffs)})"
+    return None
+
+
 def part_problem(plan: Plan, task: int) -> str | None:
-    """Why task ``task``'s part is not a complete dataset of its files (None: it is)."""
+    """Why task ``task``'s part is not a complete dataset of its files made with the plan's options (None: it
+    is)."""
     from pretrain.dataset_format.indexed import bin_path, idx_path
     from pretrain.dataset_format.metadata import MetadataError, meta_path, read_meta
 
@@ -173,14 +260,10 @@ def part_problem(plan: Plan, task: int) -> str | None:
         if missing:
             return f"not written ({', '.join(missing)} missing)"
         try:
-            meta = read_meta(prefix)
+            read_meta(prefix)
         except MetadataError as e:
             return str(e)
-        made_from = [(x.get("path"), x.get("bytes")) for x in (meta or {}).get("inputs", [])]
-        first, end = plan.tasks[task]
-        if made_from != [(str(Path(x["path"]).resolve()), x["bytes"]) for x in plan.inputs[first:end]]:
-            return f"{meta_path(prefix).name} was made from other files (or sizes) than the task's share"
-    return None
+    return part_mismatch(plan, task)
 
 
 def run_task(plan: Plan, task: int, log: Callable[[str], None]) -> str:
@@ -202,6 +285,9 @@ def run_task(plan: Plan, task: int, log: Callable[[str], None]) -> str:
                              "since the plan was made; make a new plan")
     if part_problem(plan, task) is None:
         return f"{what}: already complete ({part_prefix(plan.output_prefix, task)}_*); nothing to do"
+    mismatch = part_mismatch(plan, task)
+    if mismatch:
+        log(f"note: {what}: {mismatch}; redoing it")
     log(f"{what} -> {part_prefix(plan.output_prefix, task)}")
     kwargs = {**plan.options, "progress": False, "log": sys.stderr}
     try:

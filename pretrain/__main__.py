@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         if not report.ok:
             return 2
+        from pretrain.data_check import store_verdicts
+
+        store_verdicts(cfg, report, create=False)  # into an existing cache only: validate creates no run.dir
         if args.check_lock:
             from pretrain.output_lock import run_outputs_held
 

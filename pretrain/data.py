@@ -13,7 +13,6 @@ attention (GPU) and `model_providers.core.cp_attention` (the local spec) read th
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pretrain.data_cache import data_cache_dir  # noqa: F401 (also imported from here)
 from pretrain.data_check import parse_blend, uses_mock, uses_null_tokenizer
 
 
@@ -48,11 +48,6 @@ def _blend(items: list | None):
     return parse_blend(items) if items else None
 
 
-def data_cache_dir(cfg) -> str:
-    """Where Megatron's dataset index caches go: data.cache_dir, else run.dir/data_cache."""
-    return cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache")
-
-
 def check_data_files_once(cfg, report, device=None) -> None:
     """The dataset-file part of pre-flight validation (`pretrain.data_check.check_data_files`: files, index,
     `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
@@ -68,6 +63,9 @@ def check_data_files_once(cfg, report, device=None) -> None:
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
             failure = exc
             verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")
+    pending = verdict.data_verdicts if verdict is not None else []
+    if verdict is not None:
+        verdict.data_verdicts = []  # kept on rank 0, which writes them once the run's validation passed
     box = [verdict]
     dist.broadcast_object_list(box, src=0, device=device)
     if failure is not None:
@@ -78,6 +76,7 @@ def check_data_files_once(cfg, report, device=None) -> None:
     report.notes += [f"{n} (on rank 0, shared with every rank)" if n.startswith("dataset files checked") else n
                      for n in verdict.notes]
     report.ids_unchecked = report.ids_unchecked or verdict.ids_unchecked
+    report.data_verdicts += pending
 
 
 def _report_cache(log, cache: str, seconds: float, before, removed: list[str]) -> None:

@@ -22,6 +22,8 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from pretrain.data_cache import data_cache_dir
+from pretrain.dataset_format.verdicts import entry as verdict_entry
 from pretrain.layout import resolve_vocab_size
 from pretrain.rules.vocab import vocab_covers_tokenizer
 from pretrain.tokenizer.embedded import with_embedded
@@ -236,25 +238,27 @@ def _null_tokenizer(cfg: Config, r: Report):
     return null_identity(m.vocab_size)
 
 
-def _checked(prefix: str):
-    """`check_dataset` of one prefix (the metadata check where it can stand for the index), or its exception."""
+def _checked(prefix: str, verdict_cache: str | None = None):
+    """`check_dataset` of one prefix (the metadata check where it can stand for the index, else a current entry
+    of the verdict cache `verdict_cache`, else a full read), or its exception."""
     from pretrain.dataset_format.check import check_dataset
 
     try:
-        return check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True)
+        return check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True,
+                             verdict_cache=verdict_cache)
     except (ValueError, OSError) as e:
         return e
 
 
-def check_all(prefixes: list[str]) -> dict:
+def check_all(prefixes: list[str], verdict_cache: str | None = None) -> dict:
     """`_checked` of every prefix, CHECK_THREADS at a time (a parallel file system answers many small reads at
     once; each check is a few opens and 128 KiB)."""
     if len(prefixes) < 2:
-        return {p: _checked(p) for p in prefixes}
+        return {p: _checked(p, verdict_cache) for p in prefixes}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(prefixes))) as pool:
-        return dict(zip(prefixes, pool.map(_checked, prefixes)))
+        return dict(zip(prefixes, pool.map(lambda p: _checked(p, verdict_cache), prefixes)))
 
 
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
@@ -334,7 +338,8 @@ def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
     eval_on = eval_is_on(cfg)
     seen: dict[str, object] = {}
     started = time.perf_counter()
-    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)))
+    cache = data_cache_dir(cfg)
+    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)), cache)
     for key, (prefixes, _weights) in blends.items():
         for prefix in prefixes:
             if prefix not in seen:
@@ -363,7 +368,20 @@ def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
     full = [(f.prefix, f.why_full) for f in checked if f.checked == "full" and f.meta is not None]
     if full:
         r.notes.append(_full_read_note(full))
+    r.data_verdicts += [e for f in checked if (e := verdict_entry(f)) is not None]
     if seen:
-        fast = sum(f.checked == "metadata" for f in checked)
+        fast, cached = (sum(f.checked == how for f in checked) for how in ("metadata", "cache"))
         r.notes.append(f"dataset files checked: {len(seen)} prefix(es) in {time.perf_counter() - started:.2f} s "
-                       f"({fast} from their metadata and .idx header, {len(checked) - fast} read in full)")
+                       f"({fast} from their metadata and .idx header, {cached} from the verdict cache, "
+                       f"{len(checked) - fast - cached} read in full)")
+
+
+def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
+    """Write the verdicts of this check's full reads (`r.data_verdicts`) into the verdict cache beside Megatron's
+    index caches, once the whole validation passed (`create=False`: only into a cache directory that exists, as
+    `validate` does). Returns how many were written."""
+    from pretrain.dataset_format.verdicts import store
+
+    if r.errors:
+        return 0
+    return store(data_cache_dir(cfg), r.data_verdicts, create=create)

@@ -289,6 +289,7 @@ def document_packing(cfg: Config, run):
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
     from pretrain.data import check_data_files_once
+    from pretrain.data_check import store_verdicts
     from pretrain.run_dir import write_config
     from pretrain.runtime import any_rank_error, env_world_size, init_distributed
 
@@ -306,6 +307,8 @@ def train(cfg: Config) -> dict:
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
     run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
+    if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
+        store_verdicts(cfg, problems)
 
     # 2. Model, optimizer, schedule.
     setup.build_training(cfg, run, log0)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
+from pretrain.dataset_format import verdicts
 from pretrain.dataset_format.fingerprint import read_edges, recorded_facts
 from pretrain.dataset_format.indexed import (
     IndexedFormatError,
@@ -39,8 +41,10 @@ class DatasetFacts:
     meta: dict[str, Any] | None
     max_token_id: int | None  # None: empty, or not known (no metadata and the scan was skipped)
     max_id_from: str  # "metadata" | "scan" | "unchecked"
-    checked: str = "full"  # "full": the whole .idx was read; "metadata": header + fingerprint + metadata
+    checked: str = "full"  # "full": the whole .idx was read; "metadata": header + fingerprint + metadata;
+    # "cache": header + sizes + the verdict an earlier full read left in the verdict cache (``verdicts``)
     why_full: str = ""  # with a full check under trust_metadata: why the metadata could not stand for the index
+    stamps: dict[str, list[int]] | None = None  # a full check with a verdict cache: the files as they were read
 
 
 def _metadata_check(prefix: str) -> tuple[IndexHeader | None, dict[str, Any] | None, str]:
@@ -73,14 +77,33 @@ def _metadata_check(prefix: str) -> tuple[IndexHeader | None, dict[str, Any] | N
     return header, meta, ""
 
 
+def _from_cache(prefix: str, verdict_cache: str | os.PathLike, scan_limit_bytes: int | None,
+                why_full: str) -> DatasetFacts | None:
+    """The facts of ``prefix`` from a current verdict-cache entry (``verdicts.lookup``), checked against its
+    metadata's counts; None without one."""
+    hit = verdicts.lookup(verdict_cache, prefix, scan_limit_bytes)
+    if hit is None:
+        return None
+    header, meta = hit["header"], read_meta(prefix)
+    top, source = hit["max_token_id"], hit["max_id_from"]
+    if meta is not None:
+        check_meta_matches(prefix, meta, SimpleNamespace(num_documents=header.num_documents, num_tokens=hit["tokens"],
+                                                         num_sequences=header.num_sequences))
+        if meta.get("max_token_id") is not None:
+            top, source = int(meta["max_token_id"]), "metadata"
+    return DatasetFacts(prefix, header, meta, top, source, "cache", why_full or "no metadata")
+
+
 def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None,
-                  trust_metadata: bool = False) -> DatasetFacts:
+                  trust_metadata: bool = False, verdict_cache: str | os.PathLike | None = None) -> DatasetFacts:
     """Check ``prefix`` (index header, version, dtype, pointers, ``.bin`` size, metadata counts).
 
     The largest token id comes from the metadata; without it the ``.bin`` is scanned in chunks when it is
     at most ``scan_limit_bytes`` (None: always). ``trust_metadata``: the metadata check where the metadata's
-    index facts match (see the module). Raises ``IndexedFormatError`` / ``MetadataError`` (both ``ValueError``)
-    naming the file.
+    index facts match (see the module). ``verdict_cache`` (a directory, ``verdicts``): where the metadata cannot
+    stand for the index, a current verdict of an earlier full read stands for it; a full read records the files'
+    stamps for a new entry. Raises ``IndexedFormatError`` / ``MetadataError`` (both ``ValueError``) naming the
+    file.
     """
     prefix = os.fspath(prefix)
     why_full, info, meta = "", None, None
@@ -89,6 +112,12 @@ def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None
         if info is not None:
             assert meta is not None
             check_bin_size(prefix, int(meta["tokens"]), info.dtype)
+    stamps = None
+    if info is None and verdict_cache is not None:
+        cached = _from_cache(prefix, verdict_cache, scan_limit_bytes, why_full)
+        if cached is not None:
+            return cached
+        stamps = verdicts.stamps(prefix)  # before the read: a file changed during it is re-read next time
     if info is None:
         if not bin_path(prefix).is_file() and idx_path(prefix).is_file():
             raise IndexedFormatError(f"{bin_path(prefix)}: data file not found (index {idx_path(prefix)} exists)")
@@ -102,4 +131,4 @@ def check_dataset(prefix: str | os.PathLike, scan_limit_bytes: int | None = None
     elif scan_limit_bytes is None or bin_path(prefix).stat().st_size <= scan_limit_bytes:
         top, source = max_token_id(prefix), "scan"  # None for an empty .bin
     return DatasetFacts(prefix, info, meta, top, source, "metadata" if not why_full and trust_metadata else "full",
-                        why_full)
+                        why_full, stamps)

@@ -47,8 +47,9 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def tokenizer_identity(spec: Any, vocab_size: int, eod: int | None) -> TokenizerIdentity:
-    """The identity of a resolved ``TokenizerSpec`` whose vocabulary size and EOD id are known."""
+def spec_sha256(spec: Any) -> tuple[tuple[str, ...], str]:
+    """(absolute files, identity SHA-256) of a resolved ``TokenizerSpec``: its files are hashed, the tokenizer is
+    not loaded (what a sharded run compares its parts' tokenizer with, ``data_tools.shards``)."""
     h = hashlib.sha256(f"kind={spec.kind}\n".encode())
     files = []
     for role in ("model", "vocab_file", "merge_file"):
@@ -58,7 +59,13 @@ def tokenizer_identity(spec: Any, vocab_size: int, eod: int | None) -> Tokenizer
             h.update(f"{role}={_file_sha256(path)}\n".encode())
     if spec.kind == "hf-json":
         h.update(f"eos={spec.eos_token}\nadd_special_tokens={spec.add_special_tokens}\n".encode())
-    return TokenizerIdentity(spec.kind, tuple(files), h.hexdigest(), int(vocab_size), eod)
+    return tuple(files), h.hexdigest()
+
+
+def tokenizer_identity(spec: Any, vocab_size: int, eod: int | None) -> TokenizerIdentity:
+    """The identity of a resolved ``TokenizerSpec`` whose vocabulary size and EOD id are known."""
+    files, sha = spec_sha256(spec)
+    return TokenizerIdentity(spec.kind, files, sha, int(vocab_size), eod)
 
 
 def describe_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,

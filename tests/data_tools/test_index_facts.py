@@ -99,7 +99,7 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
         f"(written by an older data_tools) or facts that do not match: {old} (no index facts); `python -m "
         "data_tools verify PREFIX --update-meta` records them, so later starts read only the header"]
     assert "dataset files checked: 2 prefix(es) in " in "\n".join(notes)
-    assert "(1 from their metadata and .idx header, 1 read in full)" in "\n".join(notes)
+    assert "(1 from their metadata and .idx header, 0 from the verdict cache, 1 read in full)" in "\n".join(notes)
 
     assert main(["verify", str(old), "--update-meta"]) == 0
     assert "index facts recorded in old.meta.json" in capsys.readouterr().out
@@ -127,3 +127,32 @@ def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, 
     assert shuffle.stat().st_size == size
     assert [rebuilt[i]["tokens"].tolist() for i in range(8)] == want == [again[i]["tokens"].tolist() for i in range(8)]
     assert read_index(small_datasets["a"]).num_documents == 40
+
+
+def test_a_dataset_without_metadata_is_read_in_full_once_then_from_the_verdict_cache(small_datasets, tmp_path,
+                                                                                      capsys):
+    """Megatron-LM's datasets have no .meta.json: the first check reads the whole .idx (and scans the .bin) and
+    leaves its verdict beside Megatron's index caches; later starts check the header and sizes against it and
+    read nothing in full. A touched file or a corrupt entry is checked in full again, never trusted."""
+    from pretrain.__main__ import main as pretrain_main
+    from pretrain.dataset_format.verdicts import entry_path
+
+    ds, cache = tmp_path / "megatron_text_document", tmp_path / "run" / "data_cache"
+    for ext in ("bin", "idx"):
+        shutil.copy(f"{small_datasets['a']}.{ext}", f"{ds}.{ext}")
+    cache.mkdir(parents=True)
+
+    def checked() -> str:
+        assert pretrain_main(["validate", "tiny_llama", f"data.blend=[{ds}]", f"run.dir={tmp_path / 'run'}"]) == 0
+        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "dataset files checked" in ln]
+        return line.split(" s (")[1]
+
+    full = "0 from their metadata and .idx header, 0 from the verdict cache, 1 read in full)"
+    cached = "0 from their metadata and .idx header, 1 from the verdict cache, 0 read in full)"
+    assert checked() == full
+    assert checked() == cached
+    st = os.stat(f"{ds}.bin")
+    os.utime(f"{ds}.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # touched: re-read, then cached again
+    assert (checked(), checked()) == (full, cached)
+    entry_path(cache, str(ds)).write_text('{"format": "megapretrain-dataset-check", "tokens": ')  # corrupt
+    assert (checked(), checked()) == (full, cached)

@@ -120,3 +120,51 @@ def test_a_second_run_of_a_task_is_refused_while_the_first_holds_its_part(tmp_pa
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert "is in use by another writer" in line and f"pid {os.getpid()}" in line, line
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["web.shards.json"]
+
+
+def test_a_part_made_with_other_options_is_redone_and_refused_by_finalize(tmp_path, capsys):
+    """Every option that changes a part's bytes is part of its identity: a new plan into the same prefix with
+    another tokenizer or without --append-eod redoes the parts made otherwise (one note each, naming the
+    option), and `finalize` refuses a part that does not match its plan, naming the part and the option."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    texts = corpus_texts(6, 400)
+    for i in range(2):
+        write_jsonl(corpus / f"f{i}.jsonl", texts[3 * i:3 * i + 3])
+    (tmp_path / "out").mkdir()
+    base = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out" / "web"), "--encoder", "reference"]
+
+    def plan(*opts: str) -> str:
+        assert main(["shard-plan", "--tasks", "2", "--", *base, *opts]) == 0
+        return capsys.readouterr().out.split()[0]
+
+    def run(plan_file: str, task: int) -> tuple[str, str]:
+        assert main(["shard-run", plan_file, "--task", str(task)]) == 0
+        got = capsys.readouterr()
+        return got.out, got.err
+
+    sp = plan(*SP[:4], "--append-eod")
+    run(sp, 0), run(sp, 1)
+    gpt2 = plan("--tokenizer-type", "GPT2BPETokenizer", "--append-eod")  # the embedded GPT-2 files
+    out, err = run(gpt2, 0)
+    assert "already complete" not in out and "was made with other options than the plan's (tokenizer: the " \
+           "part's sentencepiece tokenizer.model" in err and "redoing it" in err, out + err
+    assert main(["finalize", gpt2, "--mode", "blend"]) == 1
+    err = capsys.readouterr().err
+    part1 = read_plan(gpt2).part(1, "text")
+    assert f"part {part1} was made with other options than the plan's (tokenizer: the part's sentencepiece " \
+           "tokenizer.model" in err and "the plan's bpe-pair" in err, err
+    assert not list(tmp_path.glob("out/*.blend"))
+
+    no_eod = plan(*SP[:4])
+    out, err = run(no_eod, 1)
+    assert "(append_eod: the part's True, the plan's False)" in err and "already complete" not in out, out + err
+    assert main(["finalize", no_eod, "--mode", "merge"]) == 1
+    err = capsys.readouterr().err
+    assert f"part {read_plan(no_eod).part(0, 'text')} was made with other options" in err and "tokenizer: " in err \
+           and "append_eod: the part's True, the plan's False" in err, err
+    assert not list(tmp_path.glob("out/web_text_document.*"))
+    run(no_eod, 0)
+    assert main(["finalize", no_eod, "--mode", "merge"]) == 0
+    merged = json.loads((tmp_path / "out" / "web_text_document.meta.json").read_text())
+    assert merged["append_eod"] is False and merged["tokenizer"]["kind"] == "sentencepiece"
