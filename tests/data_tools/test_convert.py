@@ -20,6 +20,7 @@ from model_providers.core.mapping import ConversionError
 from pretrain.hf.export import export_to_hf, plan_export
 from pretrain.hf.hf_import import import_from_hf
 from pretrain.hf.tokenizer import hf_tokenizer
+from tests.cli import Result, run_cli
 from tests.data_tools.hf_random import write_random_hf
 
 pytestmark = pytest.mark.mcore  # the HF bridge over Megatron-Core checkpoints
@@ -61,6 +62,14 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return r
 
 
+def to_hf(run_dir: Path, out: Path) -> Result:
+    """`python -m data_tools convert to-hf` of a trained run, in this process (the export is plain file I/O)."""
+    argv = ["convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out), "--no-progress"]
+    r = run_cli("data_tools", argv, cwd=ROOT)
+    assert r.rc == 0, f"data_tools {' '.join(argv)} failed:\n{r}"
+    return r
+
+
 def megatron_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
     torch.save(tokens, tmp / "tokens.pt")
     run([PY, str(WORKER), "logits", str(ckpt), str(tmp / "tokens.pt"), str(tmp / "logits.pt")])
@@ -71,8 +80,7 @@ def exported_logits(run_dir: Path, tmp: Path, length: int) -> tuple[dict, torch.
     """`convert to-hf` of a trained run, then (config.json, Megatron's logits, transformers' logits) on 2 random
     sequences of `length` tokens."""
     out = tmp / "hf"
-    run([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
-         "--no-progress"])
+    to_hf(run_dir, out)
     config = json.loads((out / "config.json").read_text())
     tokens = torch.randint(0, config["vocab_size"], (2, length), generator=torch.Generator().manual_seed(1))
     return config, megatron_logits(run_dir, tokens, tmp), hf_logits(out, tokens)
@@ -253,8 +261,7 @@ def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, layout
     run_dir = tmp_path / "run"
     torchrun(4, preset, run_dir, *layout)
     out = tmp_path / "hf"
-    r = run([PY, "-m", "data_tools", "convert", "to-hf", "--checkpoint", str(run_dir), "--output", str(out),
-             "--no-progress"])
+    r = to_hf(run_dir, out)
     assert "to-hf:" in r.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [{"tiny_llama": "LlamaForCausalLM", "tiny_gpt": "GPT2LMHeadModel"}[preset]]

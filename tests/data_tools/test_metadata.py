@@ -17,6 +17,7 @@ from data_tools.__main__ import main
 from pretrain.dataset_format.indexed import read_index, read_tokens
 from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 from pretrain.tokenizer.identity import describe_tokenizer
+from tests.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SP = ["--tokenizer-type", "sentencepiece", "--tokenizer-model", str(MISTRAL_TOKENIZER)]
@@ -31,10 +32,9 @@ def _digest(prefix: str | Path) -> str:
 
 
 def test_preprocess_writes_metadata(tmp_path, small_corpus):
-    proc = subprocess.run([sys.executable, "-m", "data_tools", "preprocess", "--input", str(small_corpus),
-                           "--output-prefix", str(tmp_path / "c"), *SP, "--append-eod"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("data_tools", ["preprocess", "--input", str(small_corpus), "--output-prefix", str(tmp_path / "c"),
+                                  *SP, "--append-eod"], cwd=REPO)
+    assert proc.rc == 0, proc.stderr
     prefix = tmp_path / "c_text_document"
     assert f"output:    {prefix}.bin/.idx (+ .meta.json" in proc.stdout
     meta, info = _meta(prefix), read_index(prefix)
@@ -115,10 +115,9 @@ def test_verify_with_tokenizer_prints_only_its_own_lines(small_datasets, tmp_pat
     else:
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
         assert proc.stdout.strip().endswith("metadata v.meta.json consistent, all ids < 32000")
-    # A tokenizer other than the one that made the data is named.
+    # A tokenizer other than the one that made the data is named (in this process: the message, not the output).
     if not corrupt:
-        proc = subprocess.run([sys.executable, "-m", "data_tools", "verify", str(prefix), "--tokenizer-type",
-                               "GPT2BPETokenizer", "--vocab-file", str(GPT2_VOCAB), "--merge-file", str(GPT2_MERGES)],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1
-        assert proc.stderr.strip().startswith(f"error: {prefix} was made with sentencepiece tokenizer.model")
+        wrong = run_cli("data_tools", ["verify", str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                       str(GPT2_VOCAB), "--merge-file", str(GPT2_MERGES)], cwd=REPO)
+        assert wrong.rc == 1
+        assert wrong.stderr.strip().startswith(f"error: {prefix} was made with sentencepiece tokenizer.model")

@@ -10,11 +10,8 @@ RESULTS.json: {name: {"rc": exit status, or null when an exception escaped (a tr
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
@@ -36,31 +33,16 @@ def run_cases(cases: dict, root, timeout: float = 300) -> dict[str, dict]:
 
 
 def run_case(case: list[str] | dict) -> dict:
-    """One command line; a dict case {"argv": [...], "set": {"module:NAME": value}} first sets module
-    constants (e.g. a size threshold, to reach a path that otherwise needs a huge file) and restores them."""
-    import importlib
-
-    from pretrain.__main__ import main
+    """One command line (`tests.cli.run_cli`); a dict case {"argv": [...], "set": {"module:NAME": value}} first
+    sets module constants (e.g. a size threshold, to reach a path that otherwise needs a huge file)."""
+    from tests.cli import run_cli
 
     argv, settings = (case, {}) if isinstance(case, list) else (case["argv"], case.get("set", {}))
-    saved = []
-    for target, value in settings.items():
-        module, name = target.split(":")
-        mod = importlib.import_module(module)
-        saved.append((mod, name, getattr(mod, name)))
-        setattr(mod, name, value)
-    out, err = io.StringIO(), io.StringIO()
-    rc, tb = None, None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # noqa: BLE001 - recorded for the test to report
-            tb = traceback.format_exc()
-    for mod, name, value in saved:
-        setattr(mod, name, value)
-    return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "traceback": tb}
+    r = run_cli("pretrain", argv, patch=settings)
+    if r.traceback is None:
+        return {"rc": r.rc, "stdout": r.stdout, "stderr": r.stderr, "traceback": None}
+    return {"rc": None, "stdout": r.stdout, "stderr": r.stderr[: len(r.stderr) - len(r.traceback)],
+            "traceback": r.traceback}
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ import pytest
 from pretrain.compat.matrix import Installed, assess
 from pretrain.config import load_config
 from pretrain.validate import validate
+from tests.cli import run_cli
 
 pytestmark = pytest.mark.mcore
 
@@ -28,8 +29,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_validate_reports_installed_versions():
-    done = _run("-m", "pretrain", "validate", "tiny_llama", "data.mock=true")
-    assert done.returncode == 0, done.stderr
+    done = run_cli("pretrain", ["validate", "tiny_llama", "data.mock=true"], env=ENV_CMD, cwd=REPO)
+    assert done.rc == 0, done.stderr
     py = ".".join(str(x) for x in sys.version_info[:3])
     line = (f"note: versions: Python {py}, megatron-core {metadata.version('megatron-core')}, Transformer Engine "
             f"none, torch {metadata.version('torch')} (tested in CI)")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from pretrain.config import CONFIG_DIR, Config, ConfigError, load_config, parse_override
+from tests.cli import run_cli
 
 REPO = CONFIG_DIR.parent.parent
 
@@ -94,7 +92,6 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_cli_config_error_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "parallel.tensr=2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
+    proc = run_cli("pretrain", ["validate", "tiny_llama", "parallel.tensr=2"], cwd=REPO)
+    assert proc.rc == 2
     assert "unknown config key 'parallel.tensr' (did you mean 'parallel.tensor'?)" in proc.stderr

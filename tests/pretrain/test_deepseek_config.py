@@ -5,7 +5,6 @@ build), and every MLA / routing / MTP combination Megatron-Core would assert on 
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from model_providers import get_family
 from pretrain import plan
 from pretrain.config import CONFIG_DIR, load_config
 from pretrain.validate import validate
+from tests.cli import run_cli
 
 REPO = CONFIG_DIR.parent.parent
 FAMILY = "deepseek_v3"
@@ -149,9 +149,9 @@ def test_fp8_recipe_is_model_fp8_under_megatron_cores_name(monkeypatch):
 
 
 def test_validate_cli_refuses_with_one_line_and_exit_2():
-    r = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_deepseek", "--world-size", "1",
-                        "model.moe_router_num_groups=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
+    r = run_cli("pretrain", ["validate", "tiny_deepseek", "--world-size", "1", "model.moe_router_num_groups=3"],
+                cwd=REPO)
+    assert r.rc == 2
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "moe_router_num_groups" in ln]
     assert len(lines) == 1 and "not divisible by model.moe_router_num_groups=3" in lines[0], r.stdout + r.stderr
 
@@ -198,9 +198,8 @@ def test_uneven_stages_place_layers_as_megatron_core_does():
 def _plan(*args: str) -> dict:
     import json
 
-    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", *args, "--json"], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    out = run_cli("pretrain", ["plan", *args, "--json"], cwd=REPO)
+    assert out.rc == 0, out.stderr
     return json.loads(out.stdout)
 
 
@@ -228,9 +227,8 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     import json
 
     cluster = ["--nodes", "32", "--gpus-per-node", "8", "--gpu", "h100"]
-    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", "deepseek_v3", *cluster, "--search", "--json"],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr
+    out = run_cli("pretrain", ["plan", "deepseek_v3", *cluster, "--search", "--json"], cwd=REPO)
+    assert out.rc == 0, out.stderr
     found = json.loads(out.stdout)
     best = found["top"][0]
     print(f"deepseek_v3 on 256 H100: {found['layouts_considered_ok']} layouts fit; best {best['overrides']}: "
@@ -239,9 +237,9 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     published = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1", "parallel.expert=32",
                  "parallel.pipeline=8", "parallel.num_layers_in_first_pipeline_stage=null",
                  "parallel.num_layers_in_last_pipeline_stage=null"]
-    refused = subprocess.run([sys.executable, "-m", "pretrain", "plan", "deepseek_v3", *cluster, *published,
-                              "parallel.virtual_pipeline=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "model.num_layers=61 is not divisible by pipeline stages 8×2" in refused.stderr
+    refused = run_cli("pretrain", ["plan", "deepseek_v3", *cluster, *published, "parallel.virtual_pipeline=2"],
+                      cwd=REPO)
+    assert refused.rc == 2 and "model.num_layers=61 is not divisible by pipeline stages 8×2" in refused.stderr
     assert "pipeline_model_parallel_layout) are not supported" in refused.stderr
     uneven = [*published[:-2], "parallel.num_layers_in_first_pipeline_stage=7",
               "parallel.num_layers_in_last_pipeline_stage=6"]

@@ -3,14 +3,12 @@ every expert-parallel rule reports its exact one-line message, and all problems 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from pretrain.config import CONFIG_DIR, load_config
 from pretrain.layout import derive_layout
 from pretrain.validate import validate
+from tests.cli import run_cli
 
 REPO = CONFIG_DIR.parent.parent
 
@@ -109,7 +107,6 @@ def test_valid_moe_layouts_and_all_problems_at_once():
 
 
 def test_cli_validates_the_production_moe_layout():
-    r = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_moe", "model.preset=qwen3_30b_a3b",
-                        "parallel.expert=3", "--world-size", "16"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "model.num_moe_experts=128 is not divisible by parallel.expert=3" in r.stderr
+    r = run_cli("pretrain", ["validate", "tiny_moe", "model.preset=qwen3_30b_a3b", "parallel.expert=3",
+                             "--world-size", "16"], cwd=REPO)
+    assert r.rc == 2 and "model.num_moe_experts=128 is not divisible by parallel.expert=3" in r.stderr

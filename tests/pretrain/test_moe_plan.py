@@ -109,18 +109,18 @@ def test_mixtral_plan_from_the_command_line():
     """`python -m pretrain plan` for Mixtral 8x7B on 2 × 8 H100 (PP2 × EP8: one expert per rank): the parameter
     counts, the rank's experts and optimizer shard, and the all-to-all bytes, each from first principles."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.cli import Result, run_cli
 
     root = Path(__file__).resolve().parents[2]
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pretrain", "plan", "tiny_moe", *MIXTRAL_2X8, *args, "--nodes",
-                               "2", "--gpus-per-node", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+    def run(*args: str) -> Result:
+        return run_cli("pretrain", ["plan", "tiny_moe", *MIXTRAL_2X8, *args, "--nodes", "2", "--gpus-per-node", "8"],
+                       cwd=root)
 
     out = run("--json")
-    assert out.returncode == 0, out.stderr
+    assert out.rc == 0, out.stderr
     p = json.loads(out.stdout)
     total, active, _ = first_principles("mixtral_8x7b")
     assert (p["num_parameters"], p["num_active_parameters"]) == (total, active)
@@ -153,18 +153,18 @@ def test_the_launch_script_layout_fits_as_planned(precision):
     import json
     import os
     import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.cli import run_cli
 
     root = Path(__file__).resolve().parents[2]
     printed = subprocess.run(["bash", str(root / "launch/pretrain_moe.sh")], capture_output=True, text=True,
                              timeout=30, env={**os.environ, "LAUNCH_PRINT_OVERRIDES": "1", "PRECISION": precision})
     assert printed.returncode == 0, printed.stderr
     config, *overrides = printed.stdout.split()
-    out = subprocess.run([sys.executable, "-m", "pretrain", "plan", config, *overrides, "--nodes", "2",
-                          "--gpus-per-node", "8", "--gpu", "h100", "--json"], cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    out = run_cli("pretrain", ["plan", config, *overrides, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "h100",
+                               "--json"], cwd=root)
+    assert out.rc == 0, out.stderr
     p = json.loads(out.stdout)
     print(f"launch/pretrain_moe.sh {precision}: {p['memory_gib']['total']:.2f} GiB of {p['gpu_memory_gib']:.1f}, "
           f"{p['moe']['expert_parameters_on_rank']:,} expert parameters per rank, all-to-all "

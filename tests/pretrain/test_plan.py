@@ -17,15 +17,16 @@ from pretrain import plan
 from pretrain.config import load_config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token, gpu_peak_tflops
 from tests import tiers
+from tests.cli import Result, run_cli
 from tests.pretrain import plan_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
-def run_plan(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "pretrain", "plan", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+def run_plan(*args: str) -> Result:
+    """`python -m pretrain plan ARGS`, in this process."""
+    return run_cli("pretrain", ["plan", *args], cwd=ROOT)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_recompute_and_sequence_parallel_shrink_activations():
 
 def test_plan_json_has_the_contract_keys():
     out = run_plan("llama3_70b", "--nodes", "8", "--gpus-per-node", "8", "--json")
-    assert out.returncode == 0, out.stderr
+    assert out.rc == 0, out.stderr
     p = json.loads(out.stdout)
     assert p["num_parameters"] == pytest.approx(70.55e9, rel=0.01)
     assert p["flops_per_token"] > 6 * p["num_parameters"]
@@ -130,14 +131,14 @@ def test_plan_json_has_the_contract_keys():
 
 def test_plan_text_and_bad_layout_errors():
     out = run_plan("tiny_llama", "--nodes", "1", "--gpus-per-node", "2")
-    assert out.returncode == 0, out.stderr
+    assert out.rc == 0, out.stderr
     assert "memory per GPU" in out.stdout and "tokens/s/GPU" in out.stdout
     bad = run_plan("tiny_llama", "parallel.tensor=3", "--nodes", "1", "--gpus-per-node", "6")
-    assert bad.returncode == 2
+    assert bad.rc == 2
     assert bad.stderr.startswith("plan error:") and "parallel.tensor" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     unknown = run_plan("no_such_config", "--nodes", "1")
-    assert unknown.returncode == 2 and "not found" in unknown.stderr
+    assert unknown.rc == 2 and "not found" in unknown.stderr
 
 
 def _launch_overrides(script: str, **env: str) -> list[str]:
@@ -170,7 +171,7 @@ def test_shipped_70b_launch_fits_as_planned():
     def plan_of(gpu: str, **env: str) -> dict:
         config, *overrides = _launch_overrides("pretrain_70b.sh", **env)
         out = run_plan(config, *overrides, "--nodes", "8", "--gpus-per-node", "8", "--gpu", gpu, "--json")
-        assert out.returncode == 0, out.stderr
+        assert out.rc == 0, out.stderr
         return json.loads(out.stdout)
 
     fp8 = plan_of("h100")
@@ -200,7 +201,7 @@ def test_search_lists_only_valid_layouts_that_fit():
           f"FSDP #{found.index(fsdp[0]) + 1}: {fsdp[0]['overrides']} ({fsdp[0]['memory_gib']} GiB, "
           f"{fsdp[0]['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU)")
     out = run_plan("llama3_8b", "--nodes", "1", "--gpus-per-node", "8", "--search", "--top", "3")
-    assert out.returncode == 0, out.stderr
+    assert out.rc == 0, out.stderr
     rows = [x for x in out.stdout.splitlines() if x.startswith("  ") and x.split()[0].isdigit()]
     assert "best:" in out.stdout and len(rows) == 3
 

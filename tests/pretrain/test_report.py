@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from pretrain import report
+from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +31,8 @@ def test_report_compares_runs(tmp_path):
     a = write_run(tmp_path / "tp2" / "run", range(1, 11), 1000.0)
     b = write_run(tmp_path / "pp2" / "run", range(1, 21), 3000.0, torn=True)
     out = tmp_path / "cmp.png"
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "report", str(a), str(b), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("pretrain", ["report", str(a), str(b), "--out", str(out)], cwd=ROOT)
+    assert proc.rc == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("tp2/run: steps 1-10 (10 logged)") and "1,000 tokens/s/GPU" in lines[0]
@@ -56,8 +54,7 @@ def test_report_resumed_run_keeps_last_record_per_step(tmp_path):
 
 
 def test_report_missing_run_is_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pretrain", "report", str(tmp_path / "nope")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2
+    proc = run_cli("pretrain", ["report", str(tmp_path / "nope")], cwd=ROOT)
+    assert proc.rc == 2
     assert proc.stderr.strip().startswith("report error:") and "metrics.jsonl" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -9,6 +9,7 @@ import pytest
 
 from pretrain.config import CONFIG_DIR, load_config
 from pretrain.validate import validate
+from tests.cli import run_cli
 
 REPO = CONFIG_DIR.parent.parent
 
@@ -166,13 +167,11 @@ def test_vocab_padding_is_reported_as_a_note():
 
 
 def test_cli_exit_codes_and_all_messages():
-    ok = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "parallel.tensor=2",
-                         "--world-size", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and "config OK (world size 4)" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "pretrain", "validate", "tiny_llama", "parallel.pipeline=3",
-                          "train.global_batch_size=5", "--world-size", "3"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2
+    ok = run_cli("pretrain", ["validate", "tiny_llama", "parallel.tensor=2", "--world-size", "4"], cwd=REPO)
+    assert ok.rc == 0 and "config OK (world size 4)" in ok.stdout
+    bad = run_cli("pretrain", ["validate", "tiny_llama", "parallel.pipeline=3", "train.global_batch_size=5",
+                               "--world-size", "3"], cwd=REPO)
+    assert bad.rc == 2
     assert "config check failed: 2 problem(s) (world size 3)" in bad.stderr
     assert "model.num_layers=4 is not divisible by pipeline stages 3 = 3" in bad.stderr
     assert "train.global_batch_size=5 is not divisible by micro_batch_size×data_parallel = 2×1 = 2" in bad.stderr
