@@ -1,0 +1,57 @@
+"""Megatron-Core's own checks, run in validation: the run's `TransformerConfig` and `OptimizerConfig` are built
+exactly as the trainer builds them, and whatever their `__post_init__` asserts or raises becomes one problem line.
+
+The rules in this package name the keys and the fix for everything they know; this one catches what they do not
+(a new release's assert, a combination nobody wrote a rule for), so that `validate` never accepts a config the
+trainer's first Megatron-Core call then refuses with a bare `AssertionError`. It runs only when no other rule
+found an error (a knock-on of an error already reported would only repeat it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pretrain.config import Config
+    from pretrain.layout import Layout
+    from pretrain.problems import Report
+
+# What Megatron-Core's config classes raise for a combination they refuse.
+_REFUSALS = (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError)
+
+
+def _why(exc: BaseException) -> str:
+    """The refusal in one line: its message, else the assert's source line."""
+    import traceback
+
+    lines = str(exc).strip().splitlines()
+    if lines:
+        return " ".join(x.strip() for x in lines)[:400]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1] if frames else None
+    if where is None:
+        return type(exc).__name__
+    return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
+
+
+def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Build the run's `TransformerConfig` and `OptimizerConfig`; a refusal is one problem naming it."""
+    if lay is None or r.errors:
+        return
+    from pretrain import compat
+
+    compat.apply(on_gpu=lay.on_gpu)  # what the trainer applies first: the same imports and fixes
+    from model_providers.core.builder import transformer_config
+
+    try:
+        transformer_config(cfg, lay)
+    except _REFUSALS as exc:
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc)}",
+                "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
+    from pretrain.setup import optimizer_config
+
+    try:
+        optimizer_config(cfg, lay)
+    except _REFUSALS as exc:
+        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc)}",
+                "change the optimizer.* keys it names")
