@@ -249,11 +249,26 @@ def check_tokenizer(cfg: Config, r: Report):
     return ident
 
 
+def _preset_vocab(preset: str | None) -> str:
+    """What the preset says about model.vocab_size, for a message about it being null."""
+    if not preset:
+        return ""
+    from model_providers import get_preset
+
+    try:
+        size = get_preset(preset).get("vocab_size")
+    except KeyError:
+        size = None
+    if size is None:
+        return f" (model.preset={preset} sets none)"
+    return f" (model.vocab_size=null overrides the {size:,} that model.preset={preset} sets)"
+
+
 def _null_tokenizer(cfg: Config, r: Report):
     """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with an
     error when the model's vocabulary size is unknown."""
     d, m = cfg.data, cfg.model
-    preset = f" (model.preset={m.preset} sets none)" if m.preset else ""
+    preset = _preset_vocab(m.preset)
     if m.vocab_size is None:
         r.error(("data.tokenizer_model", "model.vocab_size"), f"data.mock=true with data.tokenizer_type="
                 f"{d.tokenizer_type} and no tokenizer file uses a null tokenizer, which needs model.vocab_size"

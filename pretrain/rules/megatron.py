@@ -20,13 +20,21 @@ if TYPE_CHECKING:
 _REFUSALS = (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError)
 
 
-def _why(exc: BaseException) -> str:
-    """The refusal in one line: its message, else the assert's source line."""
+def _why(exc: BaseException, cfg: Config) -> str:
+    """The refusal in one line: its message (Megatron-LM's `--flag-names` that are `model.*` keys here named as
+    such), else the assert's source line."""
+    import re
     import traceback
 
     lines = str(exc).strip().splitlines()
     if lines:
-        return " ".join(x.strip() for x in lines)[:400]
+        text = " ".join(x.strip() for x in lines)[:400].rstrip(".")
+
+        def key(match: re.Match) -> str:
+            name = match.group(1).replace("-", "_")
+            return f"{match.group(0)} (model.{name})" if hasattr(cfg.model, name) else match.group(0)
+
+        return re.sub(r"--([a-z0-9][a-z0-9-]*)", key, text)
     frames = traceback.extract_tb(exc.__traceback__)
     where = frames[-1] if frames else None
     if where is None:
@@ -46,12 +54,12 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     try:
         transformer_config(cfg, lay)
     except _REFUSALS as exc:
-        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc)}",
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
     from pretrain.setup import optimizer_config
 
     try:
         optimizer_config(cfg, lay)
     except _REFUSALS as exc:
-        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc)}",
+        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc, cfg)}",
                 "change the optimizer.* keys it names")
