@@ -42,17 +42,33 @@ def _why(exc: BaseException, cfg: Config) -> str:
     return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
 
 
+def _this_machine(lay: Layout) -> bool:
+    """The layout is for this machine (a GPU or Transformer Engine layout checked elsewhere, e.g. by the planner
+    on a login node, is left to the rules: Megatron-Core's checks would test this machine's libraries)."""
+    import importlib.util
+
+    import torch
+
+    if lay.on_gpu != torch.cuda.is_available():
+        return False
+    return not lay.use_te or importlib.util.find_spec("transformer_engine") is not None
+
+
 def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Build the run's `TransformerConfig` and `OptimizerConfig`; a refusal is one problem naming it."""
-    if lay is None or r.errors:
+    if lay is None or r.errors or not _this_machine(lay):
         return
+    import warnings
+
     from pretrain import compat
 
     compat.apply(on_gpu=lay.on_gpu)  # what the trainer applies first: the same imports and fixes
     from model_providers.core.builder import transformer_config
 
     try:
-        transformer_config(cfg, lay)
+        with warnings.catch_warnings():  # its notes (defaults it fills in) are the trainer's to print
+            warnings.simplefilter("ignore")
+            transformer_config(cfg, lay)
     except _REFUSALS as exc:
         r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")

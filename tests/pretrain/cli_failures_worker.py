@@ -38,8 +38,9 @@ def run_case(case: dict) -> dict:
 
             module, name = path.split(":")
             mod = importlib.import_module(module)
-            restore.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, lambda *a, **k: None)
+            if hasattr(mod, name):  # absent: off already (an older tree)
+                restore.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, lambda *a, **k: None)
         elif op == "copy":
             shutil.rmtree(path, ignore_errors=True)
             shutil.copytree(args[0], path)
