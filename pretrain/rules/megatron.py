@@ -79,3 +79,19 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     except _REFUSALS as exc:
         r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc, cfg)}",
                 "change the optimizer.* keys it names")
+
+
+def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Build the run's `GPTDatasetConfig` (`pretrain.data.megatron_dataset_config`, with a stand-in tokenizer: the
+    config checks only that there is one); a refusal is one problem naming it. Where no other rule found an error."""
+    if r.errors:
+        return
+    from types import SimpleNamespace
+
+    from pretrain.data import megatron_dataset_config
+
+    try:
+        megatron_dataset_config(cfg, SimpleNamespace(vocab_size=None), num_eval_samples=1)
+    except _REFUSALS as exc:
+        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings: {_why(exc, cfg)}",
+                "change the data.* keys it names")
