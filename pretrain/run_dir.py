@@ -20,8 +20,9 @@ from pathlib import Path
 from pretrain.files import write_atomic
 
 EXIT_STATUS_FILE = "exit_status.json"
-# Every checkpoint root (checkpoint.dir) this run dir has used, one absolute path a line: a resume finds the run's
-# newest complete checkpoint even after checkpoint.dir changed (pretrain.checkpoint.resume).
+# Every checkpoint root (checkpoint.dir) this run dir has used, one a line (relative to run.dir when inside it,
+# else absolute): a resume finds the run's newest complete checkpoint even after checkpoint.dir changed
+# (pretrain.checkpoint.resume).
 CHECKPOINT_DIRS = "checkpoint_dirs.txt"
 # Errors of the environment (full or read-only disks, permissions), reported as one line naming the path.
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
@@ -68,10 +69,12 @@ def write_config(cfg) -> None:
     (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
     from pretrain.checkpoint.format import checkpoint_root
 
-    roots = [str(p.resolve()) for p in checkpoint_roots(cfg, recorded_only=True)]
-    here = str(checkpoint_root(cfg).resolve())
-    if here not in roots:
-        write_atomic(Path(cfg.run.dir) / CHECKPOINT_DIRS, "".join(f"{r}\n" for r in [*roots, here]))
+    run_dir = Path(cfg.run.dir).resolve()
+    roots = [p.resolve() for p in checkpoint_roots(cfg, recorded_only=True)]
+    here = checkpoint_root(cfg).resolve()
+    if here not in roots:  # inside run.dir: relative to it (a copied run dir does not point back at the original)
+        lines = [str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p) for p in [*roots, here]]
+        write_atomic(Path(cfg.run.dir) / CHECKPOINT_DIRS, "".join(f"{line}\n" for line in lines))
 
 
 def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
@@ -82,7 +85,7 @@ def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
     run_dir = Path(cfg.run.dir)
     roots: list[Path] = []
     try:
-        roots += [Path(line) for line in (run_dir / CHECKPOINT_DIRS).read_text().splitlines() if line.strip()]
+        roots += [run_dir / line for line in (run_dir / CHECKPOINT_DIRS).read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError):
         pass
     if not recorded_only:
