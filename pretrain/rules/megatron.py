@@ -62,7 +62,7 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
 
     from pretrain import compat
 
-    compat.apply(on_gpu=lay.on_gpu)  # what the trainer applies first: the same imports and fixes
+    compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
     from model_providers.core.builder import transformer_config
 
     try:
