@@ -326,8 +326,8 @@ class DeepseekV3Family(Family):
         _refuse(cfg, "num_key_value_heads", cfg.num_key_value_heads in (None, cfg.num_attention_heads),
                 "MLA has no key/value groups")
         _refuse(cfg, "first_k_dense_replace", 0 <= cfg.first_k_dense_replace < layers, "needs MoE layers")
-        _refuse(cfg, "n_group", experts % groups == 0 and group_topk <= groups,
-                f"{experts} experts in groups, topk_group={group_topk}")
+        _refuse(cfg, "n_group", experts % groups == 0, f"{experts} experts split into equal groups")
+        _refuse(cfg, "topk_group", group_topk <= groups, f"at most n_group={groups} groups to choose from")
         _refuse(cfg, "topk_group", groups == group_topk or topk // group_topk == 2,
                 "Megatron-Core ranks groups by their top num_experts_per_tok/topk_group scores, transformers by 2")
         mtp = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)

@@ -79,12 +79,14 @@ def check_data_files_once(cfg, report, device=None) -> None:
     report.data_verdicts += pending
 
 
-def _report_cache(log, cache: str, seconds: float, before, removed: list[str]) -> None:
+def _report_cache(log, cache: str, seconds: float, before, removed: list[str], built: bool = True) -> None:
+    """The removed cache entries and (`built`) what the build wrote or read."""
     from pretrain.data_cache import CacheState
 
     for name in removed:
-        log(f"[pretrain] data: removed the truncated index cache entry {name} (left by an interrupted start); "
-            "rebuilding it")
+        log(f"[pretrain] data: removed the index cache entry {name}; rebuilding it")
+    if not built:
+        return
     files, size = CacheState.read(cache).added_since(before)
     if files:
         log(f"[pretrain] data: Megatron's dataset indices built in {seconds:.2f} s by rank 0 and cached in {cache} "
@@ -149,12 +151,13 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     if first:
         from pretrain.data_cache import CacheState, remove_truncated
 
-        before, removed = CacheState.read(cache), remove_truncated(cache)
+        removed = remove_truncated(cache)
+        before = CacheState.read(cache)  # after the removal: a rebuilt entry counts as built
     started = time.perf_counter()
     builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), ds_config)
     train, valid, _ = builder.build()
-    if first and log is not None and not uses_mock(cfg.data):
-        _report_cache(log, cache, time.perf_counter() - started, before, removed)
+    if first and log is not None:
+        _report_cache(log, cache, time.perf_counter() - started, before, removed, built=not uses_mock(cfg.data))
     return train, valid
 
 

@@ -4,7 +4,8 @@ entries a killed start left truncated.
 Megatron-Core names each entry `<hash>-<class>-<split>-<file>` (the hash covers the prefix, split, sample count,
 seed, sequence length and tokenizer) and writes its description first, then the arrays with `numpy.save`. It
 counts an entry as present when its files exist, so a start killed while writing the last array leaves an entry
-that every later start would fail to load; `remove_truncated` deletes such entries (the build then rebuilds them).
+that every later start would fail to load; `remove_truncated` deletes such entries, and entries whose arrays are
+not consistent indices (corrupt; checked on a spread of elements), and the build then rebuilds them.
 Only the rank that builds calls it, before Megatron's build, whose barrier keeps the other ranks from reading.
 """
 
@@ -64,8 +65,45 @@ def _complete(path: Path) -> bool:
         return False
 
 
+SAMPLED_CHECKS = 4096  # elements read per array by `_consistent` (evenly spaced: a start stays fast at any size)
+
+
+def _spread(a: np.ndarray) -> np.ndarray:
+    """Up to SAMPLED_CHECKS evenly spaced elements (rows) of `a`, the last one included."""
+    if len(a) <= SAMPLED_CHECKS:
+        return np.asarray(a)
+    idx = np.linspace(0, len(a) - 1, SAMPLED_CHECKS).astype(np.int64)
+    return np.asarray(a[idx])
+
+
+def _consistent(kind: str, arrays: dict[str, np.ndarray]) -> str | None:
+    """Why a complete entry's arrays cannot be Megatron's indices (shapes, ranges, order, checked on a spread of
+    elements), or None. Garbage that passes these samples is not excluded; garbage that reaches a batch fails it."""
+    if kind == "BlendedDataset":
+        ds, sample = arrays["dataset_index.npy"], arrays["dataset_sample_index.npy"]
+        if ds.ndim != 1 or sample.shape != ds.shape:
+            return "dataset_index and dataset_sample_index differ in shape"
+        if (_spread(ds) < 0).any() or (_spread(sample) < 0).any():
+            return "negative dataset or sample numbers"
+        return None
+    doc, sample, shuffle = (arrays[n] for n in ("document_index.npy", "sample_index.npy", "shuffle_index.npy"))
+    if doc.ndim != 1 or shuffle.ndim != 1 or sample.ndim != 2 or sample.shape[1] != 2 or len(sample) < 1:
+        return "the arrays do not have the shapes of document, sample and shuffle indices"
+    rows = _spread(sample)
+    if (rows[:, 0] < 0).any() or (rows[:, 0] > len(doc)).any() or (np.diff(rows[:, 0]) < 0).any() \
+            or (rows[:, 1] < 0).any():
+        return f"sample_index points outside the {len(doc):,} entries of document_index"
+    order = _spread(shuffle)
+    if (order < 0).any() or (order >= len(sample) - 1).any():
+        return f"shuffle_index holds sample numbers outside 0..{len(sample) - 2:,}"
+    if (_spread(doc) < 0).any():
+        return "document_index holds negative document numbers"
+    return None
+
+
 def remove_truncated(cache_dir: str | os.PathLike) -> list[str]:
-    """Delete the entries whose arrays all exist but do not load (truncated); return their names."""
+    """Delete the entries whose arrays all exist but do not load (truncated) or are not consistent indices
+    (`_consistent`: a corrupt entry); return `NAME (why)` for each (the build then rebuilds them)."""
     removed = []
     for desc in sorted(Path(cache_dir).glob(f"*{DESCRIPTION}")):
         base = desc.name[: -len(DESCRIPTION)]
@@ -74,8 +112,17 @@ def remove_truncated(cache_dir: str | os.PathLike) -> list[str]:
         if arrays is None:
             continue
         paths = [desc.with_name(f"{base}-{a}") for a in arrays]
-        if all(p.is_file() for p in paths) and not all(_complete(p) for p in paths):
+        if not all(p.is_file() for p in paths):
+            continue
+        why = None if all(_complete(p) for p in paths) else "truncated, left by an interrupted start"
+        if why is None:
+            try:
+                why = _consistent(parts[1], {a: np.load(p, mmap_mode="r") for a, p in zip(arrays, paths)})
+            except (OSError, ValueError) as exc:
+                why = f"unreadable ({exc})"
+            why = why and f"corrupt: {why}"
+        if why is not None:
             for p in (desc, *paths):
                 p.unlink(missing_ok=True)
-            removed.append(base)
+            removed.append(f"{base} ({why})")
     return removed

@@ -4,7 +4,8 @@ any process group or model exists, every problem reported at once.
 Rules owned here (the trainer's data code uses the same functions):
 - `uses_mock`: synthetic tokens only when asked *and* no blend is given — a blend wins over `data.mock: true`,
   as Megatron-LM trains on `--data-path` and uses mock data only without one.
-- `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite weights >= 0 that do not sum to 0.
+- `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite positive weights (numbers or numeric
+  strings: YAML 1.1 reads `1e300` as a string), none a negligible share of their sum.
 - `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE; `pretrain.tokenizer.embedded`)
   apply only to the SentencePiece types and `GPT2BPETokenizer`; `huggingface` and `tiktoken` need their files,
   except for mock data (`uses_null_tokenizer`: a null tokenizer of model.vocab_size ids, `pretrain.tokenizer.null`).
@@ -44,31 +45,59 @@ def uses_mock(d: DataConfig) -> bool:
     return bool(d.mock) and not (d.blend or d.train_blend)
 
 
+# A weight written as `1e300` or `4.2e9` is a string in YAML 1.1 (PyYAML needs `1.0e+300`): read as a number.
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|infinity|nan)", re.IGNORECASE)
+# A weight whose share of the total is below this would never be drawn (Megatron-Core sizes every dataset of a
+# blend by its share of the samples): refused as a mistake rather than trained as an empty entry.
+MIN_WEIGHT_SHARE = 1e-12
+
+
+def _weight(x) -> float | None:
+    """A blend weight: a number, or a string YAML 1.1 left unparsed (`1e300`); None for anything else."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str) and _NUMBER.fullmatch(x.strip()):
+        return float(x)
+    return None
+
+
 def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     """`[prefix, ...]` -> (prefixes, None); `[w, prefix, w, prefix, ...]` -> (prefixes, weights).
 
+    Weights are numbers or numeric strings (`1e300`: YAML 1.1 reads it as a string), each finite and positive
+    (Megatron-Core's `BlendedDataset` asserts every weight > 0: a dataset to leave out is removed from the list,
+    not given weight 0), with a finite sum and each at least `MIN_WEIGHT_SHARE` of it.
     Raises ValueError with the reason (the caller names the key).
     """
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
     if not items:
         raise ValueError("is empty")
-    if all(isinstance(x, str) for x in items):
+    weighted = len(items) % 2 == 0 and all(_weight(w) is not None for w in items[0::2])
+    if all(isinstance(x, str) for x in items) and not weighted:
         return [str(x) for x in items], None
-    if not number(items[0]):
+    if _weight(items[0]) is None:
         raise ValueError(f"mixes prefixes and numbers ({items!r}); use [prefix, ...] or [weight, prefix, ...]")
     if len(items) % 2 != 0:
         raise ValueError(f"alternates weight, prefix but has an odd number of items ({len(items)})")
-    weights, prefixes = items[0::2], items[1::2]
-    for w, p in zip(weights, prefixes):
-        if not number(w) or not isinstance(p, str):
-            raise ValueError(f"must alternate weight, prefix; got {w!r}, {p!r}")
+    prefixes, weights = items[1::2], [_weight(w) for w in items[0::2]]
+    for w, raw, p in zip(weights, items[0::2], prefixes):
+        if w is None or not isinstance(p, str) or _weight(p) is not None:
+            raise ValueError(f"must alternate weight, prefix; got {raw!r}, {p!r}")
         if not math.isfinite(w) or w < 0:
-            raise ValueError(f"weight {w} of {p} is negative or not finite")
-    if sum(weights) <= 0:
-        raise ValueError("weights sum to 0")
-    return list(prefixes), [float(w) for w in weights]
+            raise ValueError(f"weight {raw} of {p} is negative or not finite")
+        if w == 0:
+            raise ValueError(f"weight {raw} of {p} is 0: every weight must be positive (Megatron-Core's blend "
+                             "asserts it); remove the entry to leave that dataset out")
+    total = math.fsum(weights)
+    if not math.isfinite(total):
+        raise ValueError(f"weights sum to {total} (too large to normalise); use weights of comparable size, "
+                         "e.g. shares that add up to 1")
+    for w, raw, p in zip(weights, items[0::2], prefixes):
+        if w / total < MIN_WEIGHT_SHARE:
+            raise ValueError(f"weight {raw} of {p} is {w / total:.3g} of the total: that dataset would never be "
+                             "drawn; use weights of comparable size, or remove the entry")
+    return list(prefixes), weights
 
 
 def split_ranges(split: str) -> list[tuple[float, float] | None]:
@@ -134,7 +163,7 @@ def used_blends(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float
             out[key] = parse_blend(items)
         except ValueError as e:
             r.error(key, f"{key} {e}", "write [prefix, ...] or [weight, prefix, weight, prefix, ...] with weights "
-                    ">= 0, e.g. data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]")
+                    "> 0, e.g. data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]")
     return {} if uses_mock(d) else out
 
 
@@ -222,11 +251,26 @@ def check_tokenizer(cfg: Config, r: Report):
     return ident
 
 
+def _preset_vocab(preset: str | None) -> str:
+    """What the preset says about model.vocab_size, for a message about it being null."""
+    if not preset:
+        return ""
+    from model_providers import get_preset
+
+    try:
+        size = get_preset(preset).get("vocab_size")
+    except KeyError:
+        size = None
+    if size is None:
+        return f" (model.preset={preset} sets none)"
+    return f" (model.vocab_size=null overrides the {size:,} that model.preset={preset} sets)"
+
+
 def _null_tokenizer(cfg: Config, r: Report):
     """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with an
     error when the model's vocabulary size is unknown."""
     d, m = cfg.data, cfg.model
-    preset = f" (model.preset={m.preset} sets none)" if m.preset else ""
+    preset = _preset_vocab(m.preset)
     if m.vocab_size is None:
         r.error(("data.tokenizer_model", "model.vocab_size"), f"data.mock=true with data.tokenizer_type="
                 f"{d.tokenizer_type} and no tokenizer file uses a null tokenizer, which needs model.vocab_size"

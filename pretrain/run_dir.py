@@ -20,6 +20,10 @@ from pathlib import Path
 from pretrain.files import write_atomic
 
 EXIT_STATUS_FILE = "exit_status.json"
+# Every checkpoint root (checkpoint.dir) this run dir has used, one a line (relative to run.dir when inside it,
+# else absolute): a resume finds the run's newest complete checkpoint even after checkpoint.dir changed
+# (pretrain.checkpoint.resume).
+CHECKPOINT_DIRS = "checkpoint_dirs.txt"
 # Errors of the environment (full or read-only disks, permissions), reported as one line naming the path.
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
                        errno.ENOTDIR, errno.EISDIR}
@@ -60,21 +64,75 @@ def prepare_run_dir(cfg) -> str | None:
 
 
 def write_config(cfg) -> None:
-    """run.dir/config.yaml: the config this run trains with (rank 0)."""
+    """run.dir/config.yaml: the config this run trains with, and this run's checkpoint root added to
+    `CHECKPOINT_DIRS` (rank 0)."""
     (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
+    from pretrain.checkpoint.format import checkpoint_root
+
+    run_dir = Path(cfg.run.dir).resolve()
+    roots = [p.resolve() for p in checkpoint_roots(cfg, recorded_only=True)]
+    here = checkpoint_root(cfg).resolve()
+    if here not in roots:  # inside run.dir: relative to it (a copied run dir does not point back at the original)
+        lines = [str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p) for p in [*roots, here]]
+        write_atomic(Path(cfg.run.dir) / CHECKPOINT_DIRS, "".join(f"{line}\n" for line in lines))
+
+
+def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
+    """Every checkpoint root this run dir saved to: those `CHECKPOINT_DIRS` records, and (unless `recorded_only`,
+    for run dirs written before the record) run.dir/checkpoints and the checkpoint.dir of its config.yaml."""
+    import yaml
+
+    run_dir = Path(cfg.run.dir)
+    roots: list[Path] = []
+    try:
+        roots += [run_dir / line for line in (run_dir / CHECKPOINT_DIRS).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError):
+        pass
+    if not recorded_only:
+        roots.append(run_dir / "checkpoints")
+        try:
+            saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+            earlier = saved.get("checkpoint", {}).get("dir") if isinstance(saved, dict) else None
+            if isinstance(earlier, str) and earlier:
+                roots.append(Path(earlier))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            pass
+    return list({str(p): p for p in roots}.values())
 
 
 def report_failure(cfg, message: str, step: int | None = None) -> int:
     """An expected failure: one line on stderr, recorded in exit_status.json with the last step reached (rank 0,
     if this run had marked itself running; best effort). Returns the exit status, 1."""
     print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
-    if int(os.environ.get("RANK", "0")) == 0:
-        try:
-            if json.loads((Path(cfg.run.dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
-                write_exit_status(cfg, "failed", step, None, message)
-        except (OSError, ValueError, AttributeError):
-            pass
+    record_failure(cfg, message, step)
     return 1
+
+
+def record_failure(cfg, message: str, step: int | None = None) -> None:
+    """exit_status.json: `failed` with `message`, when this run had marked itself running (rank 0; best effort)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        if json.loads((Path(cfg.run.dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
+            write_exit_status(cfg, "failed", step, None, message)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def exception_summary(exc: BaseException) -> str:
+    """One line for an unexpected exception: its type, the first line of its message, and where it was raised
+    (`AssertionError at megatron/core/datasets/blended_dataset.py:52` for a bare assert)."""
+    import traceback
+
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if frames:
+        where = frames[-1]
+        parts = Path(where.filename).parts
+        short = "/".join(parts[parts.index("megatron"):]) if "megatron" in parts else Path(where.filename).name
+        line += f" at {short}:{where.lineno}"
+    return line[:500]
 
 
 def environment_error(exc: BaseException | None) -> OSError | None:

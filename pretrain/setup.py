@@ -79,18 +79,24 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
                                      disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
-def build_optimizer(cfg: Config, model, layout: Layout):
-    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(cfg: Config, layout: Layout):
+    """Megatron-Core's `OptimizerConfig` of the run (validation builds it too: `pretrain.rules.megatron`)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
         use_distributed_optimizer=o.distributed or o.fsdp, overlap_param_gather_with_optimizer_step=False,
     )
-    return get_megatron_optimizer(opt_config, model)
+
+
+def build_optimizer(cfg: Config, model, layout: Layout):
+    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config(cfg, layout), model)
 
 
 def build_scheduler(cfg: Config, optimizer):

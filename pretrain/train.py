@@ -322,6 +322,11 @@ def train(cfg: Config) -> dict:
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
         write_config(cfg)
+    done_note = None
+    if resumed and step >= cfg.train.steps:  # said, not a silent "completed": exit 0, the run is where it asked
+        done_note = (f"nothing to train: the checkpoint resumed from is at step {step} and train.steps="
+                     f"{cfg.train.steps}; raise train.steps to train further")
+        log0(f"[pretrain] {done_note}")
 
     # 4. Data.
     setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
@@ -391,7 +396,7 @@ def train(cfg: Config) -> dict:
         if run.writer is not None:
             run.writer.close()
     if rt.rank == 0:
-        write_exit_status(cfg, saves.reason, step, saves.signal_name, None)
+        write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
     outputs.release()
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
@@ -424,7 +429,7 @@ def main(cfg: Config) -> int:
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
-    from pretrain.run_dir import environment_error, os_error_line, report_failure
+    from pretrain.run_dir import environment_error, exception_summary, os_error_line, record_failure, report_failure
     from pretrain.runtime import shutdown
 
     try:
@@ -445,8 +450,15 @@ def main(cfg: Config) -> int:
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:
-            raise  # not an expected failure: the traceback is the report
+            # Not an expected failure: the traceback is the report, and exit_status.json says failed with its
+            # one-line summary (never `running` after an exception this process saw).
+            record_failure(cfg, exception_summary(exc), step=getattr(exc, "last_step", None))
+            raise
         return report_failure(cfg, os_error_line(os_error), step=getattr(exc, "last_step", None))
+    except BaseException as exc:  # KeyboardInterrupt and the like: recorded, then passed on
+        if not isinstance(exc, SystemExit) or exc.code not in (0, None):
+            record_failure(cfg, exception_summary(exc), step=getattr(exc, "last_step", None))
+        raise
     finally:
         shutdown()
         output_lock.release_all()

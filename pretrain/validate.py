@@ -3,7 +3,8 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging), `context` (CP), `bounds` (integer settings no other rule bounds). The trainer runs the same checks first;
+logging), `context` (CP), `bounds` (integer settings no other rule bounds), and last `megatron` (Megatron-Core's
+own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The trainer runs the same checks first;
 `python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone (exit 2 on errors).
 """
 
@@ -14,6 +15,7 @@ from pretrain.layout import LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
 from pretrain.rules.bounds import bounds_rules
 from pretrain.rules.context import context_rules
+from pretrain.rules.megatron import megatron_config_rules, megatron_data_rules
 from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
@@ -57,6 +59,10 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
         rules.append(data_rules if data_files else data_config_rules)
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
+    # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
+    megatron_config_rules(r, cfg, lay, te_on_gpu)
+    if files:  # and GPTDatasetConfig's
+        megatron_data_rules(r, cfg, lay, te_on_gpu)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
     from pretrain.compat import matrix
 

@@ -96,6 +96,10 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         kwargs.update(fp8="hybrid", fp8_recipe=m.fp8, fp8_param=m.fp8_param_gather)
     if layout.moe:
         kwargs.update(moe_config(m, layout))
+    elif kwargs["variable_seq_lengths"]:
+        # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
+        # lengths (packed documents under CP × PP), even on a dense model.
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:

@@ -88,9 +88,29 @@ def _finish_interrupted_commit(root: Path) -> str | None:
     return note
 
 
+def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | None:
+    """A complete checkpoint of this run newer than `step` (the newest in `root`) in another checkpoint root this
+    run dir saved to (`pretrain.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
+    from pretrain.run_dir import checkpoint_roots
+
+    best = None
+    for other in checkpoint_roots(cfg):
+        if other.resolve() == root.resolve() or not other.is_dir():
+            continue
+        committed = [s for s in iterations(other) if is_committed(iteration_dir(other, s))]
+        if not committed or committed[-1] <= max(step or 0, best[1] if best else 0):
+            continue
+        found, _note = resume_step(other)  # the same rules there: a rollback or a damaged newest one refuses
+        if found is not None and found > max(step or 0, best[1] if best else 0):
+            best = (other, found)
+    return best
+
+
 def find_resume(cfg) -> tuple[Path | None, list[str]]:
     """`resume_step` decided and the resume contract checked on rank 0, shared (collective): (checkpoint dir or
-    None, lines to log)."""
+    None, lines to log). The newest complete checkpoint of the run is used wherever this run dir saved it: with
+    checkpoint.dir changed, one in the earlier root that is newer than any in the new one is resumed from (and
+    said so); saves go to the new root."""
     root = checkpoint_root(cfg)
     decision: list = [None]
     unexpected = None
@@ -98,10 +118,16 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
         try:
             step, note = resume_step(root)
             lines = [note] if note else []
-            if step is not None:  # the resume contract, before anything loads
-                path = iteration_dir(root, step)
+            path = iteration_dir(root, step) if step is not None else None
+            elsewhere = _saved_elsewhere(cfg, root, step)
+            if elsewhere is not None:
+                path = iteration_dir(*elsewhere)
+                here = f"its newest there is {iteration_dir(root, step).name}" if step is not None else "none there"
+                lines.append(f"checkpoint.dir is {root} ({here}), but this run dir saved a newer complete checkpoint "
+                             f"at {path}: resuming from it, saving to {root} from now on")
+            if path is not None:  # the resume contract, before anything loads
                 lines += check_resume(cfg, path, inspect_checkpoint(path)[0])
-            decision[0] = ("ok", step, lines)
+            decision[0] = ("ok", str(path) if path is not None else None, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
         except Exception as exc:  # not expected: its traceback on rank 0, and no rank left waiting
@@ -113,8 +139,7 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
     kind, value, lines = decision[0]
     if kind == "error":
         raise CheckpointError(value)
-    return (iteration_dir(root, value) if value is not None else None), lines
-
+    return (Path(value) if value is not None else None), lines
 
 
 def start_from_checkpoint(cfg, model, optimizer, scheduler, log) -> tuple[int, int, bool]:

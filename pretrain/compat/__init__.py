@@ -28,3 +28,16 @@ def apply(on_gpu: bool | None = None) -> list[str]:
         on_gpu = torch.cuda.is_available()
     applied = [] if on_gpu else [f"cpu:{name}" for name in apply_cpu_shims()]
     return applied + apply_megatron_fixes()
+
+
+def import_megatron(on_gpu: bool) -> None:
+    """Import megatron.core as `apply()` first imports it (without CUDA: optional imports deferred, torch.compile off
+    during the import), and patch nothing else: for code that only builds Megatron's config objects (validation,
+    which runs in processes, e.g. the planner's and the tests', that must keep torch as it is)."""
+    if on_gpu:
+        import megatron.core  # noqa: F401
+        return
+    from pretrain.compat.cpu_shims import _no_torch_compile
+    from pretrain.compat.deferred_imports import first_import
+
+    first_import(_no_torch_compile())

@@ -51,6 +51,9 @@ def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                 "optimizer.fsdp_sharding=null)")
     if not o.fsdp:
         return
+    if o.distributed:  # both on: which optimizer runs, said once (and config.yaml keeps both, as they ran)
+        r.notes.append("optimizer.fsdp=true and optimizer.distributed=true: Megatron-FSDP runs, with its own sharded "
+                       "distributed optimizer; optimizer.distributed=true adds nothing to it (false runs the same)")
     src = megatron_fsdp_limits
     at = f"megatron-core {src['release']}: " if src["release"] != str(MCORE) else ""
     sharding = o.fsdp_sharding or "optim_grads_params"

@@ -31,7 +31,7 @@ def sizes_positive(r: Report, cfg: Config, world_size: int) -> bool:
     bad = [k for k, v in positive.items() if v < 1]
     for key in bad:
         r.error(key, f"{key}={positive[key]} must be at least 1", f"set {key} to a positive integer")
-    if world_size < 1:
+    if world_size < 1 and not any(k.startswith("parallel.") for k in bad):  # else a knock-on of one reported
         r.error("world_size", f"world size {world_size} must be at least 1", "launch at least one process")
     return not (bad or world_size < 1)
 

@@ -62,6 +62,7 @@ def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
 
     check_data_files(cfg, r, check_data_config(cfg, r))
     _check_pretrained(cfg, r)
+    _check_cache_dir(cfg, r)
 
 
 def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
@@ -70,6 +71,18 @@ def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: boo
 
     check_data_config(cfg, r)
     _check_pretrained(cfg, r)
+    _check_cache_dir(cfg, r)
+
+
+def _check_cache_dir(cfg: Config, r: Report) -> None:
+    """data.cache_dir, when given, is a directory or does not exist yet (Megatron-Core writes its caches in it)."""
+    import os
+
+    path = cfg.data.cache_dir
+    if path and os.path.lexists(path) and not os.path.isdir(path):
+        r.error("data.cache_dir", f"data.cache_dir={path} exists and is not a directory",
+                "give a directory (created if missing) for Megatron's dataset index caches, or null for "
+                "run.dir/data_cache")
 
 
 def _check_pretrained(cfg: Config, r: Report) -> None:

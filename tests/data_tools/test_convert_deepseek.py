@@ -113,6 +113,8 @@ BAD = {
     "group rule": ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
                    "config.json: topk_group=2 is not supported (Megatron-Core ranks groups by their top "
                    "num_experts_per_tok/topk_group scores, transformers by 2)"),
+    "topk_group above n_group": ({"n_group": 2, "topk_group": 4},  # blamed on topk_group, not on n_group
+                                 "config.json: topk_group=4 is not supported (at most n_group=2 groups to choose"),
     "moe every other layer": ({"moe_layer_freq": 2}, "config.json: moe_layer_freq=2 is not supported"),
     "yarn truncate": ({"rope_scaling": {**CONFIGS[FAMILY]["rope_scaling"], "truncate": False}},
                       "config.json: rope_scaling.truncate=false is not supported"),

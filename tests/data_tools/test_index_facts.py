@@ -123,8 +123,14 @@ def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, 
     assert "read from the cache" in said[-1] and "nothing rebuilt" in said[-1], said
     os.truncate(shuffle, size - 8)  # a start killed while numpy.save wrote the last array
     rebuilt, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
-    assert said[-2].startswith("[pretrain] data: removed the truncated index cache entry ") and "built in" in said[-1]
+    assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1]
+    assert "(truncated, left by an interrupted start)" in said[-2], said
     assert shuffle.stat().st_size == size
+    (samples,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-sample_index.npy")
+    np.save(samples, np.full_like(np.load(samples), 10**9))  # complete, but garbage: rebuilt with one line
+    fixed, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert "(corrupt: sample_index points outside the " in said[-2] and "built in" in said[-1], said
+    assert [fixed[i]["tokens"].tolist() for i in range(8)] == want
     assert [rebuilt[i]["tokens"].tolist() for i in range(8)] == want == [again[i]["tokens"].tolist() for i in range(8)]
     assert read_index(small_datasets["a"]).num_documents == 40
 

@@ -4,8 +4,9 @@ Each case calls the CLI's entry point, `pretrain.__main__.main(argv)`, with stdo
 many failure cases cost one interpreter start. PLAN.json: {"results": path, "cases": [case, ...]}; a case:
     name     label in the results file
     argv     the command line after `python -m pretrain`
-    setup    [[op, path, arg...], ...] run first, paths absolute: copy (arg: source directory) and the
-             mutations of ckpt_worker.py (truncate, delete, evil_pickle, write, write_bytes, nan)
+    setup    [[op, path, arg...], ...] run first, paths absolute: copy (arg: source directory), the
+             mutations of ckpt_worker.py (truncate, delete, evil_pickle, write, write_bytes, nan), and
+             noop ("module:function" replaced by a no-op for the case, e.g. a validation rule switched off)
 Results: {name: {"rc": exit status, "stdout": str, "stderr": str, "escaped": traceback or None}}, where
 `escaped` is an exception that left `main` (the real CLI would print it as a traceback).
 """
@@ -30,8 +31,17 @@ def run_case(case: dict) -> dict:
     from pretrain.runtime import _free_port
     from tests.pretrain.ckpt_worker import _mutate
 
+    restore = []
     for op, path, *args in case.get("setup", []):
-        if op == "copy":
+        if op == "noop":  # path "module:name": a function replaced by a no-op for this case (a validation rule
+            import importlib  # switched off to reach what happens after a check validate would have made)
+
+            module, name = path.split(":")
+            mod = importlib.import_module(module)
+            if hasattr(mod, name):  # absent: off already (an older tree)
+                restore.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, lambda *a, **k: None)
+        elif op == "copy":
             shutil.rmtree(path, ignore_errors=True)
             shutil.copytree(args[0], path)
         else:
@@ -46,6 +56,8 @@ def run_case(case: dict) -> dict:
             rc = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: B036 — recorded for the test: the CLI would show a traceback
             escaped = traceback.format_exc()
+    for mod, name, value in restore:
+        setattr(mod, name, value)
     return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "escaped": escaped}
 
 

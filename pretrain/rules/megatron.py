@@ -1,0 +1,97 @@
+"""Megatron-Core's own checks, run in validation: the run's `TransformerConfig` and `OptimizerConfig` are built
+exactly as the trainer builds them, and whatever their `__post_init__` asserts or raises becomes one problem line.
+
+The rules in this package name the keys and the fix for everything they know; this one catches what they do not
+(a new release's assert, a combination nobody wrote a rule for), so that `validate` never accepts a config the
+trainer's first Megatron-Core call then refuses with a bare `AssertionError`. It runs only when no other rule
+found an error (a knock-on of an error already reported would only repeat it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pretrain.config import Config
+    from pretrain.layout import Layout
+    from pretrain.problems import Report
+
+# What Megatron-Core's config classes raise for a combination they refuse.
+_REFUSALS = (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError)
+
+
+def _why(exc: BaseException, cfg: Config) -> str:
+    """The refusal in one line: its message (Megatron-LM's `--flag-names` that are `model.*` keys here named as
+    such), else the assert's source line."""
+    import re
+    import traceback
+
+    lines = str(exc).strip().splitlines()
+    if lines:
+        text = " ".join(x.strip() for x in lines)[:400].rstrip(".")
+
+        def key(match: re.Match) -> str:
+            name = match.group(1).replace("-", "_")
+            return f"{match.group(0)} (model.{name})" if hasattr(cfg.model, name) else match.group(0)
+
+        return re.sub(r"--([a-z0-9][a-z0-9-]*)", key, text)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1] if frames else None
+    if where is None:
+        return type(exc).__name__
+    return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
+
+
+def _this_machine(lay: Layout) -> bool:
+    """The layout is for this machine (a GPU or Transformer Engine layout checked elsewhere, e.g. by the planner
+    on a login node, is left to the rules: Megatron-Core's checks would test this machine's libraries)."""
+    import importlib.util
+
+    import torch
+
+    if lay.on_gpu != torch.cuda.is_available():
+        return False
+    return not lay.use_te or importlib.util.find_spec("transformer_engine") is not None
+
+
+def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Build the run's `TransformerConfig` and `OptimizerConfig`; a refusal is one problem naming it."""
+    if lay is None or r.errors or not _this_machine(lay):
+        return
+    import warnings
+
+    from pretrain import compat
+
+    compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
+    from model_providers.core.builder import transformer_config
+
+    try:
+        with warnings.catch_warnings():  # its notes (defaults it fills in) are the trainer's to print
+            warnings.simplefilter("ignore")
+            transformer_config(cfg, lay)
+    except _REFUSALS as exc:
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
+                "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
+    from pretrain.setup import optimizer_config
+
+    try:
+        optimizer_config(cfg, lay)
+    except _REFUSALS as exc:
+        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc, cfg)}",
+                "change the optimizer.* keys it names")
+
+
+def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Build the run's `GPTDatasetConfig` (`pretrain.data.megatron_dataset_config`, with a stand-in tokenizer: the
+    config checks only that there is one); a refusal is one problem naming it. Where no other rule found an error."""
+    if r.errors:
+        return
+    from types import SimpleNamespace
+
+    from pretrain.data import megatron_dataset_config
+
+    try:
+        megatron_dataset_config(cfg, SimpleNamespace(vocab_size=None), num_eval_samples=1)
+    except _REFUSALS as exc:
+        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings: {_why(exc, cfg)}",
+                "change the data.* keys it names")
