@@ -48,49 +48,61 @@ class Run:
 # --------------------------------------------------------------------------------------------------
 
 
-def wrap_with_ddp(cfg: Config, chunks, transformer_config):
-    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
-    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def ddp_config(cfg: Config, gloo: bool):
+    """Megatron-Core's `DistributedDataParallelConfig` for the run (`gloo`: the process groups' backend)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from pretrain.layout import fsdp_sharding
 
     sharding = fsdp_sharding(cfg)  # None: Megatron DDP
-    fsdp = sharding is not None
-    ddp_config = DistributedDataParallelConfig(
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
+        use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,
         check_for_nan_in_grad=False,
         average_in_collective=False,
-        use_megatron_fsdp=fsdp,
+        use_megatron_fsdp=sharding is not None,
         data_parallel_sharding_strategy=sharding or "no_shard",
         # The fused reduce-and-divide is NCCL's premultiplied sum (_make_nccl_premul_sum): not on gloo.
-        gradient_reduce_div_fusion=torch.distributed.get_backend() != "gloo",
+        gradient_reduce_div_fusion=not gloo,
     )
-    if not fsdp:
-        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+
+
+def wrap_with_ddp(cfg: Config, chunks, transformer_config):
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
+    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    config = ddp_config(cfg, gloo=torch.distributed.get_backend() == "gloo")
+    if not config.use_megatron_fsdp:
+        return [DistributedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                         disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
-    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+    return [FullyShardedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                      disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
-def build_optimizer(cfg: Config, model, layout: Layout):
-    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(cfg: Config, layout: Layout):
+    """Megatron-Core's `OptimizerConfig`: Adam(W), the distributed optimizer when optimizer.distributed or FSDP."""
+    from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer
-    opt_config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
         bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
         use_distributed_optimizer=o.distributed or o.fsdp, overlap_param_gather_with_optimizer_step=False,
     )
-    return get_megatron_optimizer(opt_config, model)
+
+
+def build_optimizer(cfg: Config, model, layout: Layout):
+    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config(cfg, layout), model)
 
 
 def build_scheduler(cfg: Config, optimizer):
