@@ -97,10 +97,10 @@ def test_packed_documents_at_cp2_pp2_equal_one_rank(cp2_pp2_documents):
 
 
 # tiny_moe with packed documents at CP2 against one rank: under CP every document is padded to a multiple of
-# 2 × CP tokens, and megatron-core 0.16.1's GPTModel passes no padding mask to the router (its TransformerBlock takes
-# one), so the padding tokens are routed and counted by the load-balancing loss: the LM loss is equal, the gradient
-# norm within MOE_PADDING_BOUND (docs/training.md "Packed documents under context parallelism").
-MOE_PADDING_BOUND = 1e-2
+# 2 × CP tokens, and the padding tokens are routed (no padding mask reaches the router) and counted by the
+# load-balancing loss: the LM loss is equal, the gradient norm within MOE_PADDING_BOUND (measured on this sample:
+# 2.1e-4 relative; docs/training.md "Document boundaries in packed samples").
+MOE_PADDING_BOUND = 1e-3
 
 
 @pytest.fixture(scope="module")
