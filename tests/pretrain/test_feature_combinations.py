@@ -85,6 +85,34 @@ def test_every_accepted_pair_and_triple_builds_megatron_configs():
     assert len(accepted) >= 200  # the matrix is not refused wholesale
 
 
+def test_every_pair_and_triple_accepted_for_gpus_builds_its_transformer_config():
+    """The same matrix as a GPU job with Transformer Engine (`validate --world-size N` on a login node): every
+    combination accepted builds its TransformerConfig (TE's version checks answered as by a recent TE; the TE layer
+    specs and DDP need TE and a GPU, and are not built here)."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.transformer.transformer_config as tc
+
+    from model_providers.core.builder import transformer_config
+
+    accepted, failed = 0, {}
+    with mock.patch.object(tc, "is_te_min_version", lambda *a, **k: True), \
+            mock.patch.object(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None):
+        for names in combinations():
+            cfg = load_config(config_name(names), ["data.mock=true", *overrides(names)])
+            world = world_size(names)
+            report = validate(cfg, world, te_on_gpu=True, cuda_available=True, files=False)
+            assert {p.keys for p in report.errors} <= REFUSALS, report.text()
+            if report.ok:
+                accepted += 1
+                try:
+                    transformer_config(cfg, derive_layout(cfg, world, vocab_size=32000, on_gpu=True, te=True))
+                except Exception as exc:  # noqa: BLE001 - every Megatron refusal, reported together
+                    failed[case_name(names)] = f"{type(exc).__name__}: {exc}"
+    print(f"on GPUs with TE: {accepted} of {len(combinations())} accepted, every TransformerConfig built")
+    assert not failed, failed
+    assert accepted >= 200
+
+
 def test_dense_model_builds_with_packed_documents_under_cp_and_pp():
     """The dense models keep no token dispatcher, but Megatron-Core checks its default (allgather) against
     variable_seq_lengths (CP > 1, PP > 1, packed documents): the builder sets one that allows it."""
