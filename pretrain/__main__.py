@@ -24,7 +24,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p = sub.add_parser("validate", help="check a config and layout before launching (exit 2 on problems)")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=None,
-                   help="processes of the job (default: $WORLD_SIZE, else tensor×pipeline×context)")
+                   help="processes of the job (default: $WORLD_SIZE, else tensor×pipeline×context); given, on a "
+                        "machine without CUDA, the job is checked as it runs on GPUs with Transformer Engine")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
     p.add_argument("--check-lock", action="store_true",
                    help="also exit 1 when a live trainer holds run.dir (its writer.lock); launch/common.sh uses it")
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         world = args.world_size
         if world is None:
             world = env_world_size() if "WORLD_SIZE" in __import__("os").environ else p.tensor * p.pipeline * p.context
-        report = validate(cfg, world)
+        # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
+        report = validate(cfg, world, gpu_dry_run=args.world_size is not None)
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)

@@ -48,39 +48,46 @@ class Run:
 # --------------------------------------------------------------------------------------------------
 
 
-def wrap_with_ddp(cfg: Config, chunks, transformer_config):
-    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
-    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def ddp_config(cfg: Config, gloo: bool):
+    """Megatron-Core's `DistributedDataParallelConfig` for the run (`gloo`: the process groups' backend)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from pretrain.layout import fsdp_sharding
 
     sharding = fsdp_sharding(cfg)  # None: Megatron DDP
-    fsdp = sharding is not None
-    ddp_config = DistributedDataParallelConfig(
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.distributed or fsdp,
+        use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,
         check_for_nan_in_grad=False,
         average_in_collective=False,
-        use_megatron_fsdp=fsdp,
+        use_megatron_fsdp=sharding is not None,
         data_parallel_sharding_strategy=sharding or "no_shard",
         # The fused reduce-and-divide is NCCL's premultiplied sum (_make_nccl_premul_sum): not on gloo.
-        gradient_reduce_div_fusion=torch.distributed.get_backend() != "gloo",
+        gradient_reduce_div_fusion=not gloo,
     )
-    if not fsdp:
-        return [DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+
+
+def wrap_with_ddp(cfg: Config, chunks, transformer_config):
+    """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
+    Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    config = ddp_config(cfg, gloo=torch.distributed.get_backend() == "gloo")
+    if not config.use_megatron_fsdp:
+        return [DistributedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                         disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
-    return [FullyShardedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk,
+    return [FullyShardedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                      disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
 def optimizer_config(cfg: Config, layout: Layout):
-    """Megatron-Core's `OptimizerConfig` of the run (validation builds it too: `pretrain.rules.megatron`)."""
+    """Megatron-Core's `OptimizerConfig`: Adam(W), the distributed optimizer when optimizer.distributed or FSDP
+    (validation builds it too: `pretrain.rules.megatron`)."""
     from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer

@@ -28,7 +28,7 @@ __all__ = ["Problem", "Report", "ValidationFailed", "length_problems", "validate
 
 def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
              cuda_available: bool | None = None, files: bool = True, versions=None,
-             data_files: bool = True) -> Report:
+             data_files: bool = True, gpu_dry_run: bool = False) -> Report:
     """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
@@ -39,11 +39,15 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
     `data_files=False`: the data rules that open no dataset file (the trainer checks the files on one rank and
     shares the verdict: `pretrain.data.check_data_files_once`).
+    `gpu_dry_run` (`validate --world-size N`): on a machine without CUDA, check the job as it runs on GPUs with
+    Transformer Engine; what only this machine could not run becomes notes.
     """
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available()
+    if gpu_dry_run and not cuda_available:
+        return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files)
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
@@ -68,3 +72,16 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
 
     matrix.check(r, versions, allow_untested=cfg.run.allow_untested_versions)
     return r
+
+
+def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
+    """The job checked as on GPUs with Transformer Engine (a login node validating a cluster job); the problems
+    this machine alone has (no CUDA, no TE: the local spec, gloo) are notes, not errors."""
+    report = validate(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)
+    here = validate(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False, versions=kwargs["versions"])
+    on_gpus = {str(p) for p in report.errors}
+    report.notes.insert(0, "checked as on GPUs with Transformer Engine (--world-size on a machine without CUDA: a GPU "
+                           "dry run)")
+    report.notes.extend(f"not on this machine (no CUDA, no Transformer Engine): {p}" for p in here.errors
+                        if str(p) not in on_gpus)
+    return report

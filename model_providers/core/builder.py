@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from model_providers.core import fusions
+from model_providers.core.sequences import packed_sequences, variable_seq_lengths
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
 
@@ -76,7 +77,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         batch_p2p_comm=batch_p2p,
         batch_p2p_sync=on_gpu,
         # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
-        variable_seq_lengths=packed_sequences(cfg) and layout.cp > 1 and layout.pp > 1,
+        variable_seq_lengths=variable_seq_lengths(cfg, layout),
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
@@ -117,11 +118,6 @@ def mla_config(m) -> dict:
         original_max_position_embeddings=m.original_max_position_embeddings, beta_fast=m.beta_fast,
         beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim,
     )
-
-
-def packed_sequences(cfg) -> bool:
-    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask."""
-    return bool(cfg.data.reset_attention_mask)
 
 
 def moe_config(m, layout: Any) -> dict:

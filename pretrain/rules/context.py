@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from model_providers.core.sequences import variable_seq_lengths
 from pretrain.config import Config
 from pretrain.layout import Layout, model_shape, use_transformer_engine
 from pretrain.problems import Report
@@ -53,6 +54,12 @@ def context_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
             r.error(("data.reset_attention_mask", "parallel.cp_comm_type"),
                     f"Transformer Engine {te} takes packed sequences (THD, per-document masks) with "
                     f"cp_comm_type={comm} only from {since} on", "use parallel.cp_comm_type=p2p, or a newer TE")
+    if lay is not None and lay.moe and m.moe_token_dispatcher_type == "allgather" and variable_seq_lengths(cfg, lay):
+        r.error(("model.moe_token_dispatcher_type", "data.reset_attention_mask", "parallel.context",
+                 "parallel.pipeline"),
+                "packed documents under context × pipeline parallelism have a padded length per microbatch "
+                "(Megatron's variable_seq_lengths), which Megatron-Core's allgather token dispatcher does not support",
+                "use model.moe_token_dispatcher_type=alltoall")
     vp = p.virtual_pipeline
     if d.reset_attention_mask and p.pipeline == 2 and vp and not (lay.on_gpu if lay is not None else te_on_gpu):
         r.error(("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),

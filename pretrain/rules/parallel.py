@@ -9,6 +9,14 @@ from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_sha
 from pretrain.problems import Report
 
 
+def _ranks_per_stage(world: int, pipeline: int) -> str:
+    """What expert TP × EP must divide: the ranks of one pipeline stage, over which each stage's experts are split."""
+    if world % pipeline:
+        return f"the world size {world}"
+    return (f"{world // pipeline} (world size {world} / parallel.pipeline={pipeline}: the ranks of one pipeline "
+            "stage, over which its experts are split)")
+
+
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
@@ -191,8 +199,8 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
         r.error(("parallel.expert_tensor", "parallel.expert", "parallel.pipeline"),
                 f"world size {r.world_size} is not divisible by expert_tensor×expert×pipeline = "
                 f"{etp}×{p.expert}×{p.pipeline} = {per_stage}",
-                f"launch a multiple of {per_stage} processes, or choose expert sizes whose product divides "
-                f"{r.world_size // p.pipeline if r.world_size % p.pipeline == 0 else r.world_size}")
+                f"launch a multiple of {per_stage} processes, or choose parallel.expert_tensor×parallel.expert "
+                f"(now {etp}×{p.expert} = {etp * p.expert}) dividing {_ranks_per_stage(r.world_size, p.pipeline)}")
     ffn = model_shape(m).moe_ffn_hidden_size
     if ffn % etp != 0:
         r.error(("model.moe_ffn_hidden_size", "parallel.expert_tensor"),

@@ -252,3 +252,33 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     shipped = _plan("deepseek_v3", *cluster)  # pretrain/configs/deepseek_v3.yaml: the search's first layout
     assert shipped["fits"] and abs(shipped["cost_model"]["step_s"] - best["step_s"]) < 1e-6
     assert full["fits"] and not none["fits"]
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.preset=kimi_k2"]], ids=["deepseek_v3", "kimi_k2"])
+def test_cluster_config_validates_on_a_cpu_login_node(overrides, capsys, monkeypatch):
+    """`validate --world-size N` on a machine without CUDA checks the job as it runs on GPUs with Transformer Engine:
+    the shipped deepseek_v3 config and the kimi_k2 preset (MLA under CP8) pass; what this machine could not run is a
+    note. Without --world-size (this machine's job) the local spec's refusal stands."""
+    from pretrain.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["validate", "deepseek_v3", "--world-size", "256", "data.mock=true", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "config OK (world size 256)" in out and "a GPU dry run" in out, out
+    assert "note: not on this machine (no CUDA, no Transformer Engine): [model.multi_latent_attention, " \
+           "parallel.context]" in out, out
+    cfg = load_config("deepseek_v3", ["data.mock=true", *overrides])
+    assert any("[model.multi_latent_attention, parallel.context]" in str(e) for e in validate(cfg, 256).errors)
+
+
+def test_expert_layout_message_names_the_product_and_why(capsys):
+    from pretrain.__main__ import main
+
+    assert main(["validate", "deepseek_v3", "--world-size", "128", "data.mock=true"]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "[parallel.expert_tensor, parallel.expert, parallel.pipeline]" in ln]
+    assert lines == [
+        "  1. [parallel.expert_tensor, parallel.expert, parallel.pipeline] world size 128 is not divisible by "
+        "expert_tensor×expert×pipeline = 1×16×16 = 256. Fix: launch a multiple of 256 processes, or choose "
+        "parallel.expert_tensor×parallel.expert (now 1×16 = 16) dividing 8 (world size 128 / "
+        "parallel.pipeline=16: the ranks of one pipeline stage, over which its experts are split)"], err

@@ -49,8 +49,9 @@ CASES = [
      "Fix: choose parallel.expert from 1, 2, 4, 8"),
     (["parallel.expert=4"], 2,
      "[parallel.expert_tensor, parallel.expert, parallel.pipeline] world size 2 is not divisible by "
-     "expert_tensor×expert×pipeline = 1×4×1 = 4. Fix: launch a multiple of 4 processes, or choose expert sizes "
-     "whose product divides 2"),
+     "expert_tensor×expert×pipeline = 1×4×1 = 4. Fix: launch a multiple of 4 processes, or choose "
+     "parallel.expert_tensor×parallel.expert (now 1×4 = 4) dividing 2 (world size 2 / parallel.pipeline=1: the ranks "
+     "of one pipeline stage, over which its experts are split)"),
     (["parallel.tensor=2"], 2,
      "[parallel.sequence_parallel, parallel.tensor, model.num_moe_experts] MoE with parallel.tensor > 1 needs "
      "sequence parallelism (Megatron-Core refuses to train without it). Fix: set parallel.sequence_parallel=true"),

@@ -1,0 +1,18 @@
+"""How microbatches reach the model: packed documents (THD) and whether their length varies between
+microbatches. One rule read by the builder (`TransformerConfig.variable_seq_lengths`) and by validation
+(what Megatron-Core refuses with it). No torch import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def packed_sequences(cfg) -> bool:
+    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask."""
+    return bool(cfg.data.reset_attention_mask)
+
+
+def variable_seq_lengths(cfg, layout: Any) -> bool:
+    """Pipeline stages exchange tensor shapes before each tensor (Megatron's `variable_seq_lengths`): packed
+    documents under context parallelism are padded per microbatch, so their length varies."""
+    return packed_sequences(cfg) and layout.cp > 1 and layout.pp > 1
