@@ -21,6 +21,8 @@ from pretrain.hf.export import export_to_hf, plan_export
 from pretrain.hf.hf_import import import_from_hf
 from pretrain.hf.tokenizer import hf_tokenizer
 from tests.data_tools.hf_random import write_random_hf
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
 
 pytestmark = pytest.mark.mcore  # the HF bridge over Megatron-Core checkpoints
 
@@ -63,7 +65,10 @@ def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 def megatron_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
     torch.save(tokens, tmp / "tokens.pt")
-    run([PY, str(WORKER), "logits", str(ckpt), str(tmp / "tokens.pt"), str(tmp / "logits.pt")])
+    log = tmp / "logits.log"
+    rc = run_case(1, "tests.data_tools.convert_worker", ["logits", str(ckpt), str(tmp / "tokens.pt"),
+                                                         str(tmp / "logits.pt")], log, timeout=600)
+    assert rc == 0, log_text(log)[-3000:]
     return torch.load(tmp / "logits.pt", weights_only=True)
 
 
