@@ -7,7 +7,8 @@ The client (`tests.pool`) writes `POOL_DIR/case-N.json` = {"module", "argv", "en
 polls for its next N (no collective while idle, so no process-group timeout fires), appends its stdout and
 stderr to `log`, sets `env`, and calls `module.main(argv)` as the module's command line would. The exit status
 (return value or SystemExit; 1 and a traceback in the log for any other exception) goes to
-`POOL_DIR/case-N.rank-R.json` = {"rc", "seconds"}. Between cases the process-wide state a case leaves behind is
+`POOL_DIR/case-N.rank-R.json` = {"rc", "seconds", "retire"} (retire: why the rank wants to be replaced, e.g.
+leaked threads, or null). Between cases the process-wide state a case leaves behind is
 reset (`reset_state`); the default process group is kept (re-creating it in one process is not safe).
 """
 
@@ -30,6 +31,10 @@ from pathlib import Path
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 POLL_S = 0.05
+# A rank that still holds more native threads (leaked gloo groups: each idles with threads that wake up) or memory
+# than this after its reset retires: the client ends the pool after the case and the next case starts a fresh one.
+MAX_THREADS = 200
+MAX_RSS_MB = 4096
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 
 
@@ -114,31 +119,62 @@ def run_module(module: str, argv: list[str]) -> int:
     return int(rc or 0)
 
 
+def destroy_subgroups() -> None:
+    """Destroy every process group but the default one. Megatron's `destroy_model_parallel` only forgets its
+    groups; a process ends them at exit, a pool must (each gloo group keeps its own threads: hundreds of cases
+    would reach the machine's thread limit)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
+
+
 def reset_state() -> None:
     """What a case may leave behind in this process, back to a fresh rank's state (the default group kept)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
 
     from pretrain import compat, moe_metrics, output_lock
-    from pretrain.compat import fsdp_cpu, megatron_fixes
+    from pretrain.compat import cpu_shims, fsdp_cpu, megatron_fixes
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    destroy_subgroups()
     parallel_state.destroy_global_memory_buffer()
+    with contextlib.suppress(ImportError):  # created at first use by Megatron's schedules and DDP
+        from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+        destroy_rerun_state_machine()
     unset_num_microbatches_calculator()
     tensor_parallel.random.get_cuda_rng_tracker().reset()
     moe_metrics._forget_earlier_runs()
-    # A case's `without_fixes` / `without_shims` blocks re-apply on exit; a case killed inside one must not
-    # leave a fix switched off for the next.
+    # A case's `without_fixes` / `without_shims` / `without_cpu_shims` blocks re-apply on exit; a case stopped
+    # inside one must not leave a fix or shim switched off for the next.
     megatron_fixes._DISABLED.clear()
     fsdp_cpu._DISABLED.clear()
+    cpu_shims._SWITCHED_OFF.clear()
     compat.apply()
     output_lock.release_all()
     gc.collect()
 
 
-def run_case(pool: Path, n: int, rank: int) -> int:
-    """Run case `n` on this rank, write its rank file; the exit status."""
+def worn_out() -> str | None:
+    """Why this process should not take another case (too many threads or too much memory), or None."""
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        rss_mb = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        if rss_mb > MAX_RSS_MB:
+            return f"{rss_mb:.0f} MiB resident"
+    return f"{threads} threads" if threads > MAX_THREADS else None
+
+
+def run_case(pool: Path, n: int, rank: int) -> tuple[int, str | None]:
+    """Run case `n` on this rank, write its rank file; (the exit status, why this rank retires or None)."""
     case = json.loads((pool / f"case-{n}.json").read_text())
     started = time.monotonic()
     with redirected(case["log"]):
@@ -149,8 +185,10 @@ def run_case(pool: Path, n: int, rank: int) -> int:
         except BaseException:  # noqa: BLE001 - a pool that cannot reset is restarted by the client
             traceback.print_exc()
             rc = rc or 1
-    write_json(pool / f"case-{n}.rank-{rank}.json", {"rc": rc, "seconds": round(time.monotonic() - started, 3)})
-    return rc
+    retire = worn_out()
+    write_json(pool / f"case-{n}.rank-{rank}.json",
+               {"rc": rc, "seconds": round(time.monotonic() - started, 3), "retire": retire})
+    return rc, retire
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (pool / f"case-{n}.json").exists():
             time.sleep(POLL_S)
             continue
-        rc = run_case(pool, n, rank)
-        if rc != 0:  # the client restarts the pool; another rank may wait in a collective forever
+        rc, retire = run_case(pool, n, rank)
+        if rc != 0 or retire:  # the client ends the pool; another rank may wait in a collective forever
             while not (pool / "stop").exists():
                 time.sleep(POLL_S)
             return 0
