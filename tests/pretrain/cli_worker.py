@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cases = json.loads(open(argv[0]).read())
     results = {}
-    for name, argv in cases.items():
-        results[name] = run_case(argv)
+    for name, case in cases.items():
+        results[name] = run_case(case)
         with open(argv[1], "w") as f:  # written after every case: a hang still leaves the others
             json.dump(results, f, indent=1)
     return 0
