@@ -36,6 +36,15 @@ def pytest_unconfigure(config):
     launch_ledger.unconfigure()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rank_pools():
+    """The case runner's rank pools (`tests/pool`) end with the session."""
+    yield
+    from tests import pool
+
+    pool.stop_all()
+
+
 @pytest.fixture(scope="session")
 def embedded_dataset(tmp_path_factory) -> str:
     """The embedded corpus preprocessed with the embedded Mistral tokenizer: a `..._text_document` prefix."""

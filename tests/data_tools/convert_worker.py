@@ -71,10 +71,16 @@ def memory(hf_dir: str, work: str) -> None:
     print(json.dumps({"from_hf": after_import, "both": peak_rss_bytes()}))
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "logits":
-        megatron_logits(*sys.argv[2:])
-    elif sys.argv[1] == "memory":
-        memory(*sys.argv[2:4])
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[0] == "logits":
+        megatron_logits(*argv[1:])
+    elif argv[0] == "memory":
+        memory(*argv[1:3])
     else:
-        raise SystemExit(f"unknown command {sys.argv[1]}")
+        raise SystemExit(f"unknown command {argv[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

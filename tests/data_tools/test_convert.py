@@ -22,6 +22,8 @@ from pretrain.hf.hf_import import import_from_hf
 from pretrain.hf.tokenizer import hf_tokenizer
 from tests.cli import Result, run_cli
 from tests.data_tools.hf_random import write_random_hf
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
 
 pytestmark = pytest.mark.mcore  # the HF bridge over Megatron-Core checkpoints
 
@@ -72,7 +74,10 @@ def to_hf(run_dir: Path, out: Path) -> Result:
 
 def megatron_logits(ckpt: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
     torch.save(tokens, tmp / "tokens.pt")
-    run([PY, str(WORKER), "logits", str(ckpt), str(tmp / "tokens.pt"), str(tmp / "logits.pt")])
+    log = tmp / "logits.log"
+    rc = run_case(1, "tests.data_tools.convert_worker", ["logits", str(ckpt), str(tmp / "tokens.pt"),
+                                                         str(tmp / "logits.pt")], log, timeout=600)
+    assert rc == 0, log_text(log)[-3000:]
     return torch.load(tmp / "logits.pt", weights_only=True)
 
 

@@ -7,10 +7,7 @@ logits and generates; bad input is refused with one line naming the field and le
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,8 @@ import torch
 from data_tools.convert import main
 from pretrain.hf.assets import ASSET_DIR
 from tests import tiers
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
 
 from .hf_families import (
     CONFIGS,
@@ -36,13 +35,9 @@ from .hf_families import (
 
 pytestmark = pytest.mark.mcore  # the HF bridge and the trainer for every family (CI: also on megatron-core 0.19.2)
 
-ROOT = Path(__file__).resolve().parents[2]
 # Every family at TP2 vs transformers and exported in `make test`; at PP2 too in `make test-all`, DeepSeek-V3 (its
 # stages split 1 | 2, the MTP layer on the last stage) in both.
 PP2_FAMILIES = ("deepseek_v3",)
-WORKER = Path(__file__).with_name("convert_worker.py")
-TRAIN_WORKER = Path(__file__).with_name("train_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def convert(*args: str) -> None:
@@ -259,10 +254,9 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
             jobs.append([str(ckpt / "run_config.yaml"), overrides])
             runs[family, name] = (run_dir, overrides)
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(TRAIN_WORKER), str(tmp_path / "jobs.json")], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc = run_case(2, "tests.data_tools.train_worker", [str(tmp_path / "jobs.json")], tmp_path / "train.log",
+                  timeout=900, env={"PYTHONWARNINGS": "ignore"})
+    assert rc == 0, log_text(tmp_path / "train.log")[-6000:]
 
     report = {}
     for family in FAMILIES:
@@ -295,9 +289,9 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         args += [str(runs[family, "trained"][0]), str(tmp_path / f"{family}_tokens.pt"),
                  str(tmp_path / f"{family}_logits.pt")]
         convert("to-hf", "--checkpoint", str(runs[family, "trained"][0]), "--output", str(tmp_path / f"{family}_hf"))
-    r = subprocess.run([sys.executable, str(WORKER), "logits", *args], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    rc = run_case(1, "tests.data_tools.convert_worker", ["logits", *args], tmp_path / "logits.log", timeout=600,
+                  env={"PYTHONWARNINGS": "ignore"})
+    assert rc == 0, log_text(tmp_path / "logits.log")[-3000:]
     for family in FAMILIES:
         exported = tmp_path / f"{family}_hf"
         assert not torch.equal(safetensors_dir(exported)["model.norm.weight"],

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def main(jobs_file: str) -> None:
+def main(argv: list[str] | None = None) -> int:
+    jobs_file = (sys.argv[1:] if argv is None else argv)[0]
     from pretrain.config import load_config
     from pretrain.runtime import shutdown
     from pretrain.train import train
@@ -27,7 +28,8 @@ def main(jobs_file: str) -> None:
             train(load_config(config, overrides))
     finally:
         shutdown()
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main())

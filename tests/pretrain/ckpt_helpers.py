@@ -143,14 +143,16 @@ def log_text(path: Path) -> str:
 
 
 def run_worker_cases(root: Path, world: int, cases: list[dict], timeout: float) -> dict:
-    """One launch of `tests/pretrain/ckpt_worker.py` on `world` ranks for `cases`; every case must succeed.
-    Returns the worker's results by case name (plan and log under `root`); no launch for no cases."""
+    """`tests/pretrain/ckpt_worker.py` on `world` pool ranks for `cases` (one pool case); every case must succeed.
+    Returns the worker's results by case name (plan and log under `root`); nothing is run for no cases."""
+    from tests.pool import run_case
+
     if not cases:
         return {}
     plan = root / f"plan{world}.json"
     plan.write_text(json.dumps({"results": str(root / f"results{world}.json"), "cases": cases}))
     log = root / f"world{world}.log"
-    rc = run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=timeout)
+    rc = run_case(world, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=timeout)
     assert rc == 0, log_text(log)[-4000:]
     results = json.loads((root / f"results{world}.json").read_text())
     failed = {k: v["error"] for k, v in results.items() if not v["ok"]}

@@ -308,7 +308,8 @@ def run_case(case: dict, results: dict) -> None:
             results[name]["marker_exists"] = Path(case["marker"]).exists()
 
 
-def main(plan_path: str) -> int:
+def main(argv: list[str] | None = None) -> int:
+    plan_path = (sys.argv[1:] if argv is None else argv)[0]
     from pretrain.runtime import init_distributed, shutdown
 
     plan = json.loads(Path(plan_path).read_text())
@@ -325,4 +326,4 @@ def main(plan_path: str) -> int:
 
 
 if __name__ == "__main__":  # the async checkpoint writer re-imports __main__
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

@@ -61,7 +61,8 @@ def run_case(case: dict) -> dict:
     return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(), "escaped": escaped}
 
 
-def main(plan_path: str) -> int:
+def main(argv: list[str] | None = None) -> int:
+    plan_path = (sys.argv[1:] if argv is None else argv)[0]
     plan = json.loads(Path(plan_path).read_text())
     results: dict = {}
     for case in plan["cases"]:
@@ -71,4 +72,4 @@ def main(plan_path: str) -> int:
 
 
 if __name__ == "__main__":  # the async checkpoint writer re-imports __main__
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

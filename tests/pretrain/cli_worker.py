@@ -18,16 +18,17 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 
 
 def run_cases(cases: dict, root, timeout: float = 300) -> dict[str, dict]:
-    """Run `cases` in one worker process (its own session, ended with its leftovers); return the results."""
+    """Run `cases` as one pool case (`tests.pool`, one rank); return the results."""
     from pathlib import Path
 
-    from tests.pretrain.ckpt_helpers import command, log_text, run
+    from tests.pool import run_case as pool_case
+    from tests.pretrain.ckpt_helpers import log_text
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     plan, results, log = root / "cases.json", root / "results.json", root / "worker.log"
     plan.write_text(json.dumps(cases))
-    rc = run(command([], module="tests.pretrain.cli_worker", args=[str(plan), str(results)]), log, timeout=timeout)
+    rc = pool_case(1, "tests.pretrain.cli_worker", [str(plan), str(results)], log, timeout=timeout)
     assert rc == 0, log_text(log)[-4000:]
     return json.loads(results.read_text())
 
@@ -45,12 +46,13 @@ def run_case(case: list[str] | dict) -> dict:
             "traceback": r.traceback}
 
 
-def main() -> int:
-    cases = json.loads(open(sys.argv[1]).read())
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cases = json.loads(open(argv[0]).read())
     results = {}
-    for name, argv in cases.items():
-        results[name] = run_case(argv)
-        with open(sys.argv[2], "w") as f:  # written after every case: a hang still leaves the others
+    for name, case in cases.items():
+        results[name] = run_case(case)
+        with open(argv[1], "w") as f:  # written after every case: a hang still leaves the others
             json.dump(results, f, indent=1)
     return 0
 

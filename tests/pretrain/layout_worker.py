@@ -15,12 +15,13 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     from pretrain.config import load_config
     from pretrain.runtime import shutdown
     from pretrain.train import train
 
-    cases = json.loads(open(sys.argv[1]).read())
+    cases = json.loads(open(argv[0]).read())
     try:
         for case in cases:
             train(load_config(case["config"], case["overrides"]))

@@ -284,15 +284,16 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     return record
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from pretrain import compat
     from pretrain.runtime import init_distributed, shutdown
 
-    out = sys.argv[1]
+    argv = sys.argv[1:] if argv is None else argv
+    out = argv[0]
     compat.apply()
-    only = set(sys.argv[2:])
+    only = set(argv[1:])
     rt = init_distributed()
     results: dict[str, list] = {"static": [], "activations": []}
     try:

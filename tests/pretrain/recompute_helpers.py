@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.pretrain.ckpt_helpers import SMALL, command, log_text, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import SMALL, log_text
 
 SHAPE = ["data.mock=true", "model.vocab_size=4096", "model.seq_length=128", "train.micro_batch_size=2"]
 
 
 def train_and_measure(tmp: Path, config: str, cases: dict[str, list[str]]) -> dict:
-    """Train 3 steps per case (one launch: run dirs `tmp/<case>`), then count each case's bytes held for backward
+    """Train 3 steps per case (one pool case: run dirs `tmp/<case>`), then count each case's bytes held for backward
     in one forward (`tests/pretrain/recompute_worker.py`). Returns the worker's results by case name."""
     trainer = [{"config": config, "overrides": SMALL + ["train.steps=3", "checkpoint.interval=null",
                                                        "checkpoint.save_at_end=false", f"run.dir={tmp / n}", *extra]}
@@ -21,12 +22,10 @@ def train_and_measure(tmp: Path, config: str, cases: dict[str, list[str]]) -> di
             for n, extra in cases.items()]
     (tmp / "trainer.json").write_text(json.dumps(trainer))
     (tmp / "held.json").write_text(json.dumps(held))
-    rc = run(command([], module="tests.pretrain.layout_worker", args=[str(tmp / "trainer.json")]), tmp / "train.log",
-             timeout=600)
+    rc = run_case(1, "tests.pretrain.layout_worker", [str(tmp / "trainer.json")], tmp / "train.log", timeout=600)
     assert rc == 0, log_text(tmp / "train.log")[-3000:]
-    rc = run(command([], module="tests.pretrain.recompute_worker", args=[str(tmp / "held.json"),
-                                                                          str(tmp / "held_out.json")]),
-             tmp / "held.log", timeout=600)
+    rc = run_case(1, "tests.pretrain.recompute_worker", [str(tmp / "held.json"), str(tmp / "held_out.json")],
+                  tmp / "held.log", timeout=600)
     assert rc == 0, log_text(tmp / "held.log")[-3000:]
     return json.loads((tmp / "held_out.json").read_text())
 

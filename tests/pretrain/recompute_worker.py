@@ -35,7 +35,8 @@ def held_bytes(model, forward) -> tuple[int, float]:
     return held, float(loss.detach())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     from megatron.core.num_microbatches_calculator import (
         init_num_microbatches_calculator,
         unset_num_microbatches_calculator,
@@ -50,7 +51,7 @@ def main() -> int:
     from pretrain.train import forward_step
 
     compat.apply()  # as the trainer does at start-up
-    cases = json.loads(open(sys.argv[1]).read())
+    cases = json.loads(open(argv[0]).read())
     out = {}
     rt = init_distributed()
     try:
@@ -79,7 +80,7 @@ def main() -> int:
             print(f"[recompute_worker] {case['name']}: held {held} bytes, loss {loss:.6f}", flush=True)
     finally:
         shutdown()
-    open(sys.argv[2], "w").write(json.dumps(out))
+    open(argv[1], "w").write(json.dumps(out))
     return 0
 
 

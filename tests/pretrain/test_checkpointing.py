@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.pretrain.ckpt_helpers import DETERMINISTIC, SMALL, by_step, command, log_text, metrics, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import DETERMINISTIC, SMALL, by_step, log_text, metrics
 
 pytestmark = pytest.mark.mcore
 
@@ -192,7 +193,7 @@ def single_process_cases(tmp_path_factory):
     plan = root / "plan.json"
     plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
     log = root / "worker.log"
-    rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=420)
+    rc = run_case(1, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=420)
     assert rc == 0, log_text(log)[-4000:]
     return root, json.loads((root / "results.json").read_text()), marker, log_text(log)
 
@@ -367,7 +368,7 @@ def reshard_runs(tmp_path_factory):
     plan = root / "plan.json"
     plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
     log = root / "worker.log"
-    rc = run(command([], nproc=4, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=480)
+    rc = run_case(4, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=480)
     assert rc == 0, log_text(log)[-4000:]
     results = json.loads((root / "results.json").read_text())
     failed = {k: v["error"] for k, v in results.items() if not v["ok"]}

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import SMALL, command, log_text, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import SMALL, command, log_text
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +97,7 @@ def cli_results(tmp_path_factory):
         plan = root / "plan.json"
         plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
         log = root / "worker.log"
-        rc = run(command([], module="tests.pretrain.cli_failures_worker", args=[str(plan)]), log, timeout=600)
+        rc = run_case(1, "tests.pretrain.cli_failures_worker", [str(plan)], log, timeout=600)
         assert rc == 0, log_text(log)[-4000:]
         results = json.loads((root / "results.json").read_text())
         assert results["good"]["rc"] == 0 and not results["good"]["escaped"], results["good"]

@@ -26,6 +26,7 @@ from packaging.version import Version
 
 from pretrain.compat.mcore import MCORE
 from tests import tiers
+from tests.pool import run_case
 from tests.pretrain.ckpt_helpers import command as train_command
 from tests.pretrain.ckpt_helpers import deterministic, log_text, metrics, run, run_worker_cases
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
@@ -126,16 +127,23 @@ def _killed(dataset: str, root) -> list[str]:
 
 
 def _launch_world2(root, cases: list[dict], killed: bool) -> dict:
-    """The world-2 launch; when `killed`, its last case kills every rank. Every other case must succeed but the one
-    without the pin_memory shim (checked by its test). Returns the worker's results by case name."""
+    """The world-2 cases (a pool case); when `killed`, the last case kills every rank: a real launch of its own,
+    after the others. Every other case must succeed but the one without the pin_memory shim (checked by its test).
+    Returns the worker's results by case name."""
     root.mkdir()
-    plan = root / "plan2.json"
-    plan.write_text(json.dumps({"results": str(root / "results2.json"), "cases": cases}))
-    log = root / "world2.log"
-    rc = run(train_command([], nproc=2, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=900)
-    results = json.loads((root / "results2.json").read_text())
     done = cases[:-1] if killed else cases
-    assert (rc != 0) == killed and sorted(results) == sorted(c["name"] for c in done), (rc, log_text(log)[-3000:])
+    plan = root / "plan2.json"
+    plan.write_text(json.dumps({"results": str(root / "results2.json"), "cases": done}))
+    log = root / "world2.log"
+    rc = run_case(2, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=900)
+    results = json.loads((root / "results2.json").read_text())
+    assert rc == 0 and sorted(results) == sorted(c["name"] for c in done), (rc, log_text(log)[-3000:])
+    if killed:
+        plan = root / "plan2_killed.json"
+        plan.write_text(json.dumps({"results": str(root / "results2_killed.json"), "cases": cases[-1:]}))
+        log = root / "world2_killed.log"
+        rc = run(train_command([], nproc=2, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log, timeout=900)
+        assert rc != 0 and not (root / "results2_killed.json").exists(), (rc, log_text(log)[-3000:])
     failed = {k: v["error"] for k, v in results.items() if not v["ok"] and k != NO_PIN_SHIM}
     assert not failed, failed
     return results

@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import command, metrics, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import metrics
 
 pytestmark = pytest.mark.slow  # GPTDataset is on 0.19.2 in the other mcore launches; this one is start-up cost
 
@@ -37,8 +38,8 @@ def results(small_datasets, tmp_path_factory):
         case["config"] = "tiny_llama"
     (tmp / "cases.json").write_text(json.dumps(cases))
     log = tmp / "worker.log"
-    rc = run(command([], nproc=2, module="tests.pretrain.data_scale_worker",
-                     args=[str(tmp / "cases.json"), str(tmp / "out.json")]), log, timeout=600)
+    rc = run_case(2, "tests.pretrain.data_scale_worker", [str(tmp / "cases.json"), str(tmp / "out.json")], log,
+                  timeout=600)
     assert rc == 0, log.read_text()[-4000:]
     return json.loads((tmp / "out.json").read_text()), tmp, log.read_text(), bad
 

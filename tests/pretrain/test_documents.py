@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import command, log_text, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
 
 pytestmark = pytest.mark.slow
@@ -30,15 +31,14 @@ def packed_runs(tmp_path_factory):
     cases.append(case(tmp / "packed_plain", packed, seq))
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
-    rc = run(command([], module="tests.pretrain.layout_worker", args=[str(spec)]), tmp / "world1.log", timeout=600)
+    rc = run_case(1, "tests.pretrain.layout_worker", [str(spec)], tmp / "world1.log", timeout=600)
     assert rc == 0, log_text(tmp / "world1.log")[-3000:]
     # The same packed sample with the mask split by tensor parallelism (+SP) and passed to both pipeline stages.
     two = [case(tmp / "packed_tp2", packed, seq, FLAGS + ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
            case(tmp / "packed_pp2", packed, seq, FLAGS + ["parallel.pipeline=2"])]
     spec2 = tmp / "cases2.json"
     spec2.write_text(json.dumps(two))
-    rc = run(command([], nproc=2, module="tests.pretrain.layout_worker", args=[str(spec2)]), tmp / "world2.log",
-             timeout=600)
+    rc = run_case(2, "tests.pretrain.layout_worker", [str(spec2)], tmp / "world2.log", timeout=600)
     assert rc == 0, log_text(tmp / "world2.log")[-3000:]
     return tmp, {name: (tmp / f"run_{name}", n) for name, (_, n) in singles.items()}
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import command, log_text, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ def results(small_datasets, tmp_path_factory):
     plan = root / "plan.json"
     plan.write_text(json.dumps({"results": str(root / "results.json"), "cases": cases}))
     log = root / "worker.log"
-    assert run(command([], module="tests.pretrain.cli_failures_worker", args=[str(plan)]), log, timeout=600) == 0, \
+    assert run_case(1, "tests.pretrain.cli_failures_worker", [str(plan)], log, timeout=600) == 0, \
         log_text(log)[-4000:]
     return root, json.loads((root / "results.json").read_text())
 

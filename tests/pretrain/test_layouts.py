@@ -12,7 +12,9 @@ import json
 import pytest
 
 from tests import tiers
-from tests.pretrain.ckpt_helpers import command, metrics, run
+from tests.pool import run_case
+from tests.pool.reference import reference_run
+from tests.pretrain.ckpt_helpers import log_text, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
@@ -56,12 +58,10 @@ def layout_runs(tmp_path_factory, embedded_dataset):
     base = tmp_path_factory.mktemp("layouts")
     runs = {}
     for config, suffix in (("tiny_llama", "llama"), ("tiny_gpt", "gpt")):
-        ref = base / f"ref_{suffix}"
-        overrides = _common(embedded_dataset, ref)
+        overrides = _common(embedded_dataset, base / f"ref_{suffix}")
         if config == "tiny_gpt":
             overrides = _gpt_data(overrides, base)
-        assert run(command(overrides, args=["train", config, *overrides]), base / f"ref_{suffix}.log") == 0
-        runs[("ref", suffix)] = ref
+        runs[("ref", suffix)] = reference_run(config, overrides)
     for layouts, config, suffix in ((LLAMA_LAYOUTS, "tiny_llama", "llama"), (GPT_LAYOUTS, "tiny_gpt", "gpt")):
         for world, cases in layouts.items():
             cases = tiers.pick(cases, FULL & set(cases))
@@ -76,9 +76,9 @@ def layout_runs(tmp_path_factory, embedded_dataset):
                 runs[(name, suffix)] = base / name
             cases_file = base / f"{suffix}_{world}.json"
             cases_file.write_text(json.dumps(spec))
-            rc = run(command([], nproc=world, module="tests.pretrain.layout_worker", args=[str(cases_file)]),
-                     base / f"{suffix}_{world}.log", timeout=600)
-            assert rc == 0, (base / f"{suffix}_{world}.log").read_text()[-3000:]
+            log = base / f"{suffix}_{world}.log"
+            rc = run_case(world, "tests.pretrain.layout_worker", [str(cases_file)], log, timeout=600)
+            assert rc == 0, log_text(log)[-3000:]
     return runs
 
 

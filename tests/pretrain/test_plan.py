@@ -18,7 +18,9 @@ from pretrain.config import load_config
 from pretrain.flops import PEAK_TFLOPS, flops_per_token, gpu_peak_tflops
 from tests import tiers
 from tests.cli import Result, run_cli
+from tests.pool import run_case
 from tests.pretrain import plan_worker
+from tests.pretrain.ckpt_helpers import log_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -230,10 +232,9 @@ WORLDS = (2, 4) if tiers.everything() else (2,)  # world 4's layouts: `make test
 
 
 def _launch(world: int, out: Path) -> dict[str, list[dict]]:
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(ROOT / "tests/pretrain/plan_worker.py"), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = out.with_name("worker.log")
+    rc = run_case(world, "tests.pretrain.plan_worker", [str(out)], log, timeout=600)
+    assert rc == 0, log_text(log)[-4000:]
     return json.loads(out.read_text())
 
 
