@@ -121,7 +121,17 @@ def _export_tokenizer(cfg, assets: Path | None, given: str | None, original: dic
               "run named one since: exporting weights and config.json only (pass --tokenizer to add one)",
               file=sys.stderr)
         return None, None, original
-    tok = hf_tokenizer(cfg.data, given)
+    try:
+        tok = hf_tokenizer(cfg.data, given)
+    except ConversionError as exc:
+        if given is not None or record is None or not record.get("no_tokenizer"):
+            raise
+        # Imported without a tokenizer, trained with one transformers has no equivalent of (e.g. the null
+        # tokenizer of mock data): the export is what the import was, weights and config.
+        print(f"[convert] note: the model was imported from {record.get('source')} without tokenizer files and the "
+              f"run's tokenizer cannot be written for transformers ({exc}): exporting weights and config.json only "
+              "(pass --tokenizer to add one)", file=sys.stderr)
+        return None, None, original
     if original is not None and given is not None:  # the tokenizer given decides the token ids
         original = {k: v for k, v in original.items() if k not in ("bos_token_id", "eos_token_id")}
     return tok, None, original

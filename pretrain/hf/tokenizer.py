@@ -24,8 +24,18 @@ def hf_tokenizer(data_cfg, override: str | None = None):
 
     def from_path(p: Path):
         if p.is_dir():  # transformers reads the directory's files itself: each is checked first
-            return AutoTokenizer.from_pretrained(str(safe_paths.check_directory(p, "a tokenizer file")),
-                                                 local_files_only=True)
+            from pretrain.hf.assets import has_tokenizer_files
+
+            if not has_tokenizer_files(p):
+                raise ConversionError(f"--tokenizer {p}: no tokenizer files there (tokenizer.json, tokenizer.model, "
+                                      "vocab.json + merges.txt, ...)")
+            try:
+                return AutoTokenizer.from_pretrained(str(safe_paths.check_directory(p, "a tokenizer file")),
+                                                     local_files_only=True)
+            except (OSError, ValueError, TypeError, KeyError) as exc:  # transformers' own refusals, one line
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConversionError(f"--tokenizer {p}: transformers cannot load a tokenizer from it: {first}") \
+                    from None
         if p.suffix == ".model":
             return from_sentencepiece(p)
         if p.suffix == ".json":

@@ -236,3 +236,35 @@ def test_hf_configs_that_do_not_fit_are_one_line(tmp_path, capsys):
                                    ("--iteration", "-1", "--iteration -1: must be at least 0")):
         assert main(["to-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "x"), option, value]) == 1
         assert _one_line(capsys) == message
+
+
+def test_export_of_a_tokenizerless_import_trained_with_the_null_tokenizer(tmp_path, capsys):
+    """A model imported without tokenizer files and trained on mock data (the null tokenizer, which transformers has
+    no equivalent of): to-hf without --tokenizer exports weights + config.json with a note, as the import was; a
+    --tokenizer directory without tokenizer files is one line, exit 1, nothing written."""
+    src = _tiny(tmp_path / "src")
+    ckpt = tmp_path / "ckpt"
+    assert main(["from-hf", "--hf", str(src), "--output", str(ckpt), "--no-progress"]) == 0
+    run_config = ckpt / "run_config.yaml"  # what a run trained with data.mock=true records
+    run_config.write_text(run_config.read_text().replace("tokenizer_type: sentencepiece",
+                                                         "tokenizer_type: NullTokenizer"))
+    capsys.readouterr()
+    hf = tmp_path / "hf"
+    assert main(["to-hf", "--checkpoint", str(ckpt), "--output", str(hf), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "without tokenizer files and the run's tokenizer cannot be written for transformers" in err, err
+    assert sorted(p.name for p in hf.iterdir()) == sorted(p.name for p in src.iterdir())
+
+    empty, partial = tmp_path / "empty", tmp_path / "partial"
+    empty.mkdir()
+    partial.mkdir()
+    (partial / "tokenizer_config.json").write_text("{}")  # a tokenizer's settings without its vocabulary
+    for given, line in ((empty, "no tokenizer files there (tokenizer.json, tokenizer.model, vocab.json + merges.txt, "
+                                "...)"),
+                        (partial, "transformers cannot load a tokenizer from it: Couldn't instantiate the backend")):
+        out = tmp_path / f"hf_{given.name}"
+        assert main(["to-hf", "--checkpoint", str(ckpt), "--output", str(out), "--tokenizer", str(given),
+                     "--no-progress"]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"[convert] error: --tokenizer {given}: {line}"), lines
+        assert not out.exists()
