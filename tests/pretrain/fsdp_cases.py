@@ -116,7 +116,10 @@ def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str =
         if tag == "_killed":
             return run(command([], nproc=world, module="tests.pretrain.ckpt_worker", args=[str(plan)]), log,
                        timeout=timeout)
-        return run_case(world, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=timeout)
+        try:
+            return run_case(world, "tests.pretrain.ckpt_worker", [str(plan)], log, timeout=timeout)
+        except AssertionError:  # the pool died (a rank aborted) or timed out: an exit status, as a launch gives
+            return 1
 
     plan = root / f"plan{world}{tag}.json"
     results = root / f"results{world}{tag}.json"
