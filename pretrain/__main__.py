@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "validate":
-        from pretrain.runtime import env_world_size
+        from pretrain.run.runtime import env_world_size
         from pretrain.validate import validate
 
         p = cfg.parallel
@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         if not report.ok:
             return 2
-        from pretrain.data_check import store_verdicts
+        from pretrain.data.check import store_verdicts
 
         store_verdicts(cfg, report, create=False)  # into an existing cache only: validate creates no run.dir
         if args.check_lock:
-            from pretrain.output_lock import run_outputs_held
+            from pretrain.run.output_lock import run_outputs_held
 
             held = run_outputs_held(cfg)
             if held:

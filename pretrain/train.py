@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import compat, output_lock, setup
+from pretrain import compat
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
 from pretrain.config import Config
-from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
+from pretrain.run import output_lock, setup
+from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.validate import ValidationFailed, validate
 
 
@@ -53,8 +54,8 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One microbatch through one model chunk (Megatron-Core schedule callback).
 
-    Packed documents (THD, `pretrain.data.pack_documents`) arrive already cut to this CP rank; other batches are
-    cut here (a copy: interleaved model chunks read the same microbatch)."""
+    Packed documents (THD, `pretrain.data.datasets.pack_documents`) arrive already cut to this CP rank; other
+    batches are cut here (a copy: interleaved model chunks read the same microbatch)."""
     batch = next(data_iterator)
     packed = batch.get("packed_seq_params")
     if packed is None:
@@ -208,7 +209,7 @@ class _StepMetrics:
     """The per-step metrics record on the rank that holds the loss: throughput, TFLOP/s, MFU, memory."""
 
     def __init__(self, cfg: Config, run):
-        from pretrain.flops import flops_per_token, gpu_peak_tflops
+        from pretrain.observe.flops import flops_per_token, gpu_peak_tflops
 
         self.cfg, self.run = cfg, run
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
@@ -217,7 +218,7 @@ class _StepMetrics:
 
     def write(self, step: int, loss: float, grad_norm: float, step_time: float, consumed: int, extra: dict) -> None:
         """Write the step's record (and print it every logging.log_interval steps and at the last one)."""
-        from pretrain.metrics import format_step_line
+        from pretrain.observe.metrics import format_step_line
 
         run, total = self.run, self.cfg.train.steps
         record = {
@@ -246,7 +247,7 @@ def _microbatch_runner(cfg: Config, run):
     forward/backward schedule (every batch checked when some dataset's ids could not be checked up front)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pretrain.data import DataError, checked_microbatches
+    from pretrain.data.datasets import DataError, checked_microbatches
 
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
@@ -274,10 +275,10 @@ def _microbatch_runner(cfg: Config, run):
 
 
 def document_packing(cfg: Config, run):
-    """`pretrain.data.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
+    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
     from megatron.core import parallel_state as ps
 
-    from pretrain.data import DocumentPacking
+    from pretrain.data.datasets import DocumentPacking
 
     if not cfg.data.reset_attention_mask:
         return None
@@ -288,10 +289,10 @@ def document_packing(cfg: Config, run):
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
-    from pretrain.data import check_data_files_once
-    from pretrain.data_check import store_verdicts
-    from pretrain.run_dir import write_config
-    from pretrain.runtime import any_rank_error, env_world_size, init_distributed
+    from pretrain.data.check import store_verdicts
+    from pretrain.data.datasets import check_data_files_once
+    from pretrain.run.run_dir import write_config
+    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
 
     # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
     # on rank 0 only, its verdict shared (all problems are reported together, by every rank).
@@ -429,8 +430,8 @@ def main(cfg: Config) -> int:
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
-    from pretrain.run_dir import environment_error, exception_summary, os_error_line, record_failure, report_failure
-    from pretrain.runtime import shutdown
+    from pretrain.run.run_dir import environment_error, exception_summary, os_error_line, record_failure, report_failure
+    from pretrain.run.runtime import shutdown
 
     try:
         train(cfg)

@@ -38,7 +38,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
 
     `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
     `data_files=False`: the data rules that open no dataset file (the trainer checks the files on one rank and
-    shares the verdict: `pretrain.data.check_data_files_once`).
+    shares the verdict: `pretrain.data.datasets.check_data_files_once`).
     `gpu_dry_run` (`validate --world-size N`): on a machine without CUDA, check the job as it runs on GPUs with
     Transformer Engine; what only this machine could not run becomes notes.
     """

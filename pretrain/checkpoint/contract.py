@@ -152,9 +152,9 @@ def _identity(tokenizer_type: str | None, model: str | None, vocab: str | None, 
 
 
 def _run_identity(cfg):
-    """The identity of the tokenizer `cfg` trains with (`pretrain.data_check.run_tokenizer_identity`: the null
+    """The identity of the tokenizer `cfg` trains with (`pretrain.data.check.run_tokenizer_identity`: the null
     tokenizer of a mock run without files, else its files)."""
-    from pretrain.data_check import run_tokenizer_identity, uses_null_tokenizer
+    from pretrain.data.check import run_tokenizer_identity, uses_null_tokenizer
 
     if uses_null_tokenizer(cfg.data):
         return run_tokenizer_identity(cfg)

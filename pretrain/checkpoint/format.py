@@ -126,7 +126,7 @@ def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> No
 
 def agree(error: CheckpointError | None) -> None:
     """Raise the same error on every rank when a check failed on any rank (none is left waiting in a collective)."""
-    from pretrain.runtime import any_rank_error
+    from pretrain.run.runtime import any_rank_error
 
     message = any_rank_error(None if error is None else str(error))
     if message is not None:

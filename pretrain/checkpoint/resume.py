@@ -90,8 +90,8 @@ def _finish_interrupted_commit(root: Path) -> str | None:
 
 def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | None:
     """A complete checkpoint of this run newer than `step` (the newest in `root`) in another checkpoint root this
-    run dir saved to (`pretrain.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
-    from pretrain.run_dir import checkpoint_roots
+    run dir saved to (`pretrain.run.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
+    from pretrain.run.run_dir import checkpoint_roots
 
     best = None
     for other in checkpoint_roots(cfg):

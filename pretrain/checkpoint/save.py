@@ -57,9 +57,9 @@ def start_writer_helper() -> None:
     first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
     time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
     fails (EOFError). Here the same Manager is started with those signals blocked in its server process
-    (its initializer runs before the server starts threads; it imports only `pretrain.child_processes`, which
+    (its initializer runs before the server starts threads; it imports only `pretrain.run.child_processes`, which
     is standard library). The trainer keeps its own handlers: it saves and exits on them. The Manager and
-    every writer this process forks die with it (`pretrain/child_processes.py`), also on `kill -9`.
+    every writer this process forks die with it (`pretrain/run/child_processes.py`), also on `kill -9`.
     """
     global _WRITER_MANAGER
     import multiprocessing as mp
@@ -67,7 +67,7 @@ def start_writer_helper() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.child_processes import die_with_this_process, parent_death_signal
+    from pretrain.run.child_processes import die_with_this_process, parent_death_signal
 
     die_with_this_process()  # the forked writers too: none outlives a killed trainer
     # Its error lines ("Local process 0 encountered an error: ...") repeat what the save's CheckpointError says.
@@ -265,7 +265,7 @@ def check_writable(cfg) -> None:
 
 def save_failed(path: Path | None, exc: BaseException) -> CheckpointError:
     """The one-line error for a save that failed while writing (e.g. the disk is full)."""
-    from pretrain.run_dir import write_failure
+    from pretrain.run.run_dir import write_failure
 
     why = write_failure(exc, path) if path is not None else None
     return CheckpointError(f"{path}: saving the checkpoint failed: {why or reason(exc)}; nothing was committed")

@@ -57,8 +57,8 @@ def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
 
 
 def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Data sources, tokenizer and dataset files (pretrain/data_check.py), and the pretrained checkpoint."""
-    from pretrain.data_check import check_data_config, check_data_files
+    """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint."""
+    from pretrain.data.check import check_data_config, check_data_files
 
     check_data_files(cfg, r, check_data_config(cfg, r))
     _check_pretrained(cfg, r)
@@ -66,8 +66,8 @@ def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
 
 
 def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data`)."""
-    from pretrain.data_check import check_data_config
+    """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data.datasets`)."""
+    from pretrain.data.check import check_data_config
 
     check_data_config(cfg, r)
     _check_pretrained(cfg, r)

@@ -4,7 +4,7 @@ model sizes (null = derived) are positive when given.
 `model.vocab_size` smaller than the tokenizer's vocabulary passed validation and then died in the first step
 with an `IndexError`. It is refused here, naming both sizes: for real data always (a dataset holds the tokenizer's
 ids), for mock data when it is below the ids `MockGPTDataset` draws (1 to 4095, and EOD). The data check
-(`pretrain/data_check.py: check_tokenizer`) calls `vocab_covers_tokenizer` with the tokenizer it loaded, and
+(`pretrain/data/check.py: check_tokenizer`) calls `vocab_covers_tokenizer` with the tokenizer it loaded, and
 `convert from-hf` runs the same check on the config it writes.
 """
 

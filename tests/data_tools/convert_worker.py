@@ -29,7 +29,7 @@ def megatron_logits(*jobs: str) -> None:
     from pretrain.config import config_from_dict
     from pretrain.hf.readers import CheckpointReader
     from pretrain.layout import derive_layout, resolve_vocab_size
-    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
 
     compat.apply()
     init_distributed()

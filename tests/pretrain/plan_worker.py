@@ -250,8 +250,8 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     from pretrain import plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
-    from pretrain.runtime import init_model_parallel
-    from pretrain.setup import build_optimizer, wrap_with_ddp
+    from pretrain.run.runtime import init_model_parallel
+    from pretrain.run.setup import build_optimizer, wrap_with_ddp
 
     cfg = load_config(config, overrides)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from pretrain import compat
-    from pretrain.runtime import init_distributed, shutdown
+    from pretrain.run.runtime import init_distributed, shutdown
 
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0]

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.data_cache import data_cache_dir  # noqa: F401 (also imported from here)
-from pretrain.data_check import parse_blend, uses_mock, uses_null_tokenizer
+from pretrain.data.cache import data_cache_dir  # noqa: F401 (also imported from here)
+from pretrain.data.check import parse_blend, uses_mock, uses_null_tokenizer
 
 
 class DataError(RuntimeError):
@@ -49,10 +49,10 @@ def _blend(items: list | None):
 
 
 def check_data_files_once(cfg, report, device=None) -> None:
-    """The dataset-file part of pre-flight validation (`pretrain.data_check.check_data_files`: files, index,
+    """The dataset-file part of pre-flight validation (`pretrain.data.check.check_data_files`: files, index,
     `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
     broadcast and added to every rank's `report`, so one process opens the files instead of all of them."""
-    from pretrain.data_check import check_data_files, used_blends
+    from pretrain.data.check import check_data_files, used_blends
     from pretrain.problems import Report
 
     verdict, failure = None, None
@@ -81,7 +81,7 @@ def check_data_files_once(cfg, report, device=None) -> None:
 
 def _report_cache(log, cache: str, seconds: float, before, removed: list[str], built: bool = True) -> None:
     """The removed cache entries and (`built`) what the build wrote or read."""
-    from pretrain.data_cache import CacheState
+    from pretrain.data.cache import CacheState
 
     for name in removed:
         log(f"[pretrain] data: removed the index cache entry {name}; rebuilding it")
@@ -149,7 +149,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     sizes = [num_train_samples, num_eval_samples, 0]
     first = not dist.is_initialized() or dist.get_rank() == 0
     if first:
-        from pretrain.data_cache import CacheState, remove_truncated
+        from pretrain.data.cache import CacheState, remove_truncated
 
         removed = remove_truncated(cache)
         before = CacheState.read(cache)  # after the removal: a rebuilt entry counts as built

@@ -23,7 +23,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
-from pretrain.data_cache import data_cache_dir
+from pretrain.data.cache import data_cache_dir
 from pretrain.dataset_format.verdicts import entry as verdict_entry
 from pretrain.layout import resolve_vocab_size
 from pretrain.rules.vocab import vocab_covers_tokenizer
