@@ -25,11 +25,13 @@ import torch.distributed as dist
 from pretrain import compat
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
+from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
-from pretrain.validate import ValidationFailed, validate
+from pretrain.run_plan import resolve
+from pretrain.validate import ValidationFailed
 
 
 class TrainingStopped(RuntimeError):
@@ -128,6 +130,11 @@ class StopRequests:
         return None, None
 
 
+def checkpoint_context(run) -> CheckpointContext:
+    """What save, load and resume act on: the run's model chunks, optimizer, schedule and plan."""
+    return CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
+
+
 def log0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -175,7 +182,7 @@ class _Saves:
             return
         t0 = time.perf_counter()
         run = self.run
-        path = checkpoint_save.save_checkpoint(self.cfg, run.model, run.optimizer, run.scheduler, step=step,
+        path = checkpoint_save.save_checkpoint(checkpoint_context(run), step=step,
                                                consumed_samples=consumed, async_saves=self.async_saves)
         self.last_saved = step
         how = "started async save of" if self.async_saves is not None else "saved"
@@ -296,18 +303,19 @@ def train(cfg: Config) -> dict:
 
     # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
     # on rank 0 only, its verdict shared (all problems are reported together, by every rank).
-    problems = validate(cfg, world_size=env_world_size(), data_files=False)
+    plan = resolve(cfg, env_world_size(), data_files=False)  # the config resolved once: layout, tokenizer, data
+    problems = plan.problems
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
-    check_data_files_once(cfg, problems, rt.device)
+    check_data_files_once(cfg, problems, rt.device, plan.tokenizer)
     if problems.errors:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
-    run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
+    run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
         store_verdicts(cfg, problems)
 
@@ -318,7 +326,7 @@ def train(cfg: Config) -> dict:
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
     # directory that cannot be written is found now, not at the first save.
     checkpoint_save.check_writable(cfg)
-    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(checkpoint_context(run), log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:

@@ -155,8 +155,7 @@ class AsyncSaves:
         self.pending = self.pending_path = None
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
-                    async_saves: AsyncSaves | None = None) -> Path:
+def save_checkpoint(ctx, *, step: int, consumed_samples: int, async_saves: AsyncSaves | None = None) -> Path:
     """Save a checkpoint for `step` (all ranks call this); the tracker moves once it is complete.
 
     With `async_saves` the tensors are written by a background process and the checkpoint is committed
@@ -164,6 +163,7 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    cfg, model = ctx.cfg, ctx.model
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
     start_writer_helper()
@@ -177,12 +177,10 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
             error = exc
     agree(error)
     fsdp = fsdp_format.is_fsdp(model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
-    state = None if fsdp else sharded_state(cfg, model, optimizer, scheduler, step=step,
-                                            consumed_samples=consumed_samples,
+    state = None if fsdp else sharded_state(ctx, step=step, consumed_samples=consumed_samples,
                                             with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
     try:
-        request = fsdp_format.save_request(cfg, model, optimizer, scheduler, path, step=step,
-                                           consumed_samples=consumed_samples) if fsdp else None
+        request = fsdp_format.save_request(ctx, path, step=step, consumed_samples=consumed_samples) if fsdp else None
         if async_saves is None:
             if fsdp:
                 request.execute_sync()

@@ -28,10 +28,11 @@ class DataError(RuntimeError):
     """Training data that cannot be used as read (e.g. a token id outside the model's vocabulary)."""
 
 
-def build_tokenizer(data_cfg, vocab_size: int | None = None):
+def build_tokenizer(data_cfg, vocab_size: int | None = None, null: bool | None = None):
     """The run's tokenizer: the named files, the embedded Mistral / GPT-2 files when no path is given, or for mock
-    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids."""
-    if uses_null_tokenizer(data_cfg):
+    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids. `null`: that decision,
+    already taken (`pretrain.run_plan.TokenizerPlan.null`); None: taken here."""
+    if null if null is not None else uses_null_tokenizer(data_cfg):
         from pretrain.tokenizer.null import null_tokenizer
         from pretrain.tokenizer.types import TokenizerError
 
@@ -48,7 +49,7 @@ def _blend(items: list | None):
     return parse_blend(items) if items else None
 
 
-def check_data_files_once(cfg, report, device=None) -> None:
+def check_data_files_once(cfg, report, device=None, tokenizer=None) -> None:
     """The dataset-file part of pre-flight validation (`pretrain.data.check.check_data_files`: files, index,
     `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
     broadcast and added to every rank's `report`, so one process opens the files instead of all of them."""
@@ -59,7 +60,8 @@ def check_data_files_once(cfg, report, device=None) -> None:
     if dist.get_rank() == 0:
         verdict = Report(report.world_size)
         try:
-            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)))
+            ident = tokenizer.identity if tokenizer is not None else None  # the run plan's, not loaded again
+            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)), ident)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
             failure = exc
             verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pretrain.config import Config
-from pretrain.layout import Layout, derive_layout
+from pretrain.layout import Layout
 from pretrain.problems import Report
 from pretrain.run.run_dir import StorageError
 
@@ -24,6 +24,7 @@ class Run:
     """What set-up builds for the loop (filled in by `start_run`, `build_training` and `build_data`)."""
 
     rt: Any  # pretrain.run.runtime.Runtime
+    plan: Any  # pretrain.run_plan.RunPlan
     problems: Report
     tokenizer: Any
     layout: Layout
@@ -161,8 +162,9 @@ def initialize_tp_comm_overlap(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def start_run(cfg: Config, rt, problems: Report, log) -> Run:
-    """Tokenizer, derived layout, model-parallel groups, microbatch calculator, and the run dir marked running."""
+def start_run(plan, rt, log) -> Run:
+    """Tokenizer (as `plan` decided it), model-parallel groups of `plan.layout`, microbatch calculator, and the run
+    dir marked running."""
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import (
         get_num_microbatches,
@@ -174,13 +176,15 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
     from pretrain.run.run_dir import prepare_run_dir
     from pretrain.run.runtime import any_rank_error, init_model_parallel
 
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
-    layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+    cfg, layout, problems = plan.cfg, plan.layout, plan.problems
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, null=plan.tokenizer.null)
+    if layout.vocab_size != tokenizer.vocab_size and not cfg.model.vocab_size:  # the plan read the same files
+        raise RuntimeError(f"tokenizer changed while the run started: {layout.vocab_size} → {tokenizer.vocab_size}")
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train
     unset_num_microbatches_calculator()
     init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, layout.dp)
-    run = Run(rt=rt, problems=problems, tokenizer=tokenizer, layout=layout,
+    run = Run(rt=rt, plan=plan, problems=problems, tokenizer=tokenizer, layout=layout,
               num_microbatches=get_num_microbatches(), dp_rank=ps.get_data_parallel_rank())
     run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
     if run_dir_error:

@@ -159,7 +159,7 @@ def reset_state() -> None:
     # inside one must not leave a fix or shim switched off for the next.
     megatron_fixes._DISABLED.clear()
     fsdp_cpu._DISABLED.clear()
-    cpu_shims._SWITCHED_OFF.clear()
+    cpu_shims._PATCHES.disabled.clear()
     compat.apply()
     output_lock.release_all()
     gc.collect()

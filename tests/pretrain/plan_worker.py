@@ -158,7 +158,7 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
 ]  # fmt: skip
 
 # Mock data with no tokenizer file of a type that embeds none: the null tokenizer of model.vocab_size ids, so the
-# small vocabularies above need no embedding rows beyond their own (the vocabulary rule, pretrain/rules/vocab.py).
+# small vocabularies above need no embedding rows beyond their own (the vocabulary rule, pretrain/data/vocab.py).
 RUN = ["data.mock=true", "data.tokenizer_type=huggingface", "data.tokenizer_model=null", "train.steps=1",
        "optimizer.warmup_steps=0", "checkpoint.save_at_end=false",
        "checkpoint.interval=null", "logging.tensorboard=false", "train.eval_interval=null"]  # fmt: skip
