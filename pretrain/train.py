@@ -28,6 +28,7 @@ from pretrain.checkpoint import save as checkpoint_save
 from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
+from pretrain.observe.observers import Observers, StepResult, build_observers
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.run_plan import resolve
@@ -172,8 +173,8 @@ class _Saves:
     """Checkpoints during the loop: periodic and final saves (a step is saved once), asynchronous commits, and
     the stop decision all ranks agree on (signal or time limit), with the reason the run ends."""
 
-    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None):
-        self.cfg, self.run, self.stops, self.last_saved = cfg, run, stops, last_saved
+    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None, observers: Observers):
+        self.cfg, self.run, self.stops, self.last_saved, self.observers = cfg, run, stops, last_saved, observers
         self.async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
         self.reason, self.signal_name = "completed", None
 
@@ -187,6 +188,7 @@ class _Saves:
         self.last_saved = step
         how = "started async save of" if self.async_saves is not None else "saved"
         log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
+        self.observers.checkpoint(step, path)
 
     def save_or_stop(self, step: int, consumed: int) -> bool:
         """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
@@ -210,43 +212,6 @@ class _Saves:
         """After an error: a save in flight stays uncommitted; the previous one is used."""
         if self.async_saves is not None:
             self.async_saves.abort()
-
-
-class _StepMetrics:
-    """The per-step metrics record on the rank that holds the loss: throughput, TFLOP/s, MFU, memory."""
-
-    def __init__(self, cfg: Config, run):
-        from pretrain.observe.flops import flops_per_token, gpu_peak_tflops
-
-        self.cfg, self.run = cfg, run
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_tok = flops_per_token(cfg.model, run.layout.padded_vocab)
-        self.peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if run.rt.on_gpu else None
-
-    def write(self, step: int, loss: float, grad_norm: float, step_time: float, consumed: int, extra: dict) -> None:
-        """Write the step's record (and print it every logging.log_interval steps and at the last one)."""
-        from pretrain.observe.metrics import format_step_line
-
-        run, total = self.run, self.cfg.train.steps
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": run.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "consumed_samples": consumed,
-        }
-        record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / run.rt.world_size
-        record["tflops_per_gpu"] = self.flops_tok * record["tokens_per_s_per_gpu"] / 1e12
-        if self.peak:
-            record["mfu"] = record["tflops_per_gpu"] / self.peak
-        if run.rt.on_gpu:
-            record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        record.update(extra)  # the slowest ranks' compute/wait split, MoE routing
-        run.writer.write(record)
-        if step % self.cfg.logging.log_interval == 0 or step == total:
-            print("[pretrain] " + format_step_line(record, total), flush=True)
 
 
 def _microbatch_runner(cfg: Config, run):
@@ -341,22 +306,20 @@ def train(cfg: Config) -> dict:
     setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
-    metrics = _StepMetrics(cfg, run)
-    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None)
+    observers = build_observers(cfg, run)  # profiler window, rank timing, MoE routing, the step record and its sinks
+    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
     t = cfg.train
 
     # 5. Steps.
     try:
         while step < t.steps:
             started = time.perf_counter()
-            profiler.step_begin(step + 1)
-            run.timing.begin(step + 1)
+            observers.step_start(step + 1)
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             losses = run_microbatches(consumed, False, run.train_ds)
             loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
-            moe_record = run.moe.step(run.num_microbatches) if run.moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -364,6 +327,7 @@ def train(cfg: Config) -> dict:
                         f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last checkpoint "
                         f"is intact; lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
+                observers.step_skipped(step + 1)
                 consumed += t.global_batch_size
                 step += 1
                 if saves.save_or_stop(step, consumed):
@@ -378,11 +342,7 @@ def train(cfg: Config) -> dict:
                                       "(train.nan_policy=stop). The last checkpoint is intact.")
             step += 1
             consumed += t.global_batch_size
-            step_time = time.perf_counter() - started
-            timing_fields = run.timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
-            profiler.step_end(step)
-            if run.writer is not None:
-                metrics.write(step, loss, grad_norm, step_time, consumed, {**timing_fields, **moe_record})
+            observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
                 evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
@@ -401,9 +361,7 @@ def train(cfg: Config) -> dict:
             exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
-        profiler.close(step)
-        if run.writer is not None:
-            run.writer.close()
+        observers.close(step)
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")

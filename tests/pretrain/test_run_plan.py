@@ -1,5 +1,6 @@
 """The run is resolved once (`pretrain.run_plan`): one layout and one tokenizer resolution per process for a
-training run, a resumed one included, at DP2 through the CLI."""
+training run, a resumed one included, at DP2 through the CLI; and an observer registered in
+`pretrain.observe.observers.INSTRUMENTS` is told of every step, checkpoint and the exit, with no edit of the loop."""
 
 from __future__ import annotations
 
@@ -26,4 +27,8 @@ def test_layout_and_tokenizer_are_resolved_once_per_process(tmp_path):
     for name in cases:
         for rank in (0, 1):
             got = json.loads((tmp_path / f"{name}.rank-{rank}.json").read_text())
-            assert got == {"rc": 0, "resolutions": {"layout": 1, "tokenizer": 1}}, (name, rank, got)
+            assert got["rc"] == 0 and got["resolutions"] == {"layout": 1, "tokenizer": 1}, (name, rank, got)
+            steps = [1, 2] if name == "fresh" else [3]
+            expected = [e for s in steps for e in (["start", s], ["end", s, []])]
+            expected += [["checkpoint", steps[-1], f"iter_{steps[-1]:07d}"], ["close", steps[-1]]]
+            assert got["events"] == expected, (name, rank, got["events"])
