@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "validate":
         from pretrain.run.runtime import env_world_size
-        from pretrain.validate import validate
+        from pretrain.run_plan import resolve
 
         p = cfg.parallel
         world = args.world_size
         if world is None:
             world = env_world_size() if "WORLD_SIZE" in __import__("os").environ else p.tensor * p.pipeline * p.context
         # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
-        report = validate(cfg, world, gpu_dry_run=args.world_size is not None)
+        report = resolve(cfg, world, gpu_dry_run=args.world_size is not None).problems
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)

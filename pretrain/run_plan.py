@@ -75,13 +75,12 @@ def resolve_tokenizer(cfg: Config) -> TokenizerPlan | None:
     """Decide the run's tokenizer (the one owner of that decision); None when its files cannot be read (validation
     reports why)."""
     from pretrain.data.check import run_tokenizer_identity, uses_null_tokenizer
-    from pretrain.tokenizer.types import TokenizerError
 
     RESOLUTIONS["tokenizer"] += 1
     null = uses_null_tokenizer(cfg.data)
     try:
         identity = run_tokenizer_identity(cfg)
-    except (TokenizerError, OSError):
+    except Exception:  # noqa: BLE001 - unusable tokenizer settings or files: validation reports why, in one line
         identity = None
     return TokenizerPlan(null=null, identity=identity)
 
@@ -101,7 +100,8 @@ def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate
 
     tokenizer = resolve_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else None
-    problems, layout = check(cfg, world_size, vocab_size=vocab, data_files=data_files, **validate_kwargs)
+    problems, layout = check(cfg, world_size, vocab_size=vocab, tokenizer=tokenizer.identity if tokenizer else None,
+                             data_files=data_files, **validate_kwargs)
     return RunPlan(cfg=cfg, world_size=world_size, layout=layout, tokenizer=tokenizer, data=_data_plan(cfg),
                    problems=problems)
 

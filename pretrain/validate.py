@@ -10,6 +10,8 @@ own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The trainer 
 
 from __future__ import annotations
 
+from functools import partial
+
 from pretrain.config import Config
 from pretrain.layout import Layout, LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
@@ -33,9 +35,10 @@ def validate(cfg: Config, world_size: int, **kwargs) -> Report:
 
 def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
           files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
-          vocab_size: int | None = None) -> tuple[Report, Layout | None]:
+          vocab_size: int | None = None, tokenizer=None) -> tuple[Report, Layout | None]:
     """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
-    sizes hold none). Never raises for config problems. `vocab_size`: the tokenizer's (`pretrain.run_plan`).
+    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`: the tokenizer's vocabulary and
+    identity, resolved once by `pretrain.run_plan` (the data check then loads no tokenizer again).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -66,7 +69,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, bounds_rules]
     if files:
-        rules.append(data_rules if data_files else data_config_rules)
+        rules.append(partial(data_rules, tokenizer=tokenizer) if data_files else data_config_rules)
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.

@@ -56,11 +56,11 @@ def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                 "set checkpoint.keep_last=null to keep every checkpoint")
 
 
-def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
     """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint."""
     from pretrain.data.check import check_data_config, check_data_files
 
-    check_data_files(cfg, r, check_data_config(cfg, r))
+    check_data_files(cfg, r, check_data_config(cfg, r), tokenizer)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
