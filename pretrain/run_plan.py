@@ -79,7 +79,7 @@ def resolve_tokenizer(cfg: Config) -> TokenizerPlan | None:
     RESOLUTIONS["tokenizer"] += 1
     null = uses_null_tokenizer(cfg.data)
     try:
-        identity = run_tokenizer_identity(cfg)
+        identity = run_tokenizer_identity(cfg, null)
     except Exception:  # noqa: BLE001 - unusable tokenizer settings or files: validation reports why, in one line
         identity = None
     return TokenizerPlan(null=null, identity=identity)

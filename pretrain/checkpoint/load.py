@@ -20,7 +20,6 @@ from pretrain.checkpoint.format import (
 )
 from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, set_rng_state, sharded_state, unwrap
 from pretrain.compat import mcore
-from pretrain.layout import resolve_vocab_size
 
 
 def _model_config_diff(cfg, common: dict) -> str:
@@ -38,8 +37,9 @@ def _optimizer_config_diff(cfg, common: dict) -> str:
     return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
 
 
-def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
-    """What this rank will load exists in the checkpoint with the right shape and safe contents."""
+def _check_requested(cfg, path: Path, index, common: dict, state: dict, vocab: int) -> None:
+    """What this rank will load exists in the checkpoint with the right shape and safe contents (`vocab`: the run's
+    true vocabulary, from its plan)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -57,7 +57,6 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
             if item.allow_shape_mismatch and item.key.endswith(VOCAB_PADDED_KEYS):
-                vocab = resolve_vocab_size(cfg)
                 if tuple(found.size[1:]) != tuple(item.global_shape[1:]) or found.size[0] < vocab:
                     raise CheckpointError(
                         f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
@@ -128,7 +127,7 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
             state.pop("optimizer", None)
         state.pop("opt_param_scheduler", None)  # the schedule is this config's (contract.apply_new_schedule)
         fills = optimizer_forms.map_keys(state, index)
-        _check_requested(cfg, path, index, common, state)
+        _check_requested(cfg, path, index, common, state, ctx.plan.layout.vocab_size)
     except CheckpointError as exc:
         error = exc
     agree(error)

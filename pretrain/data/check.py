@@ -133,13 +133,13 @@ def uses_null_tokenizer(d: DataConfig) -> bool:
     return falls_back_to_null(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, uses_mock(d))
 
 
-def run_tokenizer_identity(cfg: Config):
+def run_tokenizer_identity(cfg: Config, null: bool | None = None):
     """The identity of the tokenizer a run of `cfg` trains with: the null tokenizer of a mock run without files
     (None when model.vocab_size is unknown), else the named or embedded files (`TokenizerError` when unusable).
-    What a checkpoint records and a resume compares."""
+    What a checkpoint records and a resume compares. `null`: `uses_null_tokenizer`, when already decided."""
     from pretrain.tokenizer.identity import describe_tokenizer
 
-    if uses_null_tokenizer(cfg.data):
+    if (null if null is not None else uses_null_tokenizer(cfg.data)):
         return null_identity(cfg.model.vocab_size) if cfg.model.vocab_size else None
     ttype, model, vocab, merges, _ = tokenizer_args(cfg.data)
     return describe_tokenizer(ttype, model, vocab, merges)
