@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("plan", "report"):  # their own parsers (and their own -h)
         import importlib
 
-        return importlib.import_module(f"pretrain.{command}").main(rest)
+        module = {"plan": "pretrain.plan", "report": "pretrain.observe.report"}[command]
+        return importlib.import_module(module).main(rest)
     # Options and overrides in any order: `validate CONFIG --world-size 64 data.mock=true`.
     args = commands[command].parse_intermixed_args(rest)
     args.command = command
