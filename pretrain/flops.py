@@ -13,8 +13,8 @@ B = global batch (sequences), s = sequence length, L = layers, h = hidden, a = h
 d = head dim, f = FFN size, V = padded vocabulary. Divide by B·s for FLOPs per token. This is the
 formula of Megatron-LM's `num_floating_point_operations` (with its causal halving) for dense models.
 Activation recomputation is not counted: MFU measures useful model FLOPs. Sliding-window attention
-(`model.sliding_window` W < s) replaces s/2 by the keys a query sees, W − W²/(2s) on windowed layers, averaged
-over the layers (`model_providers.core.windows.mean_attended_keys`): the s×W term instead of s²/2.
+(`model.sliding_window` W < s) replaces s/2 by the keys a query sees, W − W(W − 1)/(2s) − 1/2 on windowed
+layers, averaged over the layers (`model_providers.core.windows.mean_attended_keys`): the s×W term instead of s²/2.
 
 MoE (`model.num_moe_experts`): FLOPs follow the *active* parameters. The MLP term becomes
 `k · (f_e/h) · (3/2 if gated else 1)` (each token runs its top-k experts of size f_e = moe_ffn_hidden_size)

@@ -52,13 +52,15 @@ def windowed_layers(m: Any) -> list[bool]:
 
 
 def mean_attended_keys(m: Any) -> float:
-    """Keys a query attends to, averaged over queries and decoder layers, in Megatron's causal accounting: s/2 for
-    a full layer; W − W²/(2s) for a window W < s (queries before position W see all earlier keys, the rest W),
-    which is s/2 at W = s. The FLOPs of the score and attention-value GEMMs follow it (`pretrain/flops.py`)."""
+    """Keys a query attends to, averaged over queries and decoder layers, in Megatron's causal accounting (the
+    (query, key) pairs less half the diagonal, s²/2 for a full layer): s/2 for a full layer; on a window W < s,
+    (Σᵢ min(i + 1, W) − s/2)/s = W − W(W − 1)/(2s) − 1/2, which is s/2 at W = s. The FLOPs of the score and
+    attention-value GEMMs follow it (`pretrain/flops.py`)."""
     s = m.seq_length
     size = window_size(m)
     if size is None:
         return s / 2
     w = size[0] + 1
     windowed = sum(windowed_layers(m))
-    return (windowed * (w - w * w / (2 * s)) + (m.num_layers - windowed) * s / 2) / m.num_layers
+    keys = w - w * (w - 1) / (2 * s) - 0.5
+    return (windowed * keys + (m.num_layers - windowed) * s / 2) / m.num_layers

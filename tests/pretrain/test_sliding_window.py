@@ -121,3 +121,22 @@ def test_window_keys_are_validated():
     cfg = load_config("tiny_llama", ["data.mock=true", *SWA, *CP2, "parallel.cp_comm_type=p2p"])
     errors = [str(p) for p in validate(cfg, 2, te_on_gpu=True).errors]
     assert any("only with cp_comm_type a2a or all_gather, not p2p" in e for e in errors), errors
+
+
+def test_windowed_flops_count_the_keys_a_query_sees():
+    """The attention term of the FLOPs (pretrain/flops.py) counts the (query, key) pairs of the window mask, less
+    half the diagonal as Megatron counts causal attention (s²/2): the s×W term on windowed layers, s²/2 on full ones;
+    a window covering the sequence is full attention."""
+    from pretrain.flops import flops_per_token
+
+    def flops(*extra: str) -> float:
+        return flops_per_token(load_config("tiny_llama", ["model.seq_length=128", *extra]).model, 32000)
+
+    s, w, layers, width = 128, 32, 4, 8 * 16  # tiny_llama: 4 layers, 8 heads of 16
+    pairs = sum(min(i + 1, w) for i in range(s)) - s / 2  # per windowed layer and sequence
+    per_pair = 12 * width  # QK^T and scores·V, forward and backward: 2·2·3 FLOPs per pair and head dim
+    full = flops()
+    assert flops("model.sliding_window=128") == full
+    assert flops("model.sliding_window=32") == pytest.approx(full - layers * per_pair * (s * s / 2 - pairs) / s)
+    assert flops("model.sliding_window=32", "model.window_attn_skip_freq=2") == pytest.approx(
+        full - 2 * per_pair * (s * s / 2 - pairs) / s)
