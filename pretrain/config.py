@@ -60,7 +60,9 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False  # per-head norm of queries and keys (model.normalization, before RoPE)
-    sliding_window: int | None = None  # attention window of the model; training needs seq_length <= it
+    sliding_window: int | None = None  # attention window: a token sees itself and the sliding_window-1 before it
+    # Which layers use the window (Megatron-Core's name): None all; N: every N-th layer full; a list: 1 windowed.
+    window_attn_skip_freq: int | list[int] | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02

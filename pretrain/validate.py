@@ -3,9 +3,10 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging), `context` (CP), `bounds` (integer settings no other rule bounds), and last `megatron` (Megatron-Core's
-own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The trainer runs the same checks first;
-`python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone (exit 2 on errors).
+logging), `context` (CP), `windows` (sliding-window attention), `bounds` (integer settings no other rule bounds),
+and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
+trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
+alone (exit 2 on errors).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules,
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
 from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
 from pretrain.rules.vocab import optional_sizes_rules
+from pretrain.rules.windows import window_rules
 
 __all__ = ["Problem", "Report", "ValidationFailed", "check", "length_problems", "validate"]
 
@@ -67,7 +69,8 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
         except LayoutError:
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
-                 *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, bounds_rules]
+                 *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
+                 bounds_rules]
     if files:
         rules.append(partial(data_rules, tokenizer=tokenizer) if data_files else data_config_rules)
     for rule in rules:

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions
+from model_providers.core import fusions, windows
 from model_providers.core.sequences import packed_sequences, variable_seq_lengths
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
@@ -81,7 +81,11 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
-        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask),
+        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask,
+                                                            windowed=windows.window_size(m) is not None),
+        # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).
+        window_size=windows.window_size(m),
+        window_attn_skip_freq=windows.skip_freq(m),
         bias_dropout_fusion=on_gpu,
         # MLA fuses RoPE only for YaRN (MLATransformerConfig refuses it with plain RoPE).
         apply_rope_fusion=on_gpu and use_te and (not m.multi_latent_attention or m.rope_type == "yarn"),

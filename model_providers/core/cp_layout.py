@@ -83,9 +83,12 @@ def placement(local_len: int, cp: int, rank: int, packed=None, device=None) -> T
     return TokenPlacement(doc, pos, valid)
 
 
-def allowed(q: TokenPlacement, k: TokenPlacement, causal: bool) -> torch.Tensor:
-    """[len q, len k] bool: query may attend to key (same document, real key and query, causal order)."""
+def allowed(q: TokenPlacement, k: TokenPlacement, causal: bool, window: int | None = None) -> torch.Tensor:
+    """[len q, len k] bool: query may attend to key (same document, real key and query, causal order; `window`:
+    Megatron's left window size, keys at most that many positions before the query)."""
     ok = (q.doc[:, None] == k.doc[None, :]) & k.valid[None, :] & q.valid[:, None]
     if causal:
         ok &= k.pos[None, :] <= q.pos[:, None]
+    if window is not None:
+        ok &= k.pos[None, :] >= q.pos[:, None] - window
     return ok

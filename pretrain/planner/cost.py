@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_providers.core.windows import mean_attended_keys
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token
@@ -76,7 +77,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     elif m.recompute_granularity == "selective":
         again = 0.0  # forward FLOPs per token run again in backward
         if "core_attn" in modules:
-            again += 12 * m.num_layers * h * h * (m.seq_length / (2 * h)) * (a * d / h) / 3
+            again += 12 * m.num_layers * h * h * (mean_attended_keys(m) / h) * (a * d / h) / 3  # s/2 unwindowed
         if m.num_moe_experts and "moe" in modules:  # the MoE layers: router and the top-k experts
             gemms = (3 if m.gated_linear_unit else 2) * h * lay.moe_ffn_hidden_size
             again += 2 * m.num_layers * (m.moe_router_topk * gemms + m.num_moe_experts * h)

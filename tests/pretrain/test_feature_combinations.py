@@ -1,6 +1,7 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute} that `validate` accepts builds every Megatron-Core config object training builds, in-process, in seconds
-(`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`: `test_feature_matrix.py`).
+recompute, sliding window} that `validate` accepts builds every Megatron-Core config object training builds,
+in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
+`test_feature_matrix.py`).
 
 Megatron-Core asserts many combinations at build time (TransformerConfig's `__post_init__`, the layer specs of each
 pipeline stage, the DDP and optimizer configs): a combination `validate` accepts but Megatron refuses would kill
@@ -25,6 +26,7 @@ REFUSALS = {
     ("optimizer.fsdp", "parallel.pipeline"),  # Megatron-FSDP without pipeline parallelism (megatron-core 0.16.1)
     ("optimizer.fsdp", "parallel.expert"),  # Megatron-FSDP's gradient norm under EP (0.16.1)
     ("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),  # gloo, VP on 2 stages
+    ("model.sliding_window", "parallel.cp_comm_type"),  # Transformer Engine: windows under CP only with a2a/all_gather
 }
 
 

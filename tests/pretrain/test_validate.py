@@ -72,10 +72,9 @@ CASES = [
     (["optimizer.decay_style=WSD"], 1,
      "[optimizer.decay_style, optimizer.wsd_decay_steps] WSD decay needs optimizer.wsd_decay_steps. Fix: set "
      "optimizer.wsd_decay_steps (e.g. 10% of train.steps)"),
-    (["model.preset=tiny_mistral", "model.sliding_window=64"], 1,
-     "[model.seq_length, model.sliding_window] model.seq_length=128 is longer than the model's attention window "
-     "model.sliding_window=64: sliding-window attention is not implemented, and full attention over more than 64 "
-     "tokens is not what the model computes. Fix: set model.seq_length <= 64"),
+    (["model.preset=tiny_mistral_swa", "model.window_attn_skip_freq=0"], 1,
+     "[model.window_attn_skip_freq] model.window_attn_skip_freq=0 must be at least 1 (every N-th layer full). Fix: "
+     "use e.g. 2 (alternating windowed and full layers) or null (all windowed)"),
     (["model.preset=tiny_gpt", "model.max_position_embeddings=64"], 1,
      "[model.seq_length, model.max_position_embeddings] model.seq_length=128 is longer than the learned position "
      "table (model.max_position_embeddings=64). Fix: set model.seq_length <= 64"),
