@@ -26,6 +26,11 @@ def _gpu(values: dict[str, float], unit: str, source: str) -> dict[str, Constant
 HBM_TBPS = _gpu({"h100": 3.35, "h200": 4.8, "b200": 8.0, "a100": 2.039}, "TB/s",
                 "datasheets: H100 SXM 3.35, H200 4.8, B200 8, A100 80GB 2.039 TB/s")
 
+# Fused (flash / cuDNN) attention, forward + backward, of the bf16 peak (it stays bf16 under FP8 recipes).
+ATTENTION_EFFICIENCY = _gpu({"h100": 0.45, "h200": 0.45, "b200": 0.35, "a100": 0.55}, "of bf16 peak, fwd+bwd",
+                            "published FlashAttention-3 / cuDNN SDPA: H100 ~600 fwd / ~450 bwd TFLOP/s of 989; "
+                            "B200 cuDNN ~1,000 fwd / ~650 bwd of 2,250; A100 FA2 ~170 of 312; calibrated in range")
+
 CONSTANTS: dict[str, Constant] = {
     # GEMMs: the fraction of the dense peak a large, well-shaped GEMM reaches (cuBLAS/cuBLASLt).
     "gemm_efficiency_bf16": Constant(
@@ -44,9 +49,9 @@ CONSTANTS: dict[str, Constant] = {
         4.0, "bytes per input/grad element",
         "read bf16 (2) + write the FP8 row-wise and column-wise copies (1 + 1): TE's cast-transpose kernels"),
     # Attention: fused (flash / cuDNN) attention runs in bf16 also under FP8 recipes (no FP8 attention).
-    "attention_efficiency": Constant(
-        0.45, "of bf16 peak, fwd+bwd",
-        "published FlashAttention-3 / cuDNN SDPA: ~600 TFLOP/s fwd, ~450 bwd of 989 on H100 at 8k causal; calibrated"),
+    "gemm_half_efficiency_dim": Constant(
+        128.0, "elements: the narrowest GEMM dimension d at which efficiency halves, factor d / (d + this)",
+        "cuBLAS tile widths 128-256: a GEMM narrower than a tile wastes the rest; calibrated"),
     "attention_backward_ratio": Constant(
         2.5, "bwd FLOPs / fwd FLOPs", "flash attention's backward recomputes the scores: 5 GEMMs vs 2"),
     # Memory-bound work per decoder layer (norms, residual adds, RoPE, SwiGLU, their backward).
@@ -69,7 +74,8 @@ CONSTANTS: dict[str, Constant] = {
     "nvlink_collective_efficiency": Constant(
         0.80, "of NVLink bandwidth", "nccl-tests all-gather/reduce-scatter bus bandwidth ~360 GB/s of 450 on H100"),
     "nvlink_a2a_efficiency": Constant(
-        0.60, "of NVLink bandwidth", "published all-to-all (NCCL / DeepEP intranode) microbenchmarks 0.5-0.9; calibrated"),
+        0.45, "of NVLink bandwidth",
+        "published all-to-all microbenchmarks (NCCL alltoall, DeepEP intranode) 0.4-0.9 of the link; calibrated"),
     "network_efficiency": Constant(
         0.90, "of NIC bandwidth", "DeepEP internode RDMA ~43-47 GB/s per 400 Gb/s NIC; nccl-tests ~45 GB/s"),
     "tp_overlap_exposed": Constant(
@@ -93,4 +99,5 @@ def value(name: str) -> float:
 def table() -> list[tuple[str, float, str, str]]:
     """(name, value, unit, source) of every constant, HBM bandwidths first."""
     rows = [(f"hbm_bandwidth[{g}]", c.value, c.unit, c.source) for g, c in HBM_TBPS.items()]
+    rows += [(f"attention_efficiency[{g}]", c.value, c.unit, c.source) for g, c in ATTENTION_EFFICIENCY.items()]
     return rows + [(k, c.value, c.unit, c.source) for k, c in CONSTANTS.items()]

@@ -30,7 +30,7 @@ from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
 from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
-from pretrain.planner.constants import HBM_TBPS, value
+from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, value
 from pretrain.planner.context import cp_comm_bytes
 
 
@@ -54,8 +54,10 @@ class RankWork:
         return max(self.gpu_s, self.host_s)
 
 
-def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool = False, calls: int = 1) -> float:
-    """Forward + both backward GEMMs of `calls` weights of `numel` elements over `m_rows` rows each (roofline)."""
+def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool = False, calls: int = 1,
+            narrow_dim: float | None = None) -> float:
+    """Forward + both backward GEMMs of `calls` weights of `numel` elements over `m_rows` rows each (roofline);
+    the efficiency falls with the GEMM's narrowest dimension d as d / (d + gemm_half_efficiency_dim)."""
     if m_rows <= 0 or numel <= 0:
         return 0.0
     key = "bf16" if not fp8 else ("mxfp8" if fp8 == "mxfp8" else "fp8")
@@ -63,6 +65,8 @@ def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool 
     peak = PEAK_TFLOPS[gpu]["fp8" if fp8 else "bf16"] * 1e12
     hbm = HBM_TBPS[gpu].value * 1e12
     width = 2 * math.sqrt(numel)  # K + N of a K×N weight, taken square
+    narrow = min(m_rows, narrow_dim or width / 2)
+    eff *= narrow / (narrow + value("gemm_half_efficiency_dim"))
     elem = 1 if fp8 else 2
     flops = 2 * m_rows * numel
     moved = (m_rows * width + numel) * elem
@@ -77,6 +81,7 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     fp8 = m.fp8 if (m.fp8 and lay.use_te) else None
     tokens = m.seq_length * lay.mbs / lay.cp  # rows of every TP-sharded GEMM (SP gathers them first)
     hbm = HBM_TBPS[gpu].value * 1e12
+    h, a = m.hidden_size, m.num_attention_heads
     w = RankWork()
     params: list[Param] = []
     for v in range(lay.vp):
@@ -88,30 +93,28 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     if pp_rank == lay.pp - 1 and m.mtp_num_layers:
         w.layers += m.mtp_num_layers
         w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
-    experts_local = (m.num_moe_experts or 1) // lay.ep
     expert_rows = tokens * (m.moe_router_topk or 0) * lay.ep / (m.num_moe_experts or 1)  # per local expert
     if lay.sp and lay.etp == 1:
         expert_rows /= lay.tp  # each TP rank routes its sequence-parallel slice
     for p in params:
+        narrow = min(h, p.numel / h)  # one side of every decoder GEMM is the hidden size (MLA's LoRA: close)
         if p.expert and p.name.endswith(".weight"):
-            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, fp8, grouped=True)
+            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, fp8, grouped=True, narrow_dim=narrow)
         elif p.linear:
-            w.gemm_s += _gemm_s(tokens, p.numel, gpu, fp8)
+            w.gemm_s += _gemm_s(tokens, p.numel, gpu, fp8, narrow_dim=narrow)
         elif p.name == "output_layer.weight":
             w.gemm_s += _gemm_s(tokens, p.numel, gpu, None)  # the logits stay bf16
             w.elementwise_s += 3 * tokens * vocab / lay.tp * 4 / hbm  # fp32 softmax cross-entropy fwd+bwd
         elif p.name.endswith(".router.weight"):
             w.gemm_s += _gemm_s(tokens / (lay.tp if lay.sp else 1), p.numel, gpu, None)
-    del experts_local
     # Attention core (bf16), causal.
-    h, a = m.hidden_size, m.num_attention_heads
     if m.multi_latent_attention:
         qk, v_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     else:
         qk = v_dim = lay.head_dim
     fwd = 2 * tokens * (m.seq_length / 2) * (a / lay.tp) * (qk + v_dim)  # QK^T and PV, halved by the mask
     att = fwd * (1 + value("attention_backward_ratio"))
-    w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * value("attention_efficiency"))
+    w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * ATTENTION_EFFICIENCY[gpu].value)
     # Memory-bound work: per token per layer, on this rank's (SP-sharded) activations.
     rows = tokens / (lay.tp if lay.sp else 1)
     p_bytes = lay.bytes_per_value
