@@ -43,7 +43,8 @@ CONSTANTS: dict[str, Constant] = {
         0.62, "of fp8 peak", "as fp8 (B200 MXFP8 cuBLASLt ~2.8-3.2 PFLOP/s of 4.5); calibrated in that range"),
     "grouped_gemm_efficiency": Constant(
         0.80, "of the GEMM efficiency at the same shape",
-        "TE/cuBLASLt grouped GEMM vs one GEMM of the same total size (published TE MoE benchmarks 0.7-0.9); calibrated"),
+        "TE/cuBLASLt grouped GEMM vs one GEMM of the same total size (published TE MoE benchmarks 0.7-0.9); "
+        "calibrated"),
     # FP8: the casts Transformer Engine adds around every FP8 GEMM, memory-bound (bytes moved per element).
     "fp8_cast_bytes_per_element": Constant(
         4.0, "bytes per input/grad element",
@@ -63,9 +64,11 @@ CONSTANTS: dict[str, Constant] = {
         8.0, "h-wide reads+writes per routed token copy, fwd+bwd",
         "permute + unpermute (each a read and a write) in forward and backward"),
     # Host: kernel launches, when the GPU work per kernel is small the CPU bounds the step (no CUDA graphs).
-    "kernels_per_dense_layer": Constant(90.0, "kernels fwd+bwd", "counted in nsys traces of a TE layer: ~30 fwd, ~60 bwd"),
+    "kernels_per_dense_layer": Constant(
+        90.0, "kernels fwd+bwd", "counted in nsys traces of a TE layer: ~30 fwd, ~60 bwd"),
     "kernels_per_moe_layer": Constant(
-        150.0, "kernels fwd+bwd, router + dispatcher + grouped GEMM", "as above with router, permute, a2a, grouped GEMM"),
+        150.0, "kernels fwd+bwd, router + dispatcher + grouped GEMM",
+        "as above with router, permute, a2a, grouped GEMM"),
     "launch_us": Constant(
         12.0, "µs of host time per kernel (eager PyTorch + TE + Megatron)",
         "published PyTorch eager per-op overhead 5-20 µs; calibrated"),

@@ -31,7 +31,6 @@ from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
 from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
 from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, value
-from pretrain.planner.context import cp_comm_bytes
 
 
 @dataclass
@@ -123,7 +122,8 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
     launch = value("launch_us_cuda_graphs" if _cuda_graphs(cfg) else "launch_us") * 1e-6
     dense_layers = w.layers - w.moe_layers
-    w.host_s = launch * (dense_layers * value("kernels_per_dense_layer") + w.moe_layers * value("kernels_per_moe_layer"))
+    kernels = dense_layers * value("kernels_per_dense_layer") + w.moe_layers * value("kernels_per_moe_layer")
+    w.host_s = launch * kernels
     return w
 
 
