@@ -58,8 +58,8 @@ CONSTANTS: dict[str, Constant] = {
     # Memory-bound work per decoder layer (norms, residual adds, RoPE, SwiGLU, their backward).
     "elementwise_passes": Constant(
         36.0, "h-wide activation reads+writes per token per layer, fwd+bwd",
-        "counted: 2 norms (3 passes fwd, 5 bwd), 2 residual adds (3, 3), RoPE on q/k (~2, 2), SwiGLU on 2f≈5h "
-        "(~3, 5 in h units ×…), rounded; calibrated"),
+        "counted from the kernels' reads and writes: 2 RMSNorms (~8 h-passes fwd+bwd), 2 residual adds (~6), RoPE "
+        "(~4), SwiGLU on 3·f ≈ 10 h (~15), bias/dropout fusions (~3): ~36"),
     "moe_permute_passes": Constant(
         8.0, "h-wide reads+writes per routed token copy, fwd+bwd",
         "permute + unpermute (each a read and a write) in forward and backward"),
@@ -100,7 +100,16 @@ def value(name: str) -> float:
 
 
 def table() -> list[tuple[str, float, str, str]]:
-    """(name, value, unit, source) of every constant, HBM bandwidths first."""
-    rows = [(f"hbm_bandwidth[{g}]", c.value, c.unit, c.source) for g, c in HBM_TBPS.items()]
+    """(name, value, unit, source) of every number the cost model uses: the GPU figures (peaks, HBM, links) first."""
+    from pretrain.flops import PEAK_TFLOPS
+    from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
+
+    rows = [(f"peak_tflops[{g}][{k}]", v, "TFLOP/s dense", "vendor datasheets (pretrain/flops.py)")
+            for g, peaks in PEAK_TFLOPS.items() for k, v in peaks.items()]
+    rows += [(f"nvlink[{g}]", v, "GB/s per GPU, one direction", "datasheets: NVLink 4 450, NVLink 5 900, A100 300")
+             for g, v in NVLINK_GBPS.items()]
+    rows += [(f"network[{g}]", v, "GB/s per GPU", "one 400 Gb/s (B200 table: 800 Gb/s) NIC per GPU (planner/common.py)")
+             for g, v in NETWORK_GBPS.items()]
+    rows += [(f"hbm_bandwidth[{g}]", c.value, c.unit, c.source) for g, c in HBM_TBPS.items()]
     rows += [(f"attention_efficiency[{g}]", c.value, c.unit, c.source) for g, c in ATTENTION_EFFICIENCY.items()]
     return rows + [(k, c.value, c.unit, c.source) for k, c in CONSTANTS.items()]
