@@ -80,7 +80,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     moe_again = 1.5 if "moe" in modules else recompute_fwd
     ep_total = mb * ep_s * moe_again
     ep_exposed = ep_total
-    if getattr(cfg.model, "overlap_moe_expert_parallel_comm", False):  # a2a hidden behind another microbatch
+    if cfg.performance.overlap_moe_expert_parallel_comm:  # a2a hidden behind another microbatch
         ep_exposed = max(0.0, ep_total - compute)
     bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
     owned = _owned_elements(lay, params_on_rank, expert_params_on_rank)

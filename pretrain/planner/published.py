@@ -52,13 +52,10 @@ def predict(run: dict[str, Any]) -> Prediction:
     """The plan of one published run: its tokens/s/GPU by the cost model and whether it fits."""
     overrides = [*run["overrides"], *run.get("stand_in", [])]
     cfg = load_config(run["config"], overrides)
-    for key, val in run.get("planner_assumes", {}).items():  # settings the run used that are not config keys yet
-        setattr(cfg.model, key, val)
     plan = make_plan(cfg, run["nodes"], run["gpus_per_node"], run["gpu"], name=run["name"])
     fields = {k: v for k, v in plan["cost_model"].items() if k in Cost.__dataclass_fields__}
     cost = Cost(**fields)
-    assumed = run.get("planner_assumes", {})
-    note = "; ".join(f"planned with {k}={v} (not a config key yet)" for k, v in assumed.items())
+    note = ""
     vp = run.get("bubble_virtual_pipeline")
     if vp:  # the published interleaving, which the stand-in layout cannot state
         lay = plan["layout"]

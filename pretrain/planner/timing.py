@@ -78,6 +78,8 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     """One microbatch of pipeline rank `pp_rank` (all its model chunks)."""
     m = cfg.model
     fp8 = m.fp8 if (m.fp8 and lay.use_te) else None
+    if cfg.performance.fp4_recipe and lay.use_te:
+        fp8 = "fp8"  # NVFP4 GEMMs counted at the FP8 rate (no FP4 peak in the table: conservative)
     tokens = m.seq_length * lay.mbs / lay.cp  # rows of every TP-sharded GEMM (SP gathers them first)
     hbm = HBM_TBPS[gpu].value * 1e12
     h, a = m.hidden_size, m.num_attention_heads
@@ -128,7 +130,7 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
 
 
 def _cuda_graphs(cfg: Config) -> bool:
-    return bool(getattr(cfg.model, "cuda_graph_impl", None) not in (None, "none"))
+    return cfg.performance.cuda_graph_impl != "none"
 
 
 def recompute_factor(cfg: Config) -> float:
@@ -161,7 +163,7 @@ def ep_seconds(cfg: Config, lay: Layout, gpu: str, gpus_per_node: int, moe_layer
     if nodes > 1:
         share = (nodes - 1) / nodes  # of a token's copies, those to experts on other nodes
         copies = k * share
-        if getattr(m, "moe_flex_dispatcher_backend", None) in ("deepep", "hybridep"):
+        if cfg.performance.moe_flex_dispatcher_backend:
             # one copy per destination node: the expected number of other nodes among the k experts
             copies = (nodes - 1) * (1 - (1 - 1 / nodes) ** k)
         off_node = 4 * rows * copies * h * p
