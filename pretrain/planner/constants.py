@@ -86,6 +86,11 @@ CONSTANTS: dict[str, Constant] = {
         "TE userbuffers hide the all-gather/reduce-scatter behind the GEMM chunks; calibrated"),
     "p2p_exposed": Constant(
         0.0, "of pipeline send/receive exposed with interleaving", "Megatron overlaps P2P with VP (overlap_p2p_comm)"),
+    # Selective recomputation: the forward of the recomputed modules again, as a share of a microbatch.
+    "recompute_mlp_extra": Constant(
+        0.15, "of a microbatch", "the MLP/MoE forward: ~⅓ (forward of fwd+bwd) × ~45% (its share of a layer's time)"),
+    "recompute_core_attn_extra": Constant(
+        0.05, "of a microbatch", "the core-attention forward: ~2/7 (fwd of fwd+bwd at 2.5×) × ~18% (its share)"),
     # Optimizer step: memory-bound over the elements this rank owns.
     "optimizer_bytes_per_element": Constant(
         36.0, "bytes per owned element",

@@ -53,9 +53,9 @@ class RankWork:
         return max(self.gpu_s, self.host_s)
 
 
-def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool = False, calls: int = 1,
+def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool = False,
             narrow_dim: float | None = None) -> float:
-    """Forward + both backward GEMMs of `calls` weights of `numel` elements over `m_rows` rows each (roofline);
+    """Forward + both backward GEMMs of a weight of `numel` elements over `m_rows` rows (roofline);
     the efficiency falls with the GEMM's narrowest dimension d as d / (d + gemm_half_efficiency_dim)."""
     if m_rows <= 0 or numel <= 0:
         return 0.0
@@ -70,8 +70,9 @@ def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool 
     flops = 2 * m_rows * numel
     moved = (m_rows * width + numel) * elem
     per = max(flops / (peak * eff), moved / hbm)
-    cast = value("fp8_cast_bytes_per_element") * (2 * m_rows * width / 2 + numel) / hbm if fp8 else 0.0
-    return calls * (3 * per + cast)
+    # FP8: the input (M·K), the output gradient (M·N) and the weight cast once each per microbatch
+    cast = value("fp8_cast_bytes_per_element") * (m_rows * width + numel) / hbm if fp8 else 0.0
+    return 3 * per + cast
 
 
 def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> RankWork:
@@ -87,14 +88,15 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     params: list[Param] = []
     for v in range(lay.vp):
         params += chunk_parameters(cfg, lay, vocab, pp_rank, v)
-        _, n = lay.chunk_layers(m.num_layers, pp_rank, v)
-        offset, _ = lay.chunk_layers(m.num_layers, pp_rank, v)
+        offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
     if pp_rank == lay.pp - 1 and m.mtp_num_layers:
         w.layers += m.mtp_num_layers
         w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
-    expert_rows = tokens * (m.moe_router_topk or 0) * lay.ep / (m.num_moe_experts or 1)  # per local expert
+    # Rows of each local expert (balanced routing): the EP group's T·k copies over E experts, ×ETP (expert TP gathers
+    # its group's tokens).
+    expert_rows = tokens * (m.moe_router_topk or 0) * lay.ep * lay.etp / (m.num_moe_experts or 1)
     if lay.sp and lay.etp == 1:
         expert_rows /= lay.tp  # each TP rank routes its sequence-parallel slice
     for p in params:
@@ -141,9 +143,9 @@ def recompute_factor(cfg: Config) -> float:
     modules = recomputed_modules(cfg)
     extra = 0.0
     if "moe" in modules or "mlp" in modules:
-        extra += 0.15
+        extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
-        extra += 0.05
+        extra += value("recompute_core_attn_extra")
     return 1 + extra
 
 
