@@ -88,7 +88,8 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                         c.parallel.num_layers_in_first_pipeline_stage = split[0]
                         c.parallel.num_layers_in_last_pipeline_stage = split[1]
                         c.parallel.sequence_parallel = tp > 1
-                        c.parallel.tp_comm_overlap = False
+                        # TP communication overlap as the config asks, where it applies (TP > 1, with SP)
+                        c.parallel.tp_comm_overlap = cfg.parallel.tp_comm_overlap and tp > 1
                         c.train.micro_batch_size = mbs
                         c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
                         c.model.recompute_granularity = gran
@@ -124,6 +125,7 @@ def _overrides(c: Config) -> str:
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
              *([f"parallel.cp_comm_type={p.cp_comm_type}"] if p.context > 1 else []),
+             f"parallel.tp_comm_overlap={str(p.tp_comm_overlap).lower()}",
              f"train.micro_batch_size={c.train.micro_batch_size}",
              "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
     if p.num_layers_in_first_pipeline_stage is not None:
