@@ -106,10 +106,10 @@ def value(name: str) -> float:
 
 def table() -> list[tuple[str, float, str, str]]:
     """(name, value, unit, source) of every number the cost model uses: the GPU figures (peaks, HBM, links) first."""
-    from pretrain.flops import PEAK_TFLOPS
+    from pretrain.observe.flops import PEAK_TFLOPS
     from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
 
-    rows = [(f"peak_tflops[{g}][{k}]", v, "TFLOP/s dense", "vendor datasheets (pretrain/flops.py)")
+    rows = [(f"peak_tflops[{g}][{k}]", v, "TFLOP/s dense", "vendor datasheets (pretrain/observe/flops.py)")
             for g, peaks in PEAK_TFLOPS.items() for k, v in peaks.items()]
     rows += [(f"nvlink[{g}]", v, "GB/s per GPU, one direction", "datasheets: NVLink 4 450, NVLink 5 900, A100 300")
              for g, v in NVLINK_GBPS.items()]

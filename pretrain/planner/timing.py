@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass
 
 from pretrain.config import Config
-from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.layout import Layout
+from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
 from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
