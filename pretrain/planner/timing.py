@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from model_providers.core.windows import mean_attended_keys
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS
@@ -115,7 +116,8 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
         qk, v_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     else:
         qk = v_dim = lay.head_dim
-    fwd = 2 * tokens * (m.seq_length / 2) * (a / lay.tp) * (qk + v_dim)  # QK^T and PV, halved by the mask
+    # QK^T and PV over the keys each query attends to (s/2 causal; less with a sliding window)
+    fwd = 2 * tokens * mean_attended_keys(m) * (a / lay.tp) * (qk + v_dim)
     att = fwd * (1 + value("attention_backward_ratio"))
     w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * ATTENTION_EFFICIENCY[gpu].value)
     # Memory-bound work: per token per layer, on this rank's (SP-sharded) activations.
