@@ -20,6 +20,7 @@ import yaml
 
 from model_providers import DEFAULT_FAMILY, FAMILIES
 from pretrain.config_parse import ConfigError, build, parse_override, parse_yaml, set_dotted, yaml_error_line
+from pretrain.performance import PerformanceConfig
 
 __all__ = ["CONFIG_DIR", "Config", "ConfigError", "config_from_dict", "load_config", "parse_override",
            "resolve_config_path", "save_config"]
@@ -281,6 +282,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # pretrain/performance.py
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

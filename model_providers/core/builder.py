@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from model_providers.core import fusions, windows
+from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import packed_sequences, variable_seq_lengths
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
@@ -105,6 +106,9 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
         # lengths (packed documents under CP × PP), even on a dense model.
         kwargs["moe_token_dispatcher_type"] = "alltoall"
+    perf = getattr(cfg, "performance", None)
+    if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
+        kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:

@@ -100,6 +100,11 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "from the resumed step", "logging.wandb", ("project", "entity", "name", "mode")),
     **_group(CHANGE, "from the resumed step", "logging.profile", ("start_step", "end_step", "ranks")),
     **_group(CHANGE, "from the resumed step", "run", ("dir", "name", "allow_untested_versions")),
+    **_group(CHANGE, "from the resumed step (speed settings: the model's math is the same)", "performance",
+             ("moe_flex_dispatcher_backend", "cuda_graph_impl", "cuda_graph_scope",
+              "fine_grained_activation_offloading", "offload_modules", "overlap_moe_expert_parallel_comm",
+              "moe_shared_expert_overlap")),
+    "performance.fp4_recipe": (CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"),
 }
 
 
