@@ -20,6 +20,7 @@ import yaml
 
 from model_providers import DEFAULT_FAMILY, FAMILIES
 from pretrain.config_parse import ConfigError, build, parse_override, parse_yaml, set_dotted, yaml_error_line
+from pretrain.resilience.settings import HangConfig, RerunConfig, TestingConfig
 
 __all__ = ["CONFIG_DIR", "Config", "ConfigError", "config_from_dict", "load_config", "parse_override",
            "resolve_config_path", "save_config"]
@@ -210,6 +211,7 @@ class TrainConfig:
     exit_duration_in_mins: float | None = None  # save and stop after this wall-clock duration
     nan_policy: Literal["stop", "skip"] = "stop"  # what a NaN/Inf loss or grad norm does
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
+    skip_steps: list = field(default_factory=list)  # steps consumed, not trained: [5, "10-12"] (docs/training.md)
 
 
 @dataclass
@@ -254,6 +256,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     timing_interval: int | None = None  # every N steps: each rank's compute/wait split, slowest ranks named
+    straggler_threshold: float = 0.2  # ... and the ranks whose compute is more than this fraction over the median
 
 
 @dataclass
@@ -279,6 +282,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation (pretrain/resilience/)
+    hang: HangConfig = field(default_factory=HangConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)  # fault injection, tests only
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

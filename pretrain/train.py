@@ -27,6 +27,7 @@ from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
 from pretrain.config import Config
+from pretrain.resilience import hooks as resilience
 from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.validate import ValidationFailed, validate
 
@@ -300,7 +301,7 @@ def train(cfg: Config) -> dict:
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
-    rt = init_distributed()
+    rt = init_distributed(resilience.pg_timeout_minutes(cfg))
     check_data_files_once(cfg, problems, rt.device)
     if problems.errors:
         raise ValidationFailed(problems)
@@ -335,18 +336,31 @@ def train(cfg: Config) -> dict:
     metrics = _StepMetrics(cfg, run)
     saves = _Saves(cfg, run, stops, last_saved=step if resumed else None)
     t = cfg.train
+    res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
+
+    def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        res.mark(resilience.FORWARD_BACKWARD)
+        losses = run_microbatches(consumed, False, run.train_ds)
+        res.mark(resilience.LOSS)
+        return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
     # 5. Steps.
     try:
         while step < t.steps:
+            if res.skipped(step + 1):  # consumed, not trained: the data order and LR schedule go on as if trained
+                step, consumed = step + 1, consumed + t.global_batch_size
+                scheduler.step(increment=1)
+                if saves.save_or_stop(step, consumed):
+                    break
+                continue
             started = time.perf_counter()
             profiler.step_begin(step + 1)
             run.timing.begin(step + 1)
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = run_microbatches(consumed, False, run.train_ds)
-            loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
+            res.step_begin(step + 1)
+            loss, rerun_record = res.run_step(step + 1, forward_backward)
             moe_record = run.moe.step(run.num_microbatches) if run.moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
@@ -360,6 +374,7 @@ def train(cfg: Config) -> dict:
                 if saves.save_or_stop(step, consumed):
                     break
                 continue
+            res.mark(resilience.OPTIMIZER)
             ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
@@ -371,9 +386,11 @@ def train(cfg: Config) -> dict:
             consumed += t.global_batch_size
             step_time = time.perf_counter() - started
             timing_fields = run.timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
+            fault_fields = res.step_end(step, step_time, timing_fields)  # stragglers; the watchdog's next bound
             profiler.step_end(step)
             if run.writer is not None:
-                metrics.write(step, loss, grad_norm, step_time, consumed, {**timing_fields, **moe_record})
+                metrics.write(step, loss, grad_norm, step_time, consumed,
+                              {**timing_fields, **moe_record, **rerun_record, **fault_fields})
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
                 evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
@@ -381,6 +398,11 @@ def train(cfg: Config) -> dict:
         if cfg.checkpoint.save_at_end or saves.reason != "completed":
             saves.save(step, consumed)
         saves.finalize()
+    except resilience.ResultRejected as exc:  # the model is still that of `step`, the last good one: saved
+        saves.save(step, consumed)
+        saves.finalize()
+        res.rejected(cfg, exc, step, run.writer, rt.rank)
+        raise
     except TrainingStopped as exc:
         saves.finalize()  # all ranks stop together here: commit the save in flight
         if rt.rank == 0:
@@ -392,6 +414,7 @@ def train(cfg: Config) -> dict:
             exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
+        res.close()
         profiler.close(step)
         if run.writer is not None:
             run.writer.close()
@@ -445,6 +468,9 @@ def main(cfg: Config) -> int:
     except TrainingStopped as exc:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except resilience.ResultRejected as exc:  # a checkpoint of the last good step was saved
+        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except (CheckpointError, StorageError) as exc:
         return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
     except Exception as exc:

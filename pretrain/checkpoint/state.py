@@ -121,4 +121,9 @@ def common_fields(cfg, scheduler, *, step: int, consumed_samples: int) -> dict:
     except Exception:  # noqa: BLE001 - its files went away during the run: not recorded, as in older checkpoints
         pass
     common["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
+    from pretrain.resilience.results import checkpoint_state
+
+    rerun = checkpoint_state()  # the spike check's window and maximum (pretrain/resilience/results.py)
+    if rerun is not None:
+        common["rerun_state"] = rerun
     return common
