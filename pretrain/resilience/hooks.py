@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pretrain.resilience import results
 from pretrain.resilience.faults import Faults

@@ -38,7 +38,9 @@ class Watchdog:
         self.dir = Path(run_dir) / "hang"
         self.times: deque[float] = deque(maxlen=20)
         self.step, self.phase, self.deadline, self.bound = 0, PHASES[0], None, 0.0
-        self.started = time.time()  # records of an earlier attempt in run.dir/hang/ are older: not read
+        self.started = self.armed_at = time.time()  # records of an earlier attempt in run.dir/hang/: older
+        if os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "").startswith(str(self.dir)):  # launch/common.sh
+            self.dir.mkdir(parents=True, exist_ok=True)  # NCCL's flight-recorder dumps land there
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pretrain-hang-watchdog", daemon=True)
         self._thread.start()
@@ -51,6 +53,7 @@ class Watchdog:
     def arm(self, step: int, phase: str, long: bool = False) -> None:
         self.step, self.phase = step, phase
         self.bound = self.bound_s(long)
+        self.armed_at = time.time()
         self.deadline = time.monotonic() + self.bound
 
     def mark(self, phase: str) -> None:
@@ -75,6 +78,7 @@ class Watchdog:
         with open(self.dir / f"stacks.rank{self.rank}.txt", "w") as f:
             faulthandler.dump_traceback(file=f, all_threads=True)
         mine = {"rank": self.rank, "step": self.step, "phase": self.phase, "bound_s": round(self.bound, 3),
+                "waited_s": round(time.time() - self.armed_at, 3),
                 "pid": os.getpid(), "host": os.uname()[1], "time": time.time()}
         (self.dir / f"rank{self.rank}.json").write_text(json.dumps(mine) + "\n")
         print(f"[pretrain] hang: rank {self.rank} in step {self.step} ({self.phase}) for more than "
