@@ -48,7 +48,7 @@ class Resilience:
         rt = run.rt
         self.cfg, self.log = cfg, log
         self.faults = Faults(cfg.testing, rt.rank)
-        self.checks = ResultChecks(cfg.rerun, cfg.train.nan_policy, self.faults, rt.device)
+        self.checks = ResultChecks(cfg.rerun, cfg.train.nan_policy, self.faults, run.model, rt.device)
         results._ACTIVE.append(self.checks)
         if resumed:
             self.checks.load(_saved_rerun_state(cfg, step) or {})

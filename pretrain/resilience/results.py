@@ -69,51 +69,65 @@ class Verdict:
 
     def line(self, action: str) -> str:
         ranks = ", ".join(map(str, self.ranks))
-        return (f"step {self.step}: {self.check} on rank {ranks} ({self.first} first, {self.rerun} on the re-run "
-                f"of the same data): {self.verdict} fault; {action}")
+        again = ("the re-run of the same data reproduced it" if self.verdict == "persistent" else
+                 f"the re-run of the same data did not: loss {self.rerun}")
+        return (f"step {self.step}: {self.check} on rank {ranks} ({self.first} first; {again}): {self.verdict} "
+                f"fault; {action}")
 
 
-def _tracker_states():
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+class _StepState:
+    """What a run of the step changes besides the gradients and the RNG states Megatron restores itself: Megatron's
+    model-parallel RNG tracker, and the MoE routers' aux-loss-free expert bias with its token counts (updated in
+    `finalize_model_grads`, inside the step). Megatron's `state_save_func` / `state_restore_func`."""
 
-    return {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    def __init__(self, model: list):
+        self.buffers = [b for chunk in model for m in chunk.modules() for b in
+                        (getattr(m, "expert_bias", None), getattr(m, "local_tokens_per_expert", None))
+                        if isinstance(b, torch.Tensor)]
 
+    def save(self) -> dict:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-def _set_tracker_states(states) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return {"tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+                "buffers": [b.detach().clone() for b in self.buffers]}
 
-    get_cuda_rng_tracker().set_states(states)
+    def restore(self, state: dict) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+        get_cuda_rng_tracker().set_states(state["tracker"])
+        with torch.no_grad():
+            for b, saved in zip(self.buffers, state["buffers"]):
+                b.copy_(saved)
 
-def _rng_snapshot() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": _tracker_states()}
+    def snapshot(self) -> dict:
+        """All of it with the RNG states: the state after a run of the step."""
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None, "other": self.save()}
 
-
-def _rng_restore(s: dict) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] is not None:
-        torch.cuda.set_rng_state(s["cuda"])
-    _set_tracker_states(s["tracker"])
+    def back_to(self, s: dict) -> None:
+        random.setstate(s["python"])
+        np.random.set_state(s["numpy"])
+        torch.set_rng_state(s["torch"])
+        if s["cuda"] is not None:
+            torch.cuda.set_rng_state(s["cuda"])
+        self.restore(s["other"])
 
 
 class ResultChecks:
     """The rerun state machine of this process, set up from `rerun.*` (a fresh one per `train()`)."""
 
-    def __init__(self, rr: RerunConfig, nan_policy: str, faults: Faults, device: torch.device):
+    def __init__(self, rr: RerunConfig, nan_policy: str, faults: Faults, model: list, device: torch.device):
         from megatron.core import rerun_state_machine as m
 
         self.rr, self.nan_policy, self.faults, self.device = rr, nan_policy, faults, device
+        self.step_state = _StepState(model)
         mode = {"disabled": m.RerunMode.DISABLED, "validate_results": m.RerunMode.VALIDATE_RESULTS,
                 "report_stats": m.RerunMode.REPORT_DETERMINISM_STATS}[rr.mode]
         # Megatron's warnings speak of Megatron-LM's flow ("exiting now"); its errors name the rank and results.
         logging.getLogger(m.__name__).setLevel(logging.ERROR)
         m.destroy_rerun_state_machine()
-        m.initialize_rerun_state_machine(mode=mode, state_save_func=_tracker_states,
-                                         state_restore_func=_set_tracker_states)
+        m.initialize_rerun_state_machine(mode=mode, state_save_func=self.step_state.save,
+                                         state_restore_func=self.step_state.restore)
         self.rsm = m.get_rerun_state_machine()
         self.validating = rr.mode != "disabled"
 
@@ -138,7 +152,7 @@ class ResultChecks:
             loss = self.faults.loss(step, forward_backward())
             if self.validating:
                 self._validate(torch.tensor(loss, dtype=torch.float64))
-            after = _rng_snapshot()
+            after = self.step_state.snapshot()
         _, stop, code = rsm.should_checkpoint_and_exit()
         if not stop:
             return loss, None
@@ -157,8 +171,8 @@ class ResultChecks:
             if verdict.verdict == "persistent":
                 action += f"; to go past it, restart with train.skip_steps=[{step}]"
             raise ResultRejected(verdict.line(action), verdict.record(action))
-        rsm.state = RerunState.NOT_RUNNING_YET  # the re-run's result goes on; the RNG as after it
-        _rng_restore(after)
+        rsm.state = RerunState.NOT_RUNNING_YET  # the re-run's result goes on; RNG, expert bias as after it
+        self.step_state.back_to(after)
         return loss, verdict
 
     def _verdict(self, step: int, verdict: str, loss: float) -> Verdict:

@@ -81,9 +81,9 @@ def test_results_validated_and_bad_steps_skipped_at_dp2(tmp_path):
 
     # Persistent NaN: stopped at step 3 with the checkpoint of step 2; the verdict recorded.
     err = res["persistent"]["error"]
-    assert err.startswith("ResultRejected: step 3: loss is NaN on rank 1 (nan first, nan on the re-run of the same "
-                          "data): persistent fault; stopped with the checkpoint of step 2 (train.nan_policy=stop); "
-                          "to go past it, restart with train.skip_steps=[3]"), err
+    assert err.startswith("ResultRejected: step 3: loss is NaN on rank 1 (nan first; the re-run of the same data "
+                          "reproduced it): persistent fault; stopped with the checkpoint of step 2 "
+                          "(train.nan_policy=stop); to go past it, restart with train.skip_steps=[3]"), err
     status = _status(root / "persistent")
     assert (status["reason"], status["step"], status["rerun_verdict"], status["rerun_ranks"]) == (
         "failed", 2, "persistent", [1])
