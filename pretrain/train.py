@@ -448,7 +448,8 @@ def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device)
 def main(cfg: Config) -> int:
     """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
 
-    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory (or one
+    Exit status: 2 invalid config, 3 stopped on purpose (NaN, a rejected result), 75 a hang (the watchdog's,
+    pretrain/resilience/watchdog.py), 1 unusable checkpoint or run directory (or one
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError

@@ -27,7 +27,7 @@ class HangConfig:
     factor: float = 10.0  # a step may take factor x the median step time ...
     floor_s: float = 600.0  # ... and at least this long
     long_s: float = 1800.0  # the first step, checkpoint saves and evaluation
-    process_group_timeout_s: float | None = None  # None: torch's default (10 min NCCL, 30 min gloo)
+    process_group_timeout_s: float | None = None  # the default process group's timeout; None: 10 minutes
 
 
 @dataclass
