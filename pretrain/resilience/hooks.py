@@ -65,7 +65,7 @@ class Resilience:
             return False
         self.log(f"[pretrain] step {step}: skipped (train.skip_steps): its samples are consumed, not trained")
         if self.watchdog is not None:
-            self.watchdog.arm(step, AFTER)
+            self.watchdog.arm(step, AFTER, long=True)
         return True
 
     def step_begin(self, step: int) -> None:
@@ -87,16 +87,14 @@ class Resilience:
         return loss, verdict.record(verdict.action)
 
     def step_end(self, step: int, seconds: float, timing_fields: dict) -> dict:
-        """After step `step`: the stragglers' fields; the watchdog's bound for what follows (save, evaluation)."""
+        """After step `step`: the stragglers' fields; the watchdog's long bound until the next step begins."""
         fields, line = stragglers(timing_fields, self.cfg.logging.straggler_threshold)
         timing_fields.pop("all_compute_s", None)
         if line is not None:
             self.log(f"[pretrain] step {step} {line}")
-        if self.watchdog is not None:
+        if self.watchdog is not None:  # between steps: saves (periodic, on a signal, at the end), evaluation
             self.watchdog.step_done(seconds)
-            c, t = self.cfg.checkpoint, self.cfg.train
-            long = bool((c.interval and step % c.interval == 0) or (t.eval_interval and step % t.eval_interval == 0))
-            self.watchdog.arm(step, AFTER, long=long or step >= t.steps)
+            self.watchdog.arm(step, AFTER, long=True)
         return fields
 
     def rejected(self, cfg, exc: ResultRejected, step: int, writer, rank: int) -> None:

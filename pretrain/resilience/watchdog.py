@@ -6,7 +6,7 @@ ranks that stopped answering, each rank's last phase. Then the process exits wit
 scripts requeue like a preemption (the run resumes from its last checkpoint).
 
 Bound: `hang.factor` x the median of the recent step times, at least `hang.floor_s`; `hang.long_s` for the first
-step a process runs, and between steps when a checkpoint is saved or the model evaluated.
+step a process runs, and between steps (checkpoint saves, evaluation, the stop agreement).
 """
 
 from __future__ import annotations
