@@ -148,6 +148,7 @@ class ResultChecks:
         from megatron.core.rerun_state_machine import EXIT_CODE_RESUME_TO_DISAMBIGUATE, RerunState
 
         rsm, loss, after = self.rsm, float("nan"), None
+        window = self.state()  # the spike window as of step - 1: what the checkpoint of a stop holds
         while rsm.should_run_forward_backward(None):
             loss = self.faults.loss(step, forward_backward())
             if self.validating:
@@ -168,6 +169,7 @@ class ResultChecks:
             why = ("rerun.on_transient=stop" if verdict.verdict == "transient" else
                    "train.nan_policy=stop" if nan else "a spike the re-run reproduces")
             action = f"stopped with the checkpoint of step {step - 1} ({why})"
+            self.load_window(window)
             if verdict.verdict == "persistent":
                 action += f"; to go past it, restart with train.skip_steps=[{step}]"
             raise ResultRejected(verdict.line(action), verdict.record(action))
@@ -194,9 +196,12 @@ class ResultChecks:
         return {"large_value_counts": dict(self.rsm.large_value_counts), "max_values": dict(self.rsm.max_values),
                 "current_iteration": int(self.rsm.current_iteration)}
 
-    def load(self, state: dict | None) -> None:
+    def load(self, state: dict) -> None:
         """On resume: the checkpoint's spike window; the first step is validated too (a checkpoint exists)."""
         self.rsm.first_iteration_complete = True
+        self.load_window(state)
+
+    def load_window(self, state: dict) -> None:
         if state:
             self.rsm.large_value_counts = dict(state.get("large_value_counts", {}))
             self.rsm.max_values = dict(state.get("max_values", {}))

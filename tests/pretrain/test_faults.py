@@ -88,6 +88,10 @@ def test_results_validated_and_bad_steps_skipped_at_dp2(tmp_path):
     assert (status["reason"], status["step"], status["rerun_verdict"], status["rerun_ranks"]) == (
         "failed", 2, "persistent", [1])
     assert (root / "persistent/checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    from pretrain.checkpoint.format import read_common
+
+    saved = read_common(root / "persistent/checkpoints/iter_0000002")["rerun_state"]  # the spike window goes on
+    assert saved["large_value_counts"] == {"loss": 1} and saved["max_values"] == {"loss": clean[2][1]}, saved
     # The restart (same command + train.skip_steps=[3]) resumes there and jumps step 3: consumed samples and LR
     # at step 4 are the uninterrupted run's; rank 1, slowed down, is named a straggler.
     assert res["restart"]["ok"], res["restart"]
