@@ -153,7 +153,8 @@ class ResultChecks:
             loss = self.faults.loss(step, forward_backward())
             if self.validating:
                 self._validate(torch.tensor(loss, dtype=torch.float64))
-            after = self.step_state.snapshot()
+            if rsm.state != RerunState.INITIAL_RUN:  # a re-run: the state to go on from, if it goes on
+                after = self.step_state.snapshot()
         _, stop, code = rsm.should_checkpoint_and_exit()
         if not stop:
             return loss, None

@@ -7,7 +7,7 @@
   (consumed samples and LR as the uninterrupted run's, a straggler named on the way);
 - a loss spike once (transient, continues exactly); `train.skip_steps` reads the same tokens after the range;
 - a rank that sleeps in a step: the watchdog writes stacks, exit_status.json `hang` naming the rank, exit 75;
-  the restart resumes from the last checkpoint; a SIGSTOPped rank and TP2 (tier 2).
+  tier 2: the restart resumes from the last checkpoint, a SIGSTOPped rank, a transient NaN at TP2.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
 from tests.pool import run_case
 from tests.pretrain.ckpt_helpers import DETERMINISTIC, by_step, command, kill_group, log_text, start, wait_until
 
@@ -25,7 +26,7 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
         "model.vocab_size=4096", "train.global_batch_size=8", "train.micro_batch_size=2",
         "logging.tensorboard=false", "train.steps=4", "optimizer.warmup_steps=1", "checkpoint.interval=null"]
 TESTING = {"PRETRAIN_TESTING": "1"}
-HANG = ["hang.floor_s=2", "hang.factor=3", "checkpoint.interval=1"]
+HANG = ["hang.floor_s=2", "hang.factor=3", "checkpoint.interval=2"]
 
 
 def _cases(root: Path, cases: list[tuple], world: int = 2, timeout: float = 600) -> dict:
@@ -142,6 +143,8 @@ def test_a_hung_rank_is_found_and_the_run_resumes(tmp_path, monkeypatch):
         stacks = (run_dir / f"hang/stacks.rank{r}.txt").read_text()
         assert "in train" in stacks and ("in_step" in stacks) == (r == 1), stacks
     assert "failed (exitcode: 75)" in log and "[pretrain] hang in step 3: rank(s) 1 stopped answering" in log
+    if not tiers.everything():  # `make test`: resuming from the last checkpoint is test_resume.py's
+        return
     # The same command without the fault (the node replaced) resumes from step 2 and completes.
     res = _cases(tmp_path, [("hang", HANG)])
     assert res["hang"]["ok"], res["hang"]
