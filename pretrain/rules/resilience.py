@@ -20,6 +20,12 @@ _FAULT_KEYS = ("nan_step", "spike_step", "hang_step", "slow_rank")
 def resilience_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """rerun.*, train.skip_steps, hang.*, logging.straggler_threshold, testing.*."""
     rr, h = cfg.rerun, cfg.hang
+    if rr.mode == "report_stats" and report_stats_broken():
+        from pretrain.compat import mcore
+
+        r.error("rerun.mode", f"rerun.mode=report_stats: megatron-core {mcore.MCORE}'s determinism report reads "
+                "Caller.filename, which its Caller does not have (AttributeError at the second step)",
+                "use rerun.mode=validate_results, or a megatron-core whose report works (0.19.2 does)")
     if rr.spike_factor is not None and not (math.isfinite(rr.spike_factor) and rr.spike_factor > 1):
         r.error("rerun.spike_factor", f"rerun.spike_factor={rr.spike_factor} must be above 1",
                 "set a factor such as 10, or null for no spike check")
@@ -43,6 +49,16 @@ def resilience_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
         r.error("logging.straggler_threshold", f"logging.straggler_threshold={cfg.logging.straggler_threshold} "
                 "must be positive", "set the fraction over the median compute that names a rank, e.g. 0.2")
     _testing_rules(r, cfg, lay)
+
+
+def report_stats_broken() -> bool:
+    """Megatron-Core's `RerunStateMachine._maybe_report_stats` reads `caller.filename`, absent from its `Caller`."""
+    import inspect
+
+    from megatron.core.rerun_state_machine import Caller, RerunStateMachine
+
+    source = inspect.getsource(RerunStateMachine._maybe_report_stats)
+    return "caller.filename" in source and "filename" not in Caller._fields
 
 
 def _testing_rules(r: Report, cfg: Config, lay: Layout | None) -> None:

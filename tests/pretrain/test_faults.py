@@ -180,6 +180,10 @@ def test_fault_injection_is_refused_outside_tests(monkeypatch):
     text = report.text()
     assert "testing.nan_step injects a fault: it is for the test suite only (PRETRAIN_TESTING=1)" in text, text
     assert "train.skip_steps entry 0 is not a step (1 or more) or a range \"a-b\"" in text, text
+    from pretrain.rules.resilience import report_stats_broken
+
+    stats = validate(load_config("tiny_llama", ["rerun.mode=report_stats"]), 1, files=False)
+    assert stats.ok != report_stats_broken(), stats.text()  # refused on 0.16.1, accepted on 0.19.2
     monkeypatch.setenv("PRETRAIN_TESTING", "1")
     assert validate(load_config("tiny_llama", ["testing.nan_step=3", "train.skip_steps=[2, \"4-5\"]"]), 1,
                     files=False).ok
