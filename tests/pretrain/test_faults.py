@@ -59,6 +59,8 @@ def test_results_validated_and_bad_steps_skipped_at_dp2(tmp_path):
         ("clean", []),
         ("transient", ["testing.nan_step=3", "testing.nan_rank=1"]),
         ("spike", ["testing.spike_step=3", "rerun.spike_window=1"]),
+        ("transient_stop", ["testing.nan_step=3", "testing.nan_rank=1", "rerun.on_transient=stop"]),
+        ("transient_restart", ["rerun.on_transient=stop"], {"copy_from": [f"{root}/transient_stop", 2]}),
         ("persistent", persistent),
         ("restart", persistent + ["train.skip_steps=[3]", "logging.timing_interval=1", "testing.slow_rank=1",
                                   "testing.slow_s=0.5"], {"copy_from": [f"{root}/persistent", 2]}),
@@ -79,6 +81,13 @@ def test_results_validated_and_bad_steps_skipped_at_dp2(tmp_path):
     rec = by_step(root / "spike")[3]
     assert (rec["rerun_verdict"], rec["rerun_ranks"], rec["rerun_check"]) == ("transient", [0], "loss spike")
     assert rec["rerun_first_loss"] == pytest.approx(clean[3][1] * 1000, rel=1e-12)
+
+    # rerun.on_transient=stop: stopped at step 3 with the checkpoint of step 2; the restart (the fault gone)
+    # continues to the uninterrupted run's numbers exactly.
+    assert res["transient_stop"]["error"].startswith("ResultRejected: step 3: loss is NaN on rank 1 (nan first; the "
+                                                     "re-run of the same data did not: loss "), res["transient_stop"]
+    assert _status(root / "transient_stop")["rerun_verdict"] == "transient"
+    assert res["transient_restart"]["ok"] and _numbers(root / "transient_restart") == clean
 
     # Persistent NaN: stopped at step 3 with the checkpoint of step 2; the verdict recorded.
     err = res["persistent"]["error"]
