@@ -15,7 +15,9 @@
 #      `scancel --signal=USR1 --batch JOB`) is forwarded to the ranks, which save a checkpoint, write
 #      RUN_DIR/exit_status.json and exit 0;
 #   5. from exit_status.json: "completed" ends the job; "signal"/"time_limit" requeue it
-#      (`scontrol requeue`, same job id, same RUN_DIR, SLURM_RESTART_COUNT+1); a failure requeues at
+#      (`scontrol requeue`, same job id, same RUN_DIR, SLURM_RESTART_COUNT+1); so does "hang" (a rank's
+#      watchdog found a step past its bound, wrote RUN_DIR/hang/ and exited 75: the job resumes from the
+#      last checkpoint, like after a preemption, bounded by MAX_RESTARTS); a failure requeues at
 #      most MAX_FAILED_RESTARTS times in a row without progress, then the job fails. The trainer writes
 #      "running" at start, so a file still saying "running" means the ranks were killed (no final status).
 #
@@ -93,6 +95,14 @@ launch_export_runtime_env() {
     export NVTE_BWD_LAYERNORM_SM_MARGIN=${NVTE_BWD_LAYERNORM_SM_MARGIN:-16}
     # Warnings only; set NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET) to debug a hang at start.
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    # Hangs (docs/training.md "Faults"): NCCL's own watchdog aborts a collective past the process group's
+    # timeout (hang.process_group_timeout_s) and, with the flight recorder on, dumps each rank's last
+    # collectives to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (read them with `torchfrtrace`); the trainer's
+    # watchdog (hang.*) fires first and writes Python stacks to RUN_DIR/hang/.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$RUN_DIR/hang/nccl_trace_rank_}
     # Site specific, left to the cluster's module/env files: NCCL_SOCKET_IFNAME (bootstrap interface),
     # NCCL_IB_HCA / NCCL_IB_SL (InfiniBand), NCCL_NET_GDR_LEVEL, and on AWS/GCP their NCCL plugins.
     # One intra-op thread per rank, as torchrun does; ranks already fill the cores.
@@ -297,6 +307,14 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
             exit 3
         }
         launch_requeue "trainer saved at step $step after ${reason/_/ }"
+    fi
+    if [[ $reason == hang ]]; then  # the watchdog's exit (75): nothing saved since the last checkpoint
+        rm -f "$failures_file"
+        ((restarts < MAX_RESTARTS)) || {
+            launch_log "hang at step $step (RUN_DIR/hang/), but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
+            exit 3
+        }
+        launch_requeue "a rank hung after step $step (stacks in $RUN_DIR/hang/)"
     fi
     if [[ -n $LAUNCH_SIGNAL && (! -f $status_file || $reason == running) ]]; then
         # E.g. USR1 while the ranks were still starting, before their handlers were installed: they died

@@ -213,6 +213,7 @@ class TrainConfig:
     exit_duration_in_mins: float | None = None  # save and stop after this wall-clock duration
     nan_policy: Literal["stop", "skip"] = "stop"  # what a NaN/Inf loss or grad norm does
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
+    skip_steps: list = field(default_factory=list)  # steps consumed, not trained: [5, "10-12"] (docs/training.md)
 
 
 @dataclass
@@ -257,6 +258,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     timing_interval: int | None = None  # every N steps: each rank's compute/wait split, slowest ranks named
+    straggler_threshold: float = 0.2  # ... and the ranks whose compute is more than this fraction over the median
 
 
 @dataclass
@@ -268,6 +270,50 @@ class RunConfig:
     # Run on a Python/megatron-core/Transformer Engine/torch combination outside the supported matrix
     # (docs/compatibility.md): validation then warns instead of refusing.
     allow_untested_versions: bool = False
+
+
+# Fault handling (pretrain/resilience/, docs/training.md "Faults")
+# The environment variable that allows `testing.*` keys (fault injection): set by the test suite only.
+TESTING_ENV = "PRETRAIN_TESTING"
+
+
+@dataclass
+class RerunConfig:
+    """Result validation every step by Megatron-Core's `RerunStateMachine` (docs/training.md, "Faults")."""
+
+    mode: Literal["disabled", "validate_results", "report_stats"] = "validate_results"
+    spike_factor: float | None = 10.0  # a loss >= factor x the maximum of the first spike_window steps is a spike
+    spike_window: int = 100  # steps whose loss sets that maximum (Megatron's num_samples)
+    on_transient: Literal["continue", "stop"] = "continue"  # a result the re-run does not reproduce
+
+
+@dataclass
+class HangConfig:
+    """The per-rank hang watchdog and the process groups' timeout."""
+
+    enabled: bool = True
+    factor: float = 10.0  # a step may take factor x the median step time ...
+    floor_s: float = 600.0  # ... and at least this long
+    long_s: float = 1800.0  # the first step, checkpoint saves and evaluation
+    process_group_timeout_s: float | None = None  # the default process group's timeout; None: 10 minutes
+
+
+@dataclass
+class TestingConfig:
+    """Faults injected on purpose (refused unless PRETRAIN_TESTING=1: the test suite). Steps are 1-based."""
+
+    nan_step: int | None = None  # the loss is NaN at this step on rank nan_rank
+    nan_rank: int = 0
+    nan_times: Literal["once", "always"] = "once"  # once: transient (the re-run is clean); always: persistent
+    spike_step: int | None = None  # the loss x spike_scale at this step on rank spike_rank (once)
+    spike_rank: int = 0
+    spike_scale: float = 1000.0
+    spike_times: Literal["once", "always"] = "once"
+    hang_step: int | None = None  # rank hang_rank sleeps forever in this step (before its first collective)
+    hang_rank: int = 0
+    hang_how: Literal["sleep", "sigstop"] = "sleep"  # sigstop: the rank stops itself (SIGSTOP)
+    slow_rank: int | None = None  # this rank sleeps slow_s in every step's compute (a straggler)
+    slow_s: float = 0.0
 
 
 @dataclass
@@ -283,6 +329,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # pretrain/performance.py
+    rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation (pretrain/resilience/)
+    hang: HangConfig = field(default_factory=HangConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)  # fault injection, tests only
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,6 +29,7 @@ from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
 from pretrain.observe.observers import Observers, StepResult, build_observers
+from pretrain.resilience import hooks as resilience
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.run_plan import resolve
@@ -274,7 +275,7 @@ def train(cfg: Config) -> dict:
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
-    rt = init_distributed()
+    rt = init_distributed(resilience.pg_timeout_minutes(cfg))
     check_data_files_once(cfg, problems, rt.device, plan.tokenizer)
     if problems.errors:
         raise ValidationFailed(problems)
@@ -306,20 +307,33 @@ def train(cfg: Config) -> dict:
     setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
-    observers = build_observers(cfg, run)  # profiler window, rank timing, MoE routing, the step record and its sinks
+    res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
+    # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
+    observers = build_observers(cfg, run, res.observer())
     saves = _Saves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
     t = cfg.train
+
+    def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        res.mark(resilience.FORWARD_BACKWARD)
+        losses = run_microbatches(consumed, False, run.train_ds)
+        res.mark(resilience.LOSS)
+        return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
     # 5. Steps.
     try:
         while step < t.steps:
+            if res.skipped(step + 1):  # consumed, not trained: the data order and LR schedule go on as if trained
+                step, consumed = step + 1, consumed + t.global_batch_size
+                scheduler.step(increment=1)
+                if saves.save_or_stop(step, consumed):
+                    break
+                continue
             started = time.perf_counter()
             observers.step_start(step + 1)
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = run_microbatches(consumed, False, run.train_ds)
-            loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
+            loss, rerun_record = res.run_step(step + 1, forward_backward)
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -333,6 +347,7 @@ def train(cfg: Config) -> dict:
                 if saves.save_or_stop(step, consumed):
                     break
                 continue
+            res.mark(resilience.OPTIMIZER)
             ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
@@ -342,7 +357,8 @@ def train(cfg: Config) -> dict:
                                       "(train.nan_policy=stop). The last checkpoint is intact.")
             step += 1
             consumed += t.global_batch_size
-            observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed))
+            observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,
+                                                extra=dict(rerun_record)))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
                 evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
@@ -350,6 +366,11 @@ def train(cfg: Config) -> dict:
         if cfg.checkpoint.save_at_end or saves.reason != "completed":
             saves.save(step, consumed)
         saves.finalize()
+    except resilience.ResultRejected as exc:  # the model is still that of `step`, the last good one: saved
+        saves.save(step, consumed)
+        saves.finalize()
+        res.rejected(cfg, exc, step, run.writer, rt.rank)
+        raise
     except TrainingStopped as exc:
         saves.finalize()  # all ranks stop together here: commit the save in flight
         if rt.rank == 0:
@@ -361,7 +382,7 @@ def train(cfg: Config) -> dict:
             exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
-        observers.close(step)
+        observers.close(step)  # the resilience watch among them (watchdog off)
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
@@ -392,7 +413,8 @@ def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device)
 def main(cfg: Config) -> int:
     """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
 
-    Exit status: 2 invalid config, 3 stopped on purpose (NaN), 1 unusable checkpoint or run directory (or one
+    Exit status: 2 invalid config, 3 stopped on purpose (NaN, a rejected result), 75 a hang (the watchdog's,
+    pretrain/resilience/watchdog.py), 1 unusable checkpoint or run directory (or one
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
@@ -412,6 +434,9 @@ def main(cfg: Config) -> int:
     except TrainingStopped as exc:
         print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except resilience.ResultRejected as exc:  # a checkpoint of the last good step was saved
+        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except (CheckpointError, StorageError) as exc:
         return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
     except Exception as exc:

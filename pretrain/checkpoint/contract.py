@@ -93,10 +93,12 @@ FIELDS: dict[str, tuple[str, str]] = {
     "train.precision": (MATCH, "16-bit and fp32 runs keep different optimizer state"),
     **_group(CHANGE, "from the resumed step", "train", ("eval_interval", "eval_iters", "exit_duration_in_mins",
                                                          "nan_policy", "exit_signal_handler")),
+    "train.skip_steps": (CHANGE, "the listed steps still ahead are consumed, not trained"),
     **_group(CHANGE, "from the resumed step", "checkpoint", ("interval", "dir", "keep_last", "async_save",
                                                               "save_optimizer", "load_optimizer", "save_at_end")),
     "checkpoint.pretrained": (UNUSED, "the run resumes from its own checkpoint"),
-    **_group(CHANGE, "from the resumed step", "logging", ("log_interval", "tensorboard", "timing_interval")),
+    **_group(CHANGE, "from the resumed step", "logging", ("log_interval", "tensorboard", "timing_interval",
+                                                            "straggler_threshold")),
     **_group(CHANGE, "from the resumed step", "logging.wandb", ("project", "entity", "name", "mode")),
     **_group(CHANGE, "from the resumed step", "logging.profile", ("start_step", "end_step", "ranks")),
     **_group(CHANGE, "from the resumed step", "run", ("dir", "name", "allow_untested_versions")),
@@ -105,6 +107,13 @@ FIELDS: dict[str, tuple[str, str]] = {
               "fine_grained_activation_offloading", "offload_modules", "overlap_moe_expert_parallel_comm",
               "moe_shared_expert_overlap")),
     "performance.fp4_recipe": (CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"),
+    **_group(CHANGE, "from the resumed step (the spike maximum comes from the checkpoint)", "rerun",
+             ("mode", "spike_factor", "spike_window", "on_transient")),
+    **_group(CHANGE, "from the resumed step", "hang", ("enabled", "factor", "floor_s", "long_s",
+                                                        "process_group_timeout_s")),
+    **_group(CHANGE, "from the resumed step (injected faults: tests only)", "testing",
+             ("nan_step", "nan_rank", "nan_times", "spike_step", "spike_rank", "spike_scale", "spike_times",
+              "hang_step", "hang_rank", "hang_how", "slow_rank", "slow_s")),
 }
 
 

@@ -9,6 +9,7 @@ same-layout resume exact.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,10 @@ from pretrain.checkpoint.contract import TOKENIZER_STATE
 from pretrain.compat import mcore
 
 OPTIMIZER_SHARDING = "fully_reshardable"
+# Run-level state other parts of the run keep in every checkpoint's common state: name -> a callable returning it
+# (None: nothing to save). Registered by their owners, read back by them on resume (`pretrain.resilience.hooks`:
+# the result checks' spike window and maximum).
+RUN_STATE: dict[str, Callable[[], dict | None]] = {}
 
 
 def unwrap(chunk):
@@ -115,4 +120,8 @@ def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
     elif plan.tokenizer is not None and plan.tokenizer.null:
         common[TOKENIZER_STATE] = None  # a null tokenizer of unknown size: "no tokenizer"
     common["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
+    for name, provider in RUN_STATE.items():  # other parts' run-level state (the rerun state machine's window)
+        value = provider()
+        if value is not None:
+            common[name] = value
     return common

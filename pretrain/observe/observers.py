@@ -168,6 +168,8 @@ INSTRUMENTS: list[Callable[[Any, Any], Observer | None]] = [
 ]
 
 
-def build_observers(cfg, run) -> Observers:
-    """The run's observers (after set-up built the profiler, timing, MoE hooks and the metrics writer)."""
-    return Observers([make(cfg, run) for make in INSTRUMENTS])
+def build_observers(cfg, run, *owned: Observer) -> Observers:
+    """The run's observers (after set-up built the profiler, timing, MoE hooks and the metrics writer); `owned`:
+    observers another part of the run owns (the resilience watch), notified before the step record."""
+    items = [make(cfg, run) for make in INSTRUMENTS]
+    return Observers([*items[:-1], *owned, items[-1]])

@@ -152,6 +152,7 @@ def summarise(rows: list[list[float]], top: int = 3) -> dict:
         "max_rank_slowdown": slowdown(order[0]),
         "rank_compute_s_median": median,
         "rank_wait_s_median": {c: statistics.median(r[k + 1] for r in rows) for k, c in enumerate(CATEGORIES)},
+        "all_compute_s": compute,  # every rank's, for pretrain.resilience.stragglers (not written to metrics)
     }
 
 

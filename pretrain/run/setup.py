@@ -61,7 +61,8 @@ def ddp_config(cfg: Config, gloo: bool):
         overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
         overlap_param_gather=cfg.optimizer.overlap_param_gather,
         use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,
-        check_for_nan_in_grad=False,
+        # Each bucket's gradient norm validated by the rerun state machine (pretrain/resilience/results.py).
+        check_for_nan_in_grad=cfg.rerun.mode == "validate_results" and sharding is None,
         average_in_collective=False,
         use_megatron_fsdp=sharding is not None,
         data_parallel_sharding_strategy=sharding or "no_shard",

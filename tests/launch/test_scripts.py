@@ -219,3 +219,13 @@ def test_preprocess_script_refuses_a_bad_command_line(args, message, tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and message in done.stderr, done.stderr
     assert "usage: launch/preprocess.sh --tasks N" in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_finish_requeues_after_a_hang(tmp_path):
+    """exit_status.json `hang` (the trainer's watchdog, exit 75): requeued like a preemption, no failure counted."""
+    hang = {"reason": "hang", "step": 2, "signal": None, "message": "hang in step 3: rank(s) 1 stopped answering",
+            "hang_step": 3, "hang_ranks": [1]}
+    done = _finish(tmp_path, hang)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "requeueing job 42 (a rank hung after step 2 (stacks in" in done.stdout, done.stdout
+    assert "scontrol requeue 42" in done.stdout and not (tmp_path / "run" / ".launch_failures").exists()
