@@ -27,6 +27,7 @@ from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.compat import mcore
 from pretrain.config import Config
+from pretrain.optim import muon
 from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.validate import ValidationFailed, validate
 
@@ -363,6 +364,7 @@ def train(cfg: Config) -> dict:
             ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
+                muon.after_step(cfg, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
