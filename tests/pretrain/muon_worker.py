@@ -1,0 +1,152 @@
+"""Muon cases on pool ranks (`tests/pretrain/test_muon.py`).
+
+    python -m tests.pretrain.muon_worker reference OUT.json   one optimizer step of the trainer's Muon vs the
+                                                              plain-PyTorch Muon + AdamW below
+    python -m tests.pretrain.muon_worker switch CASES.json OUT.json   train() cases; a case with "refused" records
+                                                              the CheckpointError it ends with
+
+The reference is written from the published algorithm (Keller Jordan's Muon; Moonlight, arXiv 2502.16982): the
+momentum buffer m = β·m + (1-β)·g (zero before the first step), Newton-Schulz iterations X ← aX + (bA + cA²)X with
+A = XXᵀ (as two `addmm`s: fp32 rounds `aX + (bA + cA²)X` written out differently, ~1e-6 after 5 iterations)
+on the Frobenius-normalised momentum (the shorter side first), Q, K and V of the fused QKV weight
+orthogonalised separately, the update scaled by sqrt(max(rows, columns)) ("spectral"), decoupled weight decay
+W ← W(1 - lr·wd) before the update; AdamW (torch's formula) for the embeddings, the output layer and 1-D tensors,
+with no weight decay on 1-D tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+
+# Newton-Schulz quintic coefficients (a, b, c) per iteration, as published with Muon (modded-nanogpt)
+QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
+OVERRIDES = ["model.num_layers=2", "model.vocab_size=1024", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
+             "optimizer.lr=0.02", "optimizer.weight_decay=0.1", "optimizer.clip_grad=1.0e9", "train.precision=fp32",
+             "optimizer.warmup_steps=0", "optimizer.decay_style=constant"]
+
+
+def orthogonalize(g, steps: int = 5):
+    """Newton-Schulz orthogonalisation of a matrix (in fp32, the precision of the run), the shorter side first."""
+    import torch
+
+    x = g.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / torch.clamp(x.norm(), min=1e-7)
+    for a, b, c in (QUINTIC * steps)[:steps]:
+        A = x @ x.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # bA + cA²
+        x = torch.addmm(x, B, x, beta=a)  # aX + BX
+    return x.T if transposed else x
+
+
+def muon_update(name: str, g, model_cfg, momentum: float):
+    """The scaled orthogonalised first-step momentum of one matrix (QKV: Q, K, V separately)."""
+    import torch
+
+    buf = (1 - momentum) * g.float()
+    if "linear_qkv.weight" not in name:
+        return orthogonalize(buf).double() * max(buf.shape) ** 0.5
+    heads, groups, d = model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.kv_channels
+    shapes = [heads // groups * d, d, d]
+    parts = torch.split(buf.view(groups, sum(shapes), -1), shapes, dim=1)
+    out = []
+    for part in parts:
+        m = part.reshape(-1, buf.shape[-1])
+        out.append((orthogonalize(m) * max(m.shape) ** 0.5).view(groups, -1, buf.shape[-1]))
+    return torch.cat(out, dim=1).view(buf.shape).double()
+
+
+def reference(out: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from model_providers.core.builder import build_model
+    from pretrain.config import load_config
+    from pretrain.layout import derive_layout
+    from pretrain.runtime import init_model_parallel
+    from pretrain.setup import build_optimizer, build_scheduler, wrap_with_ddp
+
+    cfg = load_config("tiny_llama", OVERRIDES)
+    layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
+    init_model_parallel(layout, cfg.train.seed)
+    chunks = build_model(cfg, layout)
+    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
+    lines: list[str] = []
+    optimizer = build_optimizer(cfg, model, layout, lines.append)
+    build_scheduler(cfg, optimizer)  # sets each group's lr and weight decay, as in training
+    for c in model:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(0)
+    seq = cfg.model.seq_length
+    tokens = torch.randint(0, 1000, (2, seq), generator=gen)
+    labels = torch.randint(0, 1000, (2, seq), generator=gen)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(2, -1)
+    loss = model[0](tokens, position_ids, None, labels=labels).float().mean()
+    loss.backward()
+    for c in model:
+        c.finish_grad_sync()
+    before = {n: (p.detach().clone().double(), p.main_grad.detach().clone().double())
+              for n, p in chunks[0].named_parameters()}
+    optimizer.step()
+    o, mc = cfg.optimizer, chunks[0].config
+    worst_w, worst_u, kinds = 0.0, 0.0, {"muon": 0, "adamw": 0}
+    for n, p in chunks[0].named_parameters():
+        w, g = before[n]
+        wd = 0.0 if p.ndim == 1 or n.endswith(".bias") else o.weight_decay
+        muon = p.ndim == 2 and not n.startswith(("embedding.", "output_layer."))
+        kinds["muon" if muon else "adamw"] += p.numel()
+        update = muon_update(n, g, mc, o.muon.momentum) if muon else g / (g.abs() + o.adam_eps)
+        expected = w * (1 - o.lr * wd) - o.lr * update
+        got = p.detach().double()
+        worst_w = max(worst_w, float((got - expected).norm() / expected.norm()))
+        worst_u = max(worst_u, float(((got - w) - (expected - w)).norm() / (expected - w).norm()))
+    with open(out, "w") as f:
+        json.dump({"weights_rel": worst_w, "update_rel": worst_u, "kinds": kinds, "line": lines}, f)
+    return 0
+
+
+def switch(cases_file: str, out: str) -> int:
+    """train() per case; a case marked "refused" must end with a CheckpointError, whose message is recorded."""
+    from pretrain.checkpoint.format import CheckpointError
+    from pretrain.config import load_config
+    from pretrain.train import train
+
+    results = []
+    for case in json.loads(open(cases_file).read()):
+        try:
+            train(load_config(case["config"], case["overrides"]))
+            results.append(None)
+        except CheckpointError as exc:
+            if not case.get("refused"):
+                raise
+            results.append(str(exc))
+    with open(out, "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from pretrain import compat
+    from pretrain.runtime import init_distributed, shutdown
+
+    compat.apply()
+    if argv[0] == "switch":
+        return switch(argv[1], argv[2])
+    init_distributed()
+    try:
+        return reference(argv[1])
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

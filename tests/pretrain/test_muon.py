@@ -1,0 +1,128 @@
+"""Muon (optimizer.name=muon): Megatron-Core's Muon + AdamW as the trainer builds it.
+
+- one optimizer step = a plain-PyTorch Muon + AdamW written from the published algorithm (`muon_worker.py`);
+- TP2 (tp_mode=duplicated) and DP2 (the layer-wise distributed optimizer) = one rank, fp32, 4 steps; PP2, EP2
+  (tiny_moe) and EP2 (tiny_deepseek: MLA, MTP) in `make test-all`;
+- a Muon checkpoint resumes to the uninterrupted losses; an AdamW checkpoint resumed with Muon is refused, and
+  starts Muon fresh with checkpoint.load_optimizer=false (printed, recorded in config.yaml);
+- validate refuses what Megatron-Core's Muon does not support, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests import tiers
+from tests.pool import run_case
+from tests.pool.reference import reference_run
+from tests.pretrain.ckpt_helpers import log_text, metrics, rel_diff
+
+STEPS = 4
+TOLERANCE = 1e-5
+MUON = ["optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest", "optimizer.muon.tp_mode=duplicated"]
+BASE = ["data.mock=true", "model.num_layers=2", f"train.steps={STEPS}", "checkpoint.save_at_end=false",
+        "checkpoint.interval=null", "logging.tensorboard=false", "optimizer.warmup_steps=1", *MUON]
+LAYOUTS = {  # name: (config, world, overrides)
+    "tp2": ("tiny_llama", 2, ["parallel.tensor=2"]),
+    "dp2_layer_wise": ("tiny_llama", 2, ["optimizer.muon.layer_wise=true"]),
+    "pp2": ("tiny_llama", 2, ["parallel.pipeline=2"]),
+    "moe_ep2": ("tiny_moe", 2, ["parallel.expert=2"]),
+    "moe_ep2_layer_wise": ("tiny_moe", 2, ["parallel.expert=2", "optimizer.muon.layer_wise=true"]),
+    "deepseek_ep2": ("tiny_deepseek", 2, ["parallel.expert=2"]),
+    "tp2_sp_dp2_layer_wise": ("tiny_llama", 4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                "optimizer.muon.layer_wise=true"]),
+}
+FULL = {"pp2", "moe_ep2", "moe_ep2_layer_wise", "deepseek_ep2", "tp2_sp_dp2_layer_wise"}
+
+
+def _losses(run_dir) -> list[float]:
+    lines = [x for x in metrics(run_dir) if "loss" in x]
+    return [x["loss"] for x in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_one_step_equals_reference_muon(tmp_path):
+    out, log = tmp_path / "reference.json", tmp_path / "reference.log"
+    rc = run_case(1, "tests.pretrain.muon_worker", ["reference", str(out)], log, timeout=600)
+    assert rc == 0, log_text(log)[-4000:]
+    r = json.loads(out.read_text())
+    print(f"one step vs the reference: weights {r['weights_rel']:.2e}, updates {r['update_rel']:.2e} (relative)")
+    assert r["weights_rel"] <= 1e-6, r
+    assert r["update_rel"] <= 5e-6, r  # AdamW's fp32 formula (torch: m/bc1 / (sqrt(v)/sqrt(bc2) + eps)) rounds
+    # Megatron-Core's split: 8 matrices (QKV, proj, fc1, fc2 × 2 layers) to Muon; embedding, output, norms to AdamW
+    assert r["kinds"] == {"muon": 368640, "adamw": 262784}, r
+    assert "368,640 parameters in 8 matrices" in r["line"][0] and "262,784 in 7 tensors to AdamW" in r["line"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", tiers.params(list(LAYOUTS), FULL))
+def test_layout_equals_one_rank(name, tmp_path):
+    config, world, extra = LAYOUTS[name]
+    ref = reference_run(config, BASE + [f"run.dir={tmp_path}/ref"])
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps([{"config": config, "overrides": BASE + extra + [f"run.dir={tmp_path}/{name}"]}]))
+    log = tmp_path / f"{name}.log"
+    rc = run_case(world, "tests.pretrain.layout_worker", [str(cases)], log, timeout=900)
+    assert rc == 0, log_text(log)[-4000:]
+    want, got = _losses(ref), _losses(tmp_path / name)
+    assert len(want) == len(got) == STEPS, (want, got)
+    worst = max(rel_diff(a, b) for a, b in zip(got, want))
+    print(f"muon {name} ({config}): max relative loss difference vs one rank {worst:.2e}")
+    assert worst <= TOLERANCE, (want, got)
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_resume_and_optimizer_switch(tmp_path):
+    """Muon checkpoint at step 2 → resumed steps 3-4 = the uninterrupted run; AdamW → Muon refused, or fresh."""
+    ref = reference_run("tiny_llama", BASE + [f"run.dir={tmp_path}/ref"])
+    a, b = tmp_path / "muon", tmp_path / "adamw"
+    plain = [o for o in BASE if not o.startswith("optimizer.name")]
+    cases = [
+        {"config": "tiny_llama", "overrides": BASE + ["train.steps=2", "checkpoint.save_at_end=true", f"run.dir={a}"]},
+        {"config": "tiny_llama", "overrides": BASE + [f"run.dir={a}"]},
+        {"config": "tiny_llama", "overrides": plain + ["train.steps=1", "checkpoint.save_at_end=true", f"run.dir={b}"]},
+        {"config": "tiny_llama", "overrides": BASE + ["train.steps=2", f"run.dir={b}"], "refused": True},
+        {"config": "tiny_llama", "overrides": BASE + ["train.steps=2", "checkpoint.load_optimizer=false",
+                                                      f"run.dir={b}"]},
+    ]
+    spec, out, log = tmp_path / "cases.json", tmp_path / "out.json", tmp_path / "switch.log"
+    spec.write_text(json.dumps(cases))
+    rc = run_case(1, "tests.pretrain.muon_worker", ["switch", str(spec), str(out)], log, timeout=900)
+    text = log_text(log)
+    assert rc == 0, text[-4000:]
+    assert _losses(a) == _losses(ref), (_losses(a), _losses(ref))  # exact: steps 1-2, then 3-4 after the resume
+    refused = json.loads(out.read_text())[3]
+    assert refused and "optimizer.name adamw → muon" in refused and "checkpoint.load_optimizer=false" in refused
+    assert "resume: optimizer.name adamw → muon (only with checkpoint.load_optimizer=false" in text
+    recorded = yaml.safe_load((b / "config.yaml").read_text())
+    assert recorded["optimizer"]["name"] == "muon" and recorded["checkpoint"]["load_optimizer"] is False
+    assert [x["step"] for x in metrics(b) if "loss" in x][-1] == 2
+
+
+def _problems(overrides: list[str], world: int = 2, config: str = "tiny_llama") -> str:
+    from pretrain.config import load_config
+    from pretrain.validate import validate
+
+    r = validate(load_config(config, ["data.mock=true", *overrides]), world, cuda_available=False)
+    return "\n".join(str(e) for e in r.errors)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["optimizer.name=muon", "optimizer.fsdp=true"], "does not run with Megatron-FSDP"),
+    (["optimizer.name=muon", "optimizer.distributed=true"], "does not run inside the distributed optimizer"),
+    (["optimizer.name=muon", "optimizer.muon.qk_clip=true"], "optimizer.muon.qk_clip needs Transformer Engine"),
+    (["optimizer.name=muon", "optimizer.muon.num_ns_steps=0"], "optimizer.muon.num_ns_steps=0 must be 1 or more"),
+    (["optimizer.name=muon", "optimizer.muon.momentum=1.0"], "optimizer.muon.momentum=1.0 must be in [0, 1)"),
+])
+def test_validate_refuses(overrides, expected):
+    assert expected in _problems(overrides)
+
+
+def test_validate_accepts_muon_layouts():
+    assert _problems(["optimizer.name=muon", "parallel.tensor=2", "optimizer.muon.layer_wise=true"], world=4) == ""
