@@ -1,6 +1,7 @@
-"""`optimizer.name: muon`: Megatron-Core's Muon (TensorParallelMuon) for the 2-D weight matrices and AdamW for the
-rest, split exactly as Megatron-Core splits them (embeddings, output layer, norms, biases, 1-D router/expert bias
-to AdamW), built by Megatron-Core (`pretrain.compat.muon.build_muon`).
+"""`optimizer.name: muon`: Megatron-Core's Muon (TensorParallelMuon) and AdamW, split as Megatron-Core splits them:
+every 2-D weight to Muon (attention and MLP projections, expert weights, the router's weight) except the embedding
+and output layer; those and every 1-D tensor (norms, biases, the MoE expert bias) to AdamW. Built by Megatron-Core
+(`pretrain.compat.muon.build_muon`).
 
 Data parallel: `optimizer.muon.layer_wise=true` selects Megatron-Core's LayerWiseDistributedOptimizer (each DP rank
 updates whole matrices, then all-gathers them); Megatron-Core refuses Muon inside the classic distributed optimizer
@@ -85,8 +86,8 @@ def describe_split(counts: dict[str, list[int]], cfg: Config) -> str:
     layer_wise = "; layer-wise distributed over DP" if m.layer_wise else ""
     return (f"[pretrain] optimizer muon: {muon_e:,} parameters in {muon_n} matrices (Muon: momentum {m.momentum}, "
             f"{m.num_ns_steps} Newton-Schulz steps, scale {m.scale_mode} x {m.extra_scale_factor}), "
-            f"{adam_e:,} in {adam_n} tensors to AdamW (embeddings, output layer, norms, biases, router){layer_wise}; "
-            "rank 0's model shard")
+            f"{adam_e:,} in {adam_n} tensors to AdamW (embeddings, output layer, 1-D: norms, biases, expert bias)"
+            f"{layer_wise}; rank 0's model shard")
 
 
 def after_step(cfg: Config, model: list) -> float | None:

@@ -108,8 +108,18 @@ def reference(out: str) -> int:
         got = p.detach().double()
         worst_w = max(worst_w, float((got - expected).norm() / expected.norm()))
         worst_u = max(worst_u, float(((got - w) - (expected - w)).norm() / (expected - w).norm()))
+    state = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for per_param in opt.optimizer.state.values():
+            state += sum(t.numel() * t.element_size() for k, t in per_param.items()
+                         if k in ("momentum_buffer", "exp_avg", "exp_avg_sq"))
+    from pretrain.planner.muon import muon_memory
+
+    mu = muon_memory(cfg, layout, layout.padded_vocab, 0)
+    planned = {"muon": mu.muon_params, "adamw": mu.adamw_params, "state_bytes": mu.momentum + mu.moments}
     with open(out, "w") as f:
-        json.dump({"weights_rel": worst_w, "update_rel": worst_u, "kinds": kinds, "line": lines}, f)
+        json.dump({"weights_rel": worst_w, "update_rel": worst_u, "kinds": kinds, "line": lines,
+                   "state_bytes": state, "planned": planned}, f)
     return 0
 
 

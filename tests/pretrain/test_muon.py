@@ -56,6 +56,9 @@ def test_one_step_equals_reference_muon(tmp_path):
     # Megatron-Core's split: 8 matrices (QKV, proj, fc1, fc2 × 2 layers) to Muon; embedding, output, norms to AdamW
     assert r["kinds"] == {"muon": 368640, "adamw": 262784}, r
     assert "368,640 parameters in 8 matrices" in r["line"][0] and "262,784 in 7 tensors to AdamW" in r["line"][0]
+    # the planner: the same split, and the optimizer state the ranks hold (momentum 4 B, AdamW moments 8 B)
+    assert r["planned"] == {"muon": 368640, "adamw": 262784, "state_bytes": r["state_bytes"]}, r
+    assert r["state_bytes"] == 4 * 368640 + 8 * 262784
 
 
 @pytest.mark.slow
