@@ -5,8 +5,8 @@ and output layer; those and every 1-D tensor (norms, biases, the MoE expert bias
 
 Data parallel: `optimizer.muon.layer_wise=true` selects Megatron-Core's LayerWiseDistributedOptimizer (each DP rank
 updates whole matrices, then all-gathers them); Megatron-Core refuses Muon inside the classic distributed optimizer
-(`optimizer.distributed`) and with Megatron-FSDP (`pretrain.rules.optimizer`). QK-clip (`optimizer.muon.qk_clip`) is Megatron-Core's
-`clip_qk` after each optimizer step (`after_step`).
+(`optimizer.distributed`) and with Megatron-FSDP (`pretrain.rules.optimizer`). QK-clip (`optimizer.muon.qk_clip`)
+is Megatron-Core's `clip_qk` after each optimizer step (`after_step`).
 """
 
 from __future__ import annotations

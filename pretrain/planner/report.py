@@ -46,8 +46,9 @@ def format_plan(plan: dict[str, Any]) -> str:
                         f"rank); all-to-all {moe['all_to_all_bytes_per_step'] / 1e9:.2f} GB sent per rank per step")
     mu = plan.get("muon")
     if mu:
-        lines.insert(3, f"  muon       {mu['muon_parameters']:,} parameters by Muon, {mu['adamw_parameters']:,} by AdamW "
-                        f"on the most loaded rank{' (layer-wise over DP)' if mu['layer_wise'] else ''}: optimizer "
+        lines.insert(3, f"  muon       {mu['muon_parameters']:,} parameters by Muon, {mu['adamw_parameters']:,} "
+                        f"by AdamW on the most loaded rank{' (layer-wise over DP)' if mu['layer_wise'] else ''}: "
+                        "optimizer "
                         f"{mu['optimizer_gib']:.2f} GiB (momentum {mu['momentum_gib']:.2f}, AdamW moments "
                         f"{mu['adamw_moments_gib']:.2f}, main params {mu['main_params_gib']:.2f}), all-gather "
                         f"{mu['gather_gib']:.2f} GiB in the step; Newton-Schulz "

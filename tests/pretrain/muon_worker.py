@@ -25,9 +25,10 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 # Newton-Schulz quintic coefficients (a, b, c) per iteration, as published with Muon (modded-nanogpt)
 QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
            (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
-OVERRIDES = ["model.num_layers=2", "model.vocab_size=1024", "optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest",
-             "optimizer.lr=0.02", "optimizer.weight_decay=0.1", "optimizer.clip_grad=1.0e9", "train.precision=fp32",
-             "optimizer.warmup_steps=0", "optimizer.decay_style=constant"]
+OVERRIDES = ["model.num_layers=2", "model.vocab_size=1024", "optimizer.name=muon",
+             "optimizer.muon.fp32_matmul_prec=highest", "optimizer.lr=0.02", "optimizer.weight_decay=0.1",
+             "optimizer.clip_grad=1.0e9", "train.precision=fp32", "optimizer.warmup_steps=0",
+             "optimizer.decay_style=constant"]
 
 
 def orthogonalize(g, steps: int = 5):
