@@ -57,6 +57,13 @@ def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
     if not (0 <= m.qk_clip_alpha <= 1):
         r.error("optimizer.muon.qk_clip_alpha", f"optimizer.muon.qk_clip_alpha={m.qk_clip_alpha} must be in [0, 1]",
                 "set optimizer.muon.qk_clip_alpha=0.5 (Megatron-Core's default)")
+    tp = max(cfg.parallel.tensor, cfg.parallel.expert_tensor or 1)
+    if tp > 1 and m.tp_mode == "blockwise":
+        r.notes.append("optimizer.muon.tp_mode=blockwise (Megatron-Core's default): at tensor parallelism > 1 each "
+                       "rank "
+                       "orthogonalises its own shard of a matrix, not the whole matrix as one rank does; "
+                       "tp_mode=duplicated (all-gather, every rank the whole) or distributed (split over TP) "
+                       "orthogonalise the whole matrix")
     use_te = lay.use_te if lay is not None else use_transformer_engine(cfg.model.transformer_impl, te_on_gpu)
     if m.qk_clip and not use_te:
         r.error(("optimizer.muon.qk_clip", "model.transformer_impl"), "optimizer.muon.qk_clip needs Transformer "

@@ -23,8 +23,11 @@ from tests.pretrain.ckpt_helpers import log_text, metrics, rel_diff
 STEPS = 4
 TOLERANCE = 1e-5
 MUON = ["optimizer.name=muon", "optimizer.muon.fp32_matmul_prec=highest", "optimizer.muon.tp_mode=duplicated"]
-BASE = ["data.mock=true", "model.num_layers=2", f"train.steps={STEPS}", "checkpoint.save_at_end=false",
-        "checkpoint.interval=null", "logging.tensorboard=false", "optimizer.warmup_steps=1", *MUON]
+COMMON = ["data.mock=true", f"train.steps={STEPS}", "checkpoint.save_at_end=false",
+          "checkpoint.interval=null", "logging.tensorboard=false", "optimizer.warmup_steps=1", *MUON]
+BASE = [*COMMON, "model.num_layers=2"]  # tiny_llama, two layers
+
+
 LAYOUTS = {  # name: (config, world, overrides)
     "tp2": ("tiny_llama", 2, ["parallel.tensor=2"]),
     "dp2_layer_wise": ("tiny_llama", 2, ["optimizer.muon.layer_wise=true"]),
@@ -36,6 +39,10 @@ LAYOUTS = {  # name: (config, world, overrides)
                                                 "optimizer.muon.layer_wise=true"]),
 }
 FULL = {"pp2", "moe_ep2", "moe_ep2_layer_wise", "deepseek_ep2", "tp2_sp_dp2_layer_wise"}
+
+
+def _base(config: str) -> list[str]:
+    return BASE if config == "tiny_llama" else COMMON
 
 
 def _losses(run_dir) -> list[float]:
@@ -66,9 +73,10 @@ def test_one_step_equals_reference_muon(tmp_path):
 @pytest.mark.parametrize("name", tiers.params(list(LAYOUTS), FULL))
 def test_layout_equals_one_rank(name, tmp_path):
     config, world, extra = LAYOUTS[name]
-    ref = reference_run(config, BASE + [f"run.dir={tmp_path}/ref"])
+    ref = reference_run(config, _base(config) + [f"run.dir={tmp_path}/ref"])
     cases = tmp_path / "cases.json"
-    cases.write_text(json.dumps([{"config": config, "overrides": BASE + extra + [f"run.dir={tmp_path}/{name}"]}]))
+    overrides = _base(config) + extra + [f"run.dir={tmp_path}/{name}"]
+    cases.write_text(json.dumps([{"config": config, "overrides": overrides}]))
     log = tmp_path / f"{name}.log"
     rc = run_case(world, "tests.pretrain.layout_worker", [str(cases)], log, timeout=900)
     assert rc == 0, log_text(log)[-4000:]
