@@ -106,7 +106,7 @@ def build_optimizer(cfg: Config, model, layout: Layout, log=None):
     if cfg.optimizer.name == "muon":
         from pretrain.optim.muon import build_muon_optimizer
 
-        return build_muon_optimizer(cfg, model, layout, log)
+        return build_muon_optimizer(cfg, model, layout, optimizer_config(cfg, layout), log)
     return get_megatron_optimizer(optimizer_config(cfg, layout), model)
 
 

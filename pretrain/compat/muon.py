@@ -11,9 +11,9 @@ installs it):
   "quintic" there (validation refuses others).
 - 0.19.x: `get_megatron_optimizer` with `config.optimizer="muon"` and `use_layer_wise_distributed_optimizer`.
 
-emerging-optimizers declares Python >= 3.12 and imports `typing.override` (new in 3.12); on 3.11 (the test
-configuration `scripts/install.sh` installs with --ignore-requires-python) the name is added from
-`typing_extensions` before anything imports the package: by the `.pth` file the installer writes into the venv
+emerging-optimizers declares Python >= 3.12 and imports `typing.override` (new in 3.12, a marker decorator); on
+3.10/3.11 (the test configuration `scripts/install.sh` installs with --ignore-requires-python) the name is added
+(the identity) before anything imports the package: by the `.pth` file the installer writes into the venv
 (megatron-core 0.19 imports the package with `megatron.core`), and by `backfill_typing_override` here.
 """
 
@@ -34,13 +34,10 @@ COEFFICIENTS_FIXED = "coefficient_type" not in MUON_FIELDS  # this release alway
 
 
 def backfill_typing_override() -> None:
-    """`typing.override` on Python < 3.12 (emerging-optimizers imports it; it only marks methods)."""
+    """`typing.override` on Python < 3.12 (emerging-optimizers imports it; it only marks methods), as the `.pth`
+    file `scripts/install.sh` writes does at start-up."""
     if not hasattr(typing, "override"):
-        try:
-            import typing_extensions
-        except ImportError:  # pragma: no cover - torch depends on typing_extensions
-            return
-        typing.override = typing_extensions.override
+        typing.override = lambda method: method
 
 
 def emerging_optimizers_missing() -> str | None:

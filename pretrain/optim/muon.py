@@ -17,25 +17,24 @@ from pretrain.config import Config
 from pretrain.layout import Layout
 
 
-def muon_optimizer_config(cfg: Config, layout: Layout):
-    """Megatron-Core's OptimizerConfig for Muon: this run's AdamW settings (for the parameters Muon does not
-    take) plus the optimizer.muon.* keys under Megatron-Core's `muon_*` names (validation refuses the classic
+def muon_optimizer_config(cfg: Config, config):
+    """Megatron-Core's OptimizerConfig `config` (this run's AdamW settings, for the parameters Muon does not take)
+    with the optimizer.muon.* keys under Megatron-Core's `muon_*` names (validation refuses the classic
     distributed optimizer with Muon)."""
     from pretrain.compat.muon import MUON_FIELDS
-    from pretrain.setup import optimizer_config
 
-    config = optimizer_config(cfg, layout)
     for key, field in MUON_FIELDS.items():
         setattr(config, field, getattr(cfg.optimizer.muon, key))
     return config
 
 
-def build_muon_optimizer(cfg: Config, model: list, layout: Layout, log=None):
-    """Muon + AdamW over the DDP-wrapped model chunks; prints one line with what each optimizer got."""
+def build_muon_optimizer(cfg: Config, model: list, layout: Layout, config, log=None):
+    """Muon + AdamW over the DDP-wrapped model chunks from Megatron-Core's OptimizerConfig `config`
+    (`pretrain.setup.optimizer_config`); prints one line with what each optimizer got."""
     from pretrain.compat.muon import build_muon
 
     layer_wise = cfg.optimizer.muon.layer_wise
-    optimizer = build_muon(muon_optimizer_config(cfg, layout), model, layer_wise=layer_wise)
+    optimizer = build_muon(muon_optimizer_config(cfg, config), model, layer_wise=layer_wise)
     counts = parameter_split(optimizer, layer_wise=layer_wise and layout.dp > 1)
     if log is not None:
         log(describe_split(counts, cfg))
