@@ -94,6 +94,11 @@ def after_step(cfg: Config, model: list) -> float | None:
     key weights of every head whose max attention logit passed the threshold; returns the max logit."""
     if cfg.optimizer.name != "muon" or not cfg.optimizer.muon.qk_clip:
         return None
-    from megatron.core.optimizer.qk_clip import clip_qk
+    from types import SimpleNamespace
 
-    return clip_qk(model)
+    from megatron.core.optimizer.qk_clip import clip_qk
+    from megatron.core.utils import unwrap_model
+
+    # clip_qk reads chunk.module.module.decoder: DDP(Float16Module(GPTModel)) in 16-bit runs; fp32 runs have no
+    # Float16Module, so each chunk is handed over in that shape
+    return clip_qk([SimpleNamespace(module=SimpleNamespace(module=unwrap_model(c))) for c in model])

@@ -2,6 +2,8 @@
 
     python -m tests.pretrain.muon_worker reference OUT.json   one optimizer step of the trainer's Muon vs the
                                                               plain-PyTorch Muon + AdamW below
+    python -m tests.pretrain.muon_worker qk_clip OUT.json     QK-clip after a step rescales exactly the heads over
+                                                              the threshold
     python -m tests.pretrain.muon_worker switch CASES.json OUT.json   train() cases; a case with "refused" records
                                                               the CheckpointError it ends with
 
@@ -124,6 +126,53 @@ def reference(out: str) -> int:
     return 0
 
 
+def qk_clip(out: str) -> int:
+    """Megatron-Core's QK-clip through `pretrain.optim.muon.after_step` on tiny_llama (8 heads, 4 query groups):
+    given the max logit each head recorded (what Transformer Engine's attention records; set here), the query rows
+    of every group whose max passes the threshold are scaled by η^α and its key rows by η^(1-α), η = threshold /
+    max; every other row and every value row stays as it was."""
+    import torch
+    import torch.distributed as dist
+
+    from model_providers.core.builder import build_model
+    from pretrain.config import load_config
+    from pretrain.layout import derive_layout
+    from pretrain.optim.muon import after_step
+    from pretrain.runtime import init_model_parallel
+    from pretrain.setup import wrap_with_ddp
+
+    cfg = load_config("tiny_llama", [*OVERRIDES, "optimizer.muon.qk_clip=true", "optimizer.muon.qk_clip_threshold=100",
+                                     "optimizer.muon.qk_clip_alpha=0.5"])
+    layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
+    init_model_parallel(layout, cfg.train.seed)
+    chunks = build_model(cfg, layout)
+    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
+    heads, groups, d = cfg.model.num_attention_heads, layout.num_query_groups, layout.head_dim
+    logits = torch.tensor([50.0, 150.0, 90.0, 99.0, 400.0, 100.0, 10.0, 20.0])  # groups of 2: max 150, 99, 400, 20
+    before = {}
+    for i, layer in enumerate(chunks[0].decoder.layers):
+        layer.self_attention.core_attention.current_max_attn_logits = logits.clone()
+        before[i] = layer.self_attention.linear_qkv.weight.detach().clone()
+    top = after_step(cfg, model)
+    results = []
+    for i, layer in enumerate(chunks[0].decoder.layers):
+        w0 = before[i].view(groups, (heads // groups + 2) * d, -1)
+        w1 = layer.self_attention.linear_qkv.weight.detach().view_as(w0)
+        q = heads // groups * d
+        for g in range(groups):
+            worst = float(logits.view(groups, -1)[g].max())
+            eta = min(1.0, 100.0 / worst)
+            want_q, want_k = w0[g, :q] * eta ** 0.5, w0[g, q:q + d] * eta ** 0.5
+            results.append({"layer": i, "group": g, "max": worst, "clipped": eta < 1,
+                            "q": float((w1[g, :q] - want_q).abs().max()),
+                            "k": float((w1[g, q:q + d] - want_k).abs().max()),
+                            "v": float((w1[g, q + d:] - w0[g, q + d:]).abs().max()),
+                            "changed": bool((w1[g] != w0[g]).any())})
+    with open(out, "w") as f:
+        json.dump({"max_logit": top, "groups": results}, f)
+    return 0
+
+
 def switch(cases_file: str, out: str) -> int:
     """train() per case; a case marked "refused" must end with a CheckpointError, whose message is recorded."""
     from pretrain.checkpoint.format import CheckpointError
@@ -154,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return switch(argv[1], argv[2])
     init_distributed()
     try:
-        return reference(argv[1])
+        return qk_clip(argv[1]) if argv[0] == "qk_clip" else reference(argv[1])
     finally:
         shutdown()
 

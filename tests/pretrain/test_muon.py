@@ -5,6 +5,7 @@
   (tiny_moe) and EP2 (tiny_deepseek: MLA, MTP) in `make test-all`;
 - a Muon checkpoint resumes to the uninterrupted losses; an AdamW checkpoint resumed with Muon is refused, and
   starts Muon fresh with checkpoint.load_optimizer=false (printed, recorded in config.yaml);
+- QK-clip rescales exactly the query groups whose recorded max logit passes the threshold;
 - validate refuses what Megatron-Core's Muon does not support, with the reason.
 """
 
@@ -66,6 +67,21 @@ def test_one_step_equals_reference_muon(tmp_path):
     # the planner: the same split, and the optimizer state the ranks hold (momentum 4 B, AdamW moments 8 B)
     assert r["planned"] == {"muon": 368640, "adamw": 262784, "state_bytes": r["state_bytes"]}, r
     assert r["state_bytes"] == 4 * 368640 + 8 * 262784
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_qk_clip_rescales_exactly_the_heads_over_the_threshold(tmp_path):
+    """Megatron-Core's clip_qk after a step (pretrain.optim.muon.after_step), on recorded max logits 150, 99, 400, 20
+    per query group (threshold 100, α 0.5): groups 0 and 2 scaled exactly (queries by η^α, keys by η^(1-α)), values
+    and groups 1 and 3 untouched. On GPUs the logits come from Transformer Engine's attention."""
+    out, log = tmp_path / "qk.json", tmp_path / "qk.log"
+    rc = run_case(1, "tests.pretrain.muon_worker", ["qk_clip", str(out)], log, timeout=600)
+    assert rc == 0, log_text(log)[-4000:]
+    r = json.loads(out.read_text())
+    assert r["max_logit"] == 400.0
+    assert [(g["group"], g["changed"]) for g in r["groups"]] == [(i % 4, i % 4 in (0, 2)) for i in range(8)], r
+    assert all(g["q"] == g["k"] == g["v"] == 0.0 for g in r["groups"]), r
 
 
 @pytest.mark.slow
