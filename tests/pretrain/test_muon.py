@@ -132,6 +132,33 @@ def test_resume_and_optimizer_switch(tmp_path):
     assert [x["step"] for x in metrics(b) if "loss" in x][-1] == 2
 
 
+RESHARD = {"tp2": ["parallel.tensor=2"], "dp2_layer_wise": ["optimizer.muon.layer_wise=true"]}
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_reshard_to_one_rank(name, tmp_path):
+    """A Muon checkpoint of TP2 / DP2 (layer-wise) at step 2, resumed on one rank to step 4 = the one-rank run."""
+    ref = reference_run("tiny_llama", BASE + [f"run.dir={tmp_path}/ref"])
+    run = tmp_path / name
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps([{"config": "tiny_llama", "overrides": BASE + RESHARD[name] + [
+        "train.steps=2", "checkpoint.save_at_end=true", f"run.dir={run}"]}]))
+    rc = run_case(2, "tests.pretrain.layout_worker", [str(first)], tmp_path / "first.log", timeout=900)
+    assert rc == 0, log_text(tmp_path / "first.log")[-4000:]
+    spec, out, log = tmp_path / "resume.json", tmp_path / "out.json", tmp_path / "resume.log"
+    spec.write_text(json.dumps([{"config": "tiny_llama", "overrides": BASE + [f"run.dir={run}"]}]))
+    rc = run_case(1, "tests.pretrain.muon_worker", ["switch", str(spec), str(out)], log, timeout=900)
+    assert rc == 0, log_text(log)[-4000:]
+    want, got = _losses(ref), _losses(run)
+    assert len(got) == STEPS, got
+    worst = max(rel_diff(a, b) for a, b in zip(got, want))
+    print(f"muon {name} -> one rank: max relative loss difference vs one rank {worst:.2e}")
+    assert worst <= TOLERANCE, (want, got)
+
+
 def _problems(overrides: list[str], world: int = 2, config: str = "tiny_llama") -> str:
     from pretrain.config import load_config
     from pretrain.validate import validate
