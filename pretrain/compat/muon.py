@@ -31,6 +31,14 @@ _FIELDS_0_16 = {"momentum": "muon_momentum", "nesterov": "muon_use_nesterov", "n
 _FIELDS_0_19 = {**_FIELDS_0_16, "nesterov": "muon_nesterov", "coefficient_type": "muon_coefficient_type"}
 MUON_FIELDS: dict[str, str] = _pick({"0.16.1": _FIELDS_0_16, "0.19.0": _FIELDS_0_19})
 COEFFICIENTS_FIXED = "coefficient_type" not in MUON_FIELDS  # this release always uses "quintic"
+# Megatron-Core's LayerWiseDistributedOptimizer in fp32 runs (measured on CPU, DP2, tests/pretrain/test_muon.py)
+LAYER_WISE_FP32: str = _pick({
+    "0.16.1": "its checkpoints fail in fp32: LayerWiseDistributedOptimizer.sharded_state_dict reads each chained "
+              "optimizer's sd['optimizer'], which only the 16-bit wrapper has (KeyError: 'optimizer', "
+              "optimizer/layer_wise_optimizer.py:289)",
+    "0.19.0": "its first step fails in fp32: the Muon it chains is not wrapped in Megatron's FP32Optimizer "
+              "(AttributeError: 'TensorParallelMuon' object has no attribute 'get_loss_scale')",
+})
 
 
 def backfill_typing_override() -> None:
@@ -104,5 +112,5 @@ def build_muon(config, chunks: list, layer_wise: bool):
     return _build(config, chunks, layer_wise)
 
 
-__all__ = ["COEFFICIENTS_FIXED", "MCORE", "MUON_FIELDS", "backfill_typing_override", "build_muon",
+__all__ = ["COEFFICIENTS_FIXED", "LAYER_WISE_FP32", "MCORE", "MUON_FIELDS", "backfill_typing_override", "build_muon",
            "emerging_optimizers_missing"]

@@ -15,7 +15,7 @@ def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
     if o.name != "muon":
         return
     m = o.muon
-    from pretrain.compat.muon import COEFFICIENTS_FIXED, MCORE, emerging_optimizers_missing
+    from pretrain.compat.muon import COEFFICIENTS_FIXED, LAYER_WISE_FP32, MCORE, emerging_optimizers_missing
 
     missing = emerging_optimizers_missing()
     if missing:
@@ -40,6 +40,10 @@ def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
     if precision == "fp16":
         r.error(("optimizer.name", "train.precision"), "optimizer.name=muon does not run in fp16: Megatron-Core's "
                 "Muon has no loss scaling", "set train.precision=bf16 (or fp32)")
+    if m.layer_wise and precision == "fp32":
+        r.error(("optimizer.muon.layer_wise", "train.precision"), f"optimizer.muon.layer_wise needs a 16-bit run on "
+                f"megatron-core {MCORE}: {LAYER_WISE_FP32}", "set train.precision=bf16, or "
+                "optimizer.muon.layer_wise=false (every data-parallel rank then updates every matrix)")
     if COEFFICIENTS_FIXED and m.coefficient_type != "quintic":
         r.error("optimizer.muon.coefficient_type", f"optimizer.muon.coefficient_type={m.coefficient_type}: "
                 f"megatron-core {MCORE} always uses the quintic Newton-Schulz coefficients",

@@ -1,8 +1,9 @@
 """Muon (optimizer.name=muon): Megatron-Core's Muon + AdamW as the trainer builds it.
 
 - one optimizer step = a plain-PyTorch Muon + AdamW written from the published algorithm (`muon_worker.py`);
-- TP2 (tp_mode=duplicated) and DP2 (the layer-wise distributed optimizer) = one rank, fp32, 4 steps; PP2, EP2
-  (tiny_moe) and EP2 (tiny_deepseek: MLA, MTP) in `make test-all`;
+- TP2 (tp_mode=duplicated) and DP2 = one rank, fp32, 4 steps; PP2, EP2 (tiny_moe), EP2 (tiny_deepseek: MLA, MTP),
+  TP2+SP × DP2, TP2 / DP2 checkpoints resumed on one rank and kill -9 at DP2 in `make test-all` (Megatron-Core's
+  layer-wise optimizer runs in 16-bit only: validate refuses it in fp32, with the reason per release);
 - a Muon checkpoint resumes to the uninterrupted losses; an AdamW checkpoint resumed with Muon is refused, and
   starts Muon fresh with checkpoint.load_optimizer=false (printed, recorded in config.yaml);
 - QK-clip rescales exactly the query groups whose recorded max logit passes the threshold;
@@ -31,15 +32,13 @@ BASE = [*COMMON, "model.num_layers=2"]  # tiny_llama, two layers
 
 LAYOUTS = {  # name: (config, world, overrides)
     "tp2": ("tiny_llama", 2, ["parallel.tensor=2"]),
-    "dp2_layer_wise": ("tiny_llama", 2, ["optimizer.muon.layer_wise=true"]),
+    "dp2": ("tiny_llama", 2, []),
     "pp2": ("tiny_llama", 2, ["parallel.pipeline=2"]),
     "moe_ep2": ("tiny_moe", 2, ["parallel.expert=2"]),
-    "moe_ep2_layer_wise": ("tiny_moe", 2, ["parallel.expert=2", "optimizer.muon.layer_wise=true"]),
     "deepseek_ep2": ("tiny_deepseek", 2, ["parallel.expert=2"]),
-    "tp2_sp_dp2_layer_wise": ("tiny_llama", 4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
-                                                "optimizer.muon.layer_wise=true"]),
+    "tp2_sp_dp2": ("tiny_llama", 4, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
 }
-FULL = {"pp2", "moe_ep2", "moe_ep2_layer_wise", "deepseek_ep2", "tp2_sp_dp2_layer_wise"}
+FULL = {"pp2", "moe_ep2", "deepseek_ep2", "tp2_sp_dp2"}
 
 
 def _base(config: str) -> list[str]:
@@ -132,7 +131,7 @@ def test_resume_and_optimizer_switch(tmp_path):
     assert [x["step"] for x in metrics(b) if "loss" in x][-1] == 2
 
 
-RESHARD = {"tp2": ["parallel.tensor=2"], "dp2_layer_wise": ["optimizer.muon.layer_wise=true"]}
+RESHARD = {"tp2": ["parallel.tensor=2"], "dp2": []}
 
 
 @pytest.mark.slow
@@ -159,6 +158,20 @@ def test_reshard_to_one_rank(name, tmp_path):
     assert worst <= TOLERANCE, (want, got)
 
 
+@pytest.mark.slow
+@pytest.mark.mcore
+@pytest.mark.full  # kill -9 itself: test_resume.py in `make test`; here with Muon's state at DP2
+def test_kill9_and_resume_reproduce_every_loss_dp2(tmp_path):
+    from tests.pretrain.ckpt_helpers import command, kill9_and_resume
+
+    ref = reference_run("tiny_llama", BASE + [f"run.dir={tmp_path}/ref"])
+    work = tmp_path / "run"
+    cmd = command([], nproc=2, args=["train", "tiny_llama", *BASE, "checkpoint.interval=1", f"run.dir={work}"])
+    kill_at = kill9_and_resume(cmd, work, STEPS)
+    print(f"muon DP2 killed after step {kill_at}: losses {_losses(work)}")
+    assert _losses(work) == _losses(ref)  # DP2 = one rank exactly, before and after the kill
+
+
 def _problems(overrides: list[str], world: int = 2, config: str = "tiny_llama") -> str:
     from pretrain.config import load_config
     from pretrain.validate import validate
@@ -173,10 +186,12 @@ def _problems(overrides: list[str], world: int = 2, config: str = "tiny_llama") 
     (["optimizer.name=muon", "optimizer.muon.qk_clip=true"], "optimizer.muon.qk_clip needs Transformer Engine"),
     (["optimizer.name=muon", "optimizer.muon.num_ns_steps=0"], "optimizer.muon.num_ns_steps=0 must be 1 or more"),
     (["optimizer.name=muon", "optimizer.muon.momentum=1.0"], "optimizer.muon.momentum=1.0 must be in [0, 1)"),
+    (["optimizer.name=muon", "optimizer.muon.layer_wise=true"], "optimizer.muon.layer_wise needs a 16-bit run"),
 ])
 def test_validate_refuses(overrides, expected):
     assert expected in _problems(overrides)
 
 
 def test_validate_accepts_muon_layouts():
-    assert _problems(["optimizer.name=muon", "parallel.tensor=2", "optimizer.muon.layer_wise=true"], world=4) == ""
+    assert _problems(["optimizer.name=muon", "parallel.tensor=2", "optimizer.muon.layer_wise=true",
+                      "train.precision=bf16"], world=4) == ""
