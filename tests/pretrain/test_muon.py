@@ -195,3 +195,21 @@ def test_validate_refuses(overrides, expected):
 def test_validate_accepts_muon_layouts():
     assert _problems(["optimizer.name=muon", "parallel.tensor=2", "optimizer.muon.layer_wise=true",
                       "train.precision=bf16"], world=4) == ""
+
+
+def test_plan_shows_muon_memory_and_newton_schulz_flops():
+    """Moonlight on 2 × 8 H100 (its config: Muon, layer-wise) against AdamW with the distributed optimizer."""
+    from pretrain.config import load_config
+    from pretrain.planner.plan import make_plan
+
+    layout = ["data.mock=true", "parallel.expert=8"]
+    muon = make_plan(load_config("moonlight_16b_a3b", layout), 2, 8, "h100")
+    adamw = make_plan(load_config("moonlight_16b_a3b", [*layout, "optimizer.name=adamw",
+                                                        "optimizer.distributed=true"]), 2, 8, "h100")
+    mu = muon["muon"]
+    print(f"moonlight optimizer GiB per GPU: Muon {muon['memory_gib']['optimizer']}, AdamW (distributed) "
+          f"{adamw['memory_gib']['optimizer']}; Newton-Schulz {mu['newton_schulz_flops_per_step'] / 1e12:.1f} TFLOP")
+    assert adamw["muon"] is None and mu["layer_wise"] and muon["fits"]
+    assert muon["memory_gib"]["optimizer"] == mu["optimizer_gib"]
+    assert mu["momentum_gib"] == round(4 * mu["muon_parameters"] / 1024 ** 3, 3)
+    assert mu["newton_schulz_flops_per_step"] > 0 and mu["gather_gib"] > 0
