@@ -159,20 +159,14 @@ def _identity(tokenizer_type: str | None, model: str | None, vocab: str | None, 
 
 
 def _run_identity(cfg):
-    """The identity of the tokenizer `cfg` trains with (`pretrain.data_check.run_tokenizer_identity`: the null
+    """The identity of the tokenizer `cfg` trains with (`pretrain.data.check.run_tokenizer_identity`: the null
     tokenizer of a mock run without files, else its files)."""
-    from pretrain.data_check import run_tokenizer_identity, uses_null_tokenizer
+    from pretrain.data.check import run_tokenizer_identity, uses_null_tokenizer
 
     if uses_null_tokenizer(cfg.data):
         return run_tokenizer_identity(cfg)
     d = cfg.data
     return _identity(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
-
-
-def tokenizer_record(cfg) -> dict | None:
-    """What a checkpoint records about the run's tokenizer (`TOKENIZER_STATE`): its identity, None without one."""
-    ident = _run_identity(cfg)
-    return None if ident is None else ident.to_dict()
 
 
 def _saved_identity(common: dict, saved: dict[str, Any]):
@@ -210,8 +204,9 @@ def _resolved_model(model: dict[str, Any], vocab: int | None) -> dict[str, Any]:
             "vocab_size": values["vocab_size"] or vocab}
 
 
-def check_resume(cfg, path: Path, common: dict) -> list[str]:
-    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg`.
+def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
+    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg` and its tokenizer
+    (`tokenizer`: the run's `TokenizerPlan`; None: resolved here from `cfg`, for callers without a plan).
 
     Returns the lines to print (`resume: KEY OLD → NEW (what happens)` and notes); raises CheckpointError naming
     every must-match key that differs.
@@ -225,7 +220,7 @@ def check_resume(cfg, path: Path, common: dict) -> list[str]:
     lines = [f"resume: {key} in the checkpoint's run_config.yaml is no longer a config key (ignored)"
              for key in _flatten(saved_tree) if key not in FIELDS]
     old_tok, note = _saved_identity(common, saved)
-    new_tok = _run_identity(cfg)
+    new_tok = tokenizer.identity if tokenizer is not None else _run_identity(cfg)
     if note:
         lines.append(f"resume: note: {note}")
     new_vocab = new_tok.vocab_size if new_tok else None

@@ -30,7 +30,7 @@ def muon_optimizer_config(cfg: Config, config):
 
 def build_muon_optimizer(cfg: Config, model: list, layout: Layout, config, log=None):
     """Muon + AdamW over the DDP-wrapped model chunks from Megatron-Core's OptimizerConfig `config`
-    (`pretrain.setup.optimizer_config`); prints one line with what each optimizer got."""
+    (`pretrain.run.setup.optimizer_config`); prints one line with what each optimizer got."""
     from pretrain.compat.muon import build_muon
 
     layer_wise = cfg.optimizer.muon.layer_wise

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretrain.config import Config
-from pretrain.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.layout import Layout
+from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
 from pretrain.planner.context import cp_comm_bytes
@@ -15,7 +15,7 @@ FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
 MLA_FORMULA = ("MLA: the attention term is its projections P/(2h²) plus causal scores s·a·(d_qk + d_pe + d_v)/(4h²); "
                "MTP: + per MTP layer a transformer layer, its 2h → h projection and another output GEMM "
-               "(pretrain/flops.py)")
+               "(pretrain/observe/flops.py)")
 MOE_FORMULA = ("MoE: the MLP term is k·(f_e/h)·(3/2 if gated else 1) + E/(2h) (top-k experts of f_e, router): "
                "FLOPs of the active parameters")
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pretrain.config import Config
-from pretrain.flops import PEAK_TFLOPS
+from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, check_layout, layout_of, padded_vocab_for
 from pretrain.planner.cost import cost_model
 from pretrain.planner.memory import most_loaded

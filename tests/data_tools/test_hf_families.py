@@ -198,7 +198,7 @@ def _hf_step_losses(src: Path, cfg, steps: int) -> tuple[list[float], list[float
     MTP loss of transformers' MTP module for a model with MTP layers (else None)."""
     from torch.nn.functional import cross_entropy
 
-    from pretrain.data import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets, build_tokenizer
 
     t = cfg.train
     train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)

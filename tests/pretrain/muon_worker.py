@@ -73,8 +73,8 @@ def reference(out: str) -> int:
     from model_providers.core.builder import build_model
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
-    from pretrain.runtime import init_model_parallel
-    from pretrain.setup import build_optimizer, build_scheduler, wrap_with_ddp
+    from pretrain.run.runtime import init_model_parallel
+    from pretrain.run.setup import build_optimizer, build_scheduler, wrap_with_ddp
 
     cfg = load_config("tiny_llama", OVERRIDES)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
@@ -138,8 +138,8 @@ def qk_clip(out: str) -> int:
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
     from pretrain.optim.muon import after_step
-    from pretrain.runtime import init_model_parallel
-    from pretrain.setup import wrap_with_ddp
+    from pretrain.run.runtime import init_model_parallel
+    from pretrain.run.setup import wrap_with_ddp
 
     cfg = load_config("tiny_llama", [*OVERRIDES, "optimizer.muon.qk_clip=true", "optimizer.muon.qk_clip_threshold=100",
                                      "optimizer.muon.qk_clip_alpha=0.5"])
@@ -196,7 +196,7 @@ def switch(cases_file: str, out: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from pretrain import compat
-    from pretrain.runtime import init_distributed, shutdown
+    from pretrain.run.runtime import init_distributed, shutdown
 
     compat.apply()
     if argv[0] == "switch":

@@ -40,12 +40,12 @@ def _pipeline_stage(layout, pp_rank: int):
 
 
 def build_megatron_configs(cfg, world: int) -> None:
-    """The config objects `pretrain.setup.build_training` builds: TransformerConfig (the project's builder), every
+    """The config objects `pretrain.run.setup.build_training` builds: TransformerConfig (the project's builder), every
     pipeline stage's decoder and MTP block specs, the DDP and optimizer configs."""
     from model_providers.core.builder import transformer_config
     from model_providers.core.sequences import packed_sequences
     from model_providers.core.specs import decoder_block_spec, mtp_block_spec
-    from pretrain.setup import ddp_config, optimizer_config
+    from pretrain.run.setup import ddp_config, optimizer_config
 
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(cfg, layout)

@@ -10,7 +10,7 @@ import pytest
 
 from pretrain import plan
 from pretrain.config import load_config
-from pretrain.flops import flops_per_token
+from pretrain.observe.flops import flops_per_token
 
 
 def first_principles(preset: str) -> tuple[int, int, int]:

@@ -112,7 +112,7 @@ def test_mock_vocab_rule_knows_megatron_mock_ids():
     covers them (the test suite's 4096 with the 32,000-token tokenizer) passes."""
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
 
-    from pretrain.rules.vocab import MOCK_MAX_SEQUENCE
+    from pretrain.data.vocab import MOCK_MAX_SEQUENCE
 
     assert MockGPTLowLevelDataset.max_sequence_length == MOCK_MAX_SEQUENCE
     assert not [p for p in problems(["model.vocab_size=4096"], 1) if "model.vocab_size" in p]
