@@ -4,7 +4,8 @@ and output layer; those and every 1-D tensor (norms, biases, the MoE expert bias
 (`pretrain.compat.muon.build_muon`).
 
 Data parallel: `optimizer.muon.layer_wise=true` selects Megatron-Core's LayerWiseDistributedOptimizer (each DP rank
-updates whole matrices, then all-gathers them); Megatron-Core refuses Muon inside the classic distributed optimizer
+updates whole matrices, then all-gathers them; 16-bit runs only, `LAYER_WISE_FP32` in `pretrain.compat.muon`);
+Megatron-Core refuses Muon inside the classic distributed optimizer
 (`optimizer.distributed`) and with Megatron-FSDP (`pretrain.rules.optimizer`). QK-clip (`optimizer.muon.qk_clip`)
 is Megatron-Core's `clip_qk` after each optimizer step (`after_step`).
 """
