@@ -174,9 +174,30 @@ class DataConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """Adam(W) and the learning-rate schedule (Megatron-Core `OptimizerParamScheduler`)."""
+class MuonConfig:
+    """Muon (optimizer.name=muon): Megatron-Core's `muon_*` OptimizerConfig fields, same names and defaults
+    (docs/training.md "Muon"); QK-clip is Megatron-Core's TransformerConfig `qk_clip*`."""
 
+    momentum: float = 0.95
+    nesterov: bool = False
+    num_ns_steps: int = 5  # Newton-Schulz iterations
+    coefficient_type: Literal["quintic", "simple", "polar_express", "cans", "aol"] = "quintic"  # 0.16.1: quintic
+    scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
+    extra_scale_factor: float = 1.0  # 0.2 with scale_mode=spectral: Moonlight's AdamW-RMS-matched update
+    split_qkv: bool = True  # orthogonalise Q, K and V of the fused QKV weight separately
+    tp_mode: Literal["blockwise", "duplicated", "distributed"] = "blockwise"
+    fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
+    layer_wise: bool = False  # LayerWiseDistributedOptimizer: each DP rank updates whole matrices, then all-gather
+    qk_clip: bool = False  # MuonClip (Kimi K2): rescale W_q, W_k of heads whose max logit exceeds the threshold
+    qk_clip_threshold: float = 100.0
+    qk_clip_alpha: float = 0.5
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam(W) or Muon, and the learning-rate schedule (Megatron-Core `OptimizerParamScheduler`)."""
+
+    name: Literal["adamw", "muon"] = "adamw"  # muon: matrices by Muon, the rest by AdamW (Megatron-Core's split)
     lr: float = 3e-4
     min_lr: float = 3e-5
     weight_decay: float = 0.1
@@ -197,6 +218,7 @@ class OptimizerConfig:
     # What Megatron-FSDP shards over DP (Megatron-Core's data_parallel_sharding_strategy): optim_grads_params
     # (ZeRO-3, the default), optim_grads (ZeRO-2), optim (ZeRO-1). Setting it implies optimizer.fsdp=true.
     fsdp_sharding: Literal["optim_grads_params", "optim_grads", "optim"] | None = None
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
 from pretrain.observe.observers import Observers, StepResult, build_observers
+from pretrain.optim import muon
 from pretrain.resilience import hooks as resilience
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
@@ -351,6 +352,7 @@ def train(cfg: Config) -> dict:
             ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
+                muon.after_step(cfg, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "

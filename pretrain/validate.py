@@ -22,6 +22,7 @@ from pretrain.rules.megatron import megatron_config_rules, megatron_data_rules
 from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
+from pretrain.rules.optimizer import muon_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
 from pretrain.rules.performance import performance_rules
 from pretrain.rules.resilience import resilience_rules
@@ -64,7 +65,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules, optional_sizes_rules,
+    lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, optional_sizes_rules,
                         performance_rules, resilience_rules]
     if sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
         try:

@@ -11,6 +11,8 @@
 #     Python >= 3.12: on an older Python they are installed with --ignore-requires-python (a test
 #     configuration), their dependencies first and normally;
 #   - triton for megatron-core >= 0.18 when missing (its schedules import it unconditionally);
+#   - emerging-optimizers (Megatron-Core's Muon; with triton, which it imports); on 3.10/3.11 with
+#     --ignore-requires-python and a .pth file adding typing.override (a marker, new in 3.12);
 #   - installs the project in editable mode with the dev extras (pytest, ruff) and wandb (W&B logging);
 #   - never installs Transformer Engine or apex on CPU (a partial TE install breaks `import megatron.core`).
 set -euo pipefail
@@ -74,6 +76,27 @@ MCORE_NOW=$("$PY" -c "from importlib import metadata as m; print(m.version('mega
 if version_ge "$MCORE_NOW" 0.18 && ! "$PY" -c "import triton" 2>/dev/null; then
   echo "[install] megatron-core $MCORE_NOW imports triton: installing it"
   "${PIP[@]}" triton
+fi
+
+# emerging-optimizers: Megatron-Core's Muon (optimizer.name=muon) is built on it; its Muon module imports triton
+# (a dependency of CUDA torch, not of the CPU build). It declares Python >= 3.12 and uses typing.override (3.12):
+# on 3.10/3.11 (test configuration) its dependencies first and normally, then it with --ignore-requires-python, and
+# a .pth file that adds typing.override (a marker) at start-up (megatron-core 0.19 imports the package with
+# `import megatron.core`).
+if ! "$PY" -c "import triton" 2>/dev/null; then
+  echo "[install] emerging-optimizers (Muon) imports triton: installing it"
+  "${PIP[@]}" triton
+fi
+if version_ge "$PY_MINOR" 3.12; then
+  "${PIP[@]}" "emerging-optimizers>=0.3"
+else
+  echo "[install] emerging-optimizers declares Python >= 3.12; installing it on Python $PY_MINOR with --ignore-requires-python (test configuration)"
+  "${PIP[@]}" absl-py
+  "${PIP[@]}" --no-deps --ignore-requires-python "emerging-optimizers>=0.3"
+  SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  # typing.override only marks a method (3.12 sets __override__); before 3.12 it is the identity
+  echo 'import typing; typing.override = getattr(typing, "override", None) or (lambda method: method)' \
+    > "$SITE/emerging_optimizers_typing_override.pth"
 fi
 
 echo "[install] installing the project (megatron-core$SUPPORTED and friends)"

@@ -11,6 +11,9 @@ pip resolves the project's dependencies for the target (so megatron-core is the 
 allows whose wheels fit that Python: 0.16.1 on 3.11, newer on 3.12+) against a stand-in torch that has no
 dependencies, so neither torch nor its CUDA libraries are downloaded, and the install keeps the target's torch.
 setuptools comes along to build the project itself offline. Defaults: this interpreter's version and platform.
+For Python < 3.12 targets the wheelhouse also holds emerging-optimizers (Muon), which declares 3.12: install it there
+with `pip install --no-index --find-links wheelhouse --no-deps --ignore-requires-python emerging-optimizers absl-py`
+(as scripts/install.sh does online).
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STUB_VERSION = "2.99.0"  # the stand-in torch: satisfies every `torch>=...` the dependencies state
 BUILD_REQUIREMENTS = ["setuptools>=68"]  # pyproject.toml's build backend, to build the project offline
+# Muon's package declares Python >= 3.12; for older targets it comes as scripts/install.sh installs it there:
+# `pip install --no-index --find-links wheelhouse --no-deps --ignore-requires-python emerging-optimizers absl-py`.
+MUON_BEFORE_312 = ["emerging-optimizers>=0.3", "absl-py"]
 
 
 def local_platform() -> str:
@@ -108,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                *target]  # fmt: skip
         print(f"wheelhouse: Python {args.python_version}, {plat} -> {dest}", flush=True)
         done = subprocess.run(cmd, env=env)
+        if done.returncode == 0 and tuple(map(int, args.python_version.split(".")[:2])) < (3, 12):
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--dest",
+                                   str(dest), "--no-deps", "--ignore-requires-python", *MUON_BEFORE_312, *target],
+                                  env=env)
         (dest / stub.name).unlink(missing_ok=True)
     if done.returncode != 0:
         print(f"wheelhouse: pip download failed (exit {done.returncode}): a dependency may have no wheel for "

@@ -113,8 +113,18 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:
         kwargs.update(mla_config(m))
+        kwargs.update(_qk_clip(cfg))
         return MLATransformerConfig(**kwargs)
+    kwargs.update(_qk_clip(cfg))
     return TransformerConfig(**kwargs)
+
+
+def _qk_clip(cfg) -> dict:
+    """Megatron-Core's QK-clip (MuonClip) fields when optimizer.muon.qk_clip is on."""
+    o = cfg.optimizer
+    if o.name != "muon" or not o.muon.qk_clip:
+        return {}
+    return dict(qk_clip=True, qk_clip_threshold=o.muon.qk_clip_threshold, qk_clip_alpha=o.muon.qk_clip_alpha)
 
 
 def mla_config(m) -> dict:

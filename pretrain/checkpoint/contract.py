@@ -81,6 +81,13 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "the LR schedule is re-derived from this config at the resumed step", "optimizer", _SCHEDULE),
     **_group(CHANGE, "this config's value replaces the checkpoint's from the resumed step", "optimizer", _ADAM),
     "optimizer.distributed": (CHANGE, "the optimizer state is converted to this run's optimizer"),
+    "optimizer.name": (CHANGE, "only with checkpoint.load_optimizer=false: the new optimizer starts fresh from the "
+                       "checkpoint's weights (AdamW's moments are not Muon's momentum); refused otherwise"),
+    **_group(CHANGE, "this config's value replaces the checkpoint's from the resumed step", "optimizer.muon",
+             ("momentum", "nesterov", "num_ns_steps", "coefficient_type", "scale_mode", "extra_scale_factor",
+              "split_qkv", "tp_mode", "fp32_matmul_prec", "qk_clip", "qk_clip_threshold", "qk_clip_alpha")),
+    "optimizer.muon.layer_wise": (CHANGE, "Muon's momentum is loaded into this run's optimizer (whole matrices "
+                                  "either way)"),
     "optimizer.fsdp": (CHANGE, "the checkpoint is loaded across formats (torch_dist ↔ fsdp_dtensor, "
                        "pretrain/checkpoint/cross_format.py) and saved in this run's from then on"),
     "optimizer.fsdp_sharding": (CHANGE, "fsdp_dtensor holds the same global tensors for every strategy: the "
@@ -260,12 +267,25 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
         lines += [f"resume: {c} (the same tokenizer: {new_tok.describe()})" for c in tokenizer_changed]
     else:  # not both known: the keys must match
         refused += tokenizer_changed
+    _optimizer_switch(cfg, path, saved.get("optimizer.name"), new["optimizer.name"])
     if refused:
         raise CheckpointError(
             f"{path}: cannot resume with {', '.join(refused)}: these must match the checkpoint (the model's identity "
             f"and its tokenizer; docs/checkpoints.md, Resuming). To train a changed model from these weights, start "
             f"a new run.dir with checkpoint.pretrained={path}")
     return lines
+
+
+def _optimizer_switch(cfg, path: Path, old: str | None, now: str) -> None:
+    """AdamW ↔ Muon on resume: their states differ, so only a fresh optimizer (checkpoint.load_optimizer=false,
+    recorded in config.yaml as this run's choice) may switch."""
+    if old == now or not cfg.checkpoint.load_optimizer:
+        return
+    raise CheckpointError(
+        f"{path}: cannot resume with optimizer.name {_show(old)} → {_show(now)} and its optimizer state: the "
+        f"checkpoint holds {old}'s state, {now} keeps another (AdamW: two moments per parameter; Muon: one momentum "
+        f"per matrix). Set checkpoint.load_optimizer=false to start {now} fresh from the checkpoint's weights, or "
+        f"keep optimizer.name={old}")
 
 
 # --------------------------------------------------------------------------------------------------

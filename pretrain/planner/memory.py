@@ -55,7 +55,8 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
     """Peak memory of the most loaded data-parallel rank of pipeline stage `pp_rank`.
 
     The peak is the larger of the backward peak (static + activations + transient buffers, TE userbuffers) and
-    the optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam).
+    the optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam; + the layer-wise
+    Muon optimizer's all-gather buffers).
     """
     gathered = 0
     if lay.fsdp_sharding:  # Megatron-FSDP: sharded buffers, plus the all-gathered units in use
@@ -71,6 +72,10 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
     buffers += userbuffer_bytes(cfg, lay)
     if not fused_adam:
         buffers = max(buffers, st.optimizer_moments // 2 - act.saved)  # torch foreach Adam: sqrt(v) copy
+    if cfg.optimizer.name == "muon" and cfg.optimizer.muon.layer_wise:  # its all-gather after the step
+        from pretrain.planner.muon import muon_memory
+
+        buffers = max(buffers, muon_memory(cfg, lay, padded_vocab, pp_rank).gather_bytes - act.saved)
     return RankMemory(pp_rank=pp_rank, params=st.params, weights=st.weights, gradients=st.gradients,
                       optimizer=st.optimizer, activations=act.saved, fp8=st.fp8, buffers=buffers,
                       in_flight=act.in_flight, expert_params=st.expert_params)

@@ -27,6 +27,7 @@ from pretrain.planner.common import (
 from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
+from pretrain.planner.muon import muon_section
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mfu: float = DEFAULT_MFU,
@@ -62,6 +63,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "cp_comm_type": cfg.parallel.cp_comm_type if lay.cp > 1 else None,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
                    "num_microbatches": lay.num_microbatches, "distributed_optimizer": lay.distributed,
+                   "optimizer": cfg.optimizer.name,
                    "fsdp": lay.fsdp_sharding,
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
                    "transformer_engine": use_te},
@@ -81,6 +83,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
         "fsdp": _fsdp_section(cfg, lay, vocab, rm),
+        "muon": muon_section(cfg, lay, vocab, rm.pp_rank),
         "context_parallel": context_summary(cfg, lay, layer_terms),
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,

@@ -44,6 +44,15 @@ def format_plan(plan: dict[str, Any]) -> str:
                         f"expert{'s' if moe['experts_per_rank'] > 1 else ''} per rank "
                         f"({moe['expert_parameters_on_rank']:,} expert parameters on the most loaded "
                         f"rank); all-to-all {moe['all_to_all_bytes_per_step'] / 1e9:.2f} GB sent per rank per step")
+    mu = plan.get("muon")
+    if mu:
+        lines.insert(3, f"  muon       {mu['muon_parameters']:,} parameters by Muon, {mu['adamw_parameters']:,} "
+                        f"by AdamW on the most loaded rank{' (layer-wise over DP)' if mu['layer_wise'] else ''}: "
+                        "optimizer "
+                        f"{mu['optimizer_gib']:.2f} GiB (momentum {mu['momentum_gib']:.2f}, AdamW moments "
+                        f"{mu['adamw_moments_gib']:.2f}, main params {mu['main_params_gib']:.2f}), all-gather "
+                        f"{mu['gather_gib']:.2f} GiB in the step; Newton-Schulz "
+                        f"{mu['newton_schulz_flops_per_step'] / 1e12:.2f} TFLOP per step")
     ctx = plan.get("context_parallel")
     if ctx:
         lines.insert(len(lines) - 1, _context_line(ctx))
@@ -69,6 +78,8 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def _optimizer(lay: dict[str, Any]) -> str:
+    if lay.get("optimizer") == "muon":
+        return "Muon + AdamW"
     if lay.get("fsdp"):
         return f"Megatron-FSDP ({lay['fsdp']})"
     return f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer"

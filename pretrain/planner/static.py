@@ -106,7 +106,8 @@ def _key(cfg: Config, lay: Layout, *rest) -> tuple:
     values = ((f.name, getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model))
     model = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in values if not k.startswith("recompute"))
     o = cfg.optimizer
-    return (model, o.overlap_grad_reduce, o.grad_reduce_in_fp32, dataclasses.replace(lay, mbs=1, gbs=1), *rest)
+    return (model, o.overlap_grad_reduce, o.grad_reduce_in_fp32, o.name, o.muon.layer_wise,
+            dataclasses.replace(lay, mbs=1, gbs=1), *rest)
 
 
 def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
@@ -163,5 +164,11 @@ def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
     opt = max(opt_per_rank[False]) if dp_rank is None else opt_per_rank[False][dp_rank]
     opt += max(opt_per_rank[True]) if edp_rank is None else opt_per_rank[True][edp_rank]
     main = opt * 4 if lay.precision in ("bf16", "fp16") else 0
+    opt *= 8
+    if o.name == "muon":  # one momentum buffer per Muon element, AdamW's two moments for the rest
+        from pretrain.planner.muon import muon_memory
+
+        mu = muon_memory(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank)
+        opt, main = mu.momentum + mu.moments, mu.main_params
     return StaticMemory(params=params, expert_params=expert_params, weights=weights, gradients=grads,
-                        optimizer_moments=opt * 8, optimizer_main_params=main, fp8=fp8, largest_param=largest)
+                        optimizer_moments=opt, optimizer_main_params=main, fp8=fp8, largest_param=largest)

@@ -101,10 +101,14 @@ def optimizer_config(cfg: Config, layout: Layout):
     )
 
 
-def build_optimizer(cfg: Config, model, layout: Layout):
-    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed)."""
+def build_optimizer(cfg: Config, model, layout: Layout, log=None):
+    """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed), or Muon (`pretrain.optim.muon`)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if cfg.optimizer.name == "muon":
+        from pretrain.optim.muon import build_muon_optimizer
+
+        return build_muon_optimizer(cfg, model, layout, optimizer_config(cfg, layout), log)
     return get_megatron_optimizer(optimizer_config(cfg, layout), model)
 
 
@@ -210,7 +214,7 @@ def build_training(cfg: Config, run: Run, log) -> None:
     run.chunks = build_model(cfg, run.layout)
     tconfig = run.chunks[0].config
     run.model = wrap_with_ddp(cfg, run.chunks, tconfig)
-    run.optimizer = build_optimizer(cfg, run.model, run.layout)
+    run.optimizer = build_optimizer(cfg, run.model, run.layout, log)
     run.scheduler = build_scheduler(cfg, run.optimizer)
     connect_schedule_hooks(tconfig, run.model, run.optimizer, cfg)
     run.profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
