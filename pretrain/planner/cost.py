@@ -10,6 +10,7 @@ from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.common import GEMM_EFFICIENCY, NETWORK_GBPS, NVLINK_GBPS
 from pretrain.planner.context import cp_comm_bytes
+from pretrain.planner.stages import busiest_layers, compute_imbalance
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
@@ -68,6 +69,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     peak = PEAK_TFLOPS[gpu]["fp8" if fp8 else "bf16"] * 1e12
     f_tok = flops_per_token(m, padded_vocab)
     compute = f_tok * lay.gbs * m.seq_length / (lay.world * peak * GEMM_EFFICIENCY)
+    compute *= compute_imbalance(cfg, lay, padded_vocab)  # a pipeline runs at its busiest stage's pace
     h, a = m.hidden_size, m.num_attention_heads
     modules = recomputed_modules(cfg)
     d = lay.head_dim
@@ -83,7 +85,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
         compute *= 1 + again / f_tok
     nv, net = NVLINK_GBPS[gpu] * 1e9, NETWORK_GBPS[gpu] * 1e9
     s, b = m.seq_length // lay.cp, lay.mbs
-    mb, layers = lay.num_microbatches, m.num_layers // lay.pp
+    mb, layers = lay.num_microbatches, busiest_layers(cfg, lay)
     recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0
     moe_recompute = "moe" in modules
     tp = mb * layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / nv

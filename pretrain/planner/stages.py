@@ -1,0 +1,62 @@
+"""Per-pipeline-stage accounting for placements other than Megatron-Core's even split (`parallel.pipeline_layout`,
+`parallel.account_for_{embedding,loss}_in_pipeline_split`, uneven first / last stages): the training FLOPs each
+pipeline rank runs per token, the decoder layers of the busiest rank, and which ranks can hold the memory peak.
+
+A pipeline runs at the pace of its slowest stage, so the planner's compute time is multiplied by
+`compute_imbalance` (the busiest rank's FLOPs over the mean). The even split keeps a factor of 1 (its cost terms
+are calibrated as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pretrain.config import Config
+from pretrain.flops import flops_per_token
+from pretrain.layout import Layout
+
+
+def explicit(lay: Layout) -> bool:
+    """The placement is not Megatron-Core's even split."""
+    return lay.pipeline_layout is not None or lay.embedding_in_split or lay.loss_in_split or \
+        lay.first_stage_layers is not None or lay.last_stage_layers is not None
+
+
+def rank_layers(cfg: Config, lay: Layout) -> list[int]:
+    """Decoder layers on each pipeline rank (all its virtual stages)."""
+    n = cfg.model.num_layers
+    return [sum(lay.chunk_layers(n, r, v)[1] for v in range(lay.vp)) for r in range(lay.pp)]
+
+
+def stage_flops(cfg: Config, lay: Layout, padded_vocab: int) -> list[float]:
+    """Training FLOPs per token of each pipeline rank: its decoder layers (at the model's mean per layer), the
+    output layer and loss on the last rank, the MTP layers (with their output layer) on theirs. They sum to
+    `flops_per_token`."""
+    m = cfg.model
+    total = flops_per_token(m, padded_vocab)
+    without_mtp = flops_per_token(dataclasses.replace(m, mtp_num_layers=None), padded_vocab)
+    logits = 6.0 * m.hidden_size * padded_vocab
+    per_layer = (without_mtp - logits) / m.num_layers
+    out = [per_layer * k for k in rank_layers(cfg, lay)]
+    out[-1] += logits
+    if m.mtp_num_layers:
+        out[lay.mtp_chunk[0]] += total - without_mtp
+    return out
+
+
+def compute_imbalance(cfg: Config, lay: Layout, padded_vocab: int) -> float:
+    """The busiest pipeline rank's FLOPs over the mean (1 for the even split and without pipelining)."""
+    if lay.pp == 1 or not explicit(lay):
+        return 1.0
+    flops = stage_flops(cfg, lay, padded_vocab)
+    return max(flops) * len(flops) / sum(flops)
+
+
+def busiest_layers(cfg: Config, lay: Layout) -> int:
+    """Decoder layers of the pipeline rank holding the most (num_layers / PP for the even split)."""
+    return max(rank_layers(cfg, lay)) if explicit(lay) else cfg.model.num_layers // lay.pp
+
+
+def memory_candidates(lay: Layout) -> list[int]:
+    """Pipeline ranks whose memory the planner sizes: first and last for the even split, every rank otherwise."""
+    return list(range(lay.pp)) if explicit(lay) else sorted({0, lay.pp - 1})
