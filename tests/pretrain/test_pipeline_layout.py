@@ -3,8 +3,9 @@ and `parallel.account_for_{embedding,loss}_in_pipeline_split` train to the one-r
 ≤ 1e-5 relative), and a checkpoint saved at one placement loads at another.
 
 Tier 1: tiny_llama (6 layers) at PP2 × VP2 with the uneven layout `Ett|t|tt|tL`, saving at step 2.
-Tier 2: that checkpoint loaded at the even PP2 split; tiny_llama at PP4 `Et|ttt|t|tL`; tiny_llama at PP2 × VP2 with
-the embedding and loss counted in the split; tiny_deepseek with its MTP layer placed by the layout (`Et|t|t|tmL`).
+Tier 2: that checkpoint loaded at the even PP2 split (and both runs' step-4 checkpoints exported to HF agree);
+tiny_llama at PP4 `Et|ttt|t|tL`; tiny_llama at PP2 × VP2 with the embedding and loss counted in the split;
+tiny_deepseek with its MTP layer placed by the layout (`Et|t|t|tmL`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ LLAMA6 = ["model.num_layers=6"]
 CASES = {
     "llama_pp2_vp2_layout": (2, "tiny_llama", [*LLAMA6, "parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                                "parallel.pipeline_layout=Ett|t|tt|tL", "checkpoint.interval=2"], None),
-    "llama_layout_to_even": (2, "tiny_llama", [*LLAMA6, *NO_CKPT, "parallel.pipeline=2"], "llama_pp2_vp2_layout"),
+    "llama_layout_to_even": (2, "tiny_llama", [*LLAMA6, *NO_CKPT, "parallel.pipeline=2", "checkpoint.save_at_end=true"],
+                             "llama_pp2_vp2_layout"),
     "llama_split_vp2": (2, "tiny_llama", [*LLAMA6, *NO_CKPT, "parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                           "parallel.account_for_embedding_in_pipeline_split=true",
                                           "parallel.account_for_loss_in_pipeline_split=true"], None),
@@ -84,3 +86,23 @@ def test_placement_matches_single_rank(placement_runs, name):
     if source is not None:  # steps 1-2 are the source's metrics, copied with its checkpoint
         assert [got[s]["consumed_samples"] for s in (3, 4)] == [ref[s]["consumed_samples"] for s in (3, 4)]
     assert got[STEPS]["loss"] != got[1]["loss"]
+
+
+@tiers.full
+def test_hf_export_of_a_layout_run(placement_runs, tmp_path):
+    """`convert to-hf` of the layout run's step-4 checkpoint equals that of the run resumed at the even split."""
+    import torch
+
+    from data_tools.convert import main as convert
+    from tests.data_tools.hf_families import safetensors_dir
+
+    out = {}
+    for name in ("llama_pp2_vp2_layout", "llama_layout_to_even"):
+        assert convert(["to-hf", "--checkpoint", str(placement_runs / name), "--output", str(tmp_path / name),
+                        "--no-progress"]) == 0
+        out[name] = safetensors_dir(tmp_path / name)
+    layout, even = out["llama_pp2_vp2_layout"], out["llama_layout_to_even"]
+    assert sorted(layout) == sorted(even) and len(layout) == 3 + 6 * 9, sorted(layout)
+    worst = max(float((layout[k] - even[k]).abs().max() / even[k].abs().max()) for k in layout)
+    print(f"HF export, layout vs even split after a resharded load: max relative difference {worst:.2e}")
+    assert all(torch.allclose(layout[k], even[k], rtol=1e-5, atol=1e-7) for k in layout)
