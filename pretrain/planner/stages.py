@@ -1,10 +1,10 @@
-"""Per-pipeline-stage accounting for placements other than Megatron-Core's even split (`parallel.pipeline_layout`,
-`parallel.account_for_{embedding,loss}_in_pipeline_split`, uneven first / last stages): the training FLOPs each
+"""Per-pipeline-stage accounting for explicit placements (`parallel.pipeline_layout`,
+`parallel.account_for_{embedding,loss}_in_pipeline_split`): the training FLOPs each
 pipeline rank runs per token, the decoder layers of the busiest rank, and which ranks can hold the memory peak.
 
 A pipeline runs at the pace of its slowest stage, so the planner's compute time is multiplied by
-`compute_imbalance` (the busiest rank's FLOPs over the mean). The even split keeps a factor of 1 (its cost terms
-are calibrated as they are).
+`compute_imbalance` (the busiest rank's FLOPs over the mean). The even split and uneven first / last stages keep a
+factor of 1 and their first / last stage memory view (their cost terms are calibrated as they are).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pretrain.layout import Layout
 
 
 def explicit(lay: Layout) -> bool:
-    """The placement is not Megatron-Core's even split."""
-    return lay.pipeline_layout is not None or lay.embedding_in_split or lay.loss_in_split or \
-        lay.first_stage_layers is not None or lay.last_stage_layers is not None
+    """The placement is a layout string or counts the embedding / loss in the split. (Uneven first / last stages
+    keep the planner's first / last stage view and its even-split compute, as before these placements.)"""
+    return lay.pipeline_layout is not None or lay.embedding_in_split or lay.loss_in_split
 
 
 def rank_layers(cfg: Config, lay: Layout) -> list[int]:
