@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from pretrain.runtime import init_distributed, shutdown
+    from pretrain.run.runtime import init_distributed, shutdown
 
     rt = init_distributed()
     from pretrain.checkpoint.save import start_writer_helper

@@ -13,7 +13,7 @@ by tokens. Then, per layout (2 ranks: DP2, or TP2 where only the first rank of t
            the launch to the first step's loss, the trainer's own data time (its log: pre-flight dataset check +
            index build), and the peak RSS of each rank (sampled from outside every 50 ms; VmHWM);
   floor    Megatron-Core alone: `BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()` with
-           `pretrain.data.megatron_dataset_config` (the very config the trainer passes), under torchrun, timed
+           `pretrain.data.datasets.megatron_dataset_config` (the very config the trainer passes), under torchrun, timed
            between two barriers; its RSS growth over the pre-build RSS.
 
 `--metadata without` writes the corpora without PREFIX.meta.json (as Megatron-LM's preprocess_data.py does): the
@@ -254,7 +254,7 @@ def floor_main(out: str, tp: int, config_path: str, overrides: list[str]) -> Non
 
     from pretrain import compat
     from pretrain.config import load_config
-    from pretrain.data import megatron_dataset_config
+    from pretrain.data.datasets import megatron_dataset_config
     from pretrain.tokenizer.load import run_tokenizer
 
     compat.apply(on_gpu=False)

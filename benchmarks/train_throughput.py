@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from pretrain.config import ConfigError, load_config
-    from pretrain.runtime import env_world_size, shutdown
+    from pretrain.run.runtime import env_world_size, shutdown
     from pretrain.train import TrainingStopped, train
     from pretrain.validate import ValidationFailed
 

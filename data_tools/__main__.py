@@ -77,7 +77,7 @@ def _shard_command(args: argparse.Namespace) -> int:
     import os
 
     from data_tools import shards
-    from pretrain.output_lock import hold
+    from pretrain.run.output_lock import hold
 
     if args.command == "shard-plan":
         pre = build_parser().parse_args(["preprocess", *args.preprocess_args])
@@ -140,9 +140,9 @@ def _tokenizer_from(args: argparse.Namespace) -> object | None:
 
 
 def _output_locks(args: argparse.Namespace):
-    """One writer per output (``pretrain/output_lock.py``): preprocess locks its prefix (its resume state) and
+    """One writer per output (``pretrain/run/output_lock.py``): preprocess locks its prefix (its resume state) and
     each dataset it writes, merge its output dataset; a second writer is refused naming the first."""
-    from pretrain.output_lock import Held, Target, hold
+    from pretrain.run.output_lock import Held, Target, hold
 
     if args.command == "preprocess":
         p = args.output_prefix

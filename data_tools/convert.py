@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     """`python -m data_tools convert ...`; returns the exit status."""
     from pretrain.checkpoint.format import CheckpointError
     from pretrain.config import ConfigError
-    from pretrain.output_lock import Held, OutputLocked, Target, hold
+    from pretrain.run.output_lock import Held, OutputLocked, Target, hold
 
     args = build_parser().parse_args(argv)
     bad = _bad_number(args)

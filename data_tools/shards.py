@@ -76,10 +76,10 @@ def part_prefix(output_prefix: str, task: int) -> str:
 
 
 def task_targets(plan: Plan, task: int) -> list:
-    """The outputs task ``task`` writes, to lock (``pretrain.output_lock``): its part prefix (the resume state)
+    """The outputs task ``task`` writes, to lock (``pretrain.run.output_lock``): its part prefix (the resume state)
     and each key's dataset, as ``preprocess`` locks them; a second run of the same task is refused naming the
     first, and the lock of a killed attempt of the same Slurm job is taken over by its requeued run."""
-    from pretrain.output_lock import Target
+    from pretrain.run.output_lock import Target
 
     if not 0 <= task < len(plan.tasks):
         raise ShardError(f"task {task} is not in the plan (tasks 0..{len(plan.tasks) - 1})")
@@ -89,7 +89,7 @@ def task_targets(plan: Plan, task: int) -> list:
 
 def final_targets(plan: Plan) -> list:
     """The outputs of the final step: each key's merged dataset (or blend file beside it)."""
-    from pretrain.output_lock import Target
+    from pretrain.run.output_lock import Target
 
     return [Target(f"{plan.output_prefix}_{k}_document", "finalize output") for k in plan.keys]
 

@@ -163,6 +163,7 @@ class LlamaFamily(Family):
     def hf_extra(self, m: Any) -> dict:
         """Family-specific transformers config kwargs (raise ConversionError for what the class cannot hold)."""
         require(m, "sliding_window", None, self.hf_architecture)
+        require(m, "window_attn_skip_freq", None, self.hf_architecture)
         return {"attention_bias": False, "mlp_bias": False}
 
     def fields_from_hf(self, cfg: Any) -> dict:

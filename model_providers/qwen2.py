@@ -1,7 +1,9 @@
 """Qwen2 family (Qwen2 / Qwen2.5): Llama's architecture with biases on the q, k and v projections.
 
 The small Qwen2.5 models tie the embeddings. `use_sliding_window` (off in every released Qwen2.5) becomes
-`model.sliding_window`, with the same rule as Mistral's: training needs `model.seq_length <= sliding_window`.
+`model.sliding_window`; transformers windows the layers from `max_window_layers` on (its `layer_types`), which
+becomes `model.window_attn_skip_freq` (a 0/1 list; null when every layer is windowed). Exported back as
+`max_window_layers` when the windowed layers are the last ones, else as `layer_types`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from model_providers.core.family import shape
+from model_providers.core.windows import layer_windowed
 from model_providers.llama import _FIXED as _LLAMA_FIXED
 from model_providers.llama import MAPPING, QKV_BIAS, LlamaFamily, llama_like
 
@@ -34,10 +37,24 @@ class Qwen2Family(LlamaFamily):
     has_head_dim: ClassVar[bool] = False  # Qwen2Attention reads `head_dim` when present, else hidden / heads
 
     def hf_extra(self, m: Any) -> dict:
-        return {"use_sliding_window": m.sliding_window is not None, "sliding_window": m.sliding_window}
+        window = m.sliding_window
+        out = {"use_sliding_window": window is not None, "sliding_window": window}
+        if window is None:
+            return out
+        pattern = [layer_windowed(m.window_attn_skip_freq, i + 1) for i in range(m.num_layers)]
+        full = pattern.index(True) if any(pattern) else m.num_layers  # leading full layers
+        if all(pattern[full:]):
+            out["max_window_layers"] = full
+        else:
+            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in pattern]
+        return out
 
     def fields_from_hf(self, cfg: Any) -> dict:
-        return {"sliding_window": cfg.sliding_window}  # transformers sets it to None without use_sliding_window
+        window = cfg.sliding_window  # transformers sets it to None without use_sliding_window
+        if window is None:
+            return {"sliding_window": None, "window_attn_skip_freq": None}
+        pattern = [int(t == "sliding_attention") for t in cfg.layer_types]
+        return {"sliding_window": int(window), "window_attn_skip_freq": None if all(pattern) else pattern}
 
 
 FAMILY = llama_like(Qwen2Family, "qwen2", "Qwen2ForCausalLM", PRESETS, _FIXED, mapping=(*MAPPING, QKV_BIAS))

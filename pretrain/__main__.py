@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("plan", "report"):  # their own parsers (and their own -h)
         import importlib
 
-        return importlib.import_module(f"pretrain.{command}").main(rest)
+        module = {"plan": "pretrain.plan", "report": "pretrain.observe.report"}[command]
+        return importlib.import_module(module).main(rest)
     # Options and overrides in any order: `validate CONFIG --world-size 64 data.mock=true`.
     args = commands[command].parse_intermixed_args(rest)
     args.command = command
@@ -60,25 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "validate":
-        from pretrain.runtime import env_world_size
-        from pretrain.validate import validate
+        from pretrain.run.runtime import env_world_size
+        from pretrain.run_plan import resolve
 
         p = cfg.parallel
         world = args.world_size
         if world is None:
             world = env_world_size() if "WORLD_SIZE" in __import__("os").environ else p.tensor * p.pipeline * p.context
         # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
-        report = validate(cfg, world, gpu_dry_run=args.world_size is not None)
+        report = resolve(cfg, world, gpu_dry_run=args.world_size is not None).problems
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         if not report.ok:
             return 2
-        from pretrain.data_check import store_verdicts
+        from pretrain.data.check import store_verdicts
 
         store_verdicts(cfg, report, create=False)  # into an existing cache only: validate creates no run.dir
         if args.check_lock:
-            from pretrain.output_lock import run_outputs_held
+            from pretrain.run.output_lock import run_outputs_held
 
             held = run_outputs_held(cfg)
             if held:

@@ -20,6 +20,7 @@ import yaml
 
 from model_providers import DEFAULT_FAMILY, FAMILIES
 from pretrain.config_parse import ConfigError, build, parse_override, parse_yaml, set_dotted, yaml_error_line
+from pretrain.performance import PerformanceConfig
 
 __all__ = ["CONFIG_DIR", "Config", "ConfigError", "config_from_dict", "load_config", "parse_override",
            "resolve_config_path", "save_config"]
@@ -60,7 +61,9 @@ class ModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False  # per-head norm of queries and keys (model.normalization, before RoPE)
-    sliding_window: int | None = None  # attention window of the model; training needs seq_length <= it
+    sliding_window: int | None = None  # attention window: a token sees itself and the sliding_window-1 before it
+    # Which layers use the window (Megatron-Core's name): None all; N: every N-th layer full; a list: 1 windowed.
+    window_attn_skip_freq: int | list[int] | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
@@ -285,6 +288,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)  # pretrain/performance.py
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

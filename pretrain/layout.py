@@ -1,6 +1,6 @@
 """The derived layout: every fact computed from the config and the world size, computed once.
 
-    layout = derive_layout(cfg, world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+    plan = pretrain.run_plan.resolve(cfg, world_size)   # once per process; every stage reads plan.layout
 
 Validation, model building, the runtime, the training loop, checkpoints, the HF bridge and the planner all
 read these fields instead of re-deriving them: data-parallel size, "virtual pipeline or 1", the padded
@@ -10,11 +10,14 @@ Pure data: no process groups, no torch at import.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from pretrain.compat import mcore
 from pretrain.config import Config
+
+RESOLUTIONS: Counter[str] = Counter()  # per process: "layout" (derive_layout), "tokenizer" (pretrain.run_plan)
 
 
 class LayoutError(ValueError):
@@ -228,6 +231,7 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
 
     `on_gpu` defaults to this machine's CUDA availability; `te` to whether Transformer Engine is usable here.
     """
+    RESOLUTIONS["layout"] += 1
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if on_gpu is None:
         import torch

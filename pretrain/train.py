@@ -22,13 +22,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain import compat, output_lock, setup
+from pretrain import compat
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
+from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
-from pretrain.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
-from pretrain.validate import ValidationFailed, validate
+from pretrain.observe.observers import Observers, StepResult, build_observers
+from pretrain.run import output_lock, setup
+from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
+from pretrain.run_plan import resolve
+from pretrain.validate import ValidationFailed
 
 
 class TrainingStopped(RuntimeError):
@@ -53,8 +57,8 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One microbatch through one model chunk (Megatron-Core schedule callback).
 
-    Packed documents (THD, `pretrain.data.pack_documents`) arrive already cut to this CP rank; other batches are
-    cut here (a copy: interleaved model chunks read the same microbatch)."""
+    Packed documents (THD, `pretrain.data.datasets.pack_documents`) arrive already cut to this CP rank; other
+    batches are cut here (a copy: interleaved model chunks read the same microbatch)."""
     batch = next(data_iterator)
     packed = batch.get("packed_seq_params")
     if packed is None:
@@ -127,6 +131,11 @@ class StopRequests:
         return None, None
 
 
+def checkpoint_context(run) -> CheckpointContext:
+    """What save, load and resume act on: the run's model chunks, optimizer, schedule and plan."""
+    return CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
+
+
 def log0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -164,8 +173,8 @@ class _Saves:
     """Checkpoints during the loop: periodic and final saves (a step is saved once), asynchronous commits, and
     the stop decision all ranks agree on (signal or time limit), with the reason the run ends."""
 
-    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None):
-        self.cfg, self.run, self.stops, self.last_saved = cfg, run, stops, last_saved
+    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None, observers: Observers):
+        self.cfg, self.run, self.stops, self.last_saved, self.observers = cfg, run, stops, last_saved, observers
         self.async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
         self.reason, self.signal_name = "completed", None
 
@@ -174,11 +183,12 @@ class _Saves:
             return
         t0 = time.perf_counter()
         run = self.run
-        path = checkpoint_save.save_checkpoint(self.cfg, run.model, run.optimizer, run.scheduler, step=step,
+        path = checkpoint_save.save_checkpoint(checkpoint_context(run), step=step,
                                                consumed_samples=consumed, async_saves=self.async_saves)
         self.last_saved = step
         how = "started async save of" if self.async_saves is not None else "saved"
         log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
+        self.observers.checkpoint(step, path)
 
     def save_or_stop(self, step: int, consumed: int) -> bool:
         """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
@@ -204,49 +214,12 @@ class _Saves:
             self.async_saves.abort()
 
 
-class _StepMetrics:
-    """The per-step metrics record on the rank that holds the loss: throughput, TFLOP/s, MFU, memory."""
-
-    def __init__(self, cfg: Config, run):
-        from pretrain.flops import flops_per_token, gpu_peak_tflops
-
-        self.cfg, self.run = cfg, run
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_tok = flops_per_token(cfg.model, run.layout.padded_vocab)
-        self.peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if run.rt.on_gpu else None
-
-    def write(self, step: int, loss: float, grad_norm: float, step_time: float, consumed: int, extra: dict) -> None:
-        """Write the step's record (and print it every logging.log_interval steps and at the last one)."""
-        from pretrain.metrics import format_step_line
-
-        run, total = self.run, self.cfg.train.steps
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": run.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "tokens_per_s": self.tokens_per_step / step_time,
-            "step_time_s": step_time,
-            "consumed_samples": consumed,
-        }
-        record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / run.rt.world_size
-        record["tflops_per_gpu"] = self.flops_tok * record["tokens_per_s_per_gpu"] / 1e12
-        if self.peak:
-            record["mfu"] = record["tflops_per_gpu"] / self.peak
-        if run.rt.on_gpu:
-            record["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        record.update(extra)  # the slowest ranks' compute/wait split, MoE routing
-        run.writer.write(record)
-        if step % self.cfg.logging.log_interval == 0 or step == total:
-            print("[pretrain] " + format_step_line(record, total), flush=True)
-
-
 def _microbatch_runner(cfg: Config, run):
     """`run_microbatches(start_sample, forward_only, dataset) -> losses`: one global batch through Megatron's
     forward/backward schedule (every batch checked when some dataset's ids could not be checked up front)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from pretrain.data import DataError, checked_microbatches
+    from pretrain.data.datasets import DataError, checked_microbatches
 
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
@@ -274,10 +247,10 @@ def _microbatch_runner(cfg: Config, run):
 
 
 def document_packing(cfg: Config, run):
-    """`pretrain.data.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
+    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
     from megatron.core import parallel_state as ps
 
-    from pretrain.data import DocumentPacking
+    from pretrain.data.datasets import DocumentPacking
 
     if not cfg.data.reset_attention_mask:
         return None
@@ -288,25 +261,26 @@ def document_packing(cfg: Config, run):
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
-    from pretrain.data import check_data_files_once
-    from pretrain.data_check import store_verdicts
-    from pretrain.run_dir import write_config
-    from pretrain.runtime import any_rank_error, env_world_size, init_distributed
+    from pretrain.data.check import store_verdicts
+    from pretrain.data.datasets import check_data_files_once
+    from pretrain.run.run_dir import write_config
+    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
 
     # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
     # on rank 0 only, its verdict shared (all problems are reported together, by every rank).
-    problems = validate(cfg, world_size=env_world_size(), data_files=False)
+    plan = resolve(cfg, env_world_size(), data_files=False)  # the config resolved once: layout, tokenizer, data
+    problems = plan.problems
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed()
-    check_data_files_once(cfg, problems, rt.device)
+    check_data_files_once(cfg, problems, rt.device, plan.tokenizer)
     if problems.errors:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
-    run = setup.start_run(cfg, rt, problems, log0)  # tokenizer, layout, process groups, run dir
+    run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
         store_verdicts(cfg, problems)
 
@@ -317,7 +291,7 @@ def train(cfg: Config) -> dict:
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
     # directory that cannot be written is found now, not at the first save.
     checkpoint_save.check_writable(cfg)
-    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(cfg, model, optimizer, scheduler, log0)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(checkpoint_context(run), log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
@@ -332,22 +306,20 @@ def train(cfg: Config) -> dict:
     setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
-    metrics = _StepMetrics(cfg, run)
-    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None)
+    observers = build_observers(cfg, run)  # profiler window, rank timing, MoE routing, the step record and its sinks
+    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
     t = cfg.train
 
     # 5. Steps.
     try:
         while step < t.steps:
             started = time.perf_counter()
-            profiler.step_begin(step + 1)
-            run.timing.begin(step + 1)
+            observers.step_start(step + 1)
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             losses = run_microbatches(consumed, False, run.train_ds)
             loss = broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
-            moe_record = run.moe.step(run.num_microbatches) if run.moe is not None else {}
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
@@ -355,6 +327,7 @@ def train(cfg: Config) -> dict:
                         f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last checkpoint "
                         f"is intact; lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
+                observers.step_skipped(step + 1)
                 consumed += t.global_batch_size
                 step += 1
                 if saves.save_or_stop(step, consumed):
@@ -369,11 +342,7 @@ def train(cfg: Config) -> dict:
                                       "(train.nan_policy=stop). The last checkpoint is intact.")
             step += 1
             consumed += t.global_batch_size
-            step_time = time.perf_counter() - started
-            timing_fields = run.timing.end(step)  # on every timing_interval-th step: all ranks' compute/wait split
-            profiler.step_end(step)
-            if run.writer is not None:
-                metrics.write(step, loss, grad_norm, step_time, consumed, {**timing_fields, **moe_record})
+            observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
                 evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
@@ -392,9 +361,7 @@ def train(cfg: Config) -> dict:
             exc.last_step = step  # for exit_status.json (main)
         raise
     finally:
-        profiler.close(step)
-        if run.writer is not None:
-            run.writer.close()
+        observers.close(step)
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
@@ -429,8 +396,8 @@ def main(cfg: Config) -> int:
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
-    from pretrain.run_dir import environment_error, exception_summary, os_error_line, record_failure, report_failure
-    from pretrain.runtime import shutdown
+    from pretrain.run.run_dir import environment_error, exception_summary, os_error_line, record_failure, report_failure
+    from pretrain.run.runtime import shutdown
 
     try:
         train(cfg)

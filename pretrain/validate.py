@@ -3,15 +3,18 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging), `context` (CP), `bounds` (integer settings no other rule bounds), and last `megatron` (Megatron-Core's
-own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The trainer runs the same checks first;
-`python -m pretrain validate CONFIG [overrides] --world-size N` runs them alone (exit 2 on errors).
+logging), `context` (CP), `windows` (sliding-window attention), `bounds` (integer settings no other rule bounds),
+and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
+trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
+alone (exit 2 on errors).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from pretrain.config import Config
-from pretrain.layout import LayoutError, derive_layout, te_available
+from pretrain.layout import Layout, LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
 from pretrain.rules.bounds import bounds_rules
 from pretrain.rules.context import context_rules
@@ -20,17 +23,26 @@ from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rule
 from pretrain.rules.model import length_problems, model_rules, precision_rules
 from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules, recompute_module_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
+from pretrain.rules.performance import performance_rules
 from pretrain.rules.placement import placement_note
 from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
 from pretrain.rules.vocab import optional_sizes_rules
+from pretrain.rules.windows import window_rules
 
-__all__ = ["Problem", "Report", "ValidationFailed", "length_problems", "validate"]
+__all__ = ["Problem", "Report", "ValidationFailed", "check", "length_problems", "validate"]
 
 
-def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
-             cuda_available: bool | None = None, files: bool = True, versions=None,
-             data_files: bool = True, gpu_dry_run: bool = False) -> Report:
-    """Check `cfg` for a job of `world_size` processes. Never raises for config problems.
+def validate(cfg: Config, world_size: int, **kwargs) -> Report:
+    """Check `cfg` for a job of `world_size` processes (`check`'s report). Never raises for config problems."""
+    return check(cfg, world_size, **kwargs)[0]
+
+
+def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
+          files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
+          vocab_size: int | None = None, tokenizer=None) -> tuple[Report, Layout | None]:
+    """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
+    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`: the tokenizer's vocabulary and
+    identity, resolved once by `pretrain.run_plan` (the data check then loads no tokenizer again).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -39,7 +51,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
 
     `versions` (a `pretrain.compat.matrix.Installed`): the installation to check; None: this interpreter's.
     `data_files=False`: the data rules that open no dataset file (the trainer checks the files on one rank and
-    shares the verdict: `pretrain.data.check_data_files_once`).
+    shares the verdict: `pretrain.data.datasets.check_data_files_once`).
     `gpu_dry_run` (`validate --world-size N`): on a machine without CUDA, check the job as it runs on GPUs with
     Transformer Engine; what only this machine could not run becomes notes.
     """
@@ -48,20 +60,22 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
 
         cuda_available = torch.cuda.is_available()
     if gpu_dry_run and not cuda_available:
-        return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files)
+        return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files), None
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules, optional_sizes_rules]
+    lay, rules = None, [precision_rules, optimizer_rules, run_rules, logging_rules, optional_sizes_rules,
+                        performance_rules]
     if sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
         try:
-            lay = derive_layout(cfg, world_size, on_gpu=cuda_available, te=te_on_gpu)
+            lay = derive_layout(cfg, world_size, vocab_size=vocab_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
-                 *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, bounds_rules]
+                 *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
+                 bounds_rules]
     if files:
-        rules.append(data_rules if data_files else data_config_rules)
+        rules.append(partial(data_rules, tokenizer=tokenizer) if data_files else data_config_rules)
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
@@ -73,7 +87,7 @@ def validate(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None,
     from pretrain.compat import matrix
 
     matrix.check(r, versions, allow_untested=cfg.run.allow_untested_versions)
-    return r
+    return r, lay
 
 
 def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:

@@ -133,3 +133,43 @@ def test_no_family_name_outside_model_providers(package):
                 if node.value in names or words & names:
                     hits.append(f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {node.value!r}")
     assert not hits, "\n".join(hits)
+
+
+MAX_TOP_LEVEL_MODULES = 15  # pretrain/ grows by sub-packages grouped by concern, not by top-level files
+
+
+def test_pretrain_top_level_stays_small():
+    top = sorted(p.name for p in (ROOT / "pretrain").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at the top of pretrain/: {top}"
+
+
+def _folder(name: str) -> str:
+    """The unit of the folder-level graph: pretrain's sub-package (or top-level module) a module belongs to."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pretrain" and len(parts) > 1 else parts[0]
+
+
+def test_no_loop_between_pretrain_folders():
+    """pretrain's sub-packages and top-level modules depend one way: no loop among them (lazy imports count)."""
+    edges: dict[str, set[str]] = {}
+    for a, deps in GRAPH.items():
+        if not a.startswith("pretrain."):
+            continue
+        for b in deps:
+            if b.startswith("pretrain.") and _folder(a) != _folder(b):
+                edges.setdefault(_folder(a), set()).add(_folder(b))
+    loops, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                loops.append(" → ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not loops, "\n".join(loops)

@@ -19,7 +19,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions
+from model_providers.core import fusions, windows
+from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import packed_sequences, variable_seq_lengths
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
@@ -84,7 +85,11 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
-        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask),
+        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask,
+                                                            windowed=windows.window_size(m) is not None),
+        # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).
+        window_size=windows.window_size(m),
+        window_attn_skip_freq=windows.skip_freq(m),
         bias_dropout_fusion=on_gpu,
         # MLA fuses RoPE only for YaRN (MLATransformerConfig refuses it with plain RoPE).
         apply_rope_fusion=on_gpu and use_te and (not m.multi_latent_attention or m.rope_type == "yarn"),
@@ -104,6 +109,9 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
         # lengths (packed documents under CP × PP), even on a dense model.
         kwargs["moe_token_dispatcher_type"] = "alltoall"
+    perf = getattr(cfg, "performance", None)
+    if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
+        kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:

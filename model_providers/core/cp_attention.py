@@ -13,11 +13,12 @@ Megatron's `cp_comm_type` choices:
 - `p2p`: the ring of `model_providers.core.cp_ring` — K/V blocks passed around the CP group, partial results
   merged by their log-sum-exp, with a hand-written backward (send/recv have no autograd).
 
-Masks come from global token positions (causal) and documents (THD); the scale, GQA head expansion, fp32 softmax
-and attention dropout (inside the tensor-parallel RNG fork unless sequence parallel) follow `DotProductAttention`.
-The scores of a rank's queries against the whole sequence are materialised: s²/CP per rank (a CPU reference, not
-a fast kernel). Collectives run through the autograd functions below (torch.distributed.nn's fail on gloo
-subgroups whose ranks are not the global ranks).
+Masks come from global token positions (causal), documents (THD) and the layer's sliding window (Megatron's
+`window_size` / `window_attn_skip_freq`: `model_providers.core.windows`), for every comm type; the scale, GQA head
+expansion, fp32 softmax and attention dropout (inside the tensor-parallel RNG fork unless sequence parallel)
+follow `DotProductAttention`. The scores of a rank's queries against the whole sequence are materialised: s²/CP
+per rank (a CPU reference, not a fast kernel). Collectives run through the autograd functions below
+(torch.distributed.nn's fail on gloo subgroups whose ranks are not the global ranks).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from model_providers.core import cp_layout
+from model_providers.core import cp_layout, windows
 from model_providers.core.cp_ring import _wide, ring_attention
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -121,6 +122,12 @@ class ContextParallelAttention(MegatronModule):
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         if config.apply_query_key_layer_scaling:  # DotProductAttention divides, its fp16 softmax multiplies back
             raise ValueError("apply_query_key_layer_scaling is not supported by the context-parallel attention")
+        size = getattr(config, "window_size", None)
+        if size is not None and size[1] != 0:
+            raise ValueError(f"window_size {tuple(size)}: the context-parallel attention takes causal windows "
+                             "(right size 0)")
+        layered = size is not None and windows.layer_windowed(config.window_attn_skip_freq, self.layer_number)
+        self.window = int(size[0]) if layered else None  # keys at most this many positions back
         p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_dropout = torch.nn.Dropout(p) if p > 0 else None
 
@@ -152,7 +159,7 @@ class ContextParallelAttention(MegatronModule):
         places = [cp_layout.placement(n, cp, r, packed, device=query.device) for r in range(cp)]
         dropout = self._dropout if self.attention_dropout is not None and self.training else None
         if cp == 1:
-            ok = cp_layout.allowed(places[0], places[0], causal)
+            ok = cp_layout.allowed(places[0], places[0], causal, self.window)
             out = attend(query, key, value, ok, self.softmax_scale, dropout)
         elif self.cp_comm_type == "all_gather":
             out = self._all_gather(query, key, value, places, rank, causal, dropout)
@@ -161,7 +168,7 @@ class ContextParallelAttention(MegatronModule):
         else:
             p = self.attention_dropout.p if dropout is not None else 0.0
             out = ring_attention(query, key, value, places, rank, group, self.softmax_scale, causal, p,
-                                 self._ring_rng())
+                                 self._ring_rng(), self.window)
         out = out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np·hn]
         return out.squeeze(1) if thd else out
 
@@ -176,7 +183,7 @@ class ContextParallelAttention(MegatronModule):
         groups = k.shape[2]
         kv = _AllGather.apply(torch.cat([k, v], dim=2), self.cp_group)
         keys = cp_layout.TokenPlacement.cat(places)
-        ok = cp_layout.allowed(places[rank], keys, causal)
+        ok = cp_layout.allowed(places[rank], keys, causal, self.window)
         return attend(q, kv[:, :, :groups], kv[:, :, groups:], ok, self.softmax_scale, dropout)
 
     def _all_to_all(self, q, k, v, places, causal, dropout):
@@ -189,7 +196,7 @@ class ContextParallelAttention(MegatronModule):
         qkv = [self._heads_to_front(x, cp) for x in (q, k, v)]
         qkv = [_AllToAll.apply(x, self.cp_group).flatten(0, 1) for x in qkv]  # [cp·s, b, heads/cp, hn]
         everyone = cp_layout.TokenPlacement.cat(places)
-        ok = cp_layout.allowed(everyone, everyone, causal)
+        ok = cp_layout.allowed(everyone, everyone, causal, self.window)
         out = attend(*qkv, ok, self.softmax_scale, dropout)  # [cp·s, b, np/cp, hn]
         s = q.shape[0]
         out = _AllToAll.apply(out.reshape(cp, s, *out.shape[1:]), self.cp_group)  # [cp (head group), s, b, ..]

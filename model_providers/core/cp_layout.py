@@ -4,9 +4,9 @@ Megatron-Core splits a sequence into 2×CP chunks and gives CP rank r chunks r a
 (`megatron.core.utils.get_batch_on_this_cp_rank`, which Transformer Engine's attention expects); packed
 sequences in THD form (documents one after another, described by `cu_seqlens`) are split the same way one
 document at a time (Transformer Engine's `thd_get_partitioned_indices`: every document padded to a multiple of
-2×CP). `thd_partition_index` computes those indices in plain torch, so the data path (pretrain.data, which slices a
-packed batch) and the CPU attention (model_providers.core.cp_attention, which masks by these positions) agree by
-construction, on CPU and GPU.
+2×CP). `thd_partition_index` computes those indices in plain torch, so the data path (pretrain.data.datasets, which
+slices a packed batch) and the CPU attention (model_providers.core.cp_attention, which masks by these positions)
+agree by construction, on CPU and GPU.
 
 `TokenPlacement` says, for each local token, which document it belongs to, its position in that document and
 whether it is a real token (not padding): causal / per-document masks are built from placements alone.
@@ -83,9 +83,12 @@ def placement(local_len: int, cp: int, rank: int, packed=None, device=None) -> T
     return TokenPlacement(doc, pos, valid)
 
 
-def allowed(q: TokenPlacement, k: TokenPlacement, causal: bool) -> torch.Tensor:
-    """[len q, len k] bool: query may attend to key (same document, real key and query, causal order)."""
+def allowed(q: TokenPlacement, k: TokenPlacement, causal: bool, window: int | None = None) -> torch.Tensor:
+    """[len q, len k] bool: query may attend to key (same document, real key and query, causal order; `window`:
+    Megatron's left window size, keys at most that many positions before the query)."""
     ok = (q.doc[:, None] == k.doc[None, :]) & k.valid[None, :] & q.valid[:, None]
     if causal:
         ok &= k.pos[None, :] <= q.pos[:, None]
+    if window is not None:
+        ok &= k.pos[None, :] >= q.pos[:, None] - window
     return ok

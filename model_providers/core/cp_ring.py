@@ -6,8 +6,9 @@ log-sum-exp per query row; partial outputs are merged with log-sum-exp weights (
 contribute nothing). Send/recv have no autograd, so the backward is written out: the K/V blocks travel the same
 ring again with their gradient accumulators (every rank adds its queries' share), and one more step brings each
 accumulator home. Masks come from token placements (`model_providers.core.cp_layout`): causal order over global
-positions, documents for THD. Blocks are computed in fp32; attention dropout masks are drawn per block (in the
-given RNG context) and kept for backward.
+positions, documents for THD, a sliding window over positions; a block with no allowed pair is skipped. Blocks
+are computed in fp32; attention dropout masks are drawn per block (in the given RNG context) and kept for
+backward.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _weight(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, places, rank, group, scale, causal, dropout_p, rng_fork):
+    def forward(ctx, q, k, v, places, rank, group, scale, causal, dropout_p, rng_fork, window):
         dtype = q.dtype
         qf = _wide(q.permute(1, 2, 0, 3))  # [b, heads, s, d]
         kv = _wide(torch.stack([k, v]).permute(0, 2, 3, 1, 4)).contiguous()  # [2, b, groups, s, d]
@@ -81,7 +82,7 @@ class _RingAttention(torch.autograd.Function):
         masks: list[torch.Tensor | None] = []
         for i in range(cp):
             nxt, reqs = _start_exchange(kv, group, rank) if i < cp - 1 else (None, [])
-            ok = cp_layout.allowed(places[rank], places[(rank - i) % cp], causal)
+            ok = cp_layout.allowed(places[rank], places[(rank - i) % cp], causal, window)
             mask = None
             if bool(ok.any()):
                 probs, lse_block = _probs(qf, _expand(kv[0], rep), ok, scale, None)
@@ -98,6 +99,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.places, ctx.rank, ctx.group, ctx.scale, ctx.causal = places, rank, group, scale, causal
+        ctx.window = window
         ctx.dropout_p, ctx.masks = dropout_p, masks
         return out.to(dtype).permute(2, 0, 1, 3)  # [s, b, heads, d]
 
@@ -114,7 +116,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         dkv = torch.zeros_like(kv)
         for i in range(cp):
-            ok = cp_layout.allowed(places[rank], places[(rank - i) % cp], ctx.causal)
+            ok = cp_layout.allowed(places[rank], places[(rank - i) % cp], ctx.causal, ctx.window)
             if bool(ok.any()):
                 kb, vb = _expand(kv[0], rep), _expand(kv[1], rep)
                 probs, _ = _probs(qf, kb, ok, scale, lse)
@@ -138,11 +140,12 @@ class _RingAttention(torch.autograd.Function):
                 _finish(reqs)
         dk = dkv[0].permute(2, 0, 1, 3).to(k.dtype)
         dv = dkv[1].permute(2, 0, 1, 3).to(v.dtype)
-        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, None, None, None, None, None, None, None
+        return dq.permute(2, 0, 1, 3).to(q.dtype), dk, dv, None, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, places: list, rank: int, group,
-                   scale: float, causal: bool, dropout_p: float = 0.0, rng_fork=None) -> torch.Tensor:
-    """q [s, b, heads, d], k/v [s, b, groups, d] of this CP rank; `places[j]`: CP rank j's token placement.
-    Returns [s, b, heads, d]."""
-    return _RingAttention.apply(q, k, v, places, rank, group, scale, causal, dropout_p, rng_fork)
+                   scale: float, causal: bool, dropout_p: float = 0.0, rng_fork=None,
+                   window: int | None = None) -> torch.Tensor:
+    """q [s, b, heads, d], k/v [s, b, groups, d] of this CP rank; `places[j]`: CP rank j's token placement;
+    `window`: the left sliding-window size (None: none). Returns [s, b, heads, d]."""
+    return _RingAttention.apply(q, k, v, places, rank, group, scale, causal, dropout_p, rng_fork, window)

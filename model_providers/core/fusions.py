@@ -19,13 +19,14 @@ def bias_activation_fusion(model: Any, on_gpu: bool) -> bool:
     return on_gpu and supported
 
 
-def masked_softmax_fusion(on_gpu: bool, per_document_mask: bool = False) -> bool:
+def masked_softmax_fusion(on_gpu: bool, per_document_mask: bool = False, windowed: bool = False) -> bool:
     """Megatron's fused scale-mask-softmax for the local spec needs CUDA extensions that megatron-core does not
     ship (`scaled_masked_softmax_cuda`, from apex or Megatron-LM's fused kernels): on when they import.
 
     Off with a per-document attention mask (`data.reset_attention_mask`): for causal attention the fused path is
-    the upper-triangular kernel, which ignores an explicit mask (`fused_softmax.py`, `forward_fused_softmax`)."""
-    if not on_gpu or per_document_mask:
+    the upper-triangular kernel, which ignores an explicit mask (`fused_softmax.py`, `forward_fused_softmax`), and
+    its sliding window (`window_size` is applied only by `forward_torch_softmax`): off with a window too."""
+    if not on_gpu or per_document_mask or windowed:
         return False
     return all(importlib.util.find_spec(name) is not None
                for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))

@@ -34,6 +34,7 @@ _MODEL_IDENTITY = (
     "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor",
     "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
     "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "sliding_window",
+    "window_attn_skip_freq",
     "apply_residual_connection_post_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
     "moe_router_score_function", "moe_router_pre_softmax",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
@@ -101,6 +102,11 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "from the resumed step", "logging.wandb", ("project", "entity", "name", "mode")),
     **_group(CHANGE, "from the resumed step", "logging.profile", ("start_step", "end_step", "ranks")),
     **_group(CHANGE, "from the resumed step", "run", ("dir", "name", "allow_untested_versions")),
+    **_group(CHANGE, "from the resumed step (speed settings: the model's math is the same)", "performance",
+             ("moe_flex_dispatcher_backend", "cuda_graph_impl", "cuda_graph_scope",
+              "fine_grained_activation_offloading", "offload_modules", "overlap_moe_expert_parallel_comm",
+              "moe_shared_expert_overlap")),
+    "performance.fp4_recipe": (CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"),
 }
 
 
@@ -154,20 +160,14 @@ def _identity(tokenizer_type: str | None, model: str | None, vocab: str | None, 
 
 
 def _run_identity(cfg):
-    """The identity of the tokenizer `cfg` trains with (`pretrain.data_check.run_tokenizer_identity`: the null
+    """The identity of the tokenizer `cfg` trains with (`pretrain.data.check.run_tokenizer_identity`: the null
     tokenizer of a mock run without files, else its files)."""
-    from pretrain.data_check import run_tokenizer_identity, uses_null_tokenizer
+    from pretrain.data.check import run_tokenizer_identity, uses_null_tokenizer
 
     if uses_null_tokenizer(cfg.data):
         return run_tokenizer_identity(cfg)
     d = cfg.data
     return _identity(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
-
-
-def tokenizer_record(cfg) -> dict | None:
-    """What a checkpoint records about the run's tokenizer (`TOKENIZER_STATE`): its identity, None without one."""
-    ident = _run_identity(cfg)
-    return None if ident is None else ident.to_dict()
 
 
 def _saved_identity(common: dict, saved: dict[str, Any]):
@@ -205,8 +205,9 @@ def _resolved_model(model: dict[str, Any], vocab: int | None) -> dict[str, Any]:
             "vocab_size": values["vocab_size"] or vocab}
 
 
-def check_resume(cfg, path: Path, common: dict) -> list[str]:
-    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg`.
+def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
+    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg` and its tokenizer
+    (`tokenizer`: the run's `TokenizerPlan`; None: resolved here from `cfg`, for callers without a plan).
 
     Returns the lines to print (`resume: KEY OLD → NEW (what happens)` and notes); raises CheckpointError naming
     every must-match key that differs.
@@ -220,7 +221,7 @@ def check_resume(cfg, path: Path, common: dict) -> list[str]:
     lines = [f"resume: {key} in the checkpoint's run_config.yaml is no longer a config key (ignored)"
              for key in _flatten(saved_tree) if key not in FIELDS]
     old_tok, note = _saved_identity(common, saved)
-    new_tok = _run_identity(cfg)
+    new_tok = tokenizer.identity if tokenizer is not None else _run_identity(cfg)
     if note:
         lines.append(f"resume: note: {note}")
     new_vocab = new_tok.vocab_size if new_tok else None

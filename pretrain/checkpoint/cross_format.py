@@ -119,10 +119,10 @@ def _torch_dist_step(path: Path, common: dict) -> float:
     return steps.pop()
 
 
-def _into_fsdp(cfg, model, optimizer, scheduler, path: Path, common: dict, index, with_optimizer: bool) -> None:
+def _into_fsdp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> None:
+    cfg, model, optimizer, scheduler = ctx.parts()
     reader = ChunkReader(path, index)
-    state, raw_model, raw_opt = fsdp_format.dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer,
-                                                      is_loading=True)
+    state, raw_model, raw_opt = fsdp_format.dcp_state(ctx, with_optimizer=with_optimizer, is_loading=True)
     _, gpt = fsdp_format.inner(model)
     names = fsdp_format.stored_names(gpt)
     step = _torch_dist_step(path, common) if with_optimizer else None
@@ -197,15 +197,16 @@ def _fill(item, reader: ChunkReader, sources: dict):
     return value
 
 
-def _into_ddp(cfg, model, optimizer, scheduler, path: Path, common: dict, index, with_optimizer: bool) -> None:
+def _into_ddp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> None:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
+    model, optimizer = ctx.model, ctx.optimizer
+
     reader = ChunkReader(path, index)
     sources = _fsdp_sources(common)
-    requested = sharded_state(cfg, model, optimizer, scheduler, step=0, consumed_samples=0,
-                              with_optimizer=with_optimizer, is_loading=True)
+    requested = sharded_state(ctx, step=0, consumed_samples=0, with_optimizer=with_optimizer, is_loading=True)
     requested.pop("rng_state")
     state, nonpersistent, factories = load_preprocess(requested)
     dict_list_map_inplace(lambda item: _fill(item, reader, sources), state)
@@ -261,11 +262,11 @@ class FsdpAsTorchDist:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_across(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *,
-                weights_only: bool) -> tuple[int, int]:
+def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
     """Load `path` (the other format than this run's) on every rank. Returns (step, consumed_samples)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    cfg, model, optimizer, scheduler = ctx.parts()
     into_fsdp = fsdp_format.is_fsdp(model)
     source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
     with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
@@ -286,9 +287,9 @@ def load_across(cfg, model, optimizer, scheduler, path: Path, common: dict, inde
               "not carried across formats)", flush=True)
     try:
         if into_fsdp:
-            _into_fsdp(cfg, model, optimizer, scheduler, path, common, index, with_optimizer)
+            _into_fsdp(ctx, path, common, index, with_optimizer)
         else:
-            _into_ddp(cfg, model, optimizer, scheduler, path, common, index, with_optimizer)
+            _into_ddp(ctx, path, common, index, with_optimizer)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:

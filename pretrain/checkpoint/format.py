@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import yaml
 
 from pretrain import safe_paths
 from pretrain.files import write_atomic
+from pretrain.run.run_dir import checkpoint_root  # noqa: F401 (the run directory owns where checkpoints go)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMIT_JOURNAL = "commit_in_progress.txt"  # the step being committed: from before run_config.yaml to after the tracker
@@ -43,10 +43,6 @@ class CheckpointError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 # Paths and the tracker
 # --------------------------------------------------------------------------------------------------
-
-
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or os.path.join(cfg.run.dir, "checkpoints"))
 
 
 def iteration_dir(root: Path, step: int) -> Path:
@@ -126,7 +122,7 @@ def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> No
 
 def agree(error: CheckpointError | None) -> None:
     """Raise the same error on every rank when a check failed on any rank (none is left waiting in a collective)."""
-    from pretrain.runtime import any_rank_error
+    from pretrain.run.runtime import any_rank_error
 
     message = any_rank_error(None if error is None else str(error))
     if message is not None:

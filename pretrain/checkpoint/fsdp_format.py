@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pretrain.checkpoint import state as checkpoint_state
 from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
-from pretrain.checkpoint.state import layout_key, set_rng_state
+from pretrain.checkpoint.state import set_rng_state
 
 FORMAT = "fsdp_dtensor"
 FORMAT_METADATA = {"sharded_backend": FORMAT, "sharded_backend_version": 1, "common_backend": "torch",
@@ -166,7 +166,7 @@ def _complete_optimizer_state(model, state: dict) -> dict:
     return complete
 
 
-def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) -> tuple[dict, dict, dict | None]:
+def dcp_state(ctx, *, with_optimizer: bool, is_loading: bool) -> tuple[dict, dict, dict | None]:
     """(DCP state dict, the model's own state dict, the optimizer's) for save or load (collective).
 
     The DCP state shares storage with the model and optimizer tensors: a DCP load writes into them in place.
@@ -176,6 +176,7 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
     )
     from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_swiglu_in_state_dict
 
+    model, optimizer = ctx.model, ctx.optimizer
     mfsdp, gpt = inner(model)
     raw_model = gpt.state_dict()
     model_sd = {k: v for k, v in raw_model.items() if not k.endswith("._extra_state")}
@@ -199,10 +200,10 @@ def dcp_state(cfg, model, optimizer, *, with_optimizer: bool, is_loading: bool) 
     return state, raw_model, raw_opt
 
 
-def common_state(cfg, names: dict, scheduler, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
+def common_state(ctx, names: dict, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
     """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names.
     The run-level entries are torch_dist's (`state.common_fields`: schedule, step, config, tokenizer identity)."""
-    common = {**checkpoint_state.common_fields(cfg, scheduler, step=step, consumed_samples=consumed_samples),
+    common = {**checkpoint_state.common_fields(ctx, step=step, consumed_samples=consumed_samples),
               "format": FORMAT, "names": names}
     if with_optimizer:
         common["optimizer"] = {"param_state_sharding_type": FORMAT}
@@ -214,7 +215,7 @@ def common_state(cfg, names: dict, scheduler, *, step: int, consumed_samples: in
 # --------------------------------------------------------------------------------------------------
 
 
-def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, consumed_samples: int):
+def save_request(ctx, path: Path, *, step: int, consumed_samples: int):
     """Plan the save of `path` on every rank and return Megatron-Core's AsyncRequest that writes it.
 
     The tensors are written by Megatron-Core's DCP writer (`FileSystemWriterAsync`, the same one torch_dist
@@ -229,13 +230,14 @@ def save_request(cfg, model, optimizer, scheduler, path: Path, *, step: int, con
     )
     from torch.distributed.checkpoint import DefaultSavePlanner
 
+    cfg, model = ctx.cfg, ctx.model
     with_optimizer = cfg.checkpoint.save_optimizer
-    state, _, _ = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=False)
+    state, _, _ = dcp_state(ctx, with_optimizer=with_optimizer, is_loading=False)
     state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     names = all_stored_names(model)  # collective
     if dist.get_rank() == 0:
         (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
-        torch.save(common_state(cfg, names, scheduler, step=step, consumed_samples=consumed_samples,
+        torch.save(common_state(ctx, names, step=step, consumed_samples=consumed_samples,
                                 with_optimizer=with_optimizer), path / COMMON_FILE)
     writer = FileSystemWriterAsync(str(path), thread_count=1)
     planned = save_state_dict_async_plan(state, writer, None, 0, planner=DefaultSavePlanner())
@@ -292,16 +294,17 @@ def _local_non_finite(state: dict) -> str | None:
     return None
 
 
-def load(cfg, model, optimizer, scheduler, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
+def load(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
     """Load an fsdp_dtensor checkpoint into Megatron-FSDP model chunks (all ranks). (step, consumed_samples)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
+    cfg, model, optimizer, scheduler = ctx.parts()
     with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-    same_layout = list(common.get("layout", [])) == list(layout_key(cfg))
+    same_layout = list(common.get("layout", [])) == list(ctx.plan.layout_key())
     error = None
-    state, raw_model, raw_opt = dcp_state(cfg, model, optimizer, with_optimizer=with_optimizer, is_loading=True)
+    state, raw_model, raw_opt = dcp_state(ctx, with_optimizer=with_optimizer, is_loading=True)
     if same_layout and not weights_only:
         state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     try:

@@ -18,9 +18,8 @@ from pretrain.checkpoint.format import (
     read_object_bytes,
     reason,
 )
-from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, layout_key, set_rng_state, sharded_state, unwrap
+from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, set_rng_state, sharded_state, unwrap
 from pretrain.compat import mcore
-from pretrain.layout import resolve_vocab_size
 
 
 def _model_config_diff(cfg, common: dict) -> str:
@@ -38,8 +37,9 @@ def _optimizer_config_diff(cfg, common: dict) -> str:
     return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
 
 
-def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
-    """What this rank will load exists in the checkpoint with the right shape and safe contents."""
+def _check_requested(cfg, path: Path, index, common: dict, state: dict, vocab: int) -> None:
+    """What this rank will load exists in the checkpoint with the right shape and safe contents (`vocab`: the run's
+    true vocabulary, from its plan)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -57,7 +57,6 @@ def _check_requested(cfg, path: Path, index, common: dict, state: dict) -> None:
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
             if item.allow_shape_mismatch and item.key.endswith(VOCAB_PADDED_KEYS):
-                vocab = resolve_vocab_size(cfg)
                 if tuple(found.size[1:]) != tuple(item.global_shape[1:]) or found.size[0] < vocab:
                     raise CheckpointError(
                         f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
@@ -99,7 +98,7 @@ def _non_finite(tree, name: str = "") -> str | None:
     return None
 
 
-def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
+def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
     """Load model (and unless `weights_only`, optimizer, schedule, RNG) from `path` (all ranks call this).
 
     Returns (step, consumed_samples); (0, 0) for a weights-only load. Raises CheckpointError naming the
@@ -108,6 +107,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from torch.distributed.checkpoint.api import CheckpointException
 
+    cfg, model, optimizer, scheduler = ctx.parts()
     path = Path(path)
     error, common, state, fills = None, {}, {}, []
     try:
@@ -115,20 +115,19 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
     except CheckpointError:
         backend = None  # inspect_checkpoint below reports why, on every rank
     if fsdp_format.is_fsdp(model) or backend == fsdp_format.FORMAT:
-        return _load_fsdp_or_across(cfg, model, optimizer, scheduler, path, weights_only=weights_only)
+        return _load_fsdp_or_across(ctx, path, weights_only=weights_only)
     try:
         common, index = inspect_checkpoint(path)
         with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-        same_layout = list(common.get("layout", [])) == list(layout_key(cfg))
-        state = sharded_state(cfg, model, optimizer, scheduler, step=0, consumed_samples=0,
-                               with_optimizer=with_optimizer, is_loading=True)
+        same_layout = list(common.get("layout", [])) == list(ctx.plan.layout_key())
+        state = sharded_state(ctx, step=0, consumed_samples=0, with_optimizer=with_optimizer, is_loading=True)
         if weights_only or not same_layout:
             state.pop("rng_state")
         if not with_optimizer:
             state.pop("optimizer", None)
         state.pop("opt_param_scheduler", None)  # the schedule is this config's (contract.apply_new_schedule)
         fills = optimizer_forms.map_keys(state, index)
-        _check_requested(cfg, path, index, common, state)
+        _check_requested(cfg, path, index, common, state, ctx.plan.layout.vocab_size)
     except CheckpointError as exc:
         error = exc
     agree(error)
@@ -166,8 +165,9 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path, *, weights_onl
 
 
 
-def _load_fsdp_or_across(cfg, model, optimizer, scheduler, path: Path, *, weights_only: bool) -> tuple[int, int]:
+def _load_fsdp_or_across(ctx, path: Path, *, weights_only: bool) -> tuple[int, int]:
     """An fsdp_dtensor checkpoint into a Megatron-FSDP run; anything across formats: `cross_format.py`."""
+    model, optimizer, scheduler = ctx.model, ctx.optimizer, ctx.scheduler
     error, common, index = None, {}, None
     try:
         common, index = inspect_checkpoint(path)
@@ -177,12 +177,12 @@ def _load_fsdp_or_across(cfg, model, optimizer, scheduler, path: Path, *, weight
     fsdp_model = fsdp_format.is_fsdp(model)
     fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
     if fsdp_model and checkpoint_backend(path) == fsdp_format.FORMAT:
-        step, consumed = fsdp_format.load(cfg, model, optimizer, scheduler, path, common, index,
+        step, consumed = fsdp_format.load(ctx, path, common, index,
                                           weights_only=weights_only)
     else:
         from pretrain.checkpoint import cross_format
 
-        step, consumed = cross_format.load_across(cfg, model, optimizer, scheduler, path, common, index,
+        step, consumed = cross_format.load_across(ctx, path, common, index,
                                                   weights_only=weights_only)
     if not weights_only:  # the checkpoint's step count, this config's schedule (as for torch_dist above)
         num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))

@@ -90,8 +90,8 @@ def _finish_interrupted_commit(root: Path) -> str | None:
 
 def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | None:
     """A complete checkpoint of this run newer than `step` (the newest in `root`) in another checkpoint root this
-    run dir saved to (`pretrain.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
-    from pretrain.run_dir import checkpoint_roots
+    run dir saved to (`pretrain.run.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
+    from pretrain.run.run_dir import checkpoint_roots
 
     best = None
     for other in checkpoint_roots(cfg):
@@ -106,11 +106,11 @@ def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | No
     return best
 
 
-def find_resume(cfg) -> tuple[Path | None, list[str]]:
+def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
     """`resume_step` decided and the resume contract checked on rank 0, shared (collective): (checkpoint dir or
     None, lines to log). The newest complete checkpoint of the run is used wherever this run dir saved it: with
     checkpoint.dir changed, one in the earlier root that is newer than any in the new one is resumed from (and
-    said so); saves go to the new root."""
+    said so); saves go to the new root. `tokenizer`: the run's `TokenizerPlan` (the contract compares it)."""
     root = checkpoint_root(cfg)
     decision: list = [None]
     unexpected = None
@@ -126,7 +126,7 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
                 lines.append(f"checkpoint.dir is {root} ({here}), but this run dir saved a newer complete checkpoint "
                              f"at {path}: resuming from it, saving to {root} from now on")
             if path is not None:  # the resume contract, before anything loads
-                lines += check_resume(cfg, path, inspect_checkpoint(path)[0])
+                lines += check_resume(cfg, path, inspect_checkpoint(path)[0], tokenizer)
             decision[0] = ("ok", str(path) if path is not None else None, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
@@ -142,21 +142,21 @@ def find_resume(cfg) -> tuple[Path | None, list[str]]:
     return (Path(value) if value is not None else None), lines
 
 
-def start_from_checkpoint(cfg, model, optimizer, scheduler, log) -> tuple[int, int, bool]:
+def start_from_checkpoint(ctx, log) -> tuple[int, int, bool]:
     """Resume from the run's own checkpoint, else load `checkpoint.pretrained` weights, else nothing (all ranks).
 
     Returns (step, consumed_samples, resumed). `log` prints on rank 0.
     """
-    latest, lines = find_resume(cfg)  # the tracker's, else the newest complete checkpoint
+    cfg, model, optimizer = ctx.cfg, ctx.model, ctx.optimizer
+    latest, lines = find_resume(cfg, ctx.plan.tokenizer)  # the tracker's, else the newest complete checkpoint
     for line in lines:
         log(f"[pretrain] {line}")
     if latest is not None:
-        step, consumed = load_checkpoint(cfg, model, optimizer, scheduler, latest)
+        step, consumed = load_checkpoint(ctx, latest)
         log(f"[pretrain] resumed from {latest} at step {step}")
         return step, consumed, True
     if cfg.checkpoint.pretrained:
-        load_checkpoint(cfg, model, optimizer, scheduler, resolve_checkpoint(cfg.checkpoint.pretrained),
-                        weights_only=True)
+        load_checkpoint(ctx, resolve_checkpoint(cfg.checkpoint.pretrained), weights_only=True)
         # Distributed optimizer: main params are copies of the model params made at construction. Megatron-FSDP's
         # main weights are the tensors the load wrote (megatron-core 0.19 raises on reload_model_params).
         if not fsdp_format.is_fsdp(model):

@@ -57,9 +57,9 @@ def start_writer_helper() -> None:
     first save (`filesystem_async._get_write_results_queue`). Slurm signals every process of a step before a
     time limit or preemption; the freshly spawned interpreter dies of SIGUSR1/SIGTERM and every later save
     fails (EOFError). Here the same Manager is started with those signals blocked in its server process
-    (its initializer runs before the server starts threads; it imports only `pretrain.child_processes`, which
+    (its initializer runs before the server starts threads; it imports only `pretrain.run.child_processes`, which
     is standard library). The trainer keeps its own handlers: it saves and exits on them. The Manager and
-    every writer this process forks die with it (`pretrain/child_processes.py`), also on `kill -9`.
+    every writer this process forks die with it (`pretrain/run/child_processes.py`), also on `kill -9`.
     """
     global _WRITER_MANAGER
     import multiprocessing as mp
@@ -67,7 +67,7 @@ def start_writer_helper() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from pretrain.child_processes import die_with_this_process, parent_death_signal
+    from pretrain.run.child_processes import die_with_this_process, parent_death_signal
 
     die_with_this_process()  # the forked writers too: none outlives a killed trainer
     # Its error lines ("Local process 0 encountered an error: ...") repeat what the save's CheckpointError says.
@@ -155,8 +155,7 @@ class AsyncSaves:
         self.pending = self.pending_path = None
 
 
-def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
-                    async_saves: AsyncSaves | None = None) -> Path:
+def save_checkpoint(ctx, *, step: int, consumed_samples: int, async_saves: AsyncSaves | None = None) -> Path:
     """Save a checkpoint for `step` (all ranks call this); the tracker moves once it is complete.
 
     With `async_saves` the tensors are written by a background process and the checkpoint is committed
@@ -164,6 +163,7 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
+    cfg, model = ctx.cfg, ctx.model
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
     start_writer_helper()
@@ -177,12 +177,10 @@ def save_checkpoint(cfg, model, optimizer, scheduler, *, step: int, consumed_sam
             error = exc
     agree(error)
     fsdp = fsdp_format.is_fsdp(model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
-    state = None if fsdp else sharded_state(cfg, model, optimizer, scheduler, step=step,
-                                            consumed_samples=consumed_samples,
+    state = None if fsdp else sharded_state(ctx, step=step, consumed_samples=consumed_samples,
                                             with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
     try:
-        request = fsdp_format.save_request(cfg, model, optimizer, scheduler, path, step=step,
-                                           consumed_samples=consumed_samples) if fsdp else None
+        request = fsdp_format.save_request(ctx, path, step=step, consumed_samples=consumed_samples) if fsdp else None
         if async_saves is None:
             if fsdp:
                 request.execute_sync()
@@ -265,7 +263,7 @@ def check_writable(cfg) -> None:
 
 def save_failed(path: Path | None, exc: BaseException) -> CheckpointError:
     """The one-line error for a save that failed while writing (e.g. the disk is full)."""
-    from pretrain.run_dir import write_failure
+    from pretrain.run.run_dir import write_failure
 
     why = write_failure(exc, path) if path is not None else None
     return CheckpointError(f"{path}: saving the checkpoint failed: {why or reason(exc)}; nothing was committed")

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint.contract import TOKENIZER_STATE, tokenizer_record
+from pretrain.checkpoint.contract import TOKENIZER_STATE
 from pretrain.compat import mcore
 
 OPTIMIZER_SHARDING = "fully_reshardable"
@@ -84,18 +84,11 @@ def set_rng_state(rng: dict) -> None:
         get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
-def layout_key(cfg) -> tuple:
-    """What must be equal for per-rank state (RNG) to be restored; MoE adds expert parallel and expert TP."""
-    from pretrain.layout import derive_layout
-
-    lay = derive_layout(cfg, dist.get_world_size(), on_gpu=False, te=False)  # only the sizes are read
-    key = (lay.world, lay.tp, lay.pp, lay.vp, lay.cp)
-    return key + (lay.ep, lay.etp) if cfg.model.num_moe_experts else key
-
-
-def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_samples: int,
-                   with_optimizer: bool, is_loading: bool) -> dict:
+def sharded_state(ctx, *, step: int, consumed_samples: int, with_optimizer: bool, is_loading: bool) -> dict:
+    """The torch_dist state of `ctx` (a `CheckpointContext`): model chunks, optimizer, per-rank RNG, common fields."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model, optimizer = ctx.model, ctx.optimizer
 
     state = model_state(model, is_loading=is_loading)
     if with_optimizer:
@@ -106,19 +99,20 @@ def sharded_state(cfg, model, optimizer, scheduler, *, step: int, consumed_sampl
         )
     world, rank = dist.get_world_size(), dist.get_rank()
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
-    state.update(common_fields(cfg, scheduler, step=step, consumed_samples=consumed_samples))
+    state.update(common_fields(ctx, step=step, consumed_samples=consumed_samples))
     return state
 
 
-def common_fields(cfg, scheduler, *, step: int, consumed_samples: int) -> dict:
+def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
     """The run-level entries of every checkpoint's common state, whatever its format (torch_dist, fsdp_dtensor)."""
-    common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(layout_key(cfg)),
-              "config": cfg.to_dict()}
+    plan, scheduler = ctx.plan, ctx.scheduler
+    common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(plan.layout_key()),
+              "config": plan.cfg.to_dict()}
     if scheduler is not None:  # its step count is read on resume, also without optimizer (None: weights only)
         common["opt_param_scheduler"] = scheduler.state_dict()
-    try:  # the resume contract compares it (None: a run without a tokenizer)
-        common[TOKENIZER_STATE] = tokenizer_record(cfg)
-    except Exception:  # noqa: BLE001 - its files went away during the run: not recorded, as in older checkpoints
-        pass
+    if plan.tokenizer is not None and plan.tokenizer.identity is not None:  # compared on resume
+        common[TOKENIZER_STATE] = plan.tokenizer.record()
+    elif plan.tokenizer is not None and plan.tokenizer.null:
+        common[TOKENIZER_STATE] = None  # a null tokenizer of unknown size: "no tokenizer"
     common["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
     return common

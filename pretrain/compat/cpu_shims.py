@@ -45,12 +45,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-_APPLIED: list[str] = []
+from pretrain.compat.patching import Patch, Patches
+
+_PATCHES = Patches("CPU shim(s)", lambda: [s.name for s in SHIMS])
 
 _FACTORIES = (
     "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
@@ -82,61 +82,45 @@ def _cpu_factory(fn):
     return wrapper
 
 
-_SWITCHED_OFF: set[str] = set()  # shims a test has switched off (only those that check this set)
-_SWITCHABLE = ("pin_memory_without_cuda", "fp64_grad_norm")
-
-
 def _unpinned_factory(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if kwargs.get("pin_memory") and "pin_memory_without_cuda" not in _SWITCHED_OFF:
+        if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     return wrapper
 
 
-def _pin_memory() -> None:
-    for name in _FACTORIES:
-        setattr(torch, name, _unpinned_factory(getattr(torch, name)))
+def _pin_memory() -> list:
+    return [(torch, name, _unpinned_factory(getattr(torch, name))) for name in _FACTORIES]
 
 
-@contextlib.contextmanager
-def switched_off(*names: str):
-    """Within the block, the named shims behave as if absent (those in `_SWITCHABLE`)."""
-    unknown = set(names) - set(_SWITCHABLE)
-    if unknown:
-        raise ValueError(f"CPU shim(s) that cannot be switched off: {', '.join(sorted(unknown))}")
-    _SWITCHED_OFF.update(names)
-    try:
-        yield
-    finally:
-        _SWITCHED_OFF.difference_update(names)
+def switched_off(*names: str) -> contextlib.AbstractContextManager[None]:
+    """Within the block, the named shims are undone (to show what they work around), then re-applied."""
+    return _PATCHES.switched_off(names, apply_cpu_shims)
 
 
-def _fp64_grad_norm() -> None:
+def _fp64_grad_norm() -> list:
     from megatron.core.optimizer import clip_grads
 
     original = clip_grads.l2_norm_impl
     if getattr(original, "__module__", "") != "megatron.core.utils":  # apex / TE kernels: not ours to change
-        return
+        return []
 
     @functools.wraps(original)
     def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-        if "fp64_grad_norm" in _SWITCHED_OFF:
-            return original(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
         total = torch.zeros((), dtype=torch.float64)
         for tensors in tensor_lists:
             for t in tensors:
                 total += torch.linalg.vector_norm(t, dtype=torch.float64).cpu() ** 2
         return total.sqrt().float().reshape(1), None
 
-    clip_grads.l2_norm_impl = l2_norm
+    return [(clip_grads, "l2_norm_impl", l2_norm)]
 
 
-def _device_and_sync() -> None:
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
+def _device_and_sync() -> list:
+    return [(torch.cuda, "current_device", lambda: "cpu"), (torch.cuda, "synchronize", lambda *a, **k: None)]
 
 
 @contextlib.contextmanager
@@ -154,7 +138,7 @@ def _no_torch_compile():
         torch.compile = original
 
 
-def _eager_fusions() -> None:
+def _eager_fusions() -> list:
     """Megatron-Core's `jit_fuser` (torch.compile) fusions run eagerly, as its own `megatron.core.jit.disable_jit_fuser`
     makes them, from the first import of megatron.core on: each decorated function otherwise sets up dynamo at import
     (about 4 s of every CPU process's start-up), and on CPU the fusions are off unless forced (same math either way).
@@ -165,22 +149,23 @@ def _eager_fusions() -> None:
     from megatron.core import jit
 
     jit.disable_jit_fuser()
+    return []
 
 
-def _deferred_imports() -> None:
+def _deferred_imports() -> list:
     """megatron.core first imported with `wandb` and `transformers` deferred to first use (`deferred_imports`)."""
     from pretrain.compat.deferred_imports import first_import
 
     first_import(_no_torch_compile())
+    return []
 
 
-def _factories() -> None:
-    for name in _FACTORIES:
-        setattr(torch, name, _cpu_factory(getattr(torch, name)))
-    torch.Tensor.cuda = lambda self, *a, **k: self
+def _factories() -> list:
+    return [(torch, name, _cpu_factory(getattr(torch, name))) for name in _FACTORIES] + [
+        (torch.Tensor, "cuda", lambda self, *a, **k: self)]
 
 
-def _type_strings() -> None:
+def _type_strings() -> list:
     original_type = torch.Tensor.type
 
     def _type(self, dtype=None, non_blocking=False, **kwargs):
@@ -192,20 +177,21 @@ def _type_strings() -> None:
             dtype = dtype.replace("torch.cuda.", "torch.")
         return original_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = _type
+    return [(torch.Tensor, "type", _type)]
 
 
-def _rng() -> None:
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-
+def _rng() -> list:
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # On CPU the tracker's "GPU" generator is the CPU one; its "CPU state changed" warning is noise.
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    return [
+        (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (torch.cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,19 +250,15 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
-def _streams_and_events() -> None:
-    torch.cuda.Stream = _HostStream
-    torch.cuda.Event = _HostEvent
-    torch.cuda.current_stream = lambda *a, **k: _CURRENT_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+def _streams_and_events() -> list:
+    return [(torch.cuda, "Stream", _HostStream), (torch.cuda, "Event", _HostEvent),
+            (torch.cuda, "current_stream", lambda *a, **k: _CURRENT_STREAM),
+            (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())]
 
 
-def _moe_dispatch() -> None:
+def _moe_dispatch() -> list:
     import torch.distributed as dist
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    moe_utils.maybe_move_tensor_to_cpu = _host_copy
-    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
     original_all_reduce = dist.all_reduce
 
@@ -288,7 +270,6 @@ def _moe_dispatch() -> None:
             return work
         return original_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    dist.all_reduce = all_reduce
 
     original_all_gather = dist.all_gather
 
@@ -306,27 +287,22 @@ def _moe_dispatch() -> None:
             out.copy_(piece[:n])
         return work
 
-    dist.all_gather = all_gather
-
-
-@dataclass(frozen=True)
-class Shim:
-    name: str
-    since: str  # first megatron-core release that needs it (0.16.1: every supported release)
-    apply: Callable[[], None]
+    return [(moe_utils, "maybe_move_tensor_to_cpu", _host_copy),
+            (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
+            (dist, "all_reduce", all_reduce), (dist, "all_gather", all_gather)]
 
 
 SHIMS = (
-    Shim("current_device_and_synchronize", "0.16.1", _device_and_sync),
-    Shim("deferred_optional_imports", "0.16.1", _deferred_imports),  # before anything imports megatron.core
-    Shim("eager_jit_fusions", "0.16.1", _eager_fusions),
-    Shim("cuda_factories", "0.16.1", _factories),
-    Shim("cuda_type_strings", "0.16.1", _type_strings),
-    Shim("cuda_rng", "0.16.1", _rng),
-    Shim("cuda_streams_and_events", "0.16.1", _streams_and_events),
-    Shim("moe_dispatch_on_gloo", "0.16.1", _moe_dispatch),
-    Shim("pin_memory_without_cuda", "0.16.1", _pin_memory),
-    Shim("fp64_grad_norm", "0.16.1", _fp64_grad_norm),
+    Patch("current_device_and_synchronize", "0.16.1", None, _device_and_sync),
+    Patch("deferred_optional_imports", "0.16.1", None, _deferred_imports),  # before anything imports megatron.core
+    Patch("eager_jit_fusions", "0.16.1", None, _eager_fusions),
+    Patch("cuda_factories", "0.16.1", None, _factories),
+    Patch("cuda_type_strings", "0.16.1", None, _type_strings),
+    Patch("cuda_rng", "0.16.1", None, _rng),
+    Patch("cuda_streams_and_events", "0.16.1", None, _streams_and_events),
+    Patch("moe_dispatch_on_gloo", "0.16.1", None, _moe_dispatch),
+    Patch("pin_memory_without_cuda", "0.16.1", None, _pin_memory),
+    Patch("fp64_grad_norm", "0.16.1", None, _fp64_grad_norm),
 )
 
 
@@ -335,16 +311,9 @@ def apply_cpu_shims() -> list[str]:
 
     Returns the names of the shims in effect.
     """
-    from packaging.version import Version
 
     from pretrain.compat.fsdp_cpu import apply_fsdp_shims  # Megatron-FSDP's own, scoped to its modules
-    from pretrain.compat.mcore import MCORE
 
-    if not _APPLIED:
-        if torch.cuda.is_available():
-            raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
-        for shim in SHIMS:
-            if MCORE >= Version(shim.since):
-                shim.apply()
-                _APPLIED.append(shim.name)
-    return _APPLIED + apply_fsdp_shims()
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU shims must not be applied on a machine with CUDA")
+    return _PATCHES.apply_needed(SHIMS) + apply_fsdp_shims()

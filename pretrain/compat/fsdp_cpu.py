@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from pretrain.compat.patching import Patches
+from pretrain.compat.patching import Patch, Patches
 
 _PATCHES = Patches("FSDP shim(s)", lambda: [s.name for s in FSDP_SHIMS])
 _APPLIED, _DISABLED = _PATCHES.applied, _PATCHES.disabled
@@ -97,30 +95,15 @@ def _device_mesh() -> list:
     return [(mcore_fsdp_adapter, "DeviceMesh", _CPUDeviceMesh)]
 
 
-@dataclass(frozen=True)
-class FSDPShim:
-    name: str
-    since: str  # first megatron-core release that needs it (0.16.1: every supported release)
-    patch: Callable[[], list]
-
-
 FSDP_SHIMS = (
-    FSDPShim("fsdp_cpu_device", "0.16.1", _device),
-    FSDPShim("fsdp_cpu_device_mesh", "0.16.1", _device_mesh),
+    Patch("fsdp_cpu_device", "0.16.1", None, _device),
+    Patch("fsdp_cpu_device_mesh", "0.16.1", None, _device_mesh),
 )
 
 
 def apply_fsdp_shims() -> list[str]:
     """Apply the FSDP CPU shims the installed release needs (idempotent); returns those in effect."""
-    from packaging.version import Version
-
-    from pretrain.compat.mcore import MCORE
-
-    for shim in FSDP_SHIMS:
-        if shim.name in _APPLIED or shim.name in _DISABLED or MCORE < Version(shim.since):
-            continue
-        _PATCHES.apply(shim.name, shim.patch())
-    return [s.name for s in FSDP_SHIMS if s.name in _APPLIED]
+    return _PATCHES.apply_needed(FSDP_SHIMS)
 
 
 def disabled(*names: str) -> contextlib.AbstractContextManager[None]:

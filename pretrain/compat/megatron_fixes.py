@@ -68,14 +68,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from packaging.version import Version
 
-from pretrain.compat.mcore import MCORE
-from pretrain.compat.patching import Patches
+from pretrain.compat.patching import Patch, Patches
 
 _PATCHES = Patches("Megatron fix(es)", lambda: [fix.name for fix in FIXES])
 _APPLIED, _DISABLED = _PATCHES.applied, _PATCHES.disabled  # fix name -> [(owner, attribute, original)]; names off
@@ -285,41 +281,25 @@ def _mla_q_norm_without_q_lora() -> list:
     return [(MLASelfAttention, "_resolve_qk_norm_config", _resolve_qk_norm_config)]
 
 
-@dataclass(frozen=True)
-class Fix:
-    name: str
-    since: str  # first release with the bug (0.16.1: the oldest supported)
-    fixed_in: str | None  # first release without it; None: present through the newest checked (0.19.2)
-    patch: Callable[[], list]
-    condition: Callable[[], bool] = lambda: True  # e.g. only with torch's Adam inside the optimizer
-
-    def needed(self, version: Version = MCORE) -> bool:
-        """True when `version` has the bug (outside the machine-specific condition)."""
-        return Version(self.since) <= version and (self.fixed_in is None or version < Version(self.fixed_in))
-
-
 FIXES = (
-    Fix("distopt_fresh_state_dict", "0.16.1", None, _distopt_fresh_state_dict, torch_adam_inside_distributed_optimizer),
-    Fix("distopt_load_missing_step", "0.16.1", None, _distopt_load_missing_step,
+    Patch("distopt_fresh_state_dict", "0.16.1", None, _distopt_fresh_state_dict,
+          torch_adam_inside_distributed_optimizer),
+    Patch("distopt_load_missing_step", "0.16.1", None, _distopt_load_missing_step,
         torch_adam_inside_distributed_optimizer),
-    Fix("distopt_shared_step", "0.16.1", None, _distopt_shared_step, torch_adam_inside_distributed_optimizer),
-    Fix("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
-    Fix("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
-    Fix("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
-    Fix("fsdp_tp_without_te", "0.16.1", "0.18.0", _fsdp_tp_without_te, _without_te),
-    Fix("mla_local_core_attention", "0.16.1", None, _mla_local_core_attention),
-    Fix("mla_without_te", "0.16.1", "0.17.0", _mla_without_te, _without_te),
-    Fix("mla_q_norm_without_q_lora", "0.19.0", None, _mla_q_norm_without_q_lora),
+    Patch("distopt_shared_step", "0.16.1", None, _distopt_shared_step, torch_adam_inside_distributed_optimizer),
+    Patch("load_bytes_weights_only", "0.16.1", None, _load_bytes_weights_only),
+    Patch("recompute_norms_without_te", "0.16.1", None, _recompute_norms_without_te, _without_te),
+    Patch("moe_router_without_te", "0.16.1", "0.17.0", _moe_router_without_te, _without_te),
+    Patch("fsdp_tp_without_te", "0.16.1", "0.18.0", _fsdp_tp_without_te, _without_te),
+    Patch("mla_local_core_attention", "0.16.1", None, _mla_local_core_attention),
+    Patch("mla_without_te", "0.16.1", "0.17.0", _mla_without_te, _without_te),
+    Patch("mla_q_norm_without_q_lora", "0.19.0", None, _mla_q_norm_without_q_lora),
 )
 
 
 def apply_megatron_fixes() -> list[str]:
     """Apply the fixes the installed release needs on this machine (idempotent). Returns their names."""
-    for fix in FIXES:
-        if fix.name in _APPLIED or fix.name in _DISABLED or not fix.needed() or not fix.condition():
-            continue
-        _PATCHES.apply(fix.name, fix.patch())
-    return applied_fixes()
+    return _PATCHES.apply_needed(FIXES)
 
 
 def applied_fixes() -> list[str]:

@@ -1,12 +1,42 @@
-"""Attribute patches that can be undone: the one owner of applying, undoing and temporarily switching off the
-Megatron fixes (`megatron_fixes.py`) and the Megatron-FSDP CPU shims (`fsdp_cpu.py`)."""
+"""Named run-time patches: the one record type (`Patch`) and the one owner of applying, undoing and temporarily
+switching off the Megatron fixes (`megatron_fixes.py`), the CPU shims (`cpu_shims.py`) and the Megatron-FSDP CPU
+shims (`fsdp_cpu.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 _INHERITED = object()  # the attribute came from a base class (or was absent): undoing the patch deletes it again
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One named run-time change of Megatron-Core or torch.
+
+    `patch()` makes the change and returns its `(owner, attribute, value)` substitutions, which `Patches` sets and
+    can undo (an empty list: a one-off action for the process, e.g. deferring an import, with nothing to undo)."""
+
+    name: str
+    since: str  # first megatron-core release that needs it (0.16.1: the oldest supported)
+    fixed_in: str | None  # first release without the need; None: through the newest checked (0.19.2)
+    patch: Callable[[], list]
+    condition: Callable[[], bool] = _always  # on this machine, e.g. only without Transformer Engine
+
+    def needed(self, version=None) -> bool:
+        """True when `version` (default: the installed megatron-core) needs it (outside `condition`)."""
+        from packaging.version import Version
+
+        if version is None:
+            from pretrain.compat.mcore import MCORE
+
+            version = MCORE
+        return Version(self.since) <= version and (self.fixed_in is None or version < Version(self.fixed_in))
 
 
 class Patches:
@@ -24,6 +54,16 @@ class Patches:
             originals.append((owner, attr, owner.__dict__.get(attr, _INHERITED)))
             setattr(owner, attr, value)
         self.applied[name] = originals
+
+    def apply_needed(self, records: Iterable[Patch]) -> list[str]:
+        """Apply every record the installed release needs on this machine, once (not those switched off); returns
+        the names in effect, in the records' order."""
+        records = list(records)
+        for rec in records:
+            if rec.name in self.applied or rec.name in self.disabled or not rec.needed() or not rec.condition():
+                continue
+            self.apply(rec.name, rec.patch())
+        return [rec.name for rec in records if rec.name in self.applied]
 
     def undo(self, name: str) -> None:
         for owner, attr, original in reversed(self.applied.pop(name)):

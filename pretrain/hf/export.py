@@ -144,7 +144,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     from transformers import GenerationConfig
 
     from pretrain.checkpoint.format import resolve_checkpoint
-    from pretrain.data import build_tokenizer
+    from pretrain.data.datasets import build_tokenizer
     from pretrain.hf.assets import TOKENIZER_FILES, find_assets, original_config, write_assets
 
     started = time.perf_counter()

@@ -84,7 +84,7 @@ def commit_dir(staging: Path, output: Path) -> None:
 def discard_dir(staging: Path, output: Path, exc: BaseException) -> None:
     """Remove the staging directory of a failed conversion; a full or read-only file system is reported as
     one line naming the output (judged before the removal frees the space)."""
-    from pretrain.run_dir import write_failure
+    from pretrain.run.run_dir import write_failure
 
     why = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else write_failure(exc, staging)
     shutil.rmtree(staging, ignore_errors=True)

@@ -104,7 +104,7 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
             fields = {**fields, "seq_length": model["seq_length"]}
     tree["model"] = {**model, **fields, "preset": None}
     cfg = config_from_dict(tree)
-    problems = length_problems(cfg.model)  # e.g. a sliding window shorter than the training length
+    problems = length_problems(cfg.model)  # e.g. a learned position table shorter than the training length
     if problems:
         raise ConversionError(str(problems[0]))
     return cfg

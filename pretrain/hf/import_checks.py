@@ -126,7 +126,7 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path) ->
     """
     import dataclasses
 
-    from pretrain.data_check import check_tokenizer
+    from pretrain.data.check import check_tokenizer
     from pretrain.problems import Report
     from pretrain.validate import validate
 

@@ -181,8 +181,10 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu):
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
-        per_copy = m.hidden_size + 3 * width - (width if "moe_act" in modules else 0)
-        return {**out, "moe_experts": tokens * k * lay.etp * (per_copy * p + 4)}
+        # Under FP8 (TE) the two GEMM inputs are kept as their FP8 copies, as in the dense MLP.
+        gemm_in = FP8_BYTES if (m.fp8 and lay.use_te) else p
+        per_copy = (m.hidden_size + (0 if "moe_act" in modules else width)) * gemm_in + 2 * width * p
+        return {**out, "moe_experts": tokens * k * lay.etp * (per_copy + 4)}
     per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width - (width if "moe_act" in modules else 0)
     return {**out, "moe_experts": tokens * k * lay.etp * per_copy * p + probs * lay.etp}
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from pretrain.config import ConfigError, load_config
-from pretrain.flops import PEAK_TFLOPS
+from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.common import DEFAULT_MFU, PlanError
 from pretrain.planner.plan import make_plan
 from pretrain.planner.report import format_plan, format_search

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pretrain.config import Config
-from pretrain.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.planner.activations import layer_terms
 from pretrain.planner.census import (
     count_active_parameters,

@@ -57,11 +57,14 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"  at MFU {thr['mfu']:.0%} of {thr['peak_tflops']:.0f} TFLOP/s: "
                  f"{thr['tflops_per_gpu']:.0f} TFLOP/s/GPU, {thr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                  f"step {thr['step_time_s']:.2f} s")
-    ep = f" + EP {cm['ep_comm_s']:.2f}" if moe else ""
-    lines.append(f"  cost model: compute {cm['compute_s']:.2f} s × (1 + bubble {cm['bubble_fraction']:.3f}) + TP "
-                 f"{cm['tp_comm_s']:.2f} + CP {cm['cp_comm_s']:.2f} + PP {cm['pp_comm_s']:.2f} + DP "
-                 f"{cm['dp_comm_s']:.2f}{ep} s = {cm['step_s']:.2f} s/step, {cm['tokens_per_s_per_gpu']:,.0f} "
-                 f"tokens/s/GPU, MFU {cm['mfu']:.0%}")
+    ep = f" + EP {cm['ep_exposed_s']:.2f} (of {cm['ep_comm_s']:.2f})" if moe else ""
+    lines.append(f"  cost model: (compute {cm['compute_s']:.2f} s + TP {cm['tp_comm_s']:.2f} + CP {cm['cp_comm_s']:.2f}"
+                 f"{ep}) × (1 + bubble {cm['bubble_fraction']:.3f}) + PP {cm['pp_comm_s']:.2f} + DP "
+                 f"{cm['dp_comm_s']:.2f} + optimizer {cm['optimizer_s']:.2f} s = {cm['step_s']:.2f} s/step, "
+                 f"{cm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {cm['mfu']:.0%}")
+    lines.append(f"             compute per rank: GEMMs {cm['gemm_s']:.2f} + attention {cm['attention_s']:.2f} + "
+                 f"memory-bound {cm['elementwise_s']:.2f} s (host launches {cm['host_s']:.2f} s; the larger bounds "
+                 f"it); constants: pretrain/planner/constants.py")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pretrain.config import Config
-from pretrain.flops import PEAK_TFLOPS
+from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, check_layout, layout_of, padded_vocab_for
 from pretrain.planner.cost import cost_model
 from pretrain.planner.memory import most_loaded
@@ -52,13 +52,14 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
     recomputes: list[tuple[str | None, str | None, int | None]] = [
         (None, None, None), ("selective", None, None), ("full", "uniform", 1)]
     # MoE: expert parallel sizes dividing the experts, experts whole (expert TP 1): within a node (the token
-    # all-to-all on NVLink); with more than 128 experts (DeepSeek-V3, Kimi K2) only across nodes, whole nodes
-    # (EP32/64 as published; their weights do not fit in fewer GPUs, and the cost model's EP term counts the network).
+    # all-to-all on NVLink) or over whole nodes; with more than 128 experts (DeepSeek-V3, Kimi K2) only across
+    # nodes, whole nodes (EP32/64 as published; their weights do not fit in fewer GPUs; the cost model's EP term
+    # counts the network).
     eps: list[int | None] = [None]
     if m.num_moe_experts and m.num_moe_experts > 128:
         eps = [e for e in _divisors(m.num_moe_experts) if e > gpus_per_node and e % gpus_per_node == 0 and e <= world]
-    elif m.num_moe_experts:
-        eps = [e for e in _divisors(m.num_moe_experts) if e <= gpus_per_node]
+    elif m.num_moe_experts:  # within a node, or whole nodes (the cost model counts the network's all-to-all)
+        eps = [e for e in _divisors(m.num_moe_experts) if e <= gpus_per_node or (e % gpus_per_node == 0 and e <= world)]
     for tp in tps:
         for cp in cps:
             # Even splits; and, for the usual 2–16 stages that do not divide the layers, uneven ones.
@@ -87,7 +88,8 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                         c.parallel.num_layers_in_first_pipeline_stage = split[0]
                         c.parallel.num_layers_in_last_pipeline_stage = split[1]
                         c.parallel.sequence_parallel = tp > 1
-                        c.parallel.tp_comm_overlap = False
+                        # TP communication overlap as the config asks, where it applies (TP > 1, with SP)
+                        c.parallel.tp_comm_overlap = cfg.parallel.tp_comm_overlap and tp > 1
                         c.train.micro_batch_size = mbs
                         c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
                         c.model.recompute_granularity = gran
@@ -123,6 +125,7 @@ def _overrides(c: Config) -> str:
              f"parallel.virtual_pipeline={p.virtual_pipeline if p.virtual_pipeline else 'null'}",
              f"parallel.context={p.context}", f"parallel.sequence_parallel={str(p.sequence_parallel).lower()}",
              *([f"parallel.cp_comm_type={p.cp_comm_type}"] if p.context > 1 else []),
+             f"parallel.tp_comm_overlap={str(p.tp_comm_overlap).lower()}",
              f"train.micro_batch_size={c.train.micro_batch_size}",
              "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
     if p.num_layers_in_first_pipeline_stage is not None:

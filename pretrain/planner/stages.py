@@ -1,10 +1,8 @@
 """Per-pipeline-stage accounting for explicit placements (`parallel.pipeline_layout`,
-`parallel.account_for_{embedding,loss}_in_pipeline_split`): the training FLOPs each
-pipeline rank runs per token, the decoder layers of the busiest rank, and which ranks can hold the memory peak.
-
-A pipeline runs at the pace of its slowest stage, so the planner's compute time is multiplied by
-`compute_imbalance` (the busiest rank's FLOPs over the mean). The even split and uneven first / last stages keep a
-factor of 1 and their first / last stage memory view (their cost terms are calibrated as they are).
+`parallel.account_for_{embedding,loss}_in_pipeline_split`): the training FLOPs each pipeline rank runs per token
+(`plan --json`'s `stage_flops_per_token`) and which ranks can hold the memory peak (every one; the even split and
+uneven first / last stages keep the first / last stage view). The step time is per rank already
+(`pretrain.planner.timing.rank_work` reads `Layout.chunk_layers`): the busiest stage sets the pace.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from pretrain.config import Config
-from pretrain.flops import flops_per_token
+from pretrain.observe.flops import flops_per_token
 from pretrain.layout import Layout
 
 
@@ -42,19 +40,6 @@ def stage_flops(cfg: Config, lay: Layout, padded_vocab: int) -> list[float]:
     if m.mtp_num_layers:
         out[lay.mtp_chunk[0]] += total - without_mtp
     return out
-
-
-def compute_imbalance(cfg: Config, lay: Layout, padded_vocab: int) -> float:
-    """The busiest pipeline rank's FLOPs over the mean (1 for the even split and without pipelining)."""
-    if lay.pp == 1 or not explicit(lay):
-        return 1.0
-    flops = stage_flops(cfg, lay, padded_vocab)
-    return max(flops) * len(flops) / sum(flops)
-
-
-def busiest_layers(cfg: Config, lay: Layout) -> int:
-    """Decoder layers of the pipeline rank holding the most (num_layers / PP for the even split)."""
-    return max(rank_layers(cfg, lay)) if explicit(lay) else cfg.model.num_layers // lay.pp
 
 
 def memory_candidates(lay: Layout) -> list[int]:

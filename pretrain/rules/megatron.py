@@ -72,7 +72,7 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     except _REFUSALS as exc:
         r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
-    from pretrain.setup import optimizer_config
+    from pretrain.run.setup import optimizer_config
 
     try:
         optimizer_config(cfg, lay)
@@ -82,13 +82,14 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
 
 
 def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Build the run's `GPTDatasetConfig` (`pretrain.data.megatron_dataset_config`, with a stand-in tokenizer: the
-    config checks only that there is one); a refusal is one problem naming it. Where no other rule found an error."""
+    """Build the run's `GPTDatasetConfig` (`pretrain.data.datasets.megatron_dataset_config`, with a stand-in
+    tokenizer: the config checks only that there is one); a refusal is one problem naming it. Where no other rule
+    found an error."""
     if r.errors:
         return
     from types import SimpleNamespace
 
-    from pretrain.data import megatron_dataset_config
+    from pretrain.data.datasets import megatron_dataset_config
 
     try:
         megatron_dataset_config(cfg, SimpleNamespace(vocab_size=None), num_eval_samples=1)

@@ -33,17 +33,12 @@ def precision_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool)
 
 
 def length_problems(m) -> list[Problem]:
-    """The training length against the model's context: its sliding window and its learned position table.
+    """The training length against the model's context: its learned position table. (A sliding window shorter
+    than the training length is sliding-window attention: `pretrain/rules/windows.py`.)
 
     Also checked by `data_tools convert from-hf` before it writes anything.
     """
     out = []
-    if m.sliding_window is not None and m.seq_length > m.sliding_window:
-        out.append(Problem(("model.seq_length", "model.sliding_window"),
-                           f"model.seq_length={m.seq_length} is longer than the model's attention window "
-                           f"model.sliding_window={m.sliding_window}: sliding-window attention is not implemented, "
-                           f"and full attention over more than {m.sliding_window} tokens is not what the model "
-                           "computes", f"set model.seq_length <= {m.sliding_window}"))
     context = m.max_position_embeddings
     if m.position_embedding_type == "learned_absolute" and context is not None and m.seq_length > context:
         out.append(Problem(("model.seq_length", "model.max_position_embeddings"),

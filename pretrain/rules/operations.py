@@ -12,7 +12,7 @@ def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) 
     """Document boundaries in packed samples: refuse settings an attention implementation would ignore.
 
     With data.reset_attention_mask every microbatch is packed sequences (THD: `cu_seqlens` from the EOD positions,
-    `pretrain.data.pack_documents`), read by Transformer Engine attention and, with the local spec, by
+    `pretrain.data.datasets.pack_documents`), read by Transformer Engine attention and, with the local spec, by
     `model_providers.core.cp_attention` (Megatron-Core's `DotProductAttention` takes no packed sequences). RoPE
     in `GPTModel` follows the sequence index, not `position_ids` (THD: the index inside each document).
     """

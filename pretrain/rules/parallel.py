@@ -118,7 +118,7 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                 "(sequence parallel splits the sequence across TP ranks)",
                 f"use a sequence length that is a multiple of {p.tensor}")
     if p.context > 1:
-        # Packed documents (data.reset_attention_mask) are padded per document instead (pretrain.data).
+        # Packed documents (data.reset_attention_mask) are padded per document instead (pretrain.data.datasets).
         if m.seq_length % (2 * p.context) != 0 and not cfg.data.reset_attention_mask:
             r.error(("model.seq_length", "parallel.context"),
                     f"model.seq_length={m.seq_length} is not divisible by 2×parallel.context = {2 * p.context}",

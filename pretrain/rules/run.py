@@ -56,18 +56,18 @@ def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                 "set checkpoint.keep_last=null to keep every checkpoint")
 
 
-def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Data sources, tokenizer and dataset files (pretrain/data_check.py), and the pretrained checkpoint."""
-    from pretrain.data_check import check_data_config, check_data_files
+def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
+    """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint."""
+    from pretrain.data.check import check_data_config, check_data_files
 
-    check_data_files(cfg, r, check_data_config(cfg, r))
+    check_data_files(cfg, r, check_data_config(cfg, r), tokenizer)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
 
 def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data`)."""
-    from pretrain.data_check import check_data_config
+    """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data.datasets`)."""
+    from pretrain.data.check import check_data_config
 
     check_data_config(cfg, r)
     _check_pretrained(cfg, r)

@@ -24,12 +24,14 @@ def megatron_logits(*jobs: str) -> None:
     """jobs: CKPT_DIR TOKENS.pt OUT.pt, repeated; all in this one process."""
     from model_providers.core.builder import build_model
     from pretrain import compat
+    from pretrain.checkpoint.context import CheckpointContext
     from pretrain.checkpoint.format import read_saved_config, resolve_checkpoint
     from pretrain.checkpoint.load import load_checkpoint
     from pretrain.config import config_from_dict
     from pretrain.hf.readers import CheckpointReader
     from pretrain.layout import derive_layout, resolve_vocab_size
-    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.run_plan import for_weights
 
     compat.apply()
     init_distributed()
@@ -47,7 +49,8 @@ def megatron_logits(*jobs: str) -> None:
             layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
             init_model_parallel(layout, cfg.train.seed)
             model = build_model(cfg, layout)
-            load_checkpoint(cfg, model, None, None, path, weights_only=True)
+            plan = for_weights(cfg, 1)
+            load_checkpoint(CheckpointContext(model, None, None, plan), path, weights_only=True)
             tokens = torch.load(tokens_file, weights_only=True)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
             model[0].eval()

@@ -24,12 +24,12 @@ CONFIGS: dict[str, dict] = {
                          "original_max_position_embeddings": 1024, "rope_type": "llama3"},
         "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 32003,
     },
-    # Mistral-7B-v0.1 style: a sliding window (the training length must stay within it).
+    # Mistral-7B-v0.1 style: a sliding window on every layer, shorter than the training length (16 < 64).
     "mistral": {
         "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
         "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 512,
         "model_type": "mistral", "num_attention_heads": 8, "num_hidden_layers": 2, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 64, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 16, "tie_word_embeddings": False,
         "torch_dtype": "float32", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32005,
     },
     # Qwen2.5-0.5B style: q/k/v biases, tied embeddings, a sliding_window transformers ignores (use_sliding_window
@@ -43,15 +43,16 @@ CONFIGS: dict[str, dict] = {
         "transformers_version": "4.43.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
         "vocab_size": 50304,
     },
-    # Qwen3 style: QK-norm, head_dim 32 with hidden 64 / 4 heads, untied.
+    # Qwen3 style: QK-norm, head_dim 32 with hidden 64 / 4 heads, untied; use_sliding_window with max_window_layers
+    # 1: layer 0 full, layer 1 windowed (16 < the training length 64).
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": 50256, "eos_token_id": 50256, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64,
-        "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 40960, "max_window_layers": 2,
+        "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 40960, "max_window_layers": 1,
         "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 16,
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.51.0",
-        "use_cache": True, "use_sliding_window": False, "vocab_size": 50260,
+        "use_cache": True, "use_sliding_window": True, "vocab_size": 50260,
     },
     # Mixtral-8x7B style: 4 experts of 96, top-2, no sliding window.
     "mixtral": {
@@ -95,7 +96,7 @@ CONFIGS: dict[str, dict] = {
     },
 }
 FAMILIES = tuple(CONFIGS)
-# The training length each family is imported with (Mistral: within its sliding window).
+# The training length each family is imported with (Mistral, Qwen3: longer than their sliding windows).
 SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).

@@ -159,8 +159,6 @@ BAD = {
     "unsupported rope type": ("llama", lambda s: _edit_config(s, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
         "config.json: rope_scaling type 'yarn' is not supported (supported: default, llama3)"),
-    "sliding window": ("mistral", None, "[model.seq_length, model.sliding_window] model.seq_length=512 is longer "
-                       "than the model's attention window model.sliding_window=64"),
     "qwen3 output bias": ("qwen3", lambda s: _edit_config(s, attention_bias=True),
                           "config.json: attention_bias=true (biases on q/k/v/o_proj) is not supported"),
     "missing tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
@@ -198,7 +196,7 @@ def _hf_step_losses(src: Path, cfg, steps: int) -> tuple[list[float], list[float
     MTP loss of transformers' MTP module for a model with MTP layers (else None)."""
     from torch.nn.functional import cross_entropy
 
-    from pretrain.data import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets, build_tokenizer
 
     t = cfg.train
     train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)

@@ -110,7 +110,7 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
 
 def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, tmp_path):
     from pretrain.config import load_config
-    from pretrain.data import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets, build_tokenizer
 
     cfg = load_config("tiny_llama", [f"data.blend=[{small_datasets['a']}]", f"run.dir={tmp_path / 'run'}"])
     tokenizer, said = build_tokenizer(cfg.data), []

@@ -103,7 +103,7 @@ def test_a_second_run_of_a_task_is_refused_while_the_first_holds_its_part(tmp_pa
     import sys
 
     from data_tools.shards import task_targets
-    from pretrain.output_lock import hold
+    from pretrain.run.output_lock import hold
 
     corpus = _corpus(tmp_path)
     (tmp_path / "out").mkdir()

@@ -1,4 +1,4 @@
-"""One writer per output for `data_tools` (`pretrain/output_lock.py`, the trainer's lock), through the commands:
+"""One writer per output for `data_tools` (`pretrain/run/output_lock.py`, the trainer's lock), through the commands:
 two `preprocess` runs onto one prefix and two `convert to-hf` into one directory (the second refused naming the
 first, the first's output intact), and the staleness rules, each a lock record left behind by a writer that the
 command must judge: on another host (fresh heartbeat: refused; an hour old: taken over), an earlier attempt of
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from data_tools.__main__ import main
-from pretrain.output_lock import Holder
+from pretrain.run.output_lock import Holder
 from tests.data_tools.conftest import corpus_texts, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

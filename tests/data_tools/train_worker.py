@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     jobs_file = (sys.argv[1:] if argv is None else argv)[0]
     from pretrain.config import load_config
-    from pretrain.runtime import shutdown
+    from pretrain.run.runtime import shutdown
     from pretrain.train import train
 
     try:

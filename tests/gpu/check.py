@@ -193,7 +193,7 @@ def table(done: list[Case]) -> list[str]:
 def baseline_figures(case: Case, result: dict, device: str) -> dict:
     """TFLOP/s and MFU of a Megatron-Core loop run, by the trainer's own formula and peak table."""
     from pretrain.config import load_config
-    from pretrain.flops import flops_per_token, gpu_peak_tflops
+    from pretrain.observe.flops import flops_per_token, gpu_peak_tflops
     from pretrain.planner import padded_vocab_for
 
     cfg = load_config("tiny_llama", case.overrides())

@@ -4,7 +4,7 @@ On CPU, CI checks the local spec's context-parallel attention (`model_providers/
 rank. This part settles whether Transformer Engine's CP attention (what a GPU run uses) trains to the same losses:
 the same tiny_llama weights (layout-invariant init) and mock data (documents of random lengths, each ending in EOD),
 without and with per-document masks (`data.reset_attention_mask`: packed sequences in THD form, `cu_seqlens` from
-the EOD positions, the very `pretrain.data.pack_documents` the CPU runs use):
+the EOD positions, the very `pretrain.data.datasets.pack_documents` the CPU runs use):
 
   - reference: CP2 p2p on CPU (two gloo processes, CUDA hidden, fp32): the run CI checks against one rank;
   - Transformer Engine bf16: CP1 on one GPU, CP2 p2p and CP2 a2a on two GPUs.

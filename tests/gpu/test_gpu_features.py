@@ -36,7 +36,7 @@ def built_chunk(config: str, overrides: list[str]):
     from model_providers.core.builder import build_model
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
-    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
 
     cfg = load_config(config, overrides)
     init_distributed()

@@ -186,7 +186,7 @@ def test_overrides_with_spaces_reach_the_validator_and_the_trainer(tmp_path):
 def test_a_duplicate_submission_is_stopped_before_touching_the_run_dir(tmp_path):
     """Another live trainer holds RUN_DIR (here: this test process holds its lock): the attempt ends at the
     validator with the holder's line, exit 1, no srun, no requeue, and RUN_DIR's files stay as they were."""
-    from pretrain.output_lock import Target, hold
+    from pretrain.run.output_lock import Target, hold
 
     env, calls = _fake_cluster(tmp_path)
     run_dir = tmp_path / "run"

@@ -86,3 +86,33 @@ def test_thd_order_of_one_document_is_the_zigzag_order():
     assert place.pos.tolist() == [1, 2] and place.valid.tolist() == [True, True]
     place = cp_layout.placement(2, 2, 0, packed)  # rank 0: tokens 0 and 3 (3 is padding)
     assert place.pos.tolist() == [0, 3] and place.valid.tolist() == [True, False]
+
+
+def test_window_mask_is_megatrons_and_the_ring_honours_it():
+    """A window of left size 2 (transformers' sliding_window 3): the placement mask equals the complement of
+    Megatron-Core's `get_sliding_window_causal_mask` (what `DotProductAttention` applies at one rank), per document
+    under THD; the ring's output and hand-written gradients equal masked attention's, with a numerical check."""
+    from unittest import mock
+
+    from megatron.core.transformer.utils import get_sliding_window_causal_mask
+
+    places = [cp_layout.placement(S, 1, 0)]
+    ok = cp_layout.allowed(places[0], places[0], True, window=2)
+    ones = torch.ones
+    with mock.patch.object(torch, "ones", lambda *a, device=None, **k: ones(*a, **k)):  # it asks for CUDA
+        megatron = get_sliding_window_causal_mask(S, S, (2, 0))
+    assert torch.equal(ok, ~megatron)
+    q, k, v = _inputs(2, s=S + 4, b=1)
+    places = [cp_layout.placement(S + 4, 1, 0, _packed([5, 4, 3]))]
+    ok = cp_layout.allowed(places[0], places[0], True, window=2)
+    assert ok[4, 2] and not ok[4, 1] and not ok[5, 4] and ok.sum(dim=1).max() == 3
+    got = ring_attention(q, k, v, places, 0, None, 0.5, True, window=2)
+    want = attend(q, k, v, ok, 0.5)
+    assert torch.allclose(got, want, atol=1e-12)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(want.square().sum(), (q, k, v))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, expected))
+    small = [x[:6].detach().requires_grad_() for x in _inputs(3, s=6, b=1)]
+    six = [cp_layout.placement(6, 1, 0)]
+    assert torch.autograd.gradcheck(lambda q, k, v: ring_attention(q, k, v, six, 0, None, 0.4, True, window=1),
+                                    tuple(small), eps=1e-6, atol=1e-8)

@@ -218,3 +218,27 @@ def test_every_preset_goes_to_transformers_and_back():
                 continue
             assert value == getattr(m, key), (name, key, value, getattr(m, key))
         assert _head_dim(fields) == _head_dim(m), name
+
+
+def test_window_layer_patterns_go_to_transformers_and_back():
+    """Qwen2's windowed layers: every layer (max_window_layers 0), the last ones (max_window_layers), any other
+    pattern (layer_types; an integer window_attn_skip_freq comes back as its 0/1 list); transformers reads the same
+    layers as windowed. MistralForCausalLM windows every layer: a pattern is refused naming the field."""
+    from model_providers.core.windows import windowed_layers
+
+    for freq, hf_key, hf_value in ((None, "max_window_layers", 0), ([0, 0, 1, 1], "max_window_layers", 2),
+                                   ([1, 0, 1, 0], "layer_types", None), (2, "layer_types", None)):
+        m = load_config(None, ["model.preset=tiny_qwen2", "model.sliding_window=16",
+                               f"model.window_attn_skip_freq={json.dumps(freq)}"]).model
+        hf = get_family("qwen2").to_hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)
+        if hf_value is not None:
+            assert getattr(hf, hf_key) == hf_value, freq
+        assert hf.layer_types == ["sliding_attention" if w else "full_attention" for w in windowed_layers(m)], freq
+        fields = get_family("qwen2").from_hf_config(hf)
+        back = load_config(None, ["model.preset=tiny_qwen2", "model.sliding_window=16",
+                                  f"model.window_attn_skip_freq={json.dumps(fields['window_attn_skip_freq'])}"]).model
+        assert fields["sliding_window"] == 16 and windowed_layers(back) == windowed_layers(m), (freq, fields)
+    m = load_config(None, ["model.preset=tiny_mistral_swa", "model.window_attn_skip_freq=2"]).model
+    with pytest.raises(ConversionError, match=r"model.window_attn_skip_freq=2 cannot be expressed as "
+                                              r"MistralForCausalLM \(needs None\)"):
+        get_family("mistral").to_hf_config(m, 32000, bos=1, eos=2, dtype=torch.float32)

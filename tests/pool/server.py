@@ -70,7 +70,7 @@ def redirected(log: str) -> Iterator[None]:
 @contextlib.contextmanager
 def case_scope(module: str, argv: list[str], env: dict[str, str]) -> Iterator[None]:
     """The case's environment, argv, working directory, signal handlers and torch settings; restored after.
-    Destroying the default process group is a no-op inside (`pretrain.runtime.shutdown` calls it)."""
+    Destroying the default process group is a no-op inside (`pretrain.run.runtime.shutdown` calls it)."""
     import torch
     import torch.distributed as dist
 
@@ -139,8 +139,10 @@ def reset_state() -> None:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
 
-    from pretrain import compat, moe_metrics, output_lock
+    from pretrain import compat
     from pretrain.compat import cpu_shims, fsdp_cpu, megatron_fixes
+    from pretrain.observe import moe_metrics
+    from pretrain.run import output_lock
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -157,7 +159,7 @@ def reset_state() -> None:
     # inside one must not leave a fix or shim switched off for the next.
     megatron_fixes._DISABLED.clear()
     fsdp_cpu._DISABLED.clear()
-    cpu_shims._SWITCHED_OFF.clear()
+    cpu_shims._PATCHES.disabled.clear()
     compat.apply()
     output_lock.release_all()
     gc.collect()

@@ -310,7 +310,7 @@ def run_case(case: dict, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     plan_path = (sys.argv[1:] if argv is None else argv)[0]
-    from pretrain.runtime import init_distributed, shutdown
+    from pretrain.run.runtime import init_distributed, shutdown
 
     plan = json.loads(Path(plan_path).read_text())
     init_distributed()

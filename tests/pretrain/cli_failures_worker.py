@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_case(case: dict) -> dict:
     from pretrain.__main__ import main
-    from pretrain.runtime import _free_port
+    from pretrain.run.runtime import _free_port
     from tests.pretrain.ckpt_worker import _mutate
 
     restore = []

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pretrain.dataset_format.check as check
     from pretrain.config import load_config
-    from pretrain.runtime import shutdown
+    from pretrain.run.runtime import shutdown
     from pretrain.train import train
     from pretrain.validate import ValidationFailed
 

@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from pretrain.config import load_config
-    from pretrain.runtime import shutdown
+    from pretrain.run.runtime import shutdown
     from pretrain.train import train
 
     cases = json.loads(open(argv[0]).read())

@@ -158,7 +158,7 @@ ACTIVATION_CASES: list[tuple[str, int, str, list[str]]] = [
 ]  # fmt: skip
 
 # Mock data with no tokenizer file of a type that embeds none: the null tokenizer of model.vocab_size ids, so the
-# small vocabularies above need no embedding rows beyond their own (the vocabulary rule, pretrain/rules/vocab.py).
+# small vocabularies above need no embedding rows beyond their own (the vocabulary rule, pretrain/data/vocab.py).
 RUN = ["data.mock=true", "data.tokenizer_type=huggingface", "data.tokenizer_model=null", "train.steps=1",
        "optimizer.warmup_steps=0", "checkpoint.save_at_end=false",
        "checkpoint.interval=null", "logging.tensorboard=false", "train.eval_interval=null"]  # fmt: skip
@@ -250,8 +250,8 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     from pretrain import plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
-    from pretrain.runtime import init_model_parallel
-    from pretrain.setup import build_optimizer, wrap_with_ddp
+    from pretrain.run.runtime import init_model_parallel
+    from pretrain.run.setup import build_optimizer, wrap_with_ddp
 
     cfg = load_config(config, overrides)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from pretrain import compat
-    from pretrain.runtime import init_distributed, shutdown
+    from pretrain.run.runtime import init_distributed, shutdown
 
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0]

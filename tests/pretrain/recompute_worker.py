@@ -4,7 +4,7 @@
 
 CASES.json: [{"name": ..., "overrides": [...], "config": ...}, ...] (config: tiny_llama unless given). Each case
 builds the model the trainer builds (`model_providers.core.builder.build_model` from the config and its derived
-layout), reads the trainer's first microbatch (`pretrain.data`), and runs the trainer's `forward_step` under
+layout), reads the trainer's first microbatch (`pretrain.data.datasets`), and runs the trainer's `forward_step` under
 `torch.autograd.graph.saved_tensors_hooks`.
 Held bytes: the planner's `SavedTensorMeter` (distinct storages saved for backward, parameters excluded), sized when
 the forward has returned (selective recompute of norms frees its outputs' storage after use). Backward then runs, so
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from model_providers.core.builder import build_model
     from pretrain import compat
     from pretrain.config import load_config
-    from pretrain.data import build_datasets, build_tokenizer, microbatches
+    from pretrain.data.datasets import build_datasets, build_tokenizer, microbatches
     from pretrain.layout import derive_layout
-    from pretrain.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
     from pretrain.train import forward_step
 
     compat.apply()  # as the trainer does at start-up

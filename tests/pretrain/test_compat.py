@@ -147,7 +147,7 @@ GRAD_NORM = """
 import json, torch, torch.distributed as dist
 from pretrain import compat
 from pretrain.compat.cpu_shims import switched_off
-from pretrain.runtime import init_distributed
+from pretrain.run.runtime import init_distributed
 compat.apply()
 init_distributed()
 from megatron.core import parallel_state as ps

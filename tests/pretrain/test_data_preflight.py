@@ -89,7 +89,7 @@ def cases(small_datasets, tmp_path_factory):
         "every_bad_validate": ["validate", "tiny_llama", every_bad],
         "scan_without_meta": train("scan_without_meta", f"data.blend=[{ds['gpt2nometa']}]"),
         "runtime_id_guard": {"argv": train("runtime_id_guard", f"data.blend=[{ds['gpt2nometa']}]"),
-                             "set": {"pretrain.data_check:SCAN_LIMIT_BYTES": 0}},
+                             "set": {"pretrain.data.check:SCAN_LIMIT_BYTES": 0}},
         "nometa_trains": train("nometa_trains", f"data.blend=[{ds['nometa']}]"),
         "equal_vocab_mismatch": train("equal_vocab_mismatch", f"data.blend=[{ds['swapped']}]", config="tiny_gpt"),
         "mismatch_allowed": train("mismatch_allowed", f"data.blend=[{ds['swapped']}]",

@@ -255,7 +255,9 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
           f"({full['cost_model']['step_s']:.2f} s/step, {full['cost_model']['tokens_per_s_per_gpu']:,.0f} "
           f"tokens/s/GPU), none {none['memory_gib']['total']:.1f} GiB")
     shipped = _plan("deepseek_v3", *cluster)  # pretrain/configs/deepseek_v3.yaml: the search's first layout
-    assert shipped["fits"] and abs(shipped["cost_model"]["step_s"] - best["step_s"]) < 1e-6
+    # The shipped layout was the first of the uncalibrated cost model; the calibrated one (planner/timing.py) puts
+    # TP2 CP2 PP16 ahead of it by 7% (docs/performance.md "plan --search and the published layouts").
+    assert shipped["fits"] and shipped["cost_model"]["step_s"] <= 1.10 * best["step_s"]
     assert full["fits"] and not none["fits"]
 
 

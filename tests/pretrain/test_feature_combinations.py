@@ -1,6 +1,7 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute} that `validate` accepts builds every Megatron-Core config object training builds, in-process, in seconds
-(`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`: `test_feature_matrix.py`).
+recompute, sliding window} that `validate` accepts builds every Megatron-Core config object training builds,
+in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
+`test_feature_matrix.py`).
 
 Megatron-Core asserts many combinations at build time (TransformerConfig's `__post_init__`, the layer specs of each
 pipeline stage, the DDP and optimizer configs): a combination `validate` accepts but Megatron refuses would kill
@@ -25,6 +26,7 @@ REFUSALS = {
     ("optimizer.fsdp", "parallel.pipeline"),  # Megatron-FSDP without pipeline parallelism (megatron-core 0.16.1)
     ("optimizer.fsdp", "parallel.expert"),  # Megatron-FSDP's gradient norm under EP (0.16.1)
     ("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),  # gloo, VP on 2 stages
+    ("model.sliding_window", "parallel.cp_comm_type"),  # Transformer Engine: windows under CP only with a2a/all_gather
 }
 
 
@@ -40,12 +42,12 @@ def _pipeline_stage(layout, pp_rank: int):
 
 
 def build_megatron_configs(cfg, world: int) -> None:
-    """The config objects `pretrain.setup.build_training` builds: TransformerConfig (the project's builder), every
+    """The config objects `pretrain.run.setup.build_training` builds: TransformerConfig (the project's builder), every
     pipeline stage's decoder and MTP block specs, the DDP and optimizer configs."""
     from model_providers.core.builder import transformer_config
     from model_providers.core.sequences import packed_sequences
     from model_providers.core.specs import decoder_block_spec, mtp_block_spec
-    from pretrain.setup import ddp_config, optimizer_config
+    from pretrain.run.setup import ddp_config, optimizer_config
 
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(cfg, layout)

@@ -1,4 +1,4 @@
-"""One writer per run directory (`pretrain/output_lock.py`), through `python -m pretrain train`: a second trainer
+"""One writer per run directory (`pretrain/run/output_lock.py`), through `python -m pretrain train`: a second trainer
 on a live run's `run.dir` is refused with one line naming the holder and touches nothing; after `kill -9` of the
 holder, the restart takes the stale lock over (one note) and resumes. The staleness rules for other hosts, Slurm
 requeues, pid reuse and unreadable records are tested through `data_tools` (tests/data_tools/test_writer_locks.py):

@@ -132,7 +132,7 @@ def test_published_layouts_validate_on_mock_data(script, env, world, last):
 def test_planner_sizes_every_stage_of_a_layout():
     """DeepSeek-V3 on PP8 × VP2 (B200): all 8 stages sized, the per-stage FLOPs add up to the model's, the last
     stage's output and MTP layers; the even split keeps its first / last stage view."""
-    from pretrain.flops import flops_per_token
+    from pretrain.observe.flops import flops_per_token
     from pretrain.planner.plan import make_plan
 
     config, overrides = _launch_overrides("pretrain_deepseek_v3.sh", {})

@@ -15,7 +15,7 @@ import yaml
 
 from pretrain import plan
 from pretrain.config import load_config
-from pretrain.flops import PEAK_TFLOPS, flops_per_token, gpu_peak_tflops
+from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token, gpu_peak_tflops
 from tests import tiers
 from tests.cli import Result, run_cli
 from tests.pool import run_case

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pretrain import report
+from pretrain.observe import report
 from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -74,10 +74,9 @@ CASES = [
     (["optimizer.decay_style=WSD"], 1,
      "[optimizer.decay_style, optimizer.wsd_decay_steps] WSD decay needs optimizer.wsd_decay_steps. Fix: set "
      "optimizer.wsd_decay_steps (e.g. 10% of train.steps)"),
-    (["model.preset=tiny_mistral", "model.sliding_window=64"], 1,
-     "[model.seq_length, model.sliding_window] model.seq_length=128 is longer than the model's attention window "
-     "model.sliding_window=64: sliding-window attention is not implemented, and full attention over more than 64 "
-     "tokens is not what the model computes. Fix: set model.seq_length <= 64"),
+    (["model.preset=tiny_mistral_swa", "model.window_attn_skip_freq=0"], 1,
+     "[model.window_attn_skip_freq] model.window_attn_skip_freq=0 must be at least 1 (every N-th layer full). Fix: "
+     "use e.g. 2 (alternating windowed and full layers) or null (all windowed)"),
     (["model.preset=tiny_gpt", "model.max_position_embeddings=64"], 1,
      "[model.seq_length, model.max_position_embeddings] model.seq_length=128 is longer than the learned position "
      "table (model.max_position_embeddings=64). Fix: set model.seq_length <= 64"),
@@ -114,7 +113,7 @@ def test_mock_vocab_rule_knows_megatron_mock_ids():
     covers them (the test suite's 4096 with the 32,000-token tokenizer) passes."""
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
 
-    from pretrain.rules.vocab import MOCK_MAX_SEQUENCE
+    from pretrain.data.vocab import MOCK_MAX_SEQUENCE
 
     assert MockGPTLowLevelDataset.max_sequence_length == MOCK_MAX_SEQUENCE
     assert not [p for p in problems(["model.vocab_size=4096"], 1) if "model.vocab_size" in p]

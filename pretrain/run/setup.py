@@ -14,16 +14,17 @@ from typing import Any
 import torch
 
 from pretrain.config import Config
-from pretrain.layout import Layout, derive_layout
+from pretrain.layout import Layout
 from pretrain.problems import Report
-from pretrain.run_dir import StorageError
+from pretrain.run.run_dir import StorageError
 
 
 @dataclass
 class Run:
     """What set-up builds for the loop (filled in by `start_run`, `build_training` and `build_data`)."""
 
-    rt: Any  # pretrain.runtime.Runtime
+    rt: Any  # pretrain.run.runtime.Runtime
+    plan: Any  # pretrain.run_plan.RunPlan
     problems: Report
     tokenizer: Any
     layout: Layout
@@ -33,12 +34,12 @@ class Run:
     model: list | None = None
     optimizer: Any = None
     scheduler: Any = None
-    profiler: Any = None  # pretrain.profiling.StepProfiler
-    timing: Any = None  # pretrain.rank_timing.RankTiming
-    moe: Any = None  # pretrain.moe_metrics.MoEMetrics, None for a dense model
+    profiler: Any = None  # pretrain.observe.profiling.StepProfiler
+    timing: Any = None  # pretrain.observe.rank_timing.RankTiming
+    moe: Any = None  # pretrain.observe.moe_metrics.MoEMetrics, None for a dense model
     train_ds: Any = None
     valid_ds: Any = None
-    writer: Any = None  # pretrain.metrics.MetricsWriter on the rank that holds the loss, else None
+    writer: Any = None  # pretrain.observe.metrics.MetricsWriter on the rank that holds the loss, else None
     tp_source: tuple | None = None  # TP > 1: (TP group, its reading rank); the other ranks have no datasets
     evaluates: bool = False  # there is a validation split (valid_ds is None on the ranks that do not read data)
 
@@ -161,8 +162,9 @@ def initialize_tp_comm_overlap(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def start_run(cfg: Config, rt, problems: Report, log) -> Run:
-    """Tokenizer, derived layout, model-parallel groups, microbatch calculator, and the run dir marked running."""
+def start_run(plan, rt, log) -> Run:
+    """Tokenizer (as `plan` decided it), model-parallel groups of `plan.layout`, microbatch calculator, and the run
+    dir marked running."""
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import (
         get_num_microbatches,
@@ -170,17 +172,19 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
         unset_num_microbatches_calculator,
     )
 
-    from pretrain.data import build_tokenizer
-    from pretrain.run_dir import prepare_run_dir
-    from pretrain.runtime import any_rank_error, init_model_parallel
+    from pretrain.data.datasets import build_tokenizer
+    from pretrain.run.run_dir import prepare_run_dir
+    from pretrain.run.runtime import any_rank_error, init_model_parallel
 
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size)
-    layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
+    cfg, layout, problems = plan.cfg, plan.layout, plan.problems
+    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, null=plan.tokenizer.null)
+    if layout.vocab_size != tokenizer.vocab_size and not cfg.model.vocab_size:  # the plan read the same files
+        raise RuntimeError(f"tokenizer changed while the run started: {layout.vocab_size} → {tokenizer.vocab_size}")
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train
     unset_num_microbatches_calculator()
     init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, layout.dp)
-    run = Run(rt=rt, problems=problems, tokenizer=tokenizer, layout=layout,
+    run = Run(rt=rt, plan=plan, problems=problems, tokenizer=tokenizer, layout=layout,
               num_microbatches=get_num_microbatches(), dp_rank=ps.get_data_parallel_rank())
     run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
     if run_dir_error:
@@ -195,9 +199,9 @@ def start_run(cfg: Config, rt, problems: Report, log) -> Run:
 def build_training(cfg: Config, run: Run, log) -> None:
     """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks and the step instruments."""
     from model_providers.core.builder import build_model
-    from pretrain.moe_metrics import MoEMetrics
-    from pretrain.profiling import StepProfiler
-    from pretrain.rank_timing import RankTiming
+    from pretrain.observe.moe_metrics import MoEMetrics
+    from pretrain.observe.profiling import StepProfiler
+    from pretrain.observe.rank_timing import RankTiming
 
     rt = run.rt
     if cfg.parallel.tp_comm_overlap:
@@ -222,10 +226,10 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
     (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
     reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
     changed on resume). `log` (rank 0): how long Megatron's index caches took and where they are."""
-    from pretrain.data import build_datasets, data_cache_dir
-    from pretrain.metrics import MetricsWriter
-    from pretrain.run_dir import write_failure
-    from pretrain.wandb_logger import wandb_sinks
+    from pretrain.data.datasets import build_datasets, data_cache_dir
+    from pretrain.observe.metrics import MetricsWriter
+    from pretrain.observe.wandb_logger import wandb_sinks
+    from pretrain.run.run_dir import write_failure
 
     t = cfg.train
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0

@@ -2,7 +2,7 @@
 
 On a sampled step (step % timing_interval == 0) every rank measures its wall time and the time it spent waiting:
 
-- data: reading its microbatches (`pretrain.data.microbatches`);
+- data: reading its microbatches (`pretrain.data.datasets.microbatches`);
 - pipeline: Megatron-Core's pipeline send/receive timers (`forward-recv`, `backward-send-forward-recv`, ...);
 - collectives: Megatron-Core's gradient and parameter synchronisation timers (`all-grads-sync`,
   `embedding-grads-all-reduce`, `params-all-gather`, the optimizer's grad-norm/clip step, ...).

@@ -23,10 +23,10 @@ import re
 import time
 from typing import TYPE_CHECKING
 
-from pretrain.data_cache import data_cache_dir
+from pretrain.data.cache import data_cache_dir
+from pretrain.data.vocab import vocab_covers_tokenizer
 from pretrain.dataset_format.verdicts import entry as verdict_entry
 from pretrain.layout import resolve_vocab_size
-from pretrain.rules.vocab import vocab_covers_tokenizer
 from pretrain.tokenizer.embedded import with_embedded
 from pretrain.tokenizer.null import describe_null, falls_back_to_null, null_identity
 from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
@@ -133,13 +133,13 @@ def uses_null_tokenizer(d: DataConfig) -> bool:
     return falls_back_to_null(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, uses_mock(d))
 
 
-def run_tokenizer_identity(cfg: Config):
+def run_tokenizer_identity(cfg: Config, null: bool | None = None):
     """The identity of the tokenizer a run of `cfg` trains with: the null tokenizer of a mock run without files
     (None when model.vocab_size is unknown), else the named or embedded files (`TokenizerError` when unusable).
-    What a checkpoint records and a resume compares."""
+    What a checkpoint records and a resume compares. `null`: `uses_null_tokenizer`, when already decided."""
     from pretrain.tokenizer.identity import describe_tokenizer
 
-    if uses_null_tokenizer(cfg.data):
+    if (null if null is not None else uses_null_tokenizer(cfg.data)):
         return null_identity(cfg.model.vocab_size) if cfg.model.vocab_size else None
     ttype, model, vocab, merges, _ = tokenizer_args(cfg.data)
     return describe_tokenizer(ttype, model, vocab, merges)
@@ -209,10 +209,9 @@ def _tokenizer_problem_reported(r: Report) -> bool:
     return any("data.tokenizer_type" in p.keys for p in r.errors)
 
 
-def check_tokenizer(cfg: Config, r: Report):
-    """Load the run's tokenizer the light way; report unusable files, a silent fallback and a missing EOD.
-
-    Returns its `TokenizerIdentity`, or None when it cannot be loaded."""
+def check_tokenizer(cfg: Config, r: Report, ident=None):
+    """Load the run's tokenizer the light way (`ident`: already loaded); report unusable files, a silent fallback
+    and a missing EOD. Returns its `TokenizerIdentity`, or None when it cannot be loaded."""
     from pretrain.tokenizer.identity import describe_tokenizer
 
     d, m = cfg.data, cfg.model
@@ -222,7 +221,7 @@ def check_tokenizer(cfg: Config, r: Report):
         return _null_tokenizer(cfg, r)
     ttype, model, vocab, merges, embedded = tokenizer_args(d)
     try:
-        ident = describe_tokenizer(ttype, model, vocab, merges)
+        ident = ident or describe_tokenizer(ttype, model, vocab, merges)
     except (TokenizerError, OSError) as e:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
@@ -371,9 +370,10 @@ def _full_read_note(full: list[tuple[str, str]]) -> str:
             "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
 
 
-def check_data_files(cfg: Config, r: Report, blends: dict) -> None:
-    """Tokenizer, every prefix of every blend, and the documents of each split the run reads."""
-    ident = check_tokenizer(cfg, r)
+def check_data_files(cfg: Config, r: Report, blends: dict, ident=None) -> None:
+    """Tokenizer, every prefix of every blend, and the documents of each split the run reads. `ident`: the run's
+    tokenizer identity when already resolved (`pretrain.run_plan`), else loaded here."""
+    ident = check_tokenizer(cfg, r, ident)
     vocab = resolve_vocab_size(cfg, ident.vocab_size) if ident is not None else cfg.model.vocab_size
     try:
         ranges = split_ranges(cfg.data.split)

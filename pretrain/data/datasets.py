@@ -20,18 +20,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.data_cache import data_cache_dir  # noqa: F401 (also imported from here)
-from pretrain.data_check import parse_blend, uses_mock, uses_null_tokenizer
+from pretrain.data.cache import data_cache_dir  # noqa: F401 (also imported from here)
+from pretrain.data.check import parse_blend, uses_mock, uses_null_tokenizer
 
 
 class DataError(RuntimeError):
     """Training data that cannot be used as read (e.g. a token id outside the model's vocabulary)."""
 
 
-def build_tokenizer(data_cfg, vocab_size: int | None = None):
+def build_tokenizer(data_cfg, vocab_size: int | None = None, null: bool | None = None):
     """The run's tokenizer: the named files, the embedded Mistral / GPT-2 files when no path is given, or for mock
-    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids."""
-    if uses_null_tokenizer(data_cfg):
+    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids. `null`: that decision,
+    already taken (`pretrain.run_plan.TokenizerPlan.null`); None: taken here."""
+    if null if null is not None else uses_null_tokenizer(data_cfg):
         from pretrain.tokenizer.null import null_tokenizer
         from pretrain.tokenizer.types import TokenizerError
 
@@ -48,18 +49,19 @@ def _blend(items: list | None):
     return parse_blend(items) if items else None
 
 
-def check_data_files_once(cfg, report, device=None) -> None:
-    """The dataset-file part of pre-flight validation (`pretrain.data_check.check_data_files`: files, index,
+def check_data_files_once(cfg, report, device=None, tokenizer=None) -> None:
+    """The dataset-file part of pre-flight validation (`pretrain.data.check.check_data_files`: files, index,
     `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
     broadcast and added to every rank's `report`, so one process opens the files instead of all of them."""
-    from pretrain.data_check import check_data_files, used_blends
+    from pretrain.data.check import check_data_files, used_blends
     from pretrain.problems import Report
 
     verdict, failure = None, None
     if dist.get_rank() == 0:
         verdict = Report(report.world_size)
         try:
-            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)))
+            ident = tokenizer.identity if tokenizer is not None else None  # the run plan's, not loaded again
+            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)), ident)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
             failure = exc
             verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")
@@ -81,7 +83,7 @@ def check_data_files_once(cfg, report, device=None) -> None:
 
 def _report_cache(log, cache: str, seconds: float, before, removed: list[str], built: bool = True) -> None:
     """The removed cache entries and (`built`) what the build wrote or read."""
-    from pretrain.data_cache import CacheState
+    from pretrain.data.cache import CacheState
 
     for name in removed:
         log(f"[pretrain] data: removed the index cache entry {name}; rebuilding it")
@@ -149,7 +151,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     sizes = [num_train_samples, num_eval_samples, 0]
     first = not dist.is_initialized() or dist.get_rank() == 0
     if first:
-        from pretrain.data_cache import CacheState, remove_truncated
+        from pretrain.data.cache import CacheState, remove_truncated
 
         removed = remove_truncated(cache)
         before = CacheState.read(cache)  # after the removal: a rebuilt entry counts as built

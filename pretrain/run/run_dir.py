@@ -63,12 +63,15 @@ def prepare_run_dir(cfg) -> str | None:
     return None
 
 
+def checkpoint_root(cfg) -> Path:
+    """Where this run saves checkpoints: checkpoint.dir, else run.dir/checkpoints."""
+    return Path(cfg.checkpoint.dir or os.path.join(cfg.run.dir, "checkpoints"))
+
+
 def write_config(cfg) -> None:
     """run.dir/config.yaml: the config this run trains with, and this run's checkpoint root added to
     `CHECKPOINT_DIRS` (rank 0)."""
     (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
-    from pretrain.checkpoint.format import checkpoint_root
-
     run_dir = Path(cfg.run.dir).resolve()
     roots = [p.resolve() for p in checkpoint_roots(cfg, recorded_only=True)]
     here = checkpoint_root(cfg).resolve()

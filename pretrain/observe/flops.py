@@ -12,7 +12,9 @@ counted):
 B = global batch (sequences), s = sequence length, L = layers, h = hidden, a = heads, g = query groups,
 d = head dim, f = FFN size, V = padded vocabulary. Divide by B·s for FLOPs per token. This is the
 formula of Megatron-LM's `num_floating_point_operations` (with its causal halving) for dense models.
-Activation recomputation is not counted: MFU measures useful model FLOPs.
+Activation recomputation is not counted: MFU measures useful model FLOPs. Sliding-window attention
+(`model.sliding_window` W < s) replaces s/2 by the keys a query sees, W − W(W − 1)/(2s) − 1/2 on windowed
+layers, averaged over the layers (`model_providers.core.windows.mean_attended_keys`): the s×W term instead of s²/2.
 
 MoE (`model.num_moe_experts`): FLOPs follow the *active* parameters. The MLP term becomes
 `k · (f_e/h) · (3/2 if gated else 1)` (each token runs its top-k experts of size f_e = moe_ffn_hidden_size)
@@ -30,6 +32,8 @@ Megatron-LM counts them (they run every step).
 from __future__ import annotations
 
 from typing import Any
+
+from model_providers.core.windows import mean_attended_keys
 
 # Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts). The one table of
 # peaks: the trainer's MFU, the planner and the benchmarks all read it.
@@ -60,7 +64,7 @@ def _moe_pattern(m: Any) -> list[bool]:
 def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     """Training FLOPs per token (forward + backward) for the config's model."""
     m = model_cfg
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
+    h, L = m.hidden_size, m.num_layers
     a = m.num_attention_heads
     g = m.num_query_groups or a
     d = m.kv_channels or h // a
@@ -69,7 +73,7 @@ def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     if getattr(m, "multi_latent_attention", False):
         attention = _mla_attention(m)
     else:
-        attention = (1 + g / a + s / (2 * h)) * (a * d / h)
+        attention = (1 + g / a + mean_attended_keys(m) / h) * (a * d / h)  # s/(2h) without a window
     mlp = (f / h) * gated
     logits = padded_vocab / (2 * L * h)
     mtp = getattr(m, "mtp_num_layers", None) or 0

@@ -1,0 +1,44 @@
+"""The `performance` section: the Megatron-Core settings Megatron-Bridge's per-GPU performance recipes set, passed
+through to `TransformerConfig` under Megatron-Core's own names (`model_providers/core/performance.py`; validated by
+`pretrain/rules/performance.py`,
+counted by the planner where they change time: `pretrain/planner/timing.py`).
+
+The other performance settings already have their keys: FP8 / MXFP8 recipes (`model.fp8`), FP8 parameter
+all-gather (`model.fp8_param_gather`), TP communication overlap (`parallel.tp_comm_overlap`), DP overlaps
+(`optimizer.overlap_grad_reduce`, `optimizer.overlap_param_gather`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# CUDA-graph scopes both supported Megatron-Core releases accept (0.19 renamed the field cuda_graph_modules).
+CudaGraphScope = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess"]
+OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
+
+
+@dataclass
+class PerformanceConfig:
+    """Speed settings that do not change the model's math (GPU only; each refused on CPU by validate)."""
+
+    # MoE token dispatch through DeepEP / HybridEP (Megatron-Core's "flex" dispatcher); None: model's dispatcher.
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
+    # CUDA graphs: "local" (Megatron-Core's) or "transformer_engine" capture of the scopes below ([] = the layer).
+    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
+    cuda_graph_scope: list[CudaGraphScope] | None = None
+    # Fine-grained activation offloading: the inputs of these submodules go to host memory in forward.
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[OffloadModule] | None = None
+    # Overlap the MoE all-to-all of one microbatch with another's compute (1F1B A2A overlap).
+    overlap_moe_expert_parallel_comm: bool = False
+    # Run the shared experts on a side stream, overlapped with the routed experts' dispatch.
+    moe_shared_expert_overlap: bool = False
+    # NVFP4 GEMMs (Transformer Engine on Blackwell); instead of model.fp8.
+    fp4_recipe: Literal["nvfp4"] | None = None
+
+
+def settings_in_use(perf: PerformanceConfig) -> list[str]:
+    """The dotted keys of `perf` that are set (not their defaults)."""
+    default = PerformanceConfig()
+    return [f"performance.{k}" for k, v in vars(perf).items() if v != getattr(default, k)]

@@ -1,0 +1,84 @@
+"""The `performance` section (`pretrain/performance.py`): refused by `validate` on a machine without CUDA, naming what
+each setting needs; accepted as a GPU dry run (`--world-size N`); passed to Megatron-Core's TransformerConfig under its
+own names (both supported releases); counted by the planner where it changes time."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from pretrain import plan
+from pretrain.config import load_config
+from tests.cli import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+ALL = ["performance.moe_flex_dispatcher_backend=deepep", "performance.cuda_graph_impl=transformer_engine",
+       "performance.cuda_graph_scope=[attn,moe_router]", "performance.fine_grained_activation_offloading=true",
+       "performance.offload_modules=[core_attn,expert_fc1]", "performance.overlap_moe_expert_parallel_comm=true",
+       "performance.fp4_recipe=nvfp4"]
+MOE = ["tiny_moe", "data.mock=true", "parallel.expert=2", "train.precision=bf16", "train.global_batch_size=16"]
+
+
+def test_refused_on_cpu_with_the_reason_and_accepted_as_a_gpu_dry_run():
+    here = run_cli("pretrain", ["validate", *MOE, *ALL], cwd=REPO)
+    assert here.rc == 2 and here.traceback is None
+    out = here.stdout + here.stderr
+    flex = "performance.moe_flex_dispatcher_backend"
+    assert f"[{flex}] {flex} needs a GPU and DeepEP" in out
+    assert "[performance.fp4_recipe] performance.fp4_recipe needs Transformer Engine on a Blackwell GPU" in out
+    for key in ALL:
+        assert f"[{key.split('=')[0]}]" in out, key
+    dry = run_cli("pretrain", ["validate", *MOE, *ALL, "--world-size", "2"], cwd=REPO)
+    assert dry.rc == 0, dry.stdout + dry.stderr
+    assert "not on this machine (no CUDA, no Transformer Engine): [performance.cuda_graph_impl]" in dry.stdout
+
+
+@pytest.mark.full
+def test_refused_on_gpus_where_the_model_gives_it_nothing_to_do():
+    """What the model gives a setting nothing to do, or a half-set pair, is refused on GPUs too."""
+    dense = run_cli("pretrain", ["validate", "tiny_llama", "data.mock=true", "model.vocab_size=32000",
+                                 "performance.moe_flex_dispatcher_backend=hybridep",
+                                 "performance.fine_grained_activation_offloading=true", "--world-size", "2"], cwd=REPO)
+    assert dense.rc == 2
+    assert "the model has no experts (model.num_moe_experts)" in dense.stderr
+    assert "needs both performance.fine_grained_activation_offloading=true and the submodules" in dense.stderr
+
+
+@pytest.mark.mcore
+def test_passed_to_megatron_core_transformer_config():
+    from pretrain import compat
+    from pretrain.layout import derive_layout
+
+    compat.import_megatron(False)
+    from model_providers.core.builder import transformer_config
+
+    cfg = load_config("tiny_moe", ["data.mock=true", "parallel.expert=2", *ALL[:5], ALL[6]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tc = transformer_config(cfg, derive_layout(cfg, 2, on_gpu=False, te=False))
+    assert (tc.moe_token_dispatcher_type, tc.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert tc.cuda_graph_impl == "transformer_engine"
+    assert tc.fine_grained_activation_offloading and list(tc.offload_modules) == ["core_attn", "expert_fc1"]
+    assert (tc.fp4, tc.fp4_recipe) == ("e2m1", "nvfp4")
+
+
+def test_the_planner_counts_them():
+    """Qwen3-30B-A3B, EP16 over 2 nodes of H100: DeepEP sends one copy per destination node (fewer bytes on the
+    network), the A2A overlap hides the all-to-all behind compute, CUDA graphs shrink the host's launch time."""
+    base = ["model.fp8=tensorwise", "parallel.pipeline=1", "parallel.expert=16", "train.global_batch_size=1024"]
+
+    def cost(*extra: str) -> dict:
+        return plan.make_plan(load_config("qwen3_30b_a3b", [*base, *extra]), 2, 8, "h100")["cost_model"]
+
+    plain = cost()
+    deepep = cost("performance.moe_flex_dispatcher_backend=deepep")
+    overlap = cost("performance.overlap_moe_expert_parallel_comm=true")
+    graphs = cost("performance.cuda_graph_impl=transformer_engine")
+    # 8 of 16 experts on the other node: 4 of 8 copies leave it, DeepEP sends 1 − (1/2)^8 of one per token instead.
+    assert deepep["ep_comm_s"] == pytest.approx(plain["ep_comm_s"] * (1 - 0.5 ** 8) / 4, rel=1e-6)
+    assert overlap["ep_exposed_s"] == pytest.approx(max(0.0, plain["ep_comm_s"] - plain["compute_s"]))
+    assert graphs["host_s"] == pytest.approx(plain["host_s"] * 1.5 / 12)
+    print(f"step s: plain {plain['step_s']:.1f}, DeepEP {deepep['step_s']:.1f}, A2A overlap {overlap['step_s']:.1f}, "
+          f"CUDA graphs {graphs['step_s']:.1f}")

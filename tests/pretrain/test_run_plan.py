@@ -1,0 +1,34 @@
+"""The run is resolved once (`pretrain.run_plan`): one layout and one tokenizer resolution per process for a
+training run, a resumed one included, at DP2 through the CLI; and an observer registered in
+`pretrain.observe.observers.INSTRUMENTS` is told of every step, checkpoint and the exit, with no edit of the loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import log_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.mcore]
+
+
+def test_layout_and_tokenizer_are_resolved_once_per_process(tmp_path):
+    run = tmp_path / "run"
+    common = ["tiny_llama", f"run.dir={run}", "train.global_batch_size=4", "train.micro_batch_size=1",
+              "model.num_layers=2", "model.seq_length=64"]
+    cases = {"fresh": ["train", *common, "train.steps=2"], "resumed": ["train", *common, "train.steps=3"]}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    rc = run_case(2, "tests.pretrain.run_plan_worker", [str(tmp_path / "cases.json"), str(tmp_path)],
+                  tmp_path / "worker.log", timeout=600)
+    assert rc == 0, log_text(tmp_path / "worker.log")[-4000:]
+    assert "resumed from" in log_text(tmp_path / "worker.log")
+    for name in cases:
+        for rank in (0, 1):
+            got = json.loads((tmp_path / f"{name}.rank-{rank}.json").read_text())
+            assert got["rc"] == 0 and got["resolutions"] == {"layout": 1, "tokenizer": 1}, (name, rank, got)
+            steps = [1, 2] if name == "fresh" else [3]
+            expected = [e for s in steps for e in (["start", s], ["end", s, []])]
+            expected += [["checkpoint", steps[-1], f"iter_{steps[-1]:07d}"], ["close", steps[-1]]]
+            assert got["events"] == expected, (name, rank, got["events"])
