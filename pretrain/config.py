@@ -144,6 +144,12 @@ class ParallelConfig:
     # share); the other stages split the rest evenly. E.g. DeepSeek-V3's 61 layers on PP8: 7, 6 (8 per middle stage).
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    # Flexible placement (pretrain/placement.py), Megatron-Core's own options: a pipeline_model_parallel_layout
+    # string (one `|`-separated stage per virtual stage: E embedding, t decoder layer, m MTP layer, L loss; e.g.
+    # "Et*4|(t*4|)*14tmL"), or the embedding / loss counted as one layer of the even split.
+    pipeline_layout: str | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     # Context-parallel attention (Megatron's cp_comm_type, on GPU with Transformer Engine and on CPU alike):
     # p2p ring of K/V blocks, all_gather of K/V, a2a (Ulysses: heads <-> sequence), a2a+p2p (hierarchical).
     cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"

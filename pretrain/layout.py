@@ -139,6 +139,9 @@ class Layout:
     fsdp_sharding: str | None = None  # Megatron-FSDP's data_parallel_sharding_strategy; None: no Megatron-FSDP
     first_stage_layers: int | None = None  # parallel.num_layers_in_first_pipeline_stage (uneven pipeline)
     last_stage_layers: int | None = None  # parallel.num_layers_in_last_pipeline_stage
+    pipeline_layout: str | None = None  # parallel.pipeline_layout (Megatron-Core's pipeline_model_parallel_layout)
+    embedding_in_split: bool = False  # parallel.account_for_embedding_in_pipeline_split
+    loss_in_split: bool = False  # parallel.account_for_loss_in_pipeline_split
 
     @property
     def moe(self) -> bool:
@@ -168,9 +171,25 @@ class Layout:
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
 
     def chunk_layers(self, num_layers: int, pp_rank: int, vp_stage: int) -> tuple[int, int]:
-        """(first global layer, layers) of one model chunk: `chunk_layer_range` for this layout."""
+        """(first global layer, layers) of one model chunk: `chunk_layer_range`, or `pretrain.placement`'s for an
+        explicit layout string or the embedding / loss counted in the split."""
+        from pretrain import placement
+
+        if self.pipeline_layout is not None:
+            return placement.layout_chunk_range(self.pipeline_layout, self.pp, pp_rank, vp_stage)
+        if self.embedding_in_split or self.loss_in_split:
+            return placement.split_chunk_range(num_layers, self.pp, self.vp, pp_rank, vp_stage,
+                                               self.embedding_in_split, self.loss_in_split)
         return chunk_layer_range(num_layers, self.pp, self.vp, pp_rank, vp_stage, self.first_stage_layers,
                                  self.last_stage_layers)
+
+    @property
+    def mtp_chunk(self) -> tuple[int, int]:
+        """(pipeline rank, virtual stage) of the chunk holding the MTP layers (the last one unless the layout
+        places them elsewhere)."""
+        from pretrain.placement import mtp_chunk
+
+        return mtp_chunk(self.pipeline_layout, self.pp, self.vp)
 
     def describe(self) -> str:
         vp = f" × VP{self.vp}" if self.vp > 1 else ""
@@ -236,4 +255,6 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         **vars(model_shape(m)), **vars(experts), moe_loss_scale=mcore.moe_router_loss_scale(p.tensor, p.context),
         fsdp_sharding=fsdp_sharding(cfg),
         first_stage_layers=p.num_layers_in_first_pipeline_stage, last_stage_layers=p.num_layers_in_last_pipeline_stage,
+        pipeline_layout=p.pipeline_layout, embedding_in_split=p.account_for_embedding_in_pipeline_split,
+        loss_in_split=p.account_for_loss_in_pipeline_split,
     )

@@ -25,6 +25,7 @@ from pretrain.rules.operations import document_rules, fsdp_rules, logging_rules,
 from pretrain.rules.optimizer import muon_rules
 from pretrain.rules.parallel import layout_rules, moe_rules, sizes_positive
 from pretrain.rules.performance import performance_rules
+from pretrain.rules.placement import placement_note
 from pretrain.rules.resilience import resilience_rules
 from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
 from pretrain.rules.vocab import optional_sizes_rules
@@ -81,6 +82,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
         rule(r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
     megatron_config_rules(r, cfg, lay, te_on_gpu)
+    placement_note(r, cfg, lay)
     if files:  # and GPTDatasetConfig's
         megatron_data_rules(r, cfg, lay, te_on_gpu)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.

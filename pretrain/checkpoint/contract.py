@@ -68,7 +68,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
              "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",
                                      "expert_tensor", "sequence_parallel",
-                                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")),
+                                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                                     "pipeline_layout", "account_for_embedding_in_pipeline_split",
+                                     "account_for_loss_in_pipeline_split")),
     **_group(CHANGE, "from the resumed step", "parallel", ("tp_comm_overlap", "batch_p2p_comm",
                                                               "cp_comm_type")),
     **_group(MATCH, "the tokenizer, compared by identity (kind and SHA-256 of its files), not by path",

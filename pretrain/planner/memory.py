@@ -8,6 +8,7 @@ from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.activations import activation_memory
 from pretrain.planner.common import GIB
+from pretrain.planner.stages import memory_candidates
 from pretrain.planner.static import static_memory
 
 
@@ -82,7 +83,8 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
 
 
 def most_loaded(cfg: Config, lay: Layout, padded_vocab: int, fused_adam: bool = True) -> RankMemory:
-    """The rank with the largest planned peak (first and last pipeline stages are the candidates)."""
-    stages = sorted({0, lay.pp - 1})
+    """The rank with the largest planned peak (first and last pipeline stages are the candidates; every stage for
+    an explicit placement)."""
+    stages = memory_candidates(lay)
     return max((rank_memory(cfg, lay, padded_vocab, r, fused_adam=fused_adam) for r in stages),
                key=lambda rm: rm.total)

@@ -28,6 +28,7 @@ from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 from pretrain.planner.muon import muon_section
+from pretrain.planner.stages import memory_candidates, stage_flops
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mfu: float = DEFAULT_MFU,
@@ -44,7 +45,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     vocab = padded_vocab_for(cfg)
     m = cfg.model
     rm = most_loaded(cfg, lay, vocab, fused_adam)
-    stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in sorted({0, lay.pp - 1})]
+    stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in memory_candidates(lay)]
     f_tok = flops_per_token(m, vocab)
     f_step = f_tok * lay.gbs * m.seq_length
     peak = PEAK_TFLOPS[gpu]["fp8" if m.fp8 else "bf16"]
@@ -59,6 +60,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "world_size": world,
         "layout": {"tensor": lay.tp, "pipeline": lay.pp, "virtual_pipeline": lay.vp if lay.vp > 1 else None,
                    "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
+                   "pipeline_layout": lay.pipeline_layout, "account_for_embedding": lay.embedding_in_split,
+                   "account_for_loss": lay.loss_in_split,
                    "context": lay.cp, "data": lay.dp, "sequence_parallel": lay.sp,
                    "cp_comm_type": cfg.parallel.cp_comm_type if lay.cp > 1 else None,
                    "micro_batch_size": lay.mbs, "global_batch_size": lay.gbs,
@@ -74,6 +77,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "checkpoint_elements": count_checkpoint_elements(cfg, m.vocab_size) if m.vocab_size else None,
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
+        "stage_flops_per_token": stage_flops(cfg, lay, vocab) if lay.pp > 1 else None,
         "flops_per_step": f_step,
         "flops_formula": FORMULA + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")
         + (f"; {MLA_FORMULA}" if m.multi_latent_attention or m.mtp_num_layers else ""),

@@ -7,6 +7,7 @@ import dataclasses
 from pretrain.config import Config
 from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_shape
 from pretrain.problems import Report
+from pretrain.rules.placement import explicit_placement, placement_rules
 
 
 def _ranks_per_stage(world: int, pipeline: int) -> str:
@@ -68,15 +69,18 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                     "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
     stages = p.pipeline * (vp if vp and vp >= 2 else 1)
     uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
-    if uneven:
+    if explicit_placement(cfg):
+        placement_rules(r, cfg)
+    elif uneven:
         uneven_pipeline_rules(r, cfg)
     elif m.num_layers % stages != 0:
         keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
         r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
                 f"{p.pipeline}{f'×{vp}' if vp else ''} = {stages}",
                 f"choose a stage count dividing {m.num_layers} ({_divisors(m.num_layers)}), or uneven stages "
-                "(parallel.num_layers_in_first_pipeline_stage / ..._last_...); other placements (Megatron-Core's "
-                "pipeline_model_parallel_layout) are not supported")
+                "(parallel.num_layers_in_first_pipeline_stage / ..._last_...), the embedding / loss counted as layers "
+                "(parallel.account_for_embedding_in_pipeline_split / ..._loss_...) or any placement "
+                "(parallel.pipeline_layout, Megatron-Core's pipeline_model_parallel_layout)")
 
     # Attention heads and groups across tensor parallel ranks.
     shape = model_shape(m)

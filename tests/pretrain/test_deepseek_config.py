@@ -221,9 +221,9 @@ def test_launch_script_plans_to_fit_on_two_nodes():
 @pytest.mark.slow
 def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_published_one():
     """`plan deepseek_v3 --nodes 32 --gpus-per-node 8 --gpu h100 --search` lists layouts that fit; Megatron-Bridge's
-    published TP1 PP8 VP2 EP32 cannot be expressed (61 layers over 16 virtual stages need Megatron-Core's
-    pipeline_model_parallel_layout), its closest expressible form — PP8 with 7 and 6 layers on the first and last
-    stages — fits with full recompute and not without."""
+    published TP1 PP8 VP2 EP32 is refused without its layout string (61 layers over 16 virtual stages) and planned
+    with it (`parallel.pipeline_layout`); PP8 with 7 and 6 layers on the first and last stages fits with full
+    recompute and not without."""
     import json
 
     cluster = ["--nodes", "32", "--gpus-per-node", "8", "--gpu", "h100"]
@@ -240,7 +240,12 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     refused = run_cli("pretrain", ["plan", "deepseek_v3", *cluster, *published, "parallel.virtual_pipeline=2"],
                       cwd=REPO)
     assert refused.rc == 2 and "model.num_layers=61 is not divisible by pipeline stages 8×2" in refused.stderr
-    assert "pipeline_model_parallel_layout) are not supported" in refused.stderr
+    assert "or any placement (parallel.pipeline_layout, Megatron-Core's pipeline_model_parallel_layout)" in \
+        refused.stderr
+    # ... which Megatron-Bridge's layout string places (planned, every stage sized: docs/training.md).
+    placed = _plan("deepseek_v3", *cluster, *published, "parallel.virtual_pipeline=2",
+                   "parallel.pipeline_layout=Et*4|(t*4|)*14tmL")
+    assert placed["layout"]["pipeline_layout"] == "Et*4|(t*4|)*14tmL" and len(placed["stages"]) == 8
     uneven = [*published[:-2], "parallel.num_layers_in_first_pipeline_stage=7",
               "parallel.num_layers_in_last_pipeline_stage=6"]
     none = _plan("deepseek_v3", *cluster, *uneven)

@@ -26,12 +26,14 @@ CASES = [
     (["parallel.pipeline=3"], 3,
      "[model.num_layers, parallel.pipeline] model.num_layers=4 is not divisible by pipeline stages 3 = 3. "
      "Fix: choose a stage count dividing 4 (1, 2, 4), or uneven stages (parallel.num_layers_in_first_pipeline_stage / "
-     "..._last_...); other placements (Megatron-Core's pipeline_model_parallel_layout) are not supported"),
+     "..._last_...), the embedding / loss counted as layers (parallel.account_for_embedding_in_pipeline_split / "
+     "..._loss_...) or any placement (parallel.pipeline_layout, Megatron-Core's pipeline_model_parallel_layout)"),
     (["parallel.pipeline=2", "parallel.virtual_pipeline=4"], 2,
      "[model.num_layers, parallel.pipeline, parallel.virtual_pipeline] model.num_layers=4 is not divisible by "
      "pipeline stages 2×4 = 8. Fix: choose a stage count dividing 4 (1, 2, 4), or uneven stages "
-     "(parallel.num_layers_in_first_pipeline_stage / ..._last_...); other placements (Megatron-Core's "
-     "pipeline_model_parallel_layout) are not supported"),
+     "(parallel.num_layers_in_first_pipeline_stage / ..._last_...), the embedding / loss counted as layers "
+     "(parallel.account_for_embedding_in_pipeline_split / ..._loss_...) or any placement (parallel.pipeline_layout, "
+     "Megatron-Core's pipeline_model_parallel_layout)"),
     (["parallel.virtual_pipeline=2"], 1,
      "[parallel.virtual_pipeline, parallel.pipeline] interleaving (parallel.virtual_pipeline=2) needs "
      "parallel.pipeline > 1. Fix: set parallel.pipeline >= 2 or parallel.virtual_pipeline=null"),
