@@ -72,11 +72,8 @@ def _parent_package(name: str) -> str | None:
     return name.rpartition(".")[0] or None
 
 
-def test_no_import_cycle_between_files():
-    # A package's __init__ importing its own submodules is how packages expose names, not a cycle.
-    def deps(name: str) -> set[str]:
-        return {d for d in GRAPH[name] if not (d == _parent_package(name) and MODULES[d].name == "__init__.py")}
-
+def _cycles(nodes, deps) -> list[list[str]]:
+    """The cycles a depth-first walk of `deps` (node -> the nodes it imports) meets, each as a path."""
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -89,9 +86,18 @@ def test_no_import_cycle_between_files():
                 visit(dep, stack + [dep])
         state[node] = 2
 
-    for name in sorted(MODULES):
+    for name in sorted(nodes):
         if name not in state:
             visit(name, [name])
+    return cycles
+
+
+def test_no_import_cycle_between_files():
+    # A package's __init__ importing its own submodules is how packages expose names, not a cycle.
+    def deps(name: str) -> set[str]:
+        return {d for d in GRAPH[name] if not (d == _parent_package(name) and MODULES[d].name == "__init__.py")}
+
+    cycles = _cycles(MODULES, deps)
     assert not cycles, "\n".join(" → ".join(c) for c in cycles)
 
 
@@ -158,18 +164,5 @@ def test_no_loop_between_pretrain_folders():
         for b in deps:
             if b.startswith("pretrain.") and _folder(a) != _folder(b):
                 edges.setdefault(_folder(a), set()).add(_folder(b))
-    loops, state = [], {}
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for dep in sorted(edges.get(node, ())):
-            if state.get(dep) == 1:
-                loops.append(" → ".join(stack[stack.index(dep):] + [dep]))
-            elif dep not in state:
-                visit(dep, stack + [dep])
-        state[node] = 2
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node, [node])
-    assert not loops, "\n".join(loops)
+    loops = _cycles(edges, lambda node: edges.get(node, ()))
+    assert not loops, "\n".join(" → ".join(c) for c in loops)

@@ -88,6 +88,17 @@ def metrics(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def step_values(run_dir: str | Path, key: str) -> list[float]:
+    """`key` of every training step's metrics line (validation lines have no loss), in step order."""
+    return [x[key] for x in metrics(run_dir) if "loss" in x]
+
+
+def max_rel(got: list[float], want: list[float]) -> float:
+    """The largest relative difference of two equally long series."""
+    assert len(got) == len(want), (got, want)
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
 def by_step(run_dir: str | Path) -> dict[int, dict]:
     """The training-step records of `metrics.jsonl`, keyed by step."""
     return {m["step"]: m for m in metrics(run_dir) if "loss" in m}

@@ -28,7 +28,7 @@ from pretrain.compat.mcore import MCORE
 from tests import tiers
 from tests.pool import run_case
 from tests.pretrain.ckpt_helpers import command as train_command
-from tests.pretrain.ckpt_helpers import deterministic, log_text, metrics, run, run_worker_cases
+from tests.pretrain.ckpt_helpers import deterministic, log_text, max_rel, metrics, run, run_worker_cases, step_values
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
 
 pytestmark = pytest.mark.slow
@@ -149,28 +149,18 @@ def _launch_world2(root, cases: list[dict], killed: bool) -> dict:
     return results
 
 
-def _steps(run_dir, key: str) -> list[float]:
-    lines = [x for x in metrics(run_dir) if "loss" in x]
-    return [x[key] for x in lines]
-
-
-def _rel(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
-
-
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", tiers.params(LAYOUTS, FULL))
 def test_cp_layout_matches_one_rank(cp_runs, name):
     root, _, _ = cp_runs
     world, config, comm, _ = LAYOUTS[name]
     ref = root / REFERENCES[config]
-    loss, norm = _rel(_steps(root / name, "loss"), _steps(ref, "loss")), _rel(
-        _steps(root / name, "grad_norm"), _steps(ref, "grad_norm"))
+    loss = max_rel(step_values(root / name, "loss"), step_values(ref, "loss"))
+    norm = max_rel(step_values(root / name, "grad_norm"), step_values(ref, "grad_norm"))
     print(f"| {name} | {world} | {comm} | {loss:.1e} | {norm:.1e} |")
-    assert len(_steps(root / name, "loss")) == STEPS
+    assert len(step_values(root / name, "loss")) == STEPS
     assert loss <= TOLERANCE and norm <= TOLERANCE, (name, loss, norm)
-    losses = _steps(root / name, "loss")
+    losses = step_values(root / name, "loss")
     assert losses[-1] != losses[0]  # training is happening
 
 
@@ -219,10 +209,10 @@ def test_attention_dropout_under_cp_trains(cp_runs):
     """model.attention_dropout=0.1 at CP2 (p2p: the ring draws a mask per block and keeps it for backward) trains 4
     finite steps whose losses differ from the dropout-free run's, but only slightly."""
     root, _, _ = cp_runs
-    got, ref = _steps(root / "cp2_dropout", "loss"), _steps(root / "cp2_p2p", "loss")
+    got, ref = step_values(root / "cp2_dropout", "loss"), step_values(root / "cp2_p2p", "loss")
     print(f"CP2 p2p attention_dropout=0.1 losses {got}; without dropout {ref}")
     assert len(got) == STEPS and all(x == x and abs(x) < 100 for x in got)
-    assert got != ref and _rel(got, ref) < 0.02
+    assert got != ref and max_rel(got, ref) < 0.02
 
 
 @pytest.mark.full

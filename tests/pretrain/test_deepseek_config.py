@@ -159,14 +159,10 @@ def test_validate_cli_refuses_with_one_line_and_exit_2():
 def test_uneven_stages_place_layers_as_megatron_core_does():
     """`Layout.chunk_layers` (planner, census, activations) against Megatron-Core's own offset and layer count for
     even, uneven and interleaved-uneven pipelines (DeepSeek-V3's 61 layers on PP8 and PP16, Moonlight's 27 on PP2)."""
-    from unittest import mock
-
-    import megatron.core.parallel_state as ps
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from pretrain.layout import chunk_layer_range
+    from tests.pretrain.megatron_oracle import megatron_chunks
 
     checked = 0
     for layers, pp, vp, first, last in [(61, 8, 1, 7, 6), (61, 16, 1, 3, 2), (27, 2, 1, 14, 13), (14, 4, 2, 2, None),
@@ -175,17 +171,9 @@ def test_uneven_stages_place_layers_as_megatron_core_does():
                                 pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
                                 num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
-        for rank in range(pp):
-            for stage in range(vp):
-                v = stage if vp > 1 else None
-                with mock.patch.object(ps, "get_pipeline_model_parallel_rank", return_value=rank), \
-                        mock.patch.object(ps, "get_pipeline_model_parallel_world_size", return_value=pp), \
-                        mock.patch.object(ps, "get_virtual_pipeline_model_parallel_world_size",
-                                          return_value=vp if vp > 1 else None):
-                    want = (get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=rank),
-                            get_num_layers_to_build(cfg, vp_stage=v, pp_rank=rank))
-                assert chunk_layer_range(layers, pp, vp, rank, stage, first, last) == want
-                checked += 1
+        for (rank, stage), (first_layer, count, _) in megatron_chunks(cfg, pp, vp).items():
+            assert chunk_layer_range(layers, pp, vp, rank, stage, first, last) == (first_layer, count)
+            checked += 1
     assert checked == 62
     # Validation: the same rules as Megatron-Core's TransformerConfig.
     assert problems(["parallel.pipeline=2", "parallel.num_layers_in_first_pipeline_stage=1",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from pretrain.config import load_config
 from pretrain.layout import derive_layout
 from pretrain.validate import validate
 from tests.pretrain.ckpt_helpers import REPO
+from tests.pretrain.megatron_oracle import megatron_chunks
 
 pytestmark = pytest.mark.mcore
 
@@ -38,11 +38,7 @@ PLACEMENTS = [
 @pytest.mark.parametrize("layers,mtp,pp,vp,layout,emb,loss", PLACEMENTS)
 def test_placement_is_megatron_cores(layers, mtp, pp, vp, layout, emb, loss):
     """Every chunk's (first decoder layer, decoder layers) and the MTP chunk, against Megatron-Core's functions."""
-    import megatron.core.parallel_state as ps
-    from megatron.core.transformer.multi_token_prediction import get_mtp_num_layers_to_build
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     tc = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
@@ -54,20 +50,11 @@ def test_placement_is_megatron_cores(layers, mtp, pp, vp, layout, emb, loss):
                  f"parallel.account_for_embedding_in_pipeline_split={str(emb).lower()}",
                  f"parallel.account_for_loss_in_pipeline_split={str(loss).lower()}"]
     lay = derive_layout(load_config("tiny_llama", overrides), pp, vocab_size=32000, on_gpu=False, te=False)
-    total, mtp_at = 0, []
-    for rank in range(pp):
-        for stage in range(vp):
-            v = stage if vp > 1 else None
-            with mock.patch.object(ps, "get_pipeline_model_parallel_rank", return_value=rank), \
-                    mock.patch.object(ps, "get_pipeline_model_parallel_world_size", return_value=pp), \
-                    mock.patch.object(ps, "get_virtual_pipeline_model_parallel_world_size",
-                                      return_value=vp if vp > 1 else None):
-                want = (get_transformer_layer_offset(tc, vp_stage=v, pp_rank=rank),
-                        get_num_layers_to_build(tc, vp_stage=v, pp_rank=rank))
-                if mtp and get_mtp_num_layers_to_build(tc, vp_stage=v, pp_rank=rank):
-                    mtp_at.append((rank, stage))
-            assert lay.chunk_layers(layers, rank, stage) == want, (rank, stage)
-            total += want[1]
+    chunks = megatron_chunks(tc, pp, vp)
+    for (rank, stage), (first, count, _) in chunks.items():
+        assert lay.chunk_layers(layers, rank, stage) == (first, count), (rank, stage)
+    total = sum(count for _, count, _ in chunks.values())
+    mtp_at = [chunk for chunk, (_, _, builds_mtp) in chunks.items() if builds_mtp]
     assert total == layers
     assert mtp_at == ([lay.mtp_chunk] if mtp else [])
 

@@ -18,7 +18,7 @@ import pytest
 from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
-from tests.pretrain.ckpt_helpers import metrics, run_worker_cases
+from tests.pretrain.ckpt_helpers import max_rel, run_worker_cases, step_values
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
 
 pytestmark = pytest.mark.slow
@@ -73,23 +73,14 @@ def swa_runs(tmp_path_factory, embedded_dataset):
     return root, {name: n for name, (_, n) in singles.items()}
 
 
-def _steps(run_dir, key: str) -> list[float]:
-    return [x[key] for x in metrics(run_dir) if "loss" in x]
-
-
-def _rel(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
-
-
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", tiers.params(LAYOUTS, FULL))
 def test_windowed_layout_matches_one_rank(swa_runs, name):
     root, _ = swa_runs
-    loss = _rel(_steps(root / name, "loss"), _steps(root / "ref", "loss"))
-    norm = _rel(_steps(root / name, "grad_norm"), _steps(root / "ref", "grad_norm"))
+    loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
+    norm = max_rel(step_values(root / name, "grad_norm"), step_values(root / "ref", "grad_norm"))
     print(f"| tiny_mistral_swa (window 32, skip 2) | {name} | {loss:.1e} | {norm:.1e} |")
-    assert len(_steps(root / name, "loss")) == STEPS
+    assert len(step_values(root / name, "loss")) == STEPS
     assert loss <= TOLERANCE and norm <= TOLERANCE, (name, loss, norm)
 
 
