@@ -102,6 +102,8 @@ PUBLISHED = [
     ("pretrain_235b.sh", {"GPU": "b200"}, 64, "decoder*5,loss"),
     ("pretrain_deepseek_v3.sh", {}, 256, "decoder,mtp,loss"),
     ("pretrain_deepseek_v3.sh", {"LAYOUT": "h100"}, 1024, "mtp,loss"),
+    ("pretrain_kimi_k2.sh", {}, 512, "decoder,loss"),  # with Muon (MuonClip), as published
+    ("pretrain_kimi_k2.sh", {"OPTIMIZER": "adamw"}, 512, "decoder,loss"),
 ]
 
 
