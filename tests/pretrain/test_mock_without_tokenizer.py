@@ -60,7 +60,8 @@ def test_documented_world_sizes():
 @pytest.mark.parametrize("config", SHIPPED)
 def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatch):
     """`--world-size N` on a machine without CUDA checks the job as on GPUs with Transformer Engine: every shipped
-    config passes; deepseek_v3's MLA under CP (TE only) is a note there, and refused for a job on this machine."""
+    config passes; what needs TE (deepseek_v3's MLA under CP, kimi_k2's QK-clip) is a note there, and refused for a
+    job on this machine."""
     import torch
 
     from pretrain.validate import validate
@@ -74,10 +75,14 @@ def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatc
         assert f"training uses {_null_note(cfg.model.vocab_size)} from model.preset={cfg.model.preset}'s " \
                "model.vocab_size" in text, text
     here = validate(cfg, world, te_on_gpu=False, cuda_available=False)
-    if cfg.parallel.context > 1 and cfg.model.multi_latent_attention:  # deepseek_v3: MLA under CP needs TE
-        assert "note: not on this machine (no CUDA, no Transformer Engine): [model.multi_latent_attention, " \
-               "parallel.context]" in text, text
-        assert [e.keys for e in here.errors] == [("model.multi_latent_attention", "parallel.context")], here.text()
+    # What only GPUs with Transformer Engine run: deepseek_v3's MLA under CP, kimi_k2's QK-clip (the local attention
+    # records no max logit). The dry run says each as a note; a job on this machine is refused.
+    te_only = {"deepseek_v3": [("model.multi_latent_attention", "parallel.context")],
+               "kimi_k2": [("optimizer.muon.qk_clip", "model.transformer_impl")]}
+    if config in te_only:
+        assert [e.keys for e in here.errors] == te_only[config], here.text()
+        for keys in te_only[config]:
+            assert f"note: not on this machine (no CUDA, no Transformer Engine): [{', '.join(keys)}]" in text, text
     else:  # llama3_8b's CP2 runs on CPU too (model_providers/core/cp_attention.py), and says so
         assert here.ok and "not on this machine" not in text, text
         assert (cfg.parallel.context > 1) == any("context parallelism without Transformer Engine" in n
