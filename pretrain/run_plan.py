@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model_providers.core.model_plan import ModelPlan, model_plan
 from pretrain.config import Config
 from pretrain.layout import RESOLUTIONS, Layout, derive_layout
 from pretrain.problems import Report
@@ -59,10 +60,7 @@ class RunPlan:
     tokenizer: TokenizerPlan | None
     data: DataPlan
     problems: Report
-
-    @property
-    def model(self):
-        return self.cfg.model
+    model: ModelPlan  # what model building reads: `build_model(plan.model, plan.layout)`
 
     def layout_key(self) -> tuple:
         """What must be equal for per-rank state (RNG) to be restored; MoE adds expert parallel and expert TP."""
@@ -103,7 +101,7 @@ def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate
     problems, layout = check(cfg, world_size, vocab_size=vocab, tokenizer=tokenizer.identity if tokenizer else None,
                              data_files=data_files, **validate_kwargs)
     return RunPlan(cfg=cfg, world_size=world_size, layout=layout, tokenizer=tokenizer, data=_data_plan(cfg),
-                   problems=problems)
+                   problems=problems, model=model_plan(cfg))
 
 
 def for_weights(cfg: Config, world_size: int, on_gpu: bool = False) -> RunPlan:
@@ -113,5 +111,4 @@ def for_weights(cfg: Config, world_size: int, on_gpu: bool = False) -> RunPlan:
     layout = derive_layout(cfg, world_size, vocab_size=tokenizer.vocab_size if tokenizer else None,
                            on_gpu=on_gpu, te=False)
     return RunPlan(cfg=cfg, world_size=world_size, layout=layout, tokenizer=tokenizer,
-                   data=_data_plan(cfg),
-                   problems=Report(world_size))
+                   data=_data_plan(cfg), problems=Report(world_size), model=model_plan(cfg))

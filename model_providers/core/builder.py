@@ -1,9 +1,10 @@
-"""Build Megatron-Core `GPTModel` chunks from the run config, with layout-invariant initialisation.
+"""Build Megatron-Core `GPTModel` chunks from the run's model plan, with layout-invariant initialisation.
 
-`build_model(cfg, layout)` returns one `GPTModel` per virtual pipeline stage held by this rank
-(a list of one without interleaving). Weights are drawn by `initialize_layout_invariant`: each
-parameter on its full (unsharded) shape from a generator seeded by (train.seed, global parameter
-name), then sliced to this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
+`build_model(plan.model, plan.layout)` (a `ModelPlan`: `model_providers/core/model_plan.py`, and the run's
+`Layout`) returns one `GPTModel` per virtual pipeline stage held by this rank (a list of one without
+interleaving). Weights are drawn by `initialize_layout_invariant`: each parameter on its full (unsharded)
+shape from a generator seeded by (train.seed, global parameter name), then sliced to
+this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from model_providers.core import fusions, windows
+from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
-from model_providers.core.sequences import packed_sequences, variable_seq_lengths
+from model_providers.core.sequences import shapes_vary
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
 
-def transformer_config(cfg, layout: Any) -> TransformerConfig:
+def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
     """Megatron-Core `TransformerConfig` for the run's model, layout and numerics.
 
-    `layout` is the run's `pretrain.layout.Layout` (derived facts: sizes, precision, spec choice, shape defaults).
+    `model`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout` (derived facts: sizes,
+    precision, spec choice, shape defaults).
     """
-    m, p = cfg.model, cfg.parallel
+    m = model.config
     on_gpu, use_te, precision = layout.on_gpu, layout.use_te, layout.precision
     dtype = layout.params_dtype
-    batch_p2p = p.batch_p2p_comm
+    batch_p2p = model.batch_p2p_comm
     if batch_p2p is None:
         # gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently.
         batch_p2p = on_gpu
@@ -53,7 +56,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=layout.embedding_in_split,
         account_for_loss_in_pipeline_split=layout.loss_in_split,
         context_parallel_size=layout.cp,
-        cp_comm_type=p.cp_comm_type if layout.cp > 1 else None,
+        cp_comm_type=model.cp_comm_type if layout.cp > 1 else None,
         sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
@@ -81,11 +84,11 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         batch_p2p_comm=batch_p2p,
         batch_p2p_sync=on_gpu,
         # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
-        variable_seq_lengths=variable_seq_lengths(cfg, layout),
+        variable_seq_lengths=shapes_vary(model.packed_documents, layout),
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
-        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=cfg.data.reset_attention_mask,
+        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=model.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
         # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).
         window_size=windows.window_size(m),
@@ -96,7 +99,7 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=on_gpu,
-        tp_comm_overlap=p.tp_comm_overlap,
+        tp_comm_overlap=model.tp_comm_overlap,
         transformer_impl="transformer_engine" if use_te else "local",
         # Loss = sum over tokens; finalize_model_grads divides by the global token count.
         calculate_per_token_loss=True,
@@ -109,25 +112,17 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
         # lengths (packed documents under CP × PP), even on a dense model.
         kwargs["moe_token_dispatcher_type"] = "alltoall"
-    perf = getattr(cfg, "performance", None)
+    perf = model.performance
     if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
         kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:
         kwargs.update(mla_config(m))
-        kwargs.update(_qk_clip(cfg))
+        kwargs.update(model.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
         return MLATransformerConfig(**kwargs)
-    kwargs.update(_qk_clip(cfg))
+    kwargs.update(model.qk_clip)
     return TransformerConfig(**kwargs)
-
-
-def _qk_clip(cfg) -> dict:
-    """Megatron-Core's QK-clip (MuonClip) fields when optimizer.muon.qk_clip is on."""
-    o = cfg.optimizer
-    if o.name != "muon" or not o.muon.qk_clip:
-        return {}
-    return dict(qk_clip=True, qk_clip_threshold=o.muon.qk_clip_threshold, qk_clip_alpha=o.muon.qk_clip_alpha)
 
 
 def mla_config(m) -> dict:
@@ -182,18 +177,19 @@ def moe_config(m, layout: Any) -> dict:
     )
 
 
-def build_model(cfg, layout: Any) -> list[GPTModel]:
+def build_model(model: ModelPlan, layout: Any) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly.
 
-    `layout` is the run's `pretrain.layout.Layout`, derived with the vocabulary known.
+    `model`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout`, derived with the
+    vocabulary known (`RunPlan.layout`).
     """
-    config = transformer_config(cfg, layout)
-    m = cfg.model
+    config = transformer_config(model, layout)
+    m = model.config
     vocab_size, padded = layout.vocab_size, layout.padded_vocab
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
-        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed_sequences(cfg))
+        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=model.packed_documents)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -223,7 +219,7 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         chunks.append(model)
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
-    initialize_layout_invariant(chunks, cfg, vocab_size, padded)
+    initialize_layout_invariant(chunks, model, vocab_size, padded)
     return chunks
 
 
@@ -370,15 +366,15 @@ def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None,
     return shape, None, 0
 
 
-def _std_for(gname: str, cfg) -> float:
-    std = cfg.model.init_method_std
+def _std_for(gname: str, m) -> float:
+    std = m.init_method_std
     if gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight"):
-        return std / math.sqrt(2.0 * cfg.model.num_layers)  # Megatron's scaled output init
+        return std / math.sqrt(2.0 * m.num_layers)  # Megatron's scaled output init
     return std
 
 
-def _is_glu_fc1(gname: str, cfg) -> bool:
-    return cfg.model.gated_linear_unit and ".linear_fc1." in gname
+def _is_glu_fc1(gname: str, m) -> bool:
+    return m.gated_linear_unit and ".linear_fc1." in gname
 
 
 def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> torch.Tensor:
@@ -391,13 +387,14 @@ def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> 
 
 
 @torch.no_grad()
-def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, padded_vocab: int) -> None:
+def initialize_layout_invariant(chunks: list[GPTModel], model: ModelPlan, vocab_size: int,
+                                padded_vocab: int) -> None:
     """Draw every parameter on its full shape from (seed, global name), then keep this rank's slice.
 
     Matrices ~ N(0, std) (output projections scaled by 1/sqrt(2·layers)), norm weights 1, biases 0.
     Embedding rows past the real vocabulary (TP padding) are zero, so padding never changes values.
     """
-    seed = cfg.train.seed
+    seed, m = model.seed, model.config
     for chunk in chunks:
         names = global_parameter_names(chunk)
         for local, param in chunk.named_parameters():
@@ -414,12 +411,12 @@ def initialize_layout_invariant(chunks: list[GPTModel], cfg, vocab_size: int, pa
             gen.manual_seed(_seed_for(seed, gname))
             if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 rows = torch.empty([vocab_size, *full_shape[1:]], dtype=torch.float32, device=param.device)
-                rows.normal_(0.0, _std_for(gname, cfg), generator=gen)
+                rows.normal_(0.0, _std_for(gname, m), generator=gen)
                 full = torch.zeros(full_shape, dtype=torch.float32, device=param.device)
                 full[:vocab_size] = rows
             else:
                 full = torch.empty(full_shape, dtype=torch.float32, device=param.device)
-                full.normal_(0.0, _std_for(gname, cfg), generator=gen)
+                full.normal_(0.0, _std_for(gname, m), generator=gen)
             if dim is not None:
-                full = _tp_slice(full, dim, rank, param.shape[dim], glu=_is_glu_fc1(gname, cfg))
+                full = _tp_slice(full, dim, rank, param.shape[dim], glu=_is_glu_fc1(gname, m))
             param.copy_(full.to(param.dtype))

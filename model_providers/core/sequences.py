@@ -15,4 +15,9 @@ def packed_sequences(cfg) -> bool:
 def variable_seq_lengths(cfg, layout: Any) -> bool:
     """Pipeline stages exchange tensor shapes before each tensor (Megatron's `variable_seq_lengths`): packed
     documents under context parallelism are padded per microbatch, so their length varies."""
-    return packed_sequences(cfg) and layout.cp > 1 and layout.pp > 1
+    return shapes_vary(packed_sequences(cfg), layout)
+
+
+def shapes_vary(packed: bool, layout: Any) -> bool:
+    """`variable_seq_lengths` of packed documents (`packed`) on `layout`: under CP × PP."""
+    return packed and layout.cp > 1 and layout.pp > 1

@@ -64,11 +64,12 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
 
     compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
     from model_providers.core.builder import transformer_config
+    from model_providers.core.model_plan import model_plan
 
     try:
         with warnings.catch_warnings():  # its notes (defaults it fills in) are the trainer's to print
             warnings.simplefilter("ignore")
-            transformer_config(cfg, lay)
+            transformer_config(model_plan(cfg), lay)
     except _REFUSALS as exc:
         r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")

@@ -211,7 +211,7 @@ def build_training(cfg: Config, run: Run, log) -> None:
     rt = run.rt
     if cfg.parallel.tp_comm_overlap:
         initialize_tp_comm_overlap(cfg)
-    run.chunks = build_model(cfg, run.layout)
+    run.chunks = build_model(run.plan.model, run.layout)
     tconfig = run.chunks[0].config
     run.model = wrap_with_ddp(cfg, run.chunks, tconfig)
     run.optimizer = build_optimizer(cfg, run.model, run.layout, log)

@@ -29,7 +29,6 @@ def megatron_logits(*jobs: str) -> None:
     from pretrain.checkpoint.load import load_checkpoint
     from pretrain.config import config_from_dict
     from pretrain.hf.readers import CheckpointReader
-    from pretrain.layout import derive_layout, resolve_vocab_size
     from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
     from pretrain.run_plan import for_weights
 
@@ -45,11 +44,10 @@ def megatron_logits(*jobs: str) -> None:
             tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
             tree["model"]["mtp_num_layers"] = None  # MTP layers do not change the logits (and need labels)
             cfg = config_from_dict(tree)
-            vocab = resolve_vocab_size(cfg)
-            layout = derive_layout(cfg, 1, vocab_size=vocab, on_gpu=False)
-            init_model_parallel(layout, cfg.train.seed)
-            model = build_model(cfg, layout)
             plan = for_weights(cfg, 1)
+            vocab = plan.layout.vocab_size
+            init_model_parallel(plan.layout, cfg.train.seed)
+            model = build_model(plan.model, plan.layout)
             load_checkpoint(CheckpointContext(model, None, None, plan), path, weights_only=True)
             tokens = torch.load(tokens_file, weights_only=True)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)

@@ -34,6 +34,7 @@ def _te_available() -> bool:
 def built_chunk(config: str, overrides: list[str]):
     """The model chunk the trainer builds for `config` on this GPU (one process, world 1)."""
     from model_providers.core.builder import build_model
+    from model_providers.core.model_plan import model_plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
     from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
@@ -43,7 +44,7 @@ def built_chunk(config: str, overrides: list[str]):
     try:
         layout = derive_layout(cfg, 1, vocab_size=32000, on_gpu=True)
         init_model_parallel(layout, cfg.train.seed)
-        yield build_model(cfg, layout)[0]
+        yield build_model(model_plan(cfg), layout)[0]
     finally:
         shutdown()
 

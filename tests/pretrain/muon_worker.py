@@ -71,6 +71,7 @@ def reference(out: str) -> int:
     import torch.distributed as dist
 
     from model_providers.core.builder import build_model
+    from model_providers.core.model_plan import model_plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
     from pretrain.run.runtime import init_model_parallel
@@ -79,7 +80,7 @@ def reference(out: str) -> int:
     cfg = load_config("tiny_llama", OVERRIDES)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
-    chunks = build_model(cfg, layout)
+    chunks = build_model(model_plan(cfg), layout)
     model = wrap_with_ddp(cfg, chunks, chunks[0].config)
     lines: list[str] = []
     optimizer = build_optimizer(cfg, model, layout, lines.append)
@@ -135,6 +136,7 @@ def qk_clip(out: str) -> int:
     import torch.distributed as dist
 
     from model_providers.core.builder import build_model
+    from model_providers.core.model_plan import model_plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
     from pretrain.optim.muon import after_step
@@ -145,7 +147,7 @@ def qk_clip(out: str) -> int:
                                      "optimizer.muon.qk_clip_alpha=0.5"])
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
-    chunks = build_model(cfg, layout)
+    chunks = build_model(model_plan(cfg), layout)
     model = wrap_with_ddp(cfg, chunks, chunks[0].config)
     heads, groups, d = cfg.model.num_attention_heads, layout.num_query_groups, layout.head_dim
     logits = torch.tensor([50.0, 150.0, 90.0, 99.0, 400.0, 100.0, 10.0, 20.0])  # groups of 2: max 150, 99, 400, 20

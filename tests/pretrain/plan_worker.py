@@ -247,6 +247,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     from megatron.core import parallel_state as ps
 
     from model_providers.core.builder import build_model
+    from model_providers.core.model_plan import model_plan
     from pretrain import plan
     from pretrain.config import load_config
     from pretrain.layout import derive_layout
@@ -256,7 +257,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     cfg = load_config(config, overrides)
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
-    chunks = build_model(cfg, layout)
+    chunks = build_model(model_plan(cfg), layout)
     model = wrap_with_ddp(cfg, chunks, chunks[0].config)
     optimizer = build_optimizer(cfg, model, layout)
     for c in model:

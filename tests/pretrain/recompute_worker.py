@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from model_providers.core.builder import build_model
+    from model_providers.core.model_plan import model_plan
     from pretrain import compat
     from pretrain.config import load_config
     from pretrain.data.datasets import build_datasets, build_tokenizer, microbatches
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             init_model_parallel(layout, cfg.train.seed)
             unset_num_microbatches_calculator()
             init_num_microbatches_calculator(0, None, cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
-            (model,) = build_model(cfg, layout)
+            (model,) = build_model(model_plan(cfg), layout)
             model.train()
             train_ds, _ = build_datasets(cfg, tokenizer, cfg.train.global_batch_size)
             (batch,) = microbatches(train_ds, 0, num_microbatches=1, micro_batch_size=cfg.train.micro_batch_size,

@@ -15,6 +15,7 @@ import contextlib
 import time
 from unittest import mock
 
+from model_providers.core.model_plan import model_plan
 from pretrain.__main__ import main
 from pretrain.config import load_config
 from pretrain.layout import derive_layout
@@ -50,7 +51,7 @@ def build_megatron_configs(cfg, world: int) -> None:
     from pretrain.run.setup import ddp_config, optimizer_config
 
     layout = derive_layout(cfg, world, vocab_size=32000)
-    config = transformer_config(cfg, layout)
+    config = transformer_config(model_plan(cfg), layout)
     for pp_rank in range(layout.pp):
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
@@ -107,7 +108,8 @@ def test_every_pair_and_triple_accepted_for_gpus_builds_its_transformer_config()
             if report.ok:
                 accepted += 1
                 try:
-                    transformer_config(cfg, derive_layout(cfg, world, vocab_size=32000, on_gpu=True, te=True))
+                    transformer_config(model_plan(cfg),
+                                       derive_layout(cfg, world, vocab_size=32000, on_gpu=True, te=True))
                 except Exception as exc:  # noqa: BLE001 - every Megatron refusal, reported together
                     failed[case_name(names)] = f"{type(exc).__name__}: {exc}"
     print(f"on GPUs with TE: {accepted} of {len(combinations())} accepted, every TransformerConfig built")

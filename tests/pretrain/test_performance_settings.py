@@ -53,11 +53,12 @@ def test_passed_to_megatron_core_transformer_config():
 
     compat.import_megatron(False)
     from model_providers.core.builder import transformer_config
+    from model_providers.core.model_plan import model_plan
 
     cfg = load_config("tiny_moe", ["data.mock=true", "parallel.expert=2", *ALL[:5], ALL[6]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tc = transformer_config(cfg, derive_layout(cfg, 2, on_gpu=False, te=False))
+        tc = transformer_config(model_plan(cfg), derive_layout(cfg, 2, on_gpu=False, te=False))
     assert (tc.moe_token_dispatcher_type, tc.moe_flex_dispatcher_backend) == ("flex", "deepep")
     assert tc.cuda_graph_impl == "transformer_engine"
     assert tc.fine_grained_activation_offloading and list(tc.offload_modules) == ["core_attn", "expert_fc1"]
