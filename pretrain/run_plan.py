@@ -26,6 +26,7 @@ class TokenizerPlan:
 
     null: bool
     identity: Any  # pretrain.tokenizer.identity.TokenizerIdentity; None when it cannot be known (reported)
+    error: str | None = None  # why the identity is unknown (None when it is known)
 
     @property
     def vocab_size(self) -> int | None:
@@ -78,9 +79,10 @@ def resolve_tokenizer(cfg: Config) -> TokenizerPlan | None:
     null = uses_null_tokenizer(cfg.data)
     try:
         identity = run_tokenizer_identity(cfg, null)
-    except Exception:  # noqa: BLE001 - unusable tokenizer settings or files: validation reports why, in one line
-        identity = None
-    return TokenizerPlan(null=null, identity=identity)
+    except Exception as exc:  # noqa: BLE001 - unusable tokenizer settings or files: validation reports why, in one line
+        return TokenizerPlan(null=null, identity=None, error=str(exc))
+    why = "the null tokenizer of mock data needs model.vocab_size" if identity is None else None
+    return TokenizerPlan(null=null, identity=identity, error=why)
 
 
 def _data_plan(cfg: Config) -> DataPlan:
@@ -98,10 +100,21 @@ def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate
 
     tokenizer = resolve_tokenizer(cfg)
     vocab = tokenizer.vocab_size if tokenizer is not None else None
-    problems, layout = check(cfg, world_size, vocab_size=vocab, tokenizer=tokenizer.identity if tokenizer else None,
-                             data_files=data_files, **validate_kwargs)
+    problems, layout = check(cfg, world_size, vocab_size=vocab, tokenizer=tokenizer, data_files=data_files,
+                             **validate_kwargs)
     return RunPlan(cfg=cfg, world_size=world_size, layout=layout, tokenizer=tokenizer, data=_data_plan(cfg),
                    problems=problems, model=model_plan(cfg))
+
+
+def for_cluster(cfg: Config, world_size: int, *, use_te: bool, versions=None) -> RunPlan:
+    """The plan of `cfg` on a GPU cluster of `world_size` ranks, for the planner (`python -m pretrain plan`): checked
+    from the config alone as on GPUs (`use_te`: with Transformer Engine), its data as mock data (the data may live
+    elsewhere); the layout is the one that check derives, with the tokenizer's vocabulary."""
+    import copy
+
+    planning = copy.deepcopy(cfg)
+    planning.data.mock = True
+    return resolve(planning, world_size, files=False, te_on_gpu=use_te, cuda_available=True, versions=versions)
 
 
 def for_weights(cfg: Config, world_size: int, on_gpu: bool = False) -> RunPlan:

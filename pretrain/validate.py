@@ -44,7 +44,8 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
           vocab_size: int | None = None, tokenizer=None) -> tuple[Report, Layout | None]:
     """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
     sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`: the tokenizer's vocabulary and
-    identity, resolved once by `pretrain.run_plan` (the data check then loads no tokenizer again).
+    its `pretrain.run_plan.TokenizerPlan`, resolved once by `pretrain.run_plan` (the data rules then decide and load
+    no tokenizer again).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -62,7 +63,8 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
 
         cuda_available = torch.cuda.is_available()
     if gpu_dry_run and not cuda_available:
-        return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files), None
+        return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files,
+                            vocab_size=vocab_size, tokenizer=tokenizer), None
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
@@ -77,7 +79,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
                  bounds_rules]
     if files:
-        rules.append(partial(data_rules, tokenizer=tokenizer) if data_files else data_config_rules)
+        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer))
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.

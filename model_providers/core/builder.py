@@ -27,16 +27,16 @@ from model_providers.core.sequences import shapes_vary
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 
 
-def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
+def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
     """Megatron-Core `TransformerConfig` for the run's model, layout and numerics.
 
-    `model`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout` (derived facts: sizes,
+    `plan`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout` (derived facts: sizes,
     precision, spec choice, shape defaults).
     """
-    m = model.config
+    m = plan.config
     on_gpu, use_te, precision = layout.on_gpu, layout.use_te, layout.precision
     dtype = layout.params_dtype
-    batch_p2p = model.batch_p2p_comm
+    batch_p2p = plan.batch_p2p_comm
     if batch_p2p is None:
         # gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently.
         batch_p2p = on_gpu
@@ -56,7 +56,7 @@ def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=layout.embedding_in_split,
         account_for_loss_in_pipeline_split=layout.loss_in_split,
         context_parallel_size=layout.cp,
-        cp_comm_type=model.cp_comm_type if layout.cp > 1 else None,
+        cp_comm_type=plan.cp_comm_type if layout.cp > 1 else None,
         sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
@@ -84,11 +84,11 @@ def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
         batch_p2p_comm=batch_p2p,
         batch_p2p_sync=on_gpu,
         # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
-        variable_seq_lengths=shapes_vary(model.packed_documents, layout),
+        variable_seq_lengths=shapes_vary(plan.packed_documents, layout),
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
-        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=model.packed_documents,
+        masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=plan.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
         # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).
         window_size=windows.window_size(m),
@@ -99,7 +99,7 @@ def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=on_gpu,
-        tp_comm_overlap=model.tp_comm_overlap,
+        tp_comm_overlap=plan.tp_comm_overlap,
         transformer_impl="transformer_engine" if use_te else "local",
         # Loss = sum over tokens; finalize_model_grads divides by the global token count.
         calculate_per_token_loss=True,
@@ -112,16 +112,16 @@ def transformer_config(model: ModelPlan, layout: Any) -> TransformerConfig:
         # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
         # lengths (packed documents under CP × PP), even on a dense model.
         kwargs["moe_token_dispatcher_type"] = "alltoall"
-    perf = model.performance
+    perf = plan.performance
     if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
         kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
     if m.multi_latent_attention:
         kwargs.update(mla_config(m))
-        kwargs.update(model.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
+        kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
         return MLATransformerConfig(**kwargs)
-    kwargs.update(model.qk_clip)
+    kwargs.update(plan.qk_clip)
     return TransformerConfig(**kwargs)
 
 
@@ -177,19 +177,19 @@ def moe_config(m, layout: Any) -> dict:
     )
 
 
-def build_model(model: ModelPlan, layout: Any) -> list[GPTModel]:
+def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialised layout-invariantly.
 
-    `model`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout`, derived with the
+    `plan`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout`, derived with the
     vocabulary known (`RunPlan.layout`).
     """
-    config = transformer_config(model, layout)
-    m = model.config
+    config = transformer_config(plan, layout)
+    m = plan.config
     vocab_size, padded = layout.vocab_size, layout.padded_vocab
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
-        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=model.packed_documents)
+        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=plan.packed_documents)
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -219,7 +219,7 @@ def build_model(model: ModelPlan, layout: Any) -> list[GPTModel]:
         chunks.append(model)
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
-    initialize_layout_invariant(chunks, model, vocab_size, padded)
+    initialize_layout_invariant(chunks, plan, vocab_size, padded)
     return chunks
 
 
@@ -387,14 +387,14 @@ def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> 
 
 
 @torch.no_grad()
-def initialize_layout_invariant(chunks: list[GPTModel], model: ModelPlan, vocab_size: int,
+def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_size: int,
                                 padded_vocab: int) -> None:
     """Draw every parameter on its full shape from (seed, global name), then keep this rank's slice.
 
     Matrices ~ N(0, std) (output projections scaled by 1/sqrt(2·layers)), norm weights 1, biases 0.
     Embedding rows past the real vocabulary (TP padding) are zero, so padding never changes values.
     """
-    seed, m = model.seed, model.config
+    seed, m = plan.seed, plan.config
     for chunk in chunks:
         names = global_parameter_names(chunk)
         for local, param in chunk.named_parameters():

@@ -167,8 +167,15 @@ def used_blends(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float
     return {} if uses_mock(d) else out
 
 
-def check_data_config(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float] | None]]:
-    """Rules that need no file: data present, mock vs blend, blend syntax, split. Returns the used blends."""
+def _is_null(d: DataConfig, null: bool | None) -> bool:
+    """`null`: the run plan's decision (`pretrain.run_plan.TokenizerPlan.null`); None: `uses_null_tokenizer`."""
+    return null if null is not None else uses_null_tokenizer(d)
+
+
+def check_data_config(cfg: Config, r: Report,
+                      null: bool | None = None) -> dict[str, tuple[list[str], list[float] | None]]:
+    """Rules that need no file: data present, mock vs blend, blend syntax, split. Returns the used blends.
+    `null`: whether the run's tokenizer is the null one, when the run plan decided it."""
     d = cfg.data
     if not d.mock and not d.blend and not d.train_blend:
         r.error(("data.blend", "data.mock"), "no training data: data.blend and data.train_blend are empty and "
@@ -194,7 +201,7 @@ def check_data_config(cfg: Config, r: Report) -> dict[str, tuple[list[str], list
             r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
                     f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
                     "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
-    kind = None if uses_null_tokenizer(d) else tokenizer_kind(d.tokenizer_type)
+    kind = None if _is_null(d, null) else tokenizer_kind(d.tokenizer_type)
     if kind == HUGGINGFACE and d.tokenizer_model is None and d.vocab_file is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a tokenizer.json or its directory); no HuggingFace tokenizer is embedded",
@@ -209,15 +216,16 @@ def _tokenizer_problem_reported(r: Report) -> bool:
     return any("data.tokenizer_type" in p.keys for p in r.errors)
 
 
-def check_tokenizer(cfg: Config, r: Report, ident=None):
-    """Load the run's tokenizer the light way (`ident`: already loaded); report unusable files, a silent fallback
-    and a missing EOD. Returns its `TokenizerIdentity`, or None when it cannot be loaded."""
+def check_tokenizer(cfg: Config, r: Report, ident=None, null: bool | None = None):
+    """Load the run's tokenizer the light way (`ident`: already loaded; `null`: the null tokenizer or not, when
+    decided); report unusable files, a silent fallback and a missing EOD. Returns its `TokenizerIdentity`, or None
+    when it cannot be loaded."""
     from pretrain.tokenizer.identity import describe_tokenizer
 
     d, m = cfg.data, cfg.model
     if _tokenizer_problem_reported(r):
         return None
-    if uses_null_tokenizer(d):
+    if _is_null(d, null):
         return _null_tokenizer(cfg, r)
     ttype, model, vocab, merges, embedded = tokenizer_args(d)
     try:
@@ -370,10 +378,11 @@ def _full_read_note(full: list[tuple[str, str]]) -> str:
             "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
 
 
-def check_data_files(cfg: Config, r: Report, blends: dict, ident=None) -> None:
-    """Tokenizer, every prefix of every blend, and the documents of each split the run reads. `ident`: the run's
-    tokenizer identity when already resolved (`pretrain.run_plan`), else loaded here."""
-    ident = check_tokenizer(cfg, r, ident)
+def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: bool | None = None) -> None:
+    """Tokenizer, every prefix of every blend, and the documents of each split the run reads. `ident`, `null`: the
+    run's tokenizer identity and whether it is the null one, when already resolved (`pretrain.run_plan`), else
+    loaded / decided here."""
+    ident = check_tokenizer(cfg, r, ident, null)
     vocab = resolve_vocab_size(cfg, ident.vocab_size) if ident is not None else cfg.model.vocab_size
     try:
         ranges = split_ranges(cfg.data.split)

@@ -60,8 +60,8 @@ def check_data_files_once(cfg, report, device=None, tokenizer=None) -> None:
     if dist.get_rank() == 0:
         verdict = Report(report.world_size)
         try:
-            ident = tokenizer.identity if tokenizer is not None else None  # the run plan's, not loaded again
-            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)), ident)
+            ident, null = (tokenizer.identity, tokenizer.null) if tokenizer is not None else (None, None)  # the plan's
+            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)), ident, null)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
             failure = exc
             verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")

@@ -54,9 +54,32 @@ def _installed():
 
 def check_layout(cfg: Config, world: int, use_te: bool) -> list[str]:
     """The validator's errors for `cfg` on a GPU cluster of `world` ranks (data need not be configured)."""
-    from pretrain.validate import validate
+    return checked_layout(cfg, world, use_te)[0]
+
+
+def checked_layout(cfg: Config, world: int, use_te: bool,
+                   vocab_size: int | None = None) -> tuple[list[str], Layout | None]:
+    """`check_layout`'s errors and the layout the validator derived on the way (`vocab_size`: the tokenizer's, when
+    model.vocab_size is unset), so a candidate's layout is derived once."""
+    from pretrain.validate import check
 
     planning = copy.deepcopy(cfg)
     planning.data.mock = True
-    report = validate(planning, world, te_on_gpu=use_te, cuda_available=True, files=False, versions=_installed())
-    return [str(e) for e in report.errors]
+    report, lay = check(planning, world, te_on_gpu=use_te, cuda_available=True, files=False, versions=_installed(),
+                        vocab_size=vocab_size)
+    return [str(e) for e in report.errors], lay
+
+
+def cluster_plan(cfg: Config, world: int, use_te: bool):
+    """The run plan (`pretrain.run_plan.RunPlan`) of `cfg` on a GPU cluster of `world` ranks: the tokenizer resolved
+    and the layout derived once, by validation; `PlanError` naming the validator's errors or an unknown vocabulary."""
+    from pretrain.run_plan import for_cluster
+
+    run = for_cluster(cfg, world, use_te=use_te, versions=_installed())
+    if run.problems.errors:
+        raise PlanError(f"layout does not pass validation on {world} GPUs: "
+                        + " | ".join(str(e) for e in run.problems.errors))
+    if run.layout is None or run.layout.padded_vocab is None:
+        why = run.tokenizer.error if run.tokenizer is not None else None
+        raise PlanError(f"cannot size the vocabulary ({why}); set model.vocab_size")
+    return run

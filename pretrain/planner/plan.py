@@ -20,9 +20,7 @@ from pretrain.planner.common import (
     GPU_MEMORY_GIB,
     HEADROOM,
     PlanError,
-    check_layout,
-    layout_of,
-    padded_vocab_for,
+    cluster_plan,
 )
 from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
@@ -38,11 +36,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         raise PlanError(f"unknown --gpu '{gpu}' (known: {', '.join(PEAK_TFLOPS)})")
     world = nodes * gpus_per_node
     use_te = cfg.model.transformer_impl != "local"
-    errors = check_layout(cfg, world, use_te)
-    if errors:
-        raise PlanError(f"layout does not pass validation on {world} GPUs: " + " | ".join(errors))
-    lay = layout_of(cfg, world, on_gpu=True, use_te=use_te)
-    vocab = padded_vocab_for(cfg)
+    lay = cluster_plan(cfg, world, use_te).layout  # the run plan: tokenizer and layout resolved once
+    vocab = lay.padded_vocab
     m = cfg.model
     rm = most_loaded(cfg, lay, vocab, fused_adam)
     stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in memory_candidates(lay)]

@@ -8,7 +8,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.observe.flops import PEAK_TFLOPS
-from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, check_layout, layout_of, padded_vocab_for
+from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, checked_layout
 from pretrain.planner.cost import cost_model
 from pretrain.planner.memory import most_loaded
 
@@ -45,7 +45,9 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
     world = nodes * gpus_per_node
     m = cfg.model
     use_te = m.transformer_impl != "local"
-    vocab_cache: dict[int, int] = {}
+    from pretrain.run_plan import resolve_tokenizer
+
+    tokenizer = resolve_tokenizer(cfg)  # once; each candidate's layout is the one its validation derives
     results = []
     tps = [t for t in _divisors(gpus_per_node) if t <= 8]
     cps = [1, 2, 4, 8] if use_te else [1]
@@ -94,15 +96,15 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                         c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
                         c.model.recompute_granularity = gran
                         c.model.recompute_method, c.model.recompute_num_layers = method, num
-                        if check_layout(c, world, use_te):
+                        errors, lay = checked_layout(c, world, use_te, tokenizer.vocab_size)
+                        if errors:
                             continue
-                        if tp not in vocab_cache:
-                            vocab_cache[tp] = padded_vocab_for(c)
-                        lay = layout_of(c, world, on_gpu=True, use_te=use_te)
-                        rm = most_loaded(c, lay, vocab_cache[tp], fused_adam)
+                        if lay.padded_vocab is None:
+                            raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
+                        rm = most_loaded(c, lay, lay.padded_vocab, fused_adam)
                         if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
                             continue
-                        cost = cost_model(c, lay, vocab_cache[tp], gpu, gpus_per_node, rm.params,
+                        cost = cost_model(c, lay, lay.padded_vocab, gpu, gpus_per_node, rm.params,
                                           rm.expert_params)
                         results.append({
                             "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,

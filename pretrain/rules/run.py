@@ -57,19 +57,21 @@ def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
 
 
 def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
-    """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint."""
+    """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint.
+    `tokenizer`: the run plan's `TokenizerPlan` (None: decided and loaded here)."""
     from pretrain.data.check import check_data_config, check_data_files
 
-    check_data_files(cfg, r, check_data_config(cfg, r), tokenizer)
+    null, ident = (tokenizer.null, tokenizer.identity) if tokenizer is not None else (None, None)
+    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
 
-def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
     """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data.datasets`)."""
     from pretrain.data.check import check_data_config
 
-    check_data_config(cfg, r)
+    check_data_config(cfg, r, tokenizer.null if tokenizer is not None else None)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
