@@ -144,8 +144,8 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     from transformers import GenerationConfig
 
     from pretrain.checkpoint.format import resolve_checkpoint
-    from pretrain.data.datasets import build_tokenizer
     from pretrain.hf.assets import TOKENIZER_FILES, find_assets, original_config, write_assets
+    from pretrain.run_plan import resolve_tokenizer
 
     started = time.perf_counter()
     output = Path(output)
@@ -167,12 +167,12 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
               f"model runs as the built-in {family.hf_architecture}, never custom code)", file=sys.stderr)
     tok, tokenizer_files, original = _export_tokenizer(cfg, assets, tokenizer, original)
     vocab = m.vocab_size
-    if vocab is None:
-        try:
-            vocab = build_tokenizer(cfg.data).vocab_size
-        except Exception as exc:  # the run's tokenizer files may be gone; the HF one then decides
+    if vocab is None:  # the run's tokenizer, as the run plan decides it (`pretrain.run_plan`)
+        planned = resolve_tokenizer(cfg)
+        vocab = planned.vocab_size
+        if vocab is None:  # the run's tokenizer files may be gone; the HF one then decides
             if tokenizer is None or tok is None:
-                raise ConversionError(f"cannot load the run's tokenizer ({exc}); pass --tokenizer") from None
+                raise ConversionError(f"cannot load the run's tokenizer ({planned.error}); pass --tokenizer")
             vocab = len(tok)
     rows = reader.tensors["embedding.word_embeddings.weight"].size[0]
     if rows < vocab:

@@ -118,8 +118,6 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     from pretrain.checkpoint.format import write_checkpoint_files
-    from pretrain.layout import padded_vocab_size
-
     started = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
     config_json = hf_dir / "config.json"
@@ -137,10 +135,10 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     assets_dir = output.resolve() / ASSET_DIR
     tokenizer = "config" if config else ("hf" if tokenizer_fields(hf_dir, assets_dir) else "none")
     cfg = _run_config_for(hf_cfg, fields, config, hf_dir, list(overrides), assets_dir)
-    check_run_config(cfg, config_json, tokenizer=tokenizer, hf_dir=hf_dir)  # before any tensor is read
+    layout = check_run_config(cfg, config_json, tokenizer=tokenizer, hf_dir=hf_dir)  # before any tensor is read
     m = cfg.model
     vocab = fields["vocab_size"]
-    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
+    padded = layout.padded_vocab  # of model.vocab_size = the HF vocabulary, at the config's TP
     family = get_family(m.family)
     d = dims(m, vocab, padded)
     reader = HFReader(hf_dir)

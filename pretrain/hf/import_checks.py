@@ -117,8 +117,9 @@ def _min_world(cfg) -> int:
     return math.lcm(dense, experts)
 
 
-def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path) -> None:
-    """Refuse (one line naming the first problem) a run config the trainer's validation would refuse.
+def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
+    """Refuse (one line naming the first problem) a run config the trainer's validation would refuse; else return the
+    layout validation derived (`pretrain.layout.Layout`: the padded vocabulary).
 
     `tokenizer`: "hf" (the data tokenizer is the HF directory's: its files are checked where they are now, the
     config naming the paths they will have in the checkpoint), "config" (the --config's, checked as it is) or
@@ -128,10 +129,10 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path) ->
 
     from pretrain.data.check import check_tokenizer
     from pretrain.problems import Report
-    from pretrain.validate import validate
+    from pretrain.validate import check
 
     world = _min_world(cfg)
-    report = validate(cfg, world, files=False)
+    report, layout = check(cfg, world, files=False)
     errors = [p for p in report.errors if _VERSIONS_KEY not in p.keys]
     if tokenizer != "none" and not errors:
         check = cfg
@@ -144,6 +145,7 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path) ->
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConversionError(f"{config_json}: the run config it makes does not validate (world size {world}): "
                               f"{errors[0]}{more}")
+    return layout
 
 
 def _relocated(data, hf_dir: Path) -> dict:

@@ -1,5 +1,6 @@
 """The run is resolved once (`pretrain.run_plan`): one layout and one tokenizer resolution per process for a
-training run, a resumed one included, at DP2 through the CLI; and an observer registered in
+training run, a resumed one included, at DP2 through the CLI, and for `validate`, `plan` and `convert to-hf` of
+that run's checkpoint (in this process); and an observer registered in
 `pretrain.observe.observers.INSTRUMENTS` is told of every step, checkpoint and the exit, with no edit of the loop."""
 
 from __future__ import annotations
@@ -32,3 +33,24 @@ def test_layout_and_tokenizer_are_resolved_once_per_process(tmp_path):
             expected = [e for s in steps for e in (["start", s], ["end", s, []])]
             expected += [["checkpoint", steps[-1], f"iter_{steps[-1]:07d}"], ["close", steps[-1]]]
             assert got["events"] == expected, (name, rank, got["events"])
+    assert resolutions_of_the_other_commands(run, common, tmp_path / "hf") == {
+        "validate": {"layout": 1, "tokenizer": 1}, "plan": {"layout": 1, "tokenizer": 1},
+        # The export reads layout-independent storage keys: no layout; the tokenizer only for the vocabulary.
+        "to-hf": {"tokenizer": 1}}
+
+
+def resolutions_of_the_other_commands(run, common: list[str], hf_dir) -> dict:
+    """{command: pretrain.layout.RESOLUTIONS after it} for validate, plan and convert to-hf, each through its CLI."""
+    from data_tools.convert import main as convert
+    from pretrain.__main__ import main as cli
+    from pretrain.layout import RESOLUTIONS
+
+    commands = {"validate": lambda: cli(["validate", *common]),
+                "plan": lambda: cli(["plan", *common, "--nodes", "1", "--gpus-per-node", "2"]),
+                "to-hf": lambda: convert(["to-hf", "--checkpoint", str(run), "--output", str(hf_dir), "--no-progress"])}
+    counts = {}
+    for name, command in commands.items():
+        RESOLUTIONS.clear()
+        assert command() == 0, name
+        counts[name] = dict(RESOLUTIONS)
+    return counts
