@@ -162,10 +162,13 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
     return out
 
 
-def _whole_model(cfg: Config, padded_vocab: int) -> list[Param]:
-    par = cfg.parallel
-    world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
-    lay = replace(layout_of(cfg, world, use_te=False), tp=1, pp=1, vp=1, ep=1, etp=1)
+def _whole_model(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> list[Param]:
+    """The whole model's parameters: as on one rank of `lay` (the plan's layout; None: derived here) unsharded."""
+    if lay is None:
+        par = cfg.parallel
+        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
+        lay = layout_of(cfg, world)
+    lay = replace(lay, tp=1, pp=1, vp=1, ep=1, etp=1, use_te=False)
     return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
 
 
@@ -173,22 +176,23 @@ def _without_mtp(params: list[Param]) -> list[Param]:
     return [p for p in params if not p.name.startswith("mtp.")]
 
 
-def count_parameters(cfg: Config, padded_vocab: int, mtp: bool = False) -> int:
+def count_parameters(cfg: Config, padded_vocab: int, mtp: bool = False, lay: Layout | None = None) -> int:
     """Parameters of the whole model (one copy of tied embeddings; every expert). `mtp`: with the Multi-Token
-    Prediction layers (which share the model's embedding and output head); without, the model as published."""
-    params = _whole_model(cfg, padded_vocab)
+    Prediction layers (which share the model's embedding and output head); without, the model as published.
+    `lay`: the plan's layout (None: derived here)."""
+    params = _whole_model(cfg, padded_vocab, lay)
     return sum(p.numel for p in (params if mtp else _without_mtp(params)))
 
 
-def count_mtp_parameters(cfg: Config, padded_vocab: int) -> int:
+def count_mtp_parameters(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> int:
     """The MTP layers' own parameters (embedding and head are the model's)."""
-    return count_parameters(cfg, padded_vocab, mtp=True) - count_parameters(cfg, padded_vocab)
+    return count_parameters(cfg, padded_vocab, mtp=True, lay=lay) - count_parameters(cfg, padded_vocab, lay=lay)
 
 
-def count_active_parameters(cfg: Config, padded_vocab: int) -> int:
+def count_active_parameters(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> int:
     """Parameters one token uses: all but the experts it is not routed to (k of E per MoE layer); without MTP."""
     m = cfg.model
-    params = _without_mtp(_whole_model(cfg, padded_vocab))
+    params = _without_mtp(_whole_model(cfg, padded_vocab, lay))
     total = sum(p.numel for p in params)
     if not m.num_moe_experts:
         return total
@@ -197,12 +201,12 @@ def count_active_parameters(cfg: Config, padded_vocab: int) -> int:
 
 
 
-def count_checkpoint_elements(cfg: Config, vocab: int) -> int:
+def count_checkpoint_elements(cfg: Config, vocab: int, lay: Layout | None = None) -> int:
     """Elements of the model's released-style HF checkpoint (true vocabulary `vocab`): every parameter, MTP layers
     included; the routers' expert biases (Megatron buffers, HF `e_score_correction_bias` tensors); and the copies of
     the embedding and output head each MTP layer stores."""
     m = cfg.model
-    total = count_parameters(cfg, vocab, mtp=True)
+    total = count_parameters(cfg, vocab, mtp=True, lay=lay)
     if m.num_moe_experts and m.moe_router_enable_expert_bias:
         moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers)) + (m.mtp_num_layers or 0)
         total += moe_layers * m.num_moe_experts
