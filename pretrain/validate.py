@@ -99,6 +99,7 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     here = validate(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False, versions=kwargs["versions"])
     on_gpus = {str(p) for p in report.errors}
     report.megatron_verdicts += here.megatron_verdicts  # stored with the report's own
+    report.notes.extend(f"this machine's layout: {n}" for n in here.notes if n.startswith("Megatron-Core's own checks"))
     report.notes.insert(0, "checked as on GPUs with Transformer Engine (--world-size on a machine without CUDA: a GPU "
                            "dry run)")
     report.notes.extend(f"not on this machine (no CUDA, no Transformer Engine): {p}" for p in here.errors
