@@ -45,17 +45,20 @@ _SOURCE_PACKAGES = ("pretrain", "model_providers")
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
     """sha256 over the path and contents of every .py file of this program's packages, where they are imported
-    from (found, not imported)."""
+    from (found, not imported); a file that cannot be read makes a digest no entry matches."""
     import importlib.util
 
     digest = hashlib.sha256()
-    for package in _SOURCE_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        for where in (spec.submodule_search_locations or []) if spec else []:
-            root = Path(where)
-            for path in sorted(root.rglob("*.py")):
-                digest.update(f"{package}/{path.relative_to(root)}".encode())
-                digest.update(path.read_bytes())
+    try:
+        for package in _SOURCE_PACKAGES:
+            spec = importlib.util.find_spec(package)
+            for where in (spec.submodule_search_locations or []) if spec else []:
+                root = Path(where)
+                for path in sorted(root.rglob("*.py")):
+                    digest.update(f"{package}/{path.relative_to(root)}".encode())
+                    digest.update(path.read_bytes())
+    except OSError:
+        return f"unreadable {os.urandom(16).hex()}"
     return digest.hexdigest()
 
 
