@@ -1,7 +1,7 @@
 """Time to the first step and peak memory per rank vs corpus size: the trainer against Megatron-Core's own build.
 
     python benchmarks/data_startup.py [--sizes 1B,10B,100B,1T] [--prefixes 1,100,1000] [--layouts dp2,tp2]
-        [--root DIR] [--seq 2048] [--keep] [--metadata with,without] [--validate-only]
+        [--root DIR] [--seq 2048] [--keep] [--metadata with,without] [--validate-only] [--validate-checkouts A,B]
 
 For each corpus size x prefix count it writes a synthetic blend (`make_prefix`: a real `.idx`, a sparse `.bin` made
 with truncate, and PREFIX.meta.json; document lengths log-normal, median 900 tokens, sigma 1.0, mean ~1,480 —
