@@ -1,7 +1,7 @@
 """Time to the first step and peak memory per rank vs corpus size: the trainer against Megatron-Core's own build.
 
     python benchmarks/data_startup.py [--sizes 1B,10B,100B,1T] [--prefixes 1,100,1000] [--layouts dp2,tp2]
-        [--root DIR] [--seq 2048] [--keep] [--metadata with,without] [--validate-only]
+        [--root DIR] [--seq 2048] [--keep] [--metadata with,without] [--validate-only] [--validate-checkouts A,B]
 
 For each corpus size x prefix count it writes a synthetic blend (`make_prefix`: a real `.idx`, a sparse `.bin` made
 with truncate, and PREFIX.meta.json; document lengths log-normal, median 900 tokens, sigma 1.0, mean ~1,480 —
@@ -19,7 +19,10 @@ by tokens. Then, per layout (2 ranks: DP2, or TP2 where only the first rank of t
 `--metadata without` writes the corpora without PREFIX.meta.json (as Megatron-LM's preprocess_data.py does): the
 cold start reads every `.idx` in full, the warm one checks them from the verdict cache (`data.cache_dir`,
 `pretrain.dataset_format.verdicts`). `validate` runs twice per corpus (cold, warm) against a cache directory of its
-own; its rows show the check line, which says how many prefixes came from metadata, the verdict cache, a full read.
+own, and twice on mock data first; its rows show the check line, which says how many prefixes came from metadata,
+the verdict cache, a full read, and whether Megatron-Core's config checks ran or came from their verdict cache
+(`pretrain.rules.megatron_verdicts`). `--validate-checkouts before,after` runs those from each checkout in turn, on
+the same corpora.
 
 The table: ours (data s), Megatron's (s), ratio, our overhead (s), the first-loss time, our peak RSS (max over
 ranks) and its growth over a mock-data run, Megatron's growth. Timings are noisy on a shared machine: compare the
@@ -55,6 +58,7 @@ TRAIN = ["train.steps=1", "train.global_batch_size=2", "train.micro_batch_size=1
          "checkpoint.interval=null", "checkpoint.save_at_end=false", "logging.tensorboard=false", "data.mock=false"]
 _CHECK = re.compile(r"dataset files checked: (\d+) prefix\(es\) in ([\d.]+) s")
 _CHECK_LINE = re.compile(r"dataset files checked: [^\n]*? read in full\)")
+_MCORE_CACHED = "verdict from the cache"  # pretrain.rules.megatron's note
 _BUILD = re.compile(r"indices (?:built|read from the cache in \S+) in ([\d.]+) s")
 
 
@@ -169,6 +173,7 @@ def write_config(path: Path, blend: list) -> Path:
 
 
 CHECKOUT = [REPO]  # where the trainer runs from (--checkout: another one, e.g. an older commit)
+VALIDATE_CHECKOUTS: list[Path] = []  # --validate-checkouts: validate from each of these (before / after)
 
 
 def run_measured(cmd: list[str], log: Path, first_loss: Path | None = None, timeout: float = 7200,
@@ -222,10 +227,40 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
 
 
-def run_validate(config: str, overrides: list[str], log: Path) -> dict:
+def run_validate(config: str, overrides: list[str], log: Path, checkout: Path | None = None) -> dict:
     """`python -m pretrain validate CONFIG ... --world-size 2`: one process, as the Slurm launcher runs it."""
     return run_measured([sys.executable, "-m", "pretrain", "validate", config, *overrides, "--world-size", "2"], log,
-                        checkout=CHECKOUT[0])
+                        checkout=checkout or CHECKOUT[0])
+
+
+def validate_rows(config: str, overrides: list[str], cache: Path, log_stem: Path, row: dict) -> list[dict]:
+    """For each checkout (`--validate-checkouts`), `run_validate` cold (an empty cache dir: every check runs, its
+    verdicts are stored) then warm (that cache): one row each, with the wall time, peak RSS, the load average
+    before, the data check line and whether Megatron-Core's checks came from their verdict cache."""
+    out = []
+    for checkout in VALIDATE_CHECKOUTS or [CHECKOUT[0]]:
+        out += _validate_pair(config, overrides, cache, log_stem, {**row, "checkout": checkout.name}, checkout)
+    return out
+
+
+def _validate_pair(config: str, overrides: list[str], cache: Path, log_stem: Path, row: dict,
+                   checkout: Path) -> list[dict]:
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)  # validate writes verdicts only into a cache dir that exists
+    out = []
+    for state in ("cold", "warm"):
+        load = os.getloadavg()[0]
+        val = run_validate(config, [*overrides, f"data.cache_dir={cache}"],
+                           Path(f"{log_stem}_{checkout.name}_{state}.log"), checkout)
+        check = _CHECK_LINE.search(val["log"])
+        out.append({**row, "state": state, "s": val["wall_s"], "load": load,
+                    "rss": max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0),
+                    "check": check.group(0) if check else "", "megatron_cached": _MCORE_CACHED in val["log"]})
+        print(f"  validate {row['size']} {checkout.name} ({state}): {val['wall_s']:.2f} s, load {load:.1f}, peak RSS "
+              f"{_gb(out[-1]['rss'])} GiB; Megatron-Core checks {'cached' if out[-1]['megatron_cached'] else 'run'}; "
+              f"{out[-1]['check']}", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    return out
 
 
 def run_ours(config: str, overrides: list[str], run_dir: Path, log: Path) -> dict:
@@ -321,12 +356,15 @@ def main() -> None:
     ap.add_argument("--max-gib", type=float, default=16.0, help="skip a layout whose cold build Megatron itself "
                     "needs more memory for (estimate_bytes; the machine may be shared)")
     ap.add_argument("--validate-only", action="store_true", help="only the corpora and `pretrain validate`")
+    ap.add_argument("--validate-checkouts", default="", help="comma-separated checkouts to run `validate` from, "
+                    "each on the same corpora (e.g. before,after); default: --checkout")
     ap.add_argument("--metadata", default="with", help="with,without: corpora with PREFIX.meta.json, and/or without "
                     "(as Megatron-LM's preprocess_data.py writes them: checked from the verdict cache when warm)")
     args = ap.parse_args()
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: the running torchrun is ended too (finally)
     CHECKOUT[0] = (args.checkout or REPO).resolve()
+    VALIDATE_CHECKOUTS[:] = [Path(c).resolve() for c in args.validate_checkouts.split(",") if c]
     root = args.root or Path(tempfile.mkdtemp(prefix="data_startup_"))
     root.mkdir(parents=True, exist_ok=True)
     sizes = [(s, SIZES.get(s) or int(float(s[:-1]) * {"B": 1e9, "T": 1e12}[s[-1]])) for s in args.sizes.split(",")]
@@ -345,6 +383,10 @@ def main() -> None:
     rows, validations, skipped, peak_disk = [], [], [], 0
     interrupted = None
     try:
+        mock_data = [*(x for x in common if not x.startswith("data.mock=")), "data.mock=true"]
+        validations += validate_rows("tiny_llama", mock_data, root / "cache_validate",
+                                     root / "validate_mock", {"size": "mock", "prefixes": 0, "metadata": "-",
+                                                              "docs": 0})
         for size_name, tokens in sizes:
             for n_prefix, meta in ((int(x), m) for x in args.prefixes.split(",") for m in args.metadata.split(",")):
                 corpus = root / f"corpus_{size_name}_{n_prefix}_{meta}"
@@ -355,18 +397,9 @@ def main() -> None:
                 idx_bytes = sum(p.stat().st_size for p in corpus.glob("*.idx"))
                 print(f"corpus {size_name} tokens in {n_prefix} prefix(es) {meta} metadata: {docs:,} documents, "
                       f".idx {_gb(idx_bytes)} GiB, written in {made:.1f} s", flush=True)
-                (root / "cache_validate").mkdir(exist_ok=True)  # validate writes verdicts only into a cache there
-                for state in ("cold", "warm"):
-                    val = run_validate(config, [*common, f"data.cache_dir={root}/cache_validate"],
-                                       root / f"validate_{size_name}_{n_prefix}_{meta}_{state}.log")
-                    val_rss = max((p.get("VmHWM", 0) for p in val["peaks"].values()), default=0)
-                    check = _CHECK_LINE.search(val["log"])
-                    validations.append({"size": size_name, "prefixes": n_prefix, "metadata": meta, "state": state,
-                                        "docs": docs, "s": val["wall_s"], "rss": val_rss,
-                                        "check": check.group(0) if check else ""})
-                    print(f"  validate ({state}): {val['wall_s']:.2f} s, peak RSS {_gb(val_rss)} GiB; "
-                          f"{validations[-1]['check']}", flush=True)
-                shutil.rmtree(root / "cache_validate", ignore_errors=True)
+                validations += validate_rows(config, common, root / "cache_validate",
+                                             root / f"validate_{size_name}_{n_prefix}_{meta}",
+                                             {"size": size_name, "prefixes": n_prefix, "metadata": meta, "docs": docs})
                 for layout in layouts:
                     need = estimate_bytes(docs, tokens, n_prefix, args.seq, layout)
                     if need > min(_mem_available() - (3 << 30), args.max_gib * 2**30):
@@ -406,12 +439,14 @@ def main() -> None:
         print_table(rows, mock, peak_disk)
     for line in skipped:
         print(f"skipped: {line}")
-    print("\n| tokens | prefixes | metadata | documents | cache | `python -m pretrain validate` s | its peak RSS GiB "
-          "| its check line |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| checkout | tokens | prefixes | metadata | documents | cache | `python -m pretrain validate` s | load "
+          "| its peak RSS GiB | Megatron-Core checks | its check line |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in validations:
-        print(f"| {v['size']} | {v['prefixes']:,} | {v['metadata']} | {v['docs']:,} | {v['state']} | {v['s']:.2f} "
-              f"| {_gb(v['rss'])} | {v['check']} |")
+        print(f"| {v['checkout']} | {v['size']} | {v['prefixes']:,} | {v['metadata']} | {v['docs']:,} | {v['state']} "
+              f"| {v['s']:.2f} "
+              f"| {v['load']:.1f} | {_gb(v['rss'])} | {'from the cache' if v['megatron_cached'] else 'run'} "
+              f"| {v['check'] or '(mock data)'} |")
     if args.json_out:
         mock_rows = {k: {kk: vv for kk, vv in v.items() if kk != "log"} for k, v in mock.items()}
         args.json_out.write_text(json.dumps({"rows": rows, "validate": validations, "mock": mock_rows,

@@ -61,13 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "validate":
-        from pretrain.run.runtime import env_world_size
+        import os
+
         from pretrain.run_plan import resolve
 
         p = cfg.parallel
         world = args.world_size
-        if world is None:
-            world = env_world_size() if "WORLD_SIZE" in __import__("os").environ else p.tensor * p.pipeline * p.context
+        if world is None:  # the launcher's (pretrain.run.runtime.env_world_size, which imports torch)
+            world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else p.tensor * p.pipeline * p.context
         # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
         report = resolve(cfg, world, gpu_dry_run=args.world_size is not None).problems
         if args.print_config:
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
         if not report.ok:
             return 2
-        from pretrain.data.check import store_verdicts
+        from pretrain.validate import store_verdicts
 
         store_verdicts(cfg, report, create=False)  # into an existing cache only: validate creates no run.dir
         if args.check_lock:

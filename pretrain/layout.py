@@ -234,9 +234,9 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
     RESOLUTIONS["layout"] += 1
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if on_gpu is None:
-        import torch
+        from pretrain.compat.cuda import cuda_available
 
-        on_gpu = torch.cuda.is_available()
+        on_gpu = cuda_available()
     if te is None:
         te = te_available() if on_gpu else False
     model_parallel = p.tensor * p.pipeline * p.context

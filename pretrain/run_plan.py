@@ -86,8 +86,8 @@ def resolve_tokenizer(cfg: Config) -> TokenizerPlan | None:
 
 
 def _data_plan(cfg: Config) -> DataPlan:
+    from pretrain.data.cache import data_cache_dir  # (pretrain.data.datasets imports torch)
     from pretrain.data.check import used_blends, uses_mock
-    from pretrain.data.datasets import data_cache_dir
 
     blends = used_blends(cfg, Report(0))  # problems in them are validation's to report
     return DataPlan(mock=uses_mock(cfg.data), blends=blends, split=cfg.data.split, cache_dir=data_cache_dir(cfg))

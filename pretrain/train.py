@@ -263,10 +263,10 @@ def document_packing(cfg: Config, run):
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured. Returns a summary on every rank."""
-    from pretrain.data.check import store_verdicts
     from pretrain.data.datasets import check_data_files_once
     from pretrain.run.run_dir import write_config
     from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
+    from pretrain.validate import store_verdicts
 
     # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
     # on rank 0 only, its verdict shared (all problems are reported together, by every rank).

@@ -59,9 +59,9 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
     Transformer Engine; what only this machine could not run becomes notes.
     """
     if cuda_available is None:
-        import torch
+        from pretrain.compat.cuda import cuda_available as cuda_here
 
-        cuda_available = torch.cuda.is_available()
+        cuda_available = cuda_here()
     if gpu_dry_run and not cuda_available:
         return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files,
                             vocab_size=vocab_size, tokenizer=tokenizer), None
@@ -100,8 +100,24 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     report = validate(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)
     here = validate(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False, versions=kwargs["versions"])
     on_gpus = {str(p) for p in report.errors}
+    report.megatron_verdicts += here.megatron_verdicts  # stored with the report's own
+    report.notes.extend(f"this machine's layout: {n}" for n in here.notes if n.startswith("Megatron-Core's own checks"))
     report.notes.insert(0, "checked as on GPUs with Transformer Engine (--world-size on a machine without CUDA: a GPU "
                            "dry run)")
     report.notes.extend(f"not on this machine (no CUDA, no Transformer Engine): {p}" for p in here.errors
                         if str(p) not in on_gpus)
     return report
+
+
+def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
+    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`) and Megatron-Core's
+    checks that passed (`pretrain.rules.megatron_verdicts`) into their caches in the data cache dir (`create=False`:
+    only into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
+    from pretrain.data.cache import data_cache_dir
+    from pretrain.data.check import store_verdicts as store_data_verdicts
+    from pretrain.rules import megatron_verdicts
+
+    if r.errors:
+        return 0
+    megatron_verdicts.store(data_cache_dir(cfg), r.megatron_verdicts, create=create)
+    return store_data_verdicts(cfg, r, create=create)

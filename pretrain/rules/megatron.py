@@ -5,6 +5,10 @@ The rules in this package name the keys and the fix for everything they know; th
 (a new release's assert, a combination nobody wrote a rule for), so that `validate` never accepts a config the
 trainer's first Megatron-Core call then refuses with a bare `AssertionError`. It runs only when no other rule
 found an error (a knock-on of an error already reported would only repeat it).
+
+A process that has not imported megatron-core yet (the `validate` CLI) first looks for the verdict of the same
+checks on the same input in the cache dir (`pretrain.rules.megatron_verdicts`); found, they are not run again and
+one note says so. Checks that pass are recorded in `Report.megatron_verdicts`, stored once validation passed.
 """
 
 from __future__ import annotations
@@ -47,16 +51,43 @@ def _this_machine(lay: Layout) -> bool:
     on a login node, is left to the rules: Megatron-Core's checks would test this machine's libraries)."""
     import importlib.util
 
-    import torch
+    from pretrain.compat.cuda import cuda_available
 
-    if lay.on_gpu != torch.cuda.is_available():
+    if lay.on_gpu != cuda_available():
         return False
     return not lay.use_te or importlib.util.find_spec("transformer_engine") is not None
+
+
+_NAMES = {"config": "TransformerConfig, OptimizerConfig", "data": "GPTDatasetConfig"}
+_CACHED = "Megatron-Core's own checks ("
+
+
+def _cached(r: Report, kind: str, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> tuple[str, dict] | bool:
+    """True (and one note) when the verdict cache holds `kind`'s checks of this exact input as passed; else the
+    (key, facts) to record if they pass now."""
+    from pretrain.compat.cuda import cuda_available
+    from pretrain.data.cache import data_cache_dir
+    from pretrain.rules import megatron_verdicts
+
+    key, facts = megatron_verdicts.verdict_key([kind], cfg, lay, r.world_size, cuda_available(), te_on_gpu)
+    found = megatron_verdicts.usable() and megatron_verdicts.lookup(data_cache_dir(cfg), key, facts)
+    if not found:
+        return key, facts
+    names = _NAMES[kind]
+    earlier = [i for i, n in enumerate(r.notes) if n.startswith(_CACHED)]
+    if earlier:  # one line for every check the cache answered
+        names = r.notes.pop(earlier[0])[len(_CACHED):].split(")")[0] + ", " + names
+    r.notes.append(f"{_CACHED}{names}) passed for this exact config, layout, installation and code before: verdict "
+                   f"from the cache {found.parent} (not re-run, megatron-core not imported)")
+    return True
 
 
 def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Build the run's `TransformerConfig` and `OptimizerConfig`; a refusal is one problem naming it."""
     if lay is None or r.errors or not _this_machine(lay):
+        return
+    cached = _cached(r, "config", cfg, lay, te_on_gpu)
+    if cached is True:
         return
     import warnings
 
@@ -80,6 +111,8 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     except _REFUSALS as exc:
         r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc, cfg)}",
                 "change the optimizer.* keys it names")
+    if not r.errors:
+        r.megatron_verdicts.append(cached)
 
 
 def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
@@ -87,6 +120,9 @@ def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     tokenizer: the config checks only that there is one); a refusal is one problem naming it. Where no other rule
     found an error."""
     if r.errors:
+        return
+    cached = _cached(r, "data", cfg, lay, te_on_gpu)
+    if cached is True:
         return
     from types import SimpleNamespace
 
@@ -97,3 +133,5 @@ def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     except _REFUSALS as exc:
         r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings: {_why(exc, cfg)}",
                 "change the data.* keys it names")
+        return
+    r.megatron_verdicts.append(cached)

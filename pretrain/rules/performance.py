@@ -66,6 +66,6 @@ def performance_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: boo
 
 def _cuda_here() -> bool:
     """This machine has CUDA (a GPU dry run on a login node checks the job, not the login node's packages)."""
-    import torch
+    from pretrain.compat.cuda import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
