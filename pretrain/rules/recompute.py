@@ -8,8 +8,8 @@ Problem = tuple[tuple[str, ...] | str, str, str]
 
 
 def recompute_problems(m: Any, use_te: bool) -> list[Problem]:
-    """Only with selective recompute, not empty, no module twice, not a no-op (layernorm under the TE spec of a dense model,
-    mlp on MoE layers), moe / moe_act only on MoE models, moe_act only with grouped-GEMM experts."""
+    """Only with selective recompute, not empty, no module twice, not a no-op (layernorm under the TE spec of a dense
+    model, mlp on MoE layers), moe / moe_act only on MoE models, moe_act only with grouped-GEMM experts."""
     mods = m.recompute_modules
     if mods is None:
         return []

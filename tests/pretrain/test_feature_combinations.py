@@ -1,6 +1,6 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window, attention sinks} that `validate` accepts builds every Megatron-Core config object training builds,
-in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
+recompute, sliding window, attention sinks} that `validate` accepts builds every Megatron-Core config object training
+builds, in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
 
 Megatron-Core asserts many combinations at build time (TransformerConfig's `__post_init__`, the layer specs of each
