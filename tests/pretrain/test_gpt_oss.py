@@ -104,3 +104,20 @@ def test_gpt_oss_combinations_are_validated():
     for comm, te in (("a2a", False), ("all_gather", False), ("a2a", True)):
         cfg = load_config("tiny_gpt_oss", [*CP2, f"parallel.cp_comm_type={comm}"])
         assert not validate(cfg, 2, te_on_gpu=te, cuda_available=te, files=False).errors, comm
+
+
+def test_published_120b_layout_validates_on_mock_data():
+    """launch/pretrain_gpt_oss_120b.sh as `validate --world-size 64` checks it (a GPU dry run): Megatron-Bridge's H100
+    layout (TP1, PP4, EP8, DP16, GBS 1280) is accepted, and the planner's parameter count is transformers'."""
+    from pretrain.layout import derive_layout
+    from pretrain.plan import count_parameters
+    from tests.pretrain.test_placement_config import _launch_overrides
+
+    config, overrides = _launch_overrides("pretrain_gpt_oss_120b.sh", {})
+    cfg = load_config(config, [*overrides, "data.mock=true"])
+    report = validate(cfg, 64, gpu_dry_run=True, cuda_available=False)
+    assert report.ok, report.text()
+    lay = derive_layout(cfg, 64, vocab_size=cfg.model.vocab_size)
+    assert (lay.tp, lay.pp, lay.ep, lay.etp, lay.dp) == (1, 4, 8, 1, 16)
+    assert cfg.train.global_batch_size == 1280 and cfg.model.seq_length == 4096
+    assert count_parameters(cfg, cfg.model.vocab_size) == 116_829_156_672  # GptOssForCausalLM(gpt-oss-120b)
