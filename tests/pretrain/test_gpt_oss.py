@@ -140,7 +140,8 @@ def test_gpt_oss_combinations_are_validated():
 
 def test_published_120b_layout_validates_on_mock_data():
     """launch/pretrain_gpt_oss_120b.sh as `validate --world-size 64` checks it (a GPU dry run): Megatron-Bridge's H100
-    layout (TP1, PP4, EP8, DP16, GBS 1280) is accepted, and the planner's parameter count is transformers'."""
+    layout (TP1, PP4, EP8, DP16, GBS 1280) is accepted; the planner's parameter counts (sinks and biases included) are
+    transformers' (its meta-device GptOssForCausalLM of each released config)."""
     from pretrain.layout import derive_layout
     from pretrain.plan import count_parameters
     from tests.pretrain.test_placement_config import _launch_overrides
@@ -153,3 +154,5 @@ def test_published_120b_layout_validates_on_mock_data():
     assert (lay.tp, lay.pp, lay.ep, lay.etp, lay.dp) == (1, 4, 8, 1, 16)
     assert cfg.train.global_batch_size == 1280 and cfg.model.seq_length == 4096
     assert count_parameters(cfg, cfg.model.vocab_size) == 116_829_156_672  # GptOssForCausalLM(gpt-oss-120b)
+    small = load_config("gpt_oss_20b", ["data.mock=true"])
+    assert count_parameters(small, small.model.vocab_size) == 20_914_757_184  # ... and of gpt-oss-20b
