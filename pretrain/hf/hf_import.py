@@ -203,8 +203,9 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         if not any(w in rule.megatron for w in _LINEAR_WEIGHT) or not rule.megatron.endswith(".weight") or (
                 not rule.stack_dims and not rule.per_layer) or isinstance(rule, Duplicate):
             continue
-        stack = rule.stack_shape(m.num_layers, d.num_experts) or (1,)  # an unstacked per-layer key: shard 0 of 1
-        for layer in rule.indices(m.num_layers, d.num_experts):
+        stack, slices = rule.storage_slices(m.num_layers, d.num_experts)
+        stack = stack or (1,)  # an unstacked per-layer key: shard 0 of 1
+        for layer in slices:
             shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
