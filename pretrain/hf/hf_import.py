@@ -17,6 +17,7 @@ import torch
 from model_providers import family_for_hf, get_family
 from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
+from pretrain.hf import mxfp4
 from pretrain.hf.assets import ASSET_DIR, copy_assets
 from pretrain.hf.files import (
     DTYPES,
@@ -143,7 +144,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, cfg.parallel.tensor)
     family = get_family(m.family)
     d = dims(m, vocab, padded)
-    reader = HFReader(hf_dir)
+    reader, dequantized = mxfp4.dequantizing(HFReader(hf_dir), tree, DTYPES[dtype] if dtype else None)
+    notes += [mxfp4.note(dequantized)] if dequantized else []
     check_tied_head(reader, family, m.share_embeddings_and_output_weights, config_json)
     expected = family.hf_shapes(hf_cfg)
     rules = family.mapping_for(m)
@@ -232,7 +234,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         write_checkpoint_files(staging, common, cfg.to_yaml())
         assets = copy_assets(hf_dir, staging)
         no_tokenizer = {k: getattr(cfg.data, k) for k in TOKENIZER_FIELDS} if tokenizer == "none" else None
-        write_import_record(staging, hf_dir, no_tokenizer)
+        write_import_record(staging, hf_dir, no_tokenizer, dequantized)
         commit_dir(staging, output)
     except BaseException as exc:
         discard_dir(staging, output, exc)
@@ -240,4 +242,4 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
             "padded_vocab_size": padded, "family": m.family, "hf_assets": assets, "notes": notes,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "dequantized": dequantized}
