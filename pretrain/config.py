@@ -48,8 +48,13 @@ class ModelConfig:
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
     gated_linear_unit: bool = True  # SwiGLU when activation is "silu"
-    activation: Literal["silu", "gelu"] = "silu"
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    activation: Literal["silu", "gelu", "quick_gelu"] = "silu"  # quick_gelu: x·sigmoid(1.702x) (GPT-OSS)
+    # GLU (GPT-OSS's clamped SwiGLU, Megatron-Core's names): act(min(gate, c)) · (clamp(up, ±c) + offset).
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*.
+    position_embedding_type: Literal["rope", "learned_absolute", "yarn"] = "rope"
+    yarn_correction_range_round_to_int: bool = True  # YaRN's correction range rounded (GPT-OSS: false, "truncate")
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     rope_scaling: bool = False  # Llama-3 ("llama3") RoPE frequency scaling
@@ -64,6 +69,8 @@ class ModelConfig:
     sliding_window: int | None = None  # attention window: a token sees itself and the sliding_window-1 before it
     # Which layers use the window (Megatron-Core's name): None all; N: every N-th layer full; a list: 1 windowed.
     window_attn_skip_freq: int | list[int] | None = None
+    # Attention sinks (Megatron-Core's softmax_type): learnable = one logit per head added to the softmax (GPT-OSS).
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02

@@ -58,7 +58,10 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
         gated_linear_unit=m.gated_linear_unit,
-        activation_func=F.silu if m.activation == "silu" else F.gelu,
+        activation_func=_activation(m.activation),
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.activation_func_clamp_value,
+        softmax_type=m.softmax_type,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
         qk_layernorm=m.qk_layernorm,
@@ -119,7 +122,32 @@ def transformer_config(cfg, layout: Any) -> TransformerConfig:
         kwargs.update(_qk_clip(cfg))
         return MLATransformerConfig(**kwargs)
     kwargs.update(_qk_clip(cfg))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if m.position_embedding_type == "yarn":
+        yarn_fields(config, m)
+    return config
+
+
+def _activation(name: str):
+    """Megatron-Core's activation function for `model.activation`."""
+    if name == "quick_gelu":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    return F.silu if name == "silu" else F.gelu
+
+
+def yarn_fields(config: TransformerConfig, m) -> None:
+    """YaRN RoPE (`position_embedding_type=yarn`): Megatron-Core's `GPTModel` and attention read `yarn_*` attributes
+    of the config that `TransformerConfig` does not declare (the attention applies the concentration factor
+    `mscale` to cos/sin). Our keys are MLA's YaRN names."""
+    config.yarn_rotary_scaling_factor = m.rotary_scaling_factor
+    config.yarn_original_max_position_embeddings = m.original_max_position_embeddings
+    config.yarn_beta_fast = m.beta_fast
+    config.yarn_beta_slow = m.beta_slow
+    config.yarn_mscale = m.mscale
+    config.yarn_mscale_all_dim = m.mscale_all_dim
+    config.yarn_correction_range_round_to_int = m.yarn_correction_range_round_to_int
 
 
 def _qk_clip(cfg) -> dict:
@@ -223,6 +251,8 @@ def build_model(cfg, layout: Any) -> list[GPTModel]:
         chunks.append(model)
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
+    if config.softmax_type == "learnable":
+        mark_sink_parameters(chunks)
     initialize_layout_invariant(chunks, cfg, vocab_size, padded)
     return chunks
 
@@ -265,6 +295,21 @@ def mark_expert_parameters(chunks: list[GPTModel]) -> None:
         for name, param in chunk.named_parameters():
             if ".mlp.experts." in name:
                 param.allreduce = False
+
+
+def mark_sink_parameters(chunks: list[GPTModel]) -> None:
+    """Mark the learnable attention sinks (`core_attention.softmax_offset`, one per head of this TP rank) as
+    tensor-parallel, split on dim 0, as their checkpoint entry already is (`DotProductAttention.sharded_state_dict`).
+
+    Megatron-Core 0.16.1–0.19 create them without `tensor_model_parallel`: the gradient norm would then count only
+    TP rank 0's sinks (`param_is_not_tensor_parallel_duplicate`), and the layout-invariant initialisation could not
+    tell their full shape (all heads)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name.endswith("core_attention.softmax_offset"):
+                param.tensor_model_parallel = True
+                param.partition_dim = 0
+                param.partition_stride = 1
 
 
 def mask_padded_logits(model: GPTModel, vocab_size: int, padded: int) -> None:

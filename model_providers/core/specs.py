@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from model_providers.core.cp_attention import ContextParallelAttention
+from model_providers.core.experts import ExpertRowParallelLinear
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,6 +90,8 @@ def _local_layer_spec(config: TransformerConfig, experts: int | None, packed_seq
     if experts:
         # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
+        if config.add_bias_linear:  # biased experts (GPT-OSS): model_providers/core/experts.py
+            layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
     return layer
 
 
