@@ -95,13 +95,13 @@ CONFIGS: dict[str, dict] = {
         "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 16, "vocab_size": 32009,
     },
     # gpt-oss-20b style: 2 layers, windowed (16 < the training length 64) then full, head_dim 32 ≠ hidden / heads,
-    # sinks, biases, 4 experts of 48 (top-2) with the clamped SwiGLU, YaRN (factor 4 over 16 positions, truncate
-    # false), the released extra keys (experts_per_token, initial_context_length), aux loss off (output_router_logits
-    # false) at the released coefficient.
+    # sinks, biases, 4 experts of 32 (top-2; MXFP4 needs multiples of 32) with the clamped SwiGLU, YaRN (factor 4
+    # over 16 positions, truncate false), the released extra keys (experts_per_token, initial_context_length), aux
+    # loss off (output_router_logits false) at the released coefficient.
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
         "bos_token_id": 50256, "eos_token_id": 50256, "experts_per_token": 2, "head_dim": 32, "hidden_act": "silu",
-        "hidden_size": 64, "initial_context_length": 16, "initializer_range": 0.02, "intermediate_size": 48,
+        "hidden_size": 64, "initial_context_length": 16, "initializer_range": 0.02, "intermediate_size": 32,
         "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 64,
         "model_type": "gpt_oss", "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
         "num_key_value_heads": 2, "num_local_experts": 4, "output_router_logits": False, "pad_token_id": 50256,
