@@ -1,11 +1,11 @@
-"""GPT-OSS through the HF bridge, beyond the per-family round trip of test_hf_families.py: a released-style random
-transformers `GptOssForCausalLM` (2 layers, windowed then full with the window 16 shorter than the training length 64,
-sinks, biases, 4 experts with the clamped SwiGLU acting, YaRN) imported with `python -m data_tools convert from-hf`
-and trained at lr 0 gives transformers' loss on the same samples at EP1 and EP2 (≤ 1e-5 relative); a checkpoint whose
-expert weights are stored as MXFP4 (`*_blocks`/`*_scales`, written here by an encoder of our own) imports equal to the
-import of its dequantized weights, says so in one line and records it, and exports unquantized weights, saying so;
-the dequantization equals a hand-computed block and transformers' own; config fields it cannot run are refused in
-one line naming them."""
+"""GPT-OSS through the HF bridge, beyond what test_hf_families.py proves for it as for every family (the released-style
+random `GptOssForCausalLM` of hf_families.py: windowed then full layers with the window 16 shorter than the training
+length 64, sinks, biases, 4 experts with the clamped SwiGLU acting, YaRN; HF → ours → HF bit-identical, lr-0 training
+at TP2 and EP2 = transformers' loss, the trained export = Megatron's logits): a checkpoint whose expert weights are
+stored as MXFP4 (`*_blocks`/`*_scales`, written here by an encoder of our own) imports equal to the import of its
+dequantized weights, says so in one line and records it, and exports unquantized weights, saying so; the
+dequantization equals a hand-computed block and transformers' own; config fields it cannot run are refused in one
+line naming them."""
 
 from __future__ import annotations
 
@@ -16,16 +16,10 @@ import pytest
 import torch
 
 from data_tools.convert import main
-from pretrain.hf.assets import ASSET_DIR
 from pretrain.hf.mxfp4 import BLOCK, E2M1, SCALE_BIAS, dequantize
-from tests import tiers
-from tests.pool import run_case
-from tests.pretrain.ckpt_helpers import log_text
 
 from .hf_families import CONFIGS, safetensors_dir, tokenizer_files, write_hf_model
-from .test_hf_families import _hf_step_losses, _step_losses, embedded_corpus_by_tokenizer  # noqa: F401
 
-pytestmark = pytest.mark.mcore
 
 SEQ = 64  # the training length: four times GPT-OSS's window here (16)
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -36,40 +30,10 @@ def convert(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory) -> tuple[Path, Path]:
-    """(the HF model directory, its import at the training length 64)."""
+def gpt_oss(tmp_path_factory) -> Path:
+    """The released-style HF model directory."""
     root = tmp_path_factory.mktemp("gpt_oss")
-    src = write_hf_model("gpt_oss", root / "hf", {"bpe": tokenizer_files("bpe", root / "bpe")})
-    convert("from-hf", "--hf", str(src), "--output", str(root / "ckpt"), f"model.seq_length={SEQ}")
-    return src, root / "ckpt"
-
-
-# --------------------------------------------------------------------------------------------------
-# Continued pretraining = transformers, at EP1 and EP2
-# --------------------------------------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("expert", tiers.params([1, 2], full_only=[2]))
-def test_lr0_training_gives_transformers_loss(tmp_path, gpt_oss, embedded_corpus_by_tokenizer, expert):  # noqa: F811
-    from pretrain.config import load_config
-
-    src, ckpt = gpt_oss
-    prefix = embedded_corpus_by_tokenizer("bpe", ckpt / ASSET_DIR)
-    steps, run_dir = 2, tmp_path / f"ep{expert}"
-    overrides = [f"run.dir={run_dir}", f"checkpoint.pretrained={ckpt}", f"data.blend=[{prefix}]",
-                 f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=2", "optimizer.lr=0",
-                 "optimizer.min_lr=0", "optimizer.warmup_steps=0", "logging.tensorboard=false",
-                 f"data.cache_dir={tmp_path / 'cache'}", f"parallel.expert={expert}"]
-    (tmp_path / "jobs.json").write_text(json.dumps([[str(ckpt / "run_config.yaml"), overrides]]))
-    rc = run_case(expert, "tests.data_tools.train_worker", [str(tmp_path / "jobs.json")], tmp_path / "train.log",
-                  timeout=900, env={"PYTHONWARNINGS": "ignore"})
-    assert rc == 0, log_text(tmp_path / "train.log")[-6000:]
-    hf, _ = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
-    got = _step_losses(run_dir)
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got, hf))
-    print(f"gpt_oss EP{expert} (window 16 < sequence {SEQ}): losses {got} vs transformers {hf}: max relative diff "
-          f"{rel:.2e}")
-    assert len(got) == steps and rel <= 1e-5, (got, hf)
+    return write_hf_model("gpt_oss", root / "hf", {"bpe": tokenizer_files("bpe", root / "bpe")})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,7 +106,7 @@ def test_mxfp4_checkpoint_imports_dequantized_and_exports_unquantized(tmp_path, 
 
     from pretrain.hf.readers import CheckpointReader
 
-    src, _ = gpt_oss
+    src = gpt_oss
     held = _quantized_copy(src, tmp_path / "mxfp4")
     # The reference: the same model with the dequantized values stored plainly (fp32, as the rest of the model).
     reference = tmp_path / "dequantized"
@@ -203,7 +167,7 @@ BAD = {
 
 
 def test_unsupported_config_fields_are_one_line_naming_them(tmp_path, gpt_oss, capsys):
-    src, _ = gpt_oss
+    src = gpt_oss
     for case, (changes, message) in BAD.items():
         bad = tmp_path / case.replace(" ", "_")
         bad.mkdir()
