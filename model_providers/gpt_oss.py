@@ -47,7 +47,7 @@ _COMMON = {"family": "gpt_oss", **_FIXED, "window_attn_skip_freq": 2, "share_emb
            "rotary_scaling_factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False,
            "sliding_window": 128, "kv_channels": 64, "moe_router_topk": 4, "moe_ffn_hidden_size": 2880,
-           "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "vocab_size": 201088,
+           "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.9, "vocab_size": 201088,
            "seq_length": 4096, "max_position_embeddings": 131072}
 
 PRESETS: dict[str, dict] = {
@@ -175,7 +175,7 @@ class GptOssFamily(Family):
             "moe_ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": heads,
             "num_query_groups": cfg.num_key_value_heads or heads,
             "kv_channels": cfg.head_dim if cfg.head_dim * heads != cfg.hidden_size else None,
-            "layernorm_epsilon": float(cfg.rms_norm_eps), **_rope_fields(cfg),
+            "layernorm_epsilon": float(cfg.rms_norm_eps), **_rope_fields(cfg), "rope_scaling": False,
             "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
             "max_position_embeddings": context, "seq_length": min(context, 4096),
             "sliding_window": int(window) if window is not None else None, "window_attn_skip_freq": freq,
