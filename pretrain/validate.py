@@ -28,6 +28,7 @@ from pretrain.rules.performance import performance_rules
 from pretrain.rules.placement import placement_note
 from pretrain.rules.resilience import resilience_rules
 from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
+from pretrain.rules.sinks import glu_bias_yarn_rules, sink_rules
 from pretrain.rules.vocab import optional_sizes_rules
 from pretrain.rules.windows import window_rules
 
@@ -75,7 +76,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
-                 bounds_rules]
+                 sink_rules, glu_bias_yarn_rules, bounds_rules]
     if files:
         rules.append(partial(data_rules, tokenizer=tokenizer) if data_files else data_config_rules)
     for rule in rules:

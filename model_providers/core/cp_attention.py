@@ -13,6 +13,11 @@ Megatron's `cp_comm_type` choices:
 - `p2p`: the ring of `model_providers.core.cp_ring` — K/V blocks passed around the CP group, partial results
   merged by their log-sum-exp, with a hand-written backward (send/recv have no autograd).
 
+Attention sinks (`softmax_type` learnable or off-by-one: GPT-OSS): the parameter `softmax_offset` (one logit per head
+of this TP rank, Megatron-Core's name, shape and checkpoint entry) joins every softmax row as one more column that is
+dropped after it, with `all_gather` and `a2a` (whose CP rank takes its head group's sinks); the `p2p` ring merges
+partial results by log-sum-exp with a hand-written backward that has no sink term, so validation refuses it.
+
 Masks come from global token positions (causal), documents (THD) and the layer's sliding window (Megatron's
 `window_size` / `window_attn_skip_freq`: `model_providers.core.windows`), for every comm type; the scale, GQA head
 expansion, fp32 softmax and attention dropout (inside the tensor-parallel RNG fork unless sequence parallel)
@@ -76,8 +81,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scale: float,
-           dropout=None) -> torch.Tensor:
-    """`DotProductAttention`'s math under a boolean mask. q [sq, b, np, hn], k/v [sk, b, ng, hn], ok [sq, sk];
+           dropout=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`DotProductAttention`'s math under a boolean mask. q [sq, b, np, hn], k/v [sk, b, ng, hn], ok [sq, sk],
+    sinks None or [np] (a logit per head joining each softmax row, then dropped: Megatron's `SoftmaxOne`);
     returns [sq, b, np, hn]. Rows with no allowed key (padding tokens of packed sequences) give 0."""
     sq, b, heads, hn = q.shape
     sk, groups = k.shape[0], k.shape[2]
@@ -91,7 +97,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, 
     padded = not bool(keep.all())
     if padded:  # keep the softmax finite on those rows; their output is zeroed below
         ok = ok | ~keep[:, None]
-    probs = torch.softmax(_wide(scores).masked_fill(~ok, float("-inf")), dim=-1).to(q.dtype)  # fp32 softmax
+    logits = _wide(scores).masked_fill(~ok, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1).to(q.dtype)  # fp32 softmax
+    else:
+        column = _wide(sinks).to(logits.device).repeat(b).view(b * heads, 1, 1).expand(-1, sq, 1)
+        probs = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if dropout is not None:
         probs = dropout(probs)
     vf = v.reshape(sk, b * heads, hn).transpose(0, 1)
@@ -130,6 +141,28 @@ class ContextParallelAttention(MegatronModule):
         self.window = int(size[0]) if layered else None  # keys at most this many positions back
         p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_dropout = torch.nn.Dropout(p) if p > 0 else None
+        self._sinks(config)
+
+    def _sinks(self, config) -> None:
+        """`softmax_offset` as Megatron-Core's `DotProductAttention` makes it (name, shape, dtype, checkpoint entry)."""
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, dtype=config.params_dtype)
+        else:
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sinks split over TP by heads, as `DotProductAttention` stores them."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        learnable = isinstance(self.softmax_offset, torch.nn.Parameter)
+        state = self.state_dict(prefix="", keep_vars=True) if learnable else {}
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets)
 
     # ----------------------------------------------------------------------------------------------
 
@@ -158,14 +191,18 @@ class ContextParallelAttention(MegatronModule):
         n = query.shape[0]
         places = [cp_layout.placement(n, cp, r, packed, device=query.device) for r in range(cp)]
         dropout = self._dropout if self.attention_dropout is not None and self.training else None
+        sinks = self.softmax_offset
         if cp == 1:
             ok = cp_layout.allowed(places[0], places[0], causal, self.window)
-            out = attend(query, key, value, ok, self.softmax_scale, dropout)
+            out = attend(query, key, value, ok, self.softmax_scale, dropout, sinks)
         elif self.cp_comm_type == "all_gather":
             out = self._all_gather(query, key, value, places, rank, causal, dropout)
         elif self.cp_comm_type == "a2a":
             out = self._all_to_all(query, key, value, places, causal, dropout)
         else:
+            if sinks is not None:
+                raise ValueError("attention sinks (softmax_type) with cp_comm_type p2p: the ring has no sink term; "
+                                 "use a2a or all_gather")
             p = self.attention_dropout.p if dropout is not None else 0.0
             out = ring_attention(query, key, value, places, rank, group, self.softmax_scale, causal, p,
                                  self._ring_rng(), self.window)
@@ -184,7 +221,7 @@ class ContextParallelAttention(MegatronModule):
         kv = _AllGather.apply(torch.cat([k, v], dim=2), self.cp_group)
         keys = cp_layout.TokenPlacement.cat(places)
         ok = cp_layout.allowed(places[rank], keys, causal, self.window)
-        return attend(q, kv[:, :, :groups], kv[:, :, groups:], ok, self.softmax_scale, dropout)
+        return attend(q, kv[:, :, :groups], kv[:, :, groups:], ok, self.softmax_scale, dropout, self.softmax_offset)
 
     def _all_to_all(self, q, k, v, places, causal, dropout):
         """Ulysses: sequence-split → head-split Q, K, V (all-to-all), full-sequence attention on heads/CP heads,
@@ -197,7 +234,11 @@ class ContextParallelAttention(MegatronModule):
         qkv = [_AllToAll.apply(x, self.cp_group).flatten(0, 1) for x in qkv]  # [cp·s, b, heads/cp, hn]
         everyone = cp_layout.TokenPlacement.cat(places)
         ok = cp_layout.allowed(everyone, everyone, causal, self.window)
-        out = attend(*qkv, ok, self.softmax_scale, dropout)  # [cp·s, b, np/cp, hn]
+        sinks = self.softmax_offset
+        if sinks is not None:  # this CP rank attends with head group `rank` of this TP rank's heads
+            per = q.shape[2] // cp
+            sinks = sinks.narrow(0, dist.get_rank(self.cp_group) * per, per)
+        out = attend(*qkv, ok, self.softmax_scale, dropout, sinks)  # [cp·s, b, np/cp, hn]
         s = q.shape[0]
         out = _AllToAll.apply(out.reshape(cp, s, *out.shape[1:]), self.cp_group)  # [cp (head group), s, b, ..]
         return out.permute(1, 2, 0, 3, 4).reshape(s, q.shape[1], q.shape[2], q.shape[3])

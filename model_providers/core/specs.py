@@ -91,8 +91,13 @@ def _local_layer_spec(config: TransformerConfig, experts: int | None, packed_seq
         # A separate norm before the router (as with the TE spec), not one fused into a dense fc1.
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
         if config.add_bias_linear:  # biased experts (GPT-OSS): model_providers/core/experts.py
-            layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
+            _submodules(_submodules(layer.submodules.mlp).experts).linear_fc2 = ExpertRowParallelLinear
     return layer
+
+
+def _submodules(spec):
+    """A spec's submodules: a `ModuleSpec`'s (0.16.1–0.18) or a `functools.partial`'s keyword (0.19's MoE specs)."""
+    return spec.submodules if isinstance(spec, ModuleSpec) else spec.keywords["submodules"]
 
 
 def _local_mla_norms(config: TransformerConfig, layer: ModuleSpec, attention, experts: int | None) -> None:

@@ -89,7 +89,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     rows = hs // h
-    rope = m.position_embedding_type == "rope"
+    rope = m.position_embedding_type in ("rope", "yarn")  # YaRN is RoPE with other frequencies
     fp8 = bool(m.fp8) and lay.use_te
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
     out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
@@ -327,7 +327,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
             work.append(chunk_work)
         working = max(work)
-        if m.position_embedding_type == "rope":  # checkpoints keep each chunk's (cached) RoPE frequencies
+        if m.position_embedding_type in ("rope", "yarn"):  # checkpoints keep each chunk's (cached) RoPE frequencies
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)

@@ -72,6 +72,8 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     pre = pre or f"decoder.layers.{index}"
     out = _norm_params(f"{pre}.input_layernorm", m)
     value = m.v_head_dim if m.multi_latent_attention else d
+    if getattr(m, "softmax_type", "vanilla") == "learnable":  # attention sinks: one logit per head, split over TP
+        out.append(Param(f"{pre}.self_attention.core_attention.softmax_offset", a // tp))
     out.append(Param(f"{pre}.self_attention.linear_proj.weight", h * a * value // tp, linear=True))
     if m.add_bias_linear:
         out.append(Param(f"{pre}.self_attention.linear_proj.bias", h))

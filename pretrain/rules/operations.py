@@ -18,7 +18,7 @@ def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) 
     """
     d, m = cfg.data, cfg.model
     use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
-    if d.reset_position_ids and m.position_embedding_type == "rope" and not d.reset_attention_mask:
+    if d.reset_position_ids and m.position_embedding_type in ("rope", "yarn") and not d.reset_attention_mask:
         r.error(("data.reset_position_ids", "model.position_embedding_type"),
                 "data.reset_position_ids=true has no effect with RoPE: Megatron-Core's GPTModel rotates by the "
                 "sequence index, not by position_ids",

@@ -8,8 +8,8 @@ Problem = tuple[tuple[str, ...] | str, str, str]
 
 
 def recompute_problems(m: Any, use_te: bool) -> list[Problem]:
-    """Only with selective recompute, not empty, no module twice, not a no-op (layernorm under the TE spec,
-    mlp on MoE layers), moe / moe_act only on MoE models, moe_act only with grouped-GEMM experts."""
+    """Only with selective recompute, not empty, no module twice, not a no-op (layernorm under the TE spec of a dense
+    model, mlp on MoE layers), moe / moe_act only on MoE models, moe_act only with grouped-GEMM experts."""
     mods = m.recompute_modules
     if mods is None:
         return []
@@ -24,10 +24,11 @@ def recompute_problems(m: Any, use_te: bool) -> list[Problem]:
     if len(set(mods)) != len(mods):
         out.append(("model.recompute_modules", f"model.recompute_modules={mods} names a module twice",
                     "list each module once"))
-    if "layernorm" in mods and use_te:
+    if "layernorm" in mods and use_te and not m.num_moe_experts:  # an MoE layer's pre-MLP norm is its own TENorm
         out.append((("model.recompute_modules", "model.transformer_impl"),
-                    "recompute of layernorm does nothing with the Transformer Engine spec (both norms are fused "
-                    "into the following linear layers)", "remove layernorm, or set model.transformer_impl=local"))
+                    "recompute of layernorm does nothing with the Transformer Engine spec on a dense model (both "
+                    "norms are fused into the following linear layers)",
+                    "remove layernorm, or set model.transformer_impl=local"))
     return out + _moe_problems(m, mods, use_te)
 
 

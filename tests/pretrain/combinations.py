@@ -25,6 +25,8 @@ FEATURES = {
     "recompute": ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"],
     # sliding-window attention shorter than the sequence, on alternate layers (1 and 3; 2 and 4 full)
     "swa": ["model.sliding_window=32", "model.window_attn_skip_freq=2"],
+    # attention sinks (GPT-OSS): one learnable logit per head in every softmax
+    "sinks": ["model.softmax_type=learnable"],
 }
 EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp"}]
 DATA_PARALLEL = {"ep", "fsdp", "distopt"}  # need two data-parallel ranks

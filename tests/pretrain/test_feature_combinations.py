@@ -1,6 +1,6 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window} that `validate` accepts builds every Megatron-Core config object training builds,
-in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
+recompute, sliding window, attention sinks} that `validate` accepts builds every Megatron-Core config object training
+builds, in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
 
 Megatron-Core asserts many combinations at build time (TransformerConfig's `__post_init__`, the layer specs of each
@@ -27,6 +27,7 @@ REFUSALS = {
     ("optimizer.fsdp", "parallel.expert"),  # Megatron-FSDP's gradient norm under EP (0.16.1)
     ("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),  # gloo, VP on 2 stages
     ("model.sliding_window", "parallel.cp_comm_type"),  # Transformer Engine: windows under CP only with a2a/all_gather
+    ("model.softmax_type", "parallel.cp_comm_type"),  # sinks: not in the CPU ring (p2p); TE under CP: a2a only
 }
 
 
