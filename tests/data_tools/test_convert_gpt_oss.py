@@ -20,7 +20,6 @@ from pretrain.hf.mxfp4 import BLOCK, E2M1, SCALE_BIAS, dequantize
 
 from .hf_families import CONFIGS, safetensors_dir, tokenizer_files, write_hf_model
 
-
 SEQ = 64  # the training length: four times GPT-OSS's window here (16)
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 

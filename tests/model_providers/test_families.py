@@ -167,7 +167,8 @@ for _name, _layers, _experts in (("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 1
 # Parameter counts as published (model cards / the Hub), in billions, with the digits given there.
 PUBLISHED = {"llama32_1b": "1.24", "llama32_3b": "3.21", "mistral_7b": "7.24", "mistral_7b_v03": "7.25",
              "qwen25_0p5b": "0.49", "qwen25_7b": "7.62", "qwen25_72b": "72.7", "qwen3_0p6b": "0.6",
-             "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5"}
+             "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5",
+             "gpt_oss_20b": "20.9", "gpt_oss_120b": "116.8"}  # gpt-oss: the model card (arXiv 2508.10925)
 _ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "layernorm_epsilon", "rotary_base", "rope_scaling", "share_embeddings_and_output_weights", "vocab_size",
                 "max_position_embeddings", "sliding_window", "add_qkv_bias", "qk_layernorm", "family")
