@@ -108,7 +108,7 @@ class DequantizingReader:
             values = dequantize(self.inner.read(blocks), self.inner.read(scales), self.dtype)
         except ConversionError as exc:
             raise ConversionError(f"HF tensor '{blocks}': {exc}") from None
-        return values.transpose(-1, -2).contiguous()
+        return values.transpose(-1, -2)  # a view: the mapping rule transposes it back without a copy
 
 
 def dequantizing(reader: Any, config_tree: dict, dtype: torch.dtype | None) -> tuple[Any, dict | None]:
