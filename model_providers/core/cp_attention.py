@@ -146,10 +146,11 @@ class ContextParallelAttention(MegatronModule):
     def _sinks(self, config) -> None:
         """`softmax_offset` as Megatron-Core's `DotProductAttention` makes it (name, shape, dtype, checkpoint entry)."""
         softmax_type = getattr(config, "softmax_type", "vanilla")
-        heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
         if softmax_type == "vanilla":
             self.softmax_offset = None
-        elif softmax_type == "off-by-one":
+            return
+        heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+        if softmax_type == "off-by-one":
             self.softmax_offset = torch.zeros(heads, dtype=config.params_dtype)
         else:
             self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))

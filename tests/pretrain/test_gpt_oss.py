@@ -17,6 +17,7 @@ from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
 from tests.pretrain.ckpt_helpers import by_step, layout_case, max_rel, rel_diff, run_worker_cases, step_values
+from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +41,40 @@ LAYOUTS = {
     "ep2_to_ep1": ([], "ep2"),  # DP2 at EP1 from the EP2 run's step-2 checkpoint
 }
 FULL = set(LAYOUTS) - {"tp2_sp_ep2"}
+# Packed documents (THD, window 8 shorter than each document): our ContextParallelAttention with sinks at CP1 and
+# CP2 a2a against each document alone (Megatron-Core's DotProductAttention with SoftmaxOne). `make test-all` only.
+DOC_LAYOUTS = {"docs_cp1": [], "docs_cp2_a2a": CP2 + ["parallel.cp_comm_type=a2a"]}
+
+
+def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
+    return {**case(run_dir, data_prefix, seq_length, ["train.precision=fp32", *extra]), "config": "tiny_gpt_oss"}
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_runs(tmp_path_factory):
+    """The reference and the packed-document cases on world 1, the layouts on world 2. Returns (root, the documents'
+    prediction counts)."""
     root = tmp_path_factory.mktemp("gpt_oss")
-    run_worker_cases(root, 1, [layout_case(root, "tiny_gpt_oss", BASE, "ref", [], None)], timeout=900)
-    cases = [layout_case(root, "tiny_gpt_oss", BASE, name, extra, source)
-             for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]
-    run_worker_cases(root, 2, cases, timeout=1200)
-    return root
+    by_world = {1: [layout_case(root, "tiny_gpt_oss", BASE, "ref", [], None)],
+                2: [layout_case(root, "tiny_gpt_oss", BASE, name, extra, source)
+                    for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
+    singles = {}
+    if tiers.everything():
+        packed, seq, singles = documents(root)
+        for name, (path, n) in singles.items():
+            by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
+        for name, extra in DOC_LAYOUTS.items():
+            by_world[2 if extra else 1].append(_doc_case(root / name, packed, seq, FLAGS + extra))
+    for world, cases in by_world.items():
+        (root / f"w{world}").mkdir()
+        run_worker_cases(root / f"w{world}", world, cases, timeout=1200)
+    return root, {name: n for name, (_, n) in singles.items()}
 
 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n != "ep2_to_ep1"], FULL))
 def test_gpt_oss_layout_matches_one_rank(gpt_oss_runs, name):
-    root = gpt_oss_runs
+    root, _ = gpt_oss_runs
     ref, got = by_step(root / "ref"), by_step(root / name)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
@@ -69,12 +88,25 @@ def test_gpt_oss_layout_matches_one_rank(gpt_oss_runs, name):
 
 @pytest.mark.full
 def test_gpt_oss_ep2_checkpoint_resumes_at_ep1(gpt_oss_runs):
-    ref, got = by_step(gpt_oss_runs / "ep2"), by_step(gpt_oss_runs / "ep2_to_ep1")
+    root, _ = gpt_oss_runs
+    ref, got = by_step(root / "ep2"), by_step(root / "ep2_to_ep1")
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in (3, 4):
         rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"tiny_gpt_oss EP2 → EP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= 2e-6
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(DOC_LAYOUTS))
+def test_gpt_oss_packed_documents_equal_documents_alone(gpt_oss_runs, name):
+    """THD with sinks and a window of 8 (our attention) = each document alone (Megatron-Core's SoftmaxOne)."""
+    root, predictions = gpt_oss_runs
+    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
+    got = first_loss(root / name)
+    print(f"tiny_gpt_oss {name}: packed {got:.7f}, documents alone {expected:.7f} "
+          f"(rel {abs(got - expected) / expected:.1e})")
+    assert abs(got - expected) / expected < 1e-6
 
 
 REFUSED = {
@@ -108,7 +140,8 @@ def test_gpt_oss_combinations_are_validated():
 
 def test_published_120b_layout_validates_on_mock_data():
     """launch/pretrain_gpt_oss_120b.sh as `validate --world-size 64` checks it (a GPU dry run): Megatron-Bridge's H100
-    layout (TP1, PP4, EP8, DP16, GBS 1280) is accepted, and the planner's parameter count is transformers'."""
+    layout (TP1, PP4, EP8, DP16, GBS 1280) is accepted; the planner's parameter counts (sinks and biases included) are
+    transformers' (its meta-device GptOssForCausalLM of each released config)."""
     from pretrain.layout import derive_layout
     from pretrain.plan import count_parameters
     from tests.pretrain.test_placement_config import _launch_overrides
@@ -121,3 +154,5 @@ def test_published_120b_layout_validates_on_mock_data():
     assert (lay.tp, lay.pp, lay.ep, lay.etp, lay.dp) == (1, 4, 8, 1, 16)
     assert cfg.train.global_batch_size == 1280 and cfg.model.seq_length == 4096
     assert count_parameters(cfg, cfg.model.vocab_size) == 116_829_156_672  # GptOssForCausalLM(gpt-oss-120b)
+    small = load_config("gpt_oss_20b", ["data.mock=true"])
+    assert count_parameters(small, small.model.vocab_size) == 20_914_757_184  # ... and of gpt-oss-20b

@@ -60,8 +60,8 @@ def test_documented_world_sizes():
 @pytest.mark.parametrize("config", SHIPPED)
 def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatch):
     """`--world-size N` on a machine without CUDA checks the job as on GPUs with Transformer Engine: every shipped
-    config passes; what needs TE (deepseek_v3's MLA under CP, kimi_k2's QK-clip) is a note there, and refused for a
-    job on this machine."""
+    config passes; what needs TE (deepseek_v3's MLA under CP, kimi_k2's QK-clip, gpt_oss_120b's moe_act recompute) is a
+    note there, and refused for a job on this machine."""
     import torch
 
     from pretrain.validate import validate
@@ -78,7 +78,8 @@ def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatc
     # What only GPUs with Transformer Engine run: deepseek_v3's MLA under CP, kimi_k2's QK-clip (the local attention
     # records no max logit). The dry run says each as a note; a job on this machine is refused.
     te_only = {"deepseek_v3": [("model.multi_latent_attention", "parallel.context")],
-               "kimi_k2": [("optimizer.muon.qk_clip", "model.transformer_impl")]}
+               "kimi_k2": [("optimizer.muon.qk_clip", "model.transformer_impl")],
+               "gpt_oss_120b": [("model.recompute_modules", "model.moe_grouped_gemm")]}  # moe_act: grouped GEMM
     if config in te_only:
         assert [e.keys for e in here.errors] == te_only[config], here.text()
         for keys in te_only[config]:
