@@ -100,6 +100,11 @@ class MappingRule:
             return [(i, e) for i in range(num_layers) for e in range(num_experts)]
         return list(range(num_layers)) if self.stack_dims == 1 else [None]
 
+    def storage_slices(self, num_layers: int, num_experts: int = 0) -> tuple[tuple[int, ...], list[Index]]:
+        """How Megatron's sharded state stores this tensor: the stacked dims and one index per stored slice (the
+        rule's own slices, except for rules that convert several at once)."""
+        return self.stack_shape(num_layers, num_experts), self.indices(num_layers, num_experts)
+
     def hf_names(self, layer: Index) -> list[str]:
         if isinstance(layer, tuple) and len(layer) == 1:
             return [n.format(e=layer[0]) for n in self.hf]
@@ -259,6 +264,68 @@ class FusedQKVBias(MappingRule):
         return ts[0].reshape(3, d.num_heads, d.head_dim).permute(1, 0, 2).reshape(-1)
 
 
+class LayerExperts(MappingRule):
+    """An expert tensor (under `EXPERTS_PREFIX`, [layers, experts, ...]) whose HF side holds every expert of a layer
+    in one tensor, [experts, ...] (GPT-OSS): converted one layer at a time, all experts together; Megatron still
+    stores one slice per (layer, expert) (`storage_slices`)."""
+
+    op = "layer_experts"
+
+    @property
+    def stack_dims(self) -> int:
+        return 1
+
+    def stack_shape(self, num_layers: int, num_experts: int = 0) -> tuple[int, ...]:
+        return (num_layers,)
+
+    def indices(self, num_layers: int, num_experts: int = 0) -> list[Index]:
+        return list(range(num_layers))
+
+    def storage_slices(self, num_layers: int, num_experts: int = 0) -> tuple[tuple[int, ...], list[Index]]:
+        return (num_layers, num_experts), [(i, e) for i in range(num_layers) for e in range(num_experts)]
+
+    def to_hf(self, t, d):
+        return [t]
+
+    def from_hf(self, ts, d):
+        return ts[0]
+
+
+class LayerExpertsTransposed(LayerExperts):
+    """Megatron's [experts, out, in] ↔ HF's [experts, in, out] (GPT-OSS's `down_proj`)."""
+
+    op = "layer_experts_transpose"
+
+    def to_hf(self, t, d):
+        return [t.transpose(1, 2)]
+
+    def from_hf(self, ts, d):
+        return ts[0].transpose(1, 2)
+
+
+class LayerExpertsGateUp(LayerExperts):
+    """Megatron's gated fc1, [gate; up] rows per expert, ↔ HF's fused `gate_up_proj` with gate and up interleaved
+    (gate at even, up at odd positions): the weight [experts, 2·ffn, hidden] ↔ [experts, hidden, 2·ffn]
+    (transposed), the bias [experts, 2·ffn] ↔ [experts, 2·ffn]."""
+
+    op = "layer_experts_gate_up"
+
+    def to_hf(self, t, d):
+        experts, rows, *rest = t.shape
+        if rows % 2:
+            raise ConversionError(f"gated fc1 has an odd number of rows ({rows})")
+        out = t.reshape(experts, 2, rows // 2, *rest).transpose(1, 2).reshape(experts, rows, *rest)
+        return [out.transpose(1, 2) if rest else out]
+
+    def from_hf(self, ts, d):
+        t = ts[0].transpose(1, 2) if ts[0].dim() == 3 else ts[0]
+        experts, rows, *rest = t.shape
+        if rows % 2:
+            raise ConversionError(f"fused gate_up has an odd number of columns ({rows})")
+        return t.reshape(experts, rows // 2, 2, *rest).transpose(1, 2).reshape(experts, rows, *rest)
+
+
 RULES: dict[str, type[MappingRule]] = {
-    cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate)
+    cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate,
+                            LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp)
 }

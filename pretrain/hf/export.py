@@ -103,6 +103,21 @@ def _without_custom_code(config: dict | None, architecture: str) -> tuple[dict |
     return out, dropped
 
 
+def _without_quantization(config: dict | None, dtype: torch.dtype) -> tuple[dict | None, dict]:
+    """`config` without `quantization_config` (the import dequantized those weights: `pretrain.hf.mxfp4`), and the
+    safetensors index metadata saying so (empty: the imported model was not quantized)."""
+    if config is None or "quantization_config" not in config:
+        return config, {}
+    quant = config["quantization_config"]
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    written = str(dtype).removeprefix("torch.")
+    print(f"[convert] note: the imported model stored weights as {method}; this export writes every weight "
+          f"unquantized ({written}) and its config.json has no quantization_config (recorded in "
+          "model.safetensors.index.json)", file=sys.stderr)
+    return {k: v for k, v in config.items() if k != "quantization_config"}, {
+        "dequantized_from": str(method), "dtype": written}
+
+
 def _export_tokenizer(cfg, assets: Path | None, given: str | None, original: dict | None):
     """(transformers tokenizer or None, the imported tokenizer files' directory or None, original config).
 
@@ -165,6 +180,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
     if dropped:
         print(f"[convert] note: the imported config.json's {' and '.join(dropped)} are not exported (an exported "
               f"model runs as the built-in {family.hf_architecture}, never custom code)", file=sys.stderr)
+    original, unquantized = _without_quantization(original, out_dtype)
     tok, tokenizer_files, original = _export_tokenizer(cfg, assets, tokenizer, original)
     vocab = m.vocab_size
     if vocab is None:  # the run's tokenizer, as the run plan decides it (`pretrain.run_plan`)
@@ -195,7 +211,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
 
     staging = staging_dir(output, overwrite, ckpt)
     try:
-        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes)
+        writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, unquantized)
         bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
         for unit in units:
             source = reader.read(unit.rule.megatron, unit.layer)
@@ -229,4 +245,4 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
             "shards": len(writer.shards), "seconds": elapsed, "peak_rss_bytes": peak_rss_bytes(),
             "vocab_size": vocab, "padded_vocab_size": rows,
             "config_json": "original" if original is not None and not departs else "generated",
-            "hf_assets": str(assets) if assets is not None else None}
+            "hf_assets": str(assets) if assets is not None else None, "unquantized": unquantized or None}

@@ -17,6 +17,7 @@ import torch
 from model_providers import family_for_hf, get_family
 from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
+from pretrain.hf import mxfp4
 from pretrain.hf.assets import ASSET_DIR, copy_assets
 from pretrain.hf.files import (
     DTYPES,
@@ -141,7 +142,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     padded = layout.padded_vocab  # of model.vocab_size = the HF vocabulary, at the config's TP
     family = get_family(m.family)
     d = dims(m, vocab, padded)
-    reader = HFReader(hf_dir)
+    reader, dequantized = mxfp4.dequantizing(HFReader(hf_dir), tree, DTYPES[dtype] if dtype else None)
+    notes += [mxfp4.note(dequantized)] if dequantized else []
     check_tied_head(reader, family, m.share_embeddings_and_output_weights, config_json)
     expected = family.hf_shapes(hf_cfg)
     rules = family.mapping_for(m)
@@ -201,8 +203,9 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         if not any(w in rule.megatron for w in _LINEAR_WEIGHT) or not rule.megatron.endswith(".weight") or (
                 not rule.stack_dims and not rule.per_layer) or isinstance(rule, Duplicate):
             continue
-        stack = rule.stack_shape(m.num_layers, d.num_experts) or (1,)  # an unstacked per-layer key: shard 0 of 1
-        for layer in rule.indices(m.num_layers, d.num_experts):
+        stack, slices = rule.storage_slices(m.num_layers, d.num_experts)
+        stack = stack or (1,)  # an unstacked per-layer key: shard 0 of 1
+        for layer in slices:
             shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
@@ -229,7 +232,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         write_checkpoint_files(staging, common, cfg.to_yaml())
         assets = copy_assets(hf_dir, staging)
         no_tokenizer = {k: getattr(cfg.data, k) for k in TOKENIZER_FIELDS} if tokenizer == "none" else None
-        write_import_record(staging, hf_dir, no_tokenizer)
+        write_import_record(staging, hf_dir, no_tokenizer, dequantized)
         commit_dir(staging, output)
     except BaseException as exc:
         discard_dir(staging, output, exc)
@@ -237,4 +240,4 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     return {"output": str(output), "tensors": len(sources), "bytes": bar.bytes,
             "seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(), "vocab_size": vocab,
             "padded_vocab_size": padded, "family": m.family, "hf_assets": assets, "notes": notes,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "dequantized": dequantized}

@@ -177,12 +177,15 @@ def check_tied_head(reader, family, tied: bool, config_json: Path) -> None:
                               "tie_word_embeddings=false in config.json to import both, or remove the tensor")
 
 
-def write_import_record(staging: Path, hf_dir: Path, no_tokenizer_fields: dict | None) -> None:
-    """`CKPT/hf_import.json` (beside `hf_assets/`, which holds the HF files only): the source and, for an import
+def write_import_record(staging: Path, hf_dir: Path, no_tokenizer_fields: dict | None,
+                        dequantized: dict | None = None) -> None:
+    """`CKPT/hf_import.json` (beside `hf_assets/`, which holds the HF files only): the source; for an import
     that named no tokenizer (no tokenizer files, no --config), the data fields written, so `to-hf` can tell
-    whether a later run named one."""
+    whether a later run named one; for quantized weights, what was dequantized (`pretrain.hf.mxfp4`)."""
     record = {"source": str(hf_dir.resolve()), "no_tokenizer": no_tokenizer_fields is not None,
               "data_tokenizer_fields": no_tokenizer_fields}
+    if dequantized is not None:
+        record["dequantized"] = dequantized
     (staging / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 

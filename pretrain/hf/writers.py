@@ -31,11 +31,13 @@ class ShardedSafetensorsWriter:
     """Writes tensors, in a fixed planned order, into `model-0000i-of-0000n.safetensors` shards.
 
     Headers are computed from the plan before any data arrives, so each tensor is written as soon as
-    it is produced and then dropped. `close()` writes model.safetensors.index.json.
+    it is produced and then dropped. `close()` writes model.safetensors.index.json (its `metadata`: the total size
+    and `metadata`).
     """
 
-    def __init__(self, directory: Path, entries: list[TensorEntry], max_shard_bytes: int):
-        self.dir, self.entries = directory, entries
+    def __init__(self, directory: Path, entries: list[TensorEntry], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None):
+        self.dir, self.entries, self.metadata = directory, entries, metadata or {}
         shards: list[list[TensorEntry]] = [[]]
         size = 0
         for e in entries:
@@ -89,7 +91,7 @@ class ShardedSafetensorsWriter:
             raise ConversionError(f"internal: {len(self.entries) - self.position} planned tensors were not written")
         total = sum(e.nbytes for e in self.entries)
         weight_map = {e.name: fname for fname, entries in self.shards for e in entries}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total, **self.metadata}, "weight_map": weight_map}
         (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -94,14 +94,33 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "float32",
         "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 16, "vocab_size": 32009,
     },
+    # gpt-oss-20b style: 2 layers, windowed (16 < the training length 64) then full, head_dim 32 ≠ hidden / heads,
+    # sinks, biases, 4 experts of 32 (top-2; MXFP4 needs multiples of 32) with the clamped SwiGLU, YaRN (factor 4
+    # over 16 positions, truncate false), the released extra keys (experts_per_token, initial_context_length), aux
+    # loss off (output_router_logits false) at the released coefficient.
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "bos_token_id": 50256, "eos_token_id": 50256, "experts_per_token": 2, "head_dim": 32, "hidden_act": "silu",
+        "hidden_size": 64, "initial_context_length": 16, "initializer_range": 0.02, "intermediate_size": 32,
+        "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 64,
+        "model_type": "gpt_oss", "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "num_local_experts": 4, "output_router_logits": False, "pad_token_id": 50256,
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 16, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 16, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.55.0.dev0",
+        "use_cache": True, "vocab_size": 50270,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral, Qwen3: longer than their sliding windows).
-SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64}
+SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64,
+              "gpt_oss": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
-             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece"}
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:
@@ -129,7 +148,9 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
 
 # Tensors drawn at another scale than the rest (name suffix: factor): DeepSeek's router sharp enough that tokens route
 # differently (and group limiting changes the choice), its expert bias small but not zero.
-SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2}}
+# GPT-OSS's experts' gate/up large enough that the SwiGLU clamp (±7) acts, its sinks large enough to matter.
+SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2},
+          "gpt_oss": {"mlp.experts.gate_up_proj": 20.0, "self_attn.sinks": 10.0}}
 
 
 def _scaled(family: str):

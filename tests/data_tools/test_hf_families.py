@@ -38,6 +38,10 @@ pytestmark = pytest.mark.mcore  # the HF bridge and the trainer for every family
 # Every family at TP2 vs transformers and exported in `make test`; at PP2 too in `make test-all`, DeepSeek-V3 (its
 # stages split 1 | 2, the MTP layer on the last stage) in both.
 PP2_FAMILIES = ("deepseek_v3",)
+# Families also run at EP2 (world 2: EP2 × DP2) vs transformers in the same pool case, in `make test`.
+EP2_FAMILIES = ("gpt_oss",)
+# Extra layout keys per family: GPT-OSS's expert biases need expert tensor parallelism 1 under TP.
+LAYOUT_KEYS = {"gpt_oss": ["parallel.expert_tensor=1"]}
 
 
 def convert(*args: str) -> None:
@@ -132,9 +136,10 @@ def test_config_from_the_model_fields_alone_means_the_same(tmp_path, imported, f
     ours = AutoConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True).to_dict()
     theirs = AutoConfig.from_pretrained(str(src), local_files_only=True).to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
-    # ep_size: DeepSeek's inference-time expert parallel size (no model field decides it).
-    assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope", "ep_size"}, \
-        differ
+    # ep_size: DeepSeek's inference-time expert parallel size (no model field decides it); experts_per_token,
+    # initial_context_length: released GPT-OSS keys transformers does not read; pad_token_id: a token id.
+    assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope", "ep_size",
+                      "experts_per_token", "initial_context_length", "pad_token_id"}, differ
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,7 +236,7 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
     # TP2 with sequence parallelism (MoE layers need it with TP; the dense families run the same at TP2).
     tp2 = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
     layouts = {"tp2": [*tp2, "optimizer.lr=0"], "pp2": ["parallel.pipeline=2", "optimizer.lr=0"],
-               "trained": [*tp2, "optimizer.lr=1e-3"]}
+               "ep2": ["parallel.expert=2", "optimizer.lr=0"], "trained": [*tp2, "optimizer.lr=1e-3"]}
     jobs, runs = [], {}
     for family in FAMILIES:
         src, ckpt = imported[family]
@@ -239,6 +244,9 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         for name, layout in layouts.items():
             if name == "pp2" and family not in PP2_FAMILIES and not tiers.everything():
                 continue
+            if name == "ep2" and family not in EP2_FAMILIES:
+                continue
+            layout = [*layout, *LAYOUT_KEYS.get(family, [])]
             # DeepSeek's 3 layers at PP2: 1 | 2 (+ MTP), so stage 0 holds no MoE layer.
             if name == "pp2" and CONFIGS[family]["num_hidden_layers"] % 2:
                 layout = [*layout, "parallel.num_layers_in_first_pipeline_stage=1"]
@@ -261,7 +269,7 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         src, ckpt = imported[family]
         run_dir, overrides = runs[family, "tp2"]
         hf, hf_mtp_losses = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
-        for name in ("tp2", "pp2"):
+        for name in ("tp2", "pp2", "ep2"):
             if (family, name) not in runs:
                 continue
             got = _step_losses(runs[family, name][0])
@@ -304,7 +312,8 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         assert got.shape == ref.shape and diff <= 1e-4, family
         generated = model.generate(tokens[family][:1, :8], max_new_tokens=4, do_sample=False)
         assert generated.shape == (1, 12)
-    print("family | loss TP2 | loss PP2 | export logits")
+    print("family | loss TP2 | loss PP2 | loss EP2 | export logits")
     for family in FAMILIES:
         pp2 = f"{report[family, 'pp2']:.1e}" if (family, "pp2") in report else "(test-all)"
-        print(f"{family} | {report[family, 'tp2']:.1e} | {pp2} | {report[family, 'export']:.1e}")
+        ep2 = f"{report[family, 'ep2']:.1e}" if (family, "ep2") in report else "-"
+        print(f"{family} | {report[family, 'tp2']:.1e} | {pp2} | {ep2} | {report[family, 'export']:.1e}")

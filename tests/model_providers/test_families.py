@@ -144,10 +144,31 @@ RELEASED = {
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
         "use_sliding_window": False, "vocab_size": 151936},
 }
+# openai/gpt-oss-20b and -120b as released (MXFP4 experts: quantization_config; the import dequantizes them).
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_key_value_heads": 8, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.55.0.dev0", "use_cache": True,
+    "vocab_size": 201088}
+# Released GPT-OSS keys no model field decides (kept from an imported config.json) or the export never writes.
+_GPT_OSS_UNMAPPED = {"experts_per_token", "initial_context_length", "pad_token_id", "quantization_config"}
+for _name, _layers, _experts in (("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 128)):
+    RELEASED[_name] = {**_GPT_OSS, "num_hidden_layers": _layers, "num_local_experts": _experts,
+                       "layer_types": ["sliding_attention", "full_attention"] * (_layers // 2)}
 # Parameter counts as published (model cards / the Hub), in billions, with the digits given there.
 PUBLISHED = {"llama32_1b": "1.24", "llama32_3b": "3.21", "mistral_7b": "7.24", "mistral_7b_v03": "7.25",
              "qwen25_0p5b": "0.49", "qwen25_7b": "7.62", "qwen25_72b": "72.7", "qwen3_0p6b": "0.6",
-             "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5"}
+             "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5",
+             "gpt_oss_20b": "20.9", "gpt_oss_120b": "116.8"}  # gpt-oss: the model card (arXiv 2508.10925)
 _ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "layernorm_epsilon", "rotary_base", "rope_scaling", "share_embeddings_and_output_weights", "vocab_size",
                 "max_position_embeddings", "sliding_window", "add_qkv_bias", "qk_layernorm", "family")
@@ -181,7 +202,8 @@ def test_preset_is_the_released_config(tmp_path, preset):
                                dtype=torch.bfloat16).to_dict()
     theirs = released.to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
-    assert differ <= {"_name_or_path", "transformers_version", "max_window_layers", "use_mrope"}, differ
+    unmapped = _GPT_OSS_UNMAPPED if m.family == "gpt_oss" else set()
+    assert differ <= {"_name_or_path", "transformers_version", "max_window_layers", "use_mrope", *unmapped}, differ
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
