@@ -323,7 +323,8 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
     if m.recompute_granularity == "full":
-        layer = max(max(layers) for layers in chunk_layers.values())  # dense-first models: the larger layer
+        # dense-first models: the larger layer (a chunk of a layout string may hold none: the loss alone)
+        layer = max((max(layers) for layers in chunk_layers.values() if layers), default=0)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
