@@ -1,5 +1,6 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window} that `validate` accepts builds every Megatron-Core config object training builds,
+recompute, sliding window} and every pair of those with {a pipeline layout string, the embedding and loss in the
+split, Muon} that `validate` accepts builds every Megatron-Core config object training builds,
 in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
 
@@ -27,6 +28,10 @@ REFUSALS = {
     ("optimizer.fsdp", "parallel.expert"),  # Megatron-FSDP's gradient norm under EP (0.16.1)
     ("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),  # gloo, VP on 2 stages
     ("model.sliding_window", "parallel.cp_comm_type"),  # Transformer Engine: windows under CP only with a2a/all_gather
+    ("optimizer.name", "optimizer.fsdp"),  # Muon needs whole matrices: Megatron-Core builds it over Megatron DDP only
+    ("optimizer.name", "optimizer.distributed"),  # ... and refuses it inside the distributed optimizer
+    # a layout string places every layer: one without the MTP layer ('m') is Megatron-Core's refusal
+    ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers", "model.mtp_num_layers"),
 }
 
 
