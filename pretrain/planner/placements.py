@@ -34,34 +34,28 @@ class Placement:
 
 
 def layout_string(num_layers: int, stages: int, mtp: bool) -> str | None:
-    """Megatron-Core's layout string with ceil(L / stages) decoder layers per virtual stage, the shortfall taken from
-    the last stages, the embedding first and (the MTP layers and) the loss last: 61 layers over 16 stages with MTP is
-    `Et*4|(t*4|)*14tmL`. None when a stage other than the last would be empty."""
+    """Megatron-Core's layout string as Megatron-Bridge writes them: ceil(L / stages) decoder layers on every virtual
+    stage but the last and the first, which give up the shortfall (the last first: it holds the loss and the MTP
+    layers; then the first, which holds the embedding). 61 layers with MTP over 16 stages: `Et*4|(t*4|)*14tmL`, over
+    32: `Et|(tt|)*30mL`. None when that leaves the middle stages unequal or a stage empty (but the last)."""
     per = math.ceil(num_layers / stages)
-    counts = [per] * stages
     excess = per * stages - num_layers
-    for i in range(stages - 1, -1, -1):
-        take = min(excess, counts[i])
-        counts[i] -= take
-        excess -= take
-    if min(counts[:-1]) == 0:
+    if stages < 3 or excess > 2 * per - 1:
         return None
+    last = per - min(excess, per)
+    first = per - (excess - (per - last))
 
     def run(c: int) -> str:
         return "t" * c if c <= 2 else f"t*{c}"
 
-    middle = counts[1:-1]
-    body = ""
-    if middle:
-        body = f"({run(middle[0])}|)*{len(middle)}" if len(set(middle)) == 1 else "".join(f"{run(c)}|" for c in middle)
-    return f"E{run(counts[0])}|{body}{run(counts[-1]) if counts[-1] else ''}{'m' if mtp else ''}L"
+    return f"E{run(first)}|({run(per)}|)*{stages - 2}{run(last)}{'m' if mtp else ''}L"
 
 
 def placements(num_layers: int, pp: int, vp: int, mtp: bool, uneven: tuple[int | None, int | None] | None
                ) -> list[Placement]:
     """The placements of `num_layers` on pp × vp virtual stages: the even split where it divides; else the uneven
     first / last stages `uneven` (`search.uneven_split`), the embedding and loss counted as layers where L + 2 divides,
-    and the layout string."""
+    and, where neither places them, the layout string (a search of DeepSeek-V3 on 256 GPUs stays near its old size)."""
     stages = pp * vp
     if num_layers % stages == 0:
         return [Placement()]
@@ -70,7 +64,7 @@ def placements(num_layers: int, pp: int, vp: int, mtp: bool, uneven: tuple[int |
     out = [Placement(first=uneven[0], last=uneven[1])] if uneven else []
     if (num_layers + 2) % stages == 0:
         out.append(Placement(embedding_and_loss=True))
-    layout = layout_string(num_layers, stages, mtp)
+    layout = None if out else layout_string(num_layers, stages, mtp)  # where nothing simpler places the layers
     if layout is not None:
         out.append(Placement(layout=layout))
     return out
