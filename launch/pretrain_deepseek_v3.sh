@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# DeepSeek-V3 (671B, MoE, one MTP layer) with the pipeline layouts Megatron-Bridge publishes (performance recipes:
-# Megatron-Core's pipeline_model_parallel_layout strings). Usage: docs/slurm.md, docs/moe.md.
+# DeepSeek-V3 (671B, MoE, one MTP layer) with the pipeline layouts and performance settings Megatron-Bridge publishes
+# (performance recipes: Megatron-Core's pipeline_model_parallel_layout strings, recompute modules, DeepEP/HybridEP,
+# CUDA graphs). Usage: docs/slurm.md, docs/moe.md.
 #   sbatch launch/pretrain_deepseek_v3.sh                       # 32 nodes x 8 B200: PP8 VP2 EP32, GBS 4096, MXFP8,
 #                                                               #   layout Et*4|(t*4|)*14tmL
 #   LAYOUT=h100 sbatch --nodes=128 launch/pretrain_deepseek_v3.sh   # 128 nodes x 8 H100: TP2 PP8 VP4 EP64, GBS 8192,
@@ -33,13 +34,18 @@ LAYOUT=${LAYOUT:-b200}
 
 placement=(parallel.num_layers_in_first_pipeline_stage=null parallel.num_layers_in_last_pipeline_stage=null
            parallel.context=1 parallel.expert_tensor=1 train.micro_batch_size=1 model.seq_length=4096)
+# Both recipes recompute MLA's up-projections and the dense layers' MLP; the B200 one dispatches through DeepEP with
+# the all-to-all overlapped and CUDA graphs of attention and the router, the H100 one through HybridEP.
+recompute=(model.recompute_granularity=selective "model.recompute_modules=[mla_up_proj,mlp]")
 case $LAYOUT in
-    b200) layout=("${placement[@]}" parallel.tensor=1 parallel.sequence_parallel=false parallel.pipeline=8
-                  parallel.virtual_pipeline=2 "parallel.pipeline_layout=Et*4|(t*4|)*14tmL" parallel.expert=32
-                  train.global_batch_size=4096) ;;
-    h100) layout=("${placement[@]}" parallel.tensor=2 parallel.sequence_parallel=true parallel.pipeline=8
-                  parallel.virtual_pipeline=4 "parallel.pipeline_layout=Et|(tt|)*30mL" parallel.expert=64
-                  train.global_batch_size=8192) ;;
+    b200) layout=("${placement[@]}" "${recompute[@]}" parallel.tensor=1 parallel.sequence_parallel=false
+                  parallel.pipeline=8 parallel.virtual_pipeline=2 "parallel.pipeline_layout=Et*4|(t*4|)*14tmL"
+                  parallel.expert=32 train.global_batch_size=4096 performance.moe_flex_dispatcher_backend=deepep
+                  performance.overlap_moe_expert_parallel_comm=true performance.cuda_graph_impl=transformer_engine
+                  "performance.cuda_graph_scope=[attn,moe_router,moe_preprocess]") ;;
+    h100) layout=("${placement[@]}" "${recompute[@]}" parallel.tensor=2 parallel.sequence_parallel=true
+                  parallel.pipeline=8 parallel.virtual_pipeline=4 "parallel.pipeline_layout=Et|(tt|)*30mL"
+                  parallel.expert=64 train.global_batch_size=8192 performance.moe_flex_dispatcher_backend=hybridep) ;;
     *) launch_die "LAYOUT=$LAYOUT: use b200 or h100" ;;
 esac
 launch_precision_layout

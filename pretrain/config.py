@@ -82,8 +82,10 @@ class ModelConfig:
     # Fused SwiGLU / bias-GELU kernels (torch.compile'd): None = on GPU, off on CPU.
     bias_activation_fusion: bool | None = None
     # Selective recompute: which submodules (Megatron-Core's names); None: ["core_attn"] (Megatron's default).
-    # moe (the whole MoE layer) and moe_act (the experts' activation, grouped GEMM only): MoE models only.
-    recompute_modules: list[Literal["core_attn", "mlp", "layernorm", "moe", "moe_act"]] | None = None
+    # moe (the whole MoE layer), moe_act (the experts' activation, grouped GEMM only), shared_experts: MoE models
+    # only; mla_up_proj (MLA's up-projections and RoPE): multi-latent attention only (pretrain/rules/recompute.py).
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "mla_up_proj",
+                                    "shared_experts"]] | None = None
     # Transformer Engine / FP8 (GPU only; validated).
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None

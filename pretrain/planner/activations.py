@@ -95,7 +95,8 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
     moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
     if m.multi_latent_attention:
-        out.update(mla_terms(cfg, lay, lambda n, r: _norm_terms(cfg, lay, n, r, fp8), recompute_core_attention))
+        out.update(mla_terms(cfg, lay, lambda n, r: _norm_terms(cfg, lay, n, r, fp8), recompute_core_attention,
+                             up_proj="mla_up_proj" in modules))
         sbd = s * b * m.v_head_dim // t  # the attention output's head width is the value's
     elif recompute_core_attention:
         # The selective-recompute checkpoint keeps Q, K, V as given (see _qkv_saved_units).
@@ -173,7 +174,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
         if m.moe_z_loss_coeff:
             router += 4 * tokens * experts + 4 * tokens + 4
     out = {"moe_router": router}
-    if m.moe_shared_expert_intermediate_size:
+    if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:  # its checkpoint keeps its input
         out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
@@ -245,10 +246,13 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     """
     full = layer_terms(cfg, lay)
     mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"] + full.get("moe_shared_experts", 0)
+    up_proj = full.get("qkv", 0) + full.get("mla_latents", 0) if "mla_up_proj" in modules else 0
     if "core_attn" not in modules:
         norms = full["norms_and_gemm_inputs"] - layer_terms(cfg, lay, modules=("layernorm",))[
             "norms_and_gemm_inputs"]
-        return max(mlp if {"mlp", "moe"} & set(modules) else 0, norms // 2 if "layernorm" in modules else 0), 0
+        shared = full.get("moe_shared_experts", 0) if "shared_experts" in modules else 0
+        return max(mlp if {"mlp", "moe"} & set(modules) else 0, norms // 2 if "layernorm" in modules else 0,
+                   up_proj, shared), 0
     kept = layer_terms(cfg, lay, recompute_core_attention=True)
     freed = full["norms_and_gemm_inputs"] // 2 + mlp + kept["attention_output"]
     m = cfg.model
@@ -319,7 +323,8 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
     if m.recompute_granularity == "full":
-        layer = max(max(layers) for layers in chunk_layers.values())  # dense-first models: the larger layer
+        # dense-first models: the larger layer (a chunk of a layout string may hold none: the loss alone)
+        layer = max((max(layers) for layers in chunk_layers.values() if layers), default=0)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]

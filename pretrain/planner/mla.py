@@ -10,6 +10,7 @@ tests/pretrain/test_plan.py); the Transformer Engine paths from their source.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pretrain.config import Config
 from pretrain.layout import Layout
@@ -17,7 +18,8 @@ from pretrain.layout import Layout
 NormTerms = Callable[[int, int], int]  # (values, rows) -> bytes a norm and the GEMM it feeds keep
 
 
-def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attention: bool) -> dict[str, int]:
+def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attention: bool,
+              up_proj: bool = False) -> dict[str, int]:
     """MLA's attention, after the input norm (counted with the norms): the latent norms, RoPE, Q/K/V, scores.
 
     Local spec: each latent norm (q: r_q wide, KV: r_kv) keeps what a norm keeps and its output is the
@@ -28,6 +30,13 @@ def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attentio
     input is a view of the down-projection's whole output (r_kv + d_pe wide); in bf16 its fp32 copy is r_kv wide.
     With Transformer Engine the latent norms are fused into the up-projections (input, fp32 rstd, output) and its
     fused attention keeps Q, K, V and the softmax statistics.
+
+    `up_proj` (`model.recompute_modules: [mla_up_proj]`, Megatron-Core's `CheckpointWithoutOutput` around the
+    up-projections and RoPE): Q, K, V and RoPE's cos/sin are freed after core attention's forward and rebuilt in
+    backward; the checkpoint keeps its inputs, the q latent (r_q), the down-projection's KV output (r_kv + d_pe) and
+    (local spec) the RoPE frequencies (measured on CPU: tests/pretrain/test_mla_recompute.py). With Transformer Engine
+    the latent norms are inside the checkpoint (fused into the up-projections; from the source), so they keep
+    nothing more; the local spec's separate latent norms keep what they kept.
     """
     m = cfg.model
     p = lay.bytes_per_value
@@ -43,12 +52,15 @@ def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attentio
         latent += norm(rows * m.kv_lora_rank, rows)
         if not lay.use_te and p == 4 and not lay.sp:  # the fp32 "copy" is the down-projection output itself
             latent += 4 * rows * pe
+    if up_proj and lay.use_te:
+        latent = rows * ((m.q_lora_rank or 0) + m.kv_lora_rank + pe) * p
     out["mla_latents"] = latent
-    out["qkv"] = s * b * a * (2 * (qk + pe) + v) * p
+    out["qkv"] = 0 if up_proj else s * b * a * (2 * (qk + pe) + v) * p
     if lay.use_te and not recompute_core_attention:
         out["softmax_stats"] = 4 * b * a * s
     elif not lay.use_te:
-        out["rope_cos_sin"] = 4 * s * pe * p
+        # cos and sin for Q and K; with up_proj the checkpoint keeps only its input, the fp32 RoPE frequencies.
+        out["rope_cos_sin"] = s * pe * 4 if up_proj else 4 * s * pe * p
         if not recompute_core_attention:
             out["causal_mask"] = s * s
             out["scores"] = (4 + (p if p != 4 else 0)) * b * a * s * s
@@ -101,3 +113,40 @@ def mtp_extras(cfg: Config, lay: Layout, padded_vocab: int, norm: NormTerms) -> 
     per_layer += norm(hs, rows)  # the final norm and the output GEMM's input
     per_layer += 4 * s * b * (padded_vocab // t) + 9 * s * b + 4 * s * b + 4 * s * b
     return (m.mtp_num_layers or 0) * per_layer
+
+
+def _layer_macs(m: Any, moe: bool) -> tuple[float, float, float]:
+    """(all, MLA up-projections, shared experts) multiply-adds per token of one decoder layer's forward."""
+    h, a = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        qk, pe, v, rq, rkv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+        up = (rq * a * (qk + pe) if rq else 0) + rkv * a * (qk + v)
+        attn = (h * rq if rq else h * a * (qk + pe)) + h * (rkv + pe) + up + a * v * h
+        core = m.seq_length / 2 * a * (qk + pe + v)
+    else:
+        d = m.kv_channels or h // a
+        g = m.num_query_groups or a
+        up, attn, core = 0, h * (a + 2 * g) * d + a * d * h, m.seq_length / 2 * a * 2 * d
+    glu = 3 if m.gated_linear_unit else 2
+    shared = glu * h * (m.moe_shared_expert_intermediate_size or 0) if moe else 0
+    ffn = (m.moe_router_topk * glu * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size) + shared) if moe else \
+        glu * h * (m.ffn_hidden_size or 4 * h)
+    return attn + core + ffn, up, shared
+
+
+def recompute_shares(cfg: Config, modules: frozenset[str]) -> float:
+    """The forward of `mla_up_proj`, `shared_experts` and (on a model with experts) the dense layers' `mlp` again, as a
+    share of a microbatch's forward and backward (3× the forward), from their multiply-adds averaged over the
+    layers (Megatron-Core recomputes exactly these GEMMs in backward; no calibrated constant)."""
+    from pretrain.planner.census import is_moe_layer
+
+    m = cfg.model
+    total = extra = 0.0
+    for i in range(m.num_layers):
+        moe = is_moe_layer(m, i)
+        macs, up, shared = _layer_macs(m, moe)
+        total += 3 * macs
+        extra += (up if "mla_up_proj" in modules else 0) + (shared if "shared_experts" in modules else 0)
+        if "mlp" in modules and m.num_moe_experts and not moe:
+            extra += (3 if m.gated_linear_unit else 2) * m.hidden_size * (m.ffn_hidden_size or 4 * m.hidden_size)
+    return extra / total if total else 0.0

@@ -50,17 +50,11 @@ def load_runs(path: Path = RUNS) -> list[dict[str, Any]]:
 
 def predict(run: dict[str, Any]) -> Prediction:
     """The plan of one published run: its tokens/s/GPU by the cost model and whether it fits."""
-    overrides = [*run["overrides"], *run.get("stand_in", [])]
-    cfg = load_config(run["config"], overrides)
+    cfg = load_config(run["config"], run["overrides"])
     plan = make_plan(cfg, run["nodes"], run["gpus_per_node"], run["gpu"], name=run["name"])
     fields = {k: v for k, v in plan["cost_model"].items() if k in Cost.__dataclass_fields__}
     cost = Cost(**fields)
-    note = ""
-    vp = run.get("bubble_virtual_pipeline")
-    if vp:  # the published interleaving, which the stand-in layout cannot state
-        lay = plan["layout"]
-        cost.bubble_fraction = (lay["pipeline"] - 1) / (vp * lay["num_microbatches"])
-        note += ("; " if note else "") + f"stand-in layout ({' '.join(run['stand_in'])}) with the VP{vp} bubble"
+    note = run.get("note", "")
     world = plan["world_size"]
     tokens = plan["layout"]["global_batch_size"] * cfg.model.seq_length
     return Prediction(run["name"], float(run["published"]), tokens / (cost.step_s * world), plan["fits"],

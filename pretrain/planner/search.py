@@ -11,6 +11,7 @@ from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, checked_layout
 from pretrain.planner.cost import cost_model
 from pretrain.planner.memory import most_loaded
+from pretrain.planner.placements import Placement, placements
 
 
 def _divisors(n: int) -> list[int]:
@@ -35,6 +36,11 @@ def uneven_split(num_layers: int, pp: int, vp: int) -> tuple[int | None, int | N
             if best is None or key < best[0]:
                 best = (key, first, last)
     return None if best is None else (best[1], best[2])
+
+
+def _placements(m: Any, pp: int, vp: int) -> list[Placement]:
+    """The placements tried on pp × vp stages (`pretrain.planner.placements`)."""
+    return placements(m.num_layers, pp, vp, bool(m.mtp_num_layers), uneven_split(m.num_layers, pp, vp))
 
 
 def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: int = 5,
@@ -71,52 +77,54 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                 if m.num_layers % pp == 0:
                     vps = [None] + ([v for v in _divisors(m.num_layers // pp) if 2 <= v <= 10] if pp > 1 else [])
                 else:
-                    vps = [None] + [v for v in range(2, 11) if uneven_split(m.num_layers, pp, v)]
+                    vps = [None] + [v for v in range(2, 11) if _placements(m, pp, v)]
                 # Megatron-FSDP (ZeRO-3) as well as the distributed optimizer; it has no pipeline dimension.
                 fsdps = (False, True) if pp == 1 else (False,)
                 comms = ("p2p", "a2a") if cp > 1 else (cfg.parallel.cp_comm_type,)
-                for vp, ep, mbs, fsdp, comm in ((v, e, b, f, x) for v in vps for e in eps for b in (1, 2, 4)
-                                                for f in fsdps for x in comms):
-                    split = uneven_split(m.num_layers, pp, vp or 1)
-                    if split is None:
+                for vp, ep, mbs, fsdp, comm, place, (gran, method, num) in (
+                        (v, e, b, f, x, pl, r) for v in vps for e in eps for b in (1, 2, 4) for f in fsdps
+                        for x in comms for pl in _placements(m, pp, v or 1) for r in recomputes):
+                    c = copy.deepcopy(cfg)
+                    c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
+                    c.parallel.cp_comm_type = comm
+                    if ep is not None:
+                        c.parallel.expert, c.parallel.expert_tensor = ep, 1
+                    c.parallel.virtual_pipeline = vp
+                    c.parallel.num_layers_in_first_pipeline_stage = place.first
+                    c.parallel.num_layers_in_last_pipeline_stage = place.last
+                    c.parallel.pipeline_layout = place.layout
+                    c.parallel.account_for_embedding_in_pipeline_split = place.embedding_and_loss
+                    c.parallel.account_for_loss_in_pipeline_split = place.embedding_and_loss
+                    c.parallel.sequence_parallel = tp > 1
+                    # TP communication overlap as the config asks, where it applies (TP > 1, with SP)
+                    c.parallel.tp_comm_overlap = cfg.parallel.tp_comm_overlap and tp > 1
+                    c.train.micro_batch_size = mbs
+                    c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
+                    c.model.recompute_granularity = gran
+                    c.model.recompute_method, c.model.recompute_num_layers = method, num
+                    if gran != "selective":  # the config's modules (or Megatron-Core's default) when selective
+                        c.model.recompute_modules = None
+                    errors, lay = checked_layout(c, world, use_te, tokenizer.vocab_size)
+                    if errors:
                         continue
-                    for gran, method, num in recomputes:
-                        c = copy.deepcopy(cfg)
-                        c.parallel.tensor, c.parallel.pipeline, c.parallel.context = tp, pp, cp
-                        c.parallel.cp_comm_type = comm
-                        if ep is not None:
-                            c.parallel.expert, c.parallel.expert_tensor = ep, 1
-                        c.parallel.virtual_pipeline = vp
-                        c.parallel.num_layers_in_first_pipeline_stage = split[0]
-                        c.parallel.num_layers_in_last_pipeline_stage = split[1]
-                        c.parallel.sequence_parallel = tp > 1
-                        # TP communication overlap as the config asks, where it applies (TP > 1, with SP)
-                        c.parallel.tp_comm_overlap = cfg.parallel.tp_comm_overlap and tp > 1
-                        c.train.micro_batch_size = mbs
-                        c.optimizer.distributed, c.optimizer.fsdp = not fsdp, fsdp
-                        c.model.recompute_granularity = gran
-                        c.model.recompute_method, c.model.recompute_num_layers = method, num
-                        errors, lay = checked_layout(c, world, use_te, tokenizer.vocab_size)
-                        if errors:
-                            continue
-                        if lay.padded_vocab is None:
-                            raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
-                        rm = most_loaded(c, lay, lay.padded_vocab, fused_adam)
-                        if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
-                            continue
-                        cost = cost_model(c, lay, lay.padded_vocab, gpu, gpus_per_node, rm.params,
-                                          rm.expert_params)
-                        results.append({
-                            "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
-                            "cp_comm_type": comm if cp > 1 else None,
-                            "data": lay.dp, "expert": ep, "fsdp": fsdp, "micro_batch_size": mbs,
-                            "sequence_parallel": tp > 1,
-                            "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
-                            "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
-                            "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
-                            "cost": {**asdict(cost)},
-                            "overrides": _overrides(c),
-                        })
+                    if lay.padded_vocab is None:
+                        raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
+                    rm = most_loaded(c, lay, lay.padded_vocab, fused_adam)
+                    if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
+                        continue
+                    cost = cost_model(c, lay, lay.padded_vocab, gpu, gpus_per_node, rm.params,
+                                      rm.expert_params)
+                    results.append({
+                        "tensor": tp, "pipeline": pp, "virtual_pipeline": vp, "context": cp,
+                        "cp_comm_type": comm if cp > 1 else None,
+                        "data": lay.dp, "expert": ep, "fsdp": fsdp, "micro_batch_size": mbs,
+                        "sequence_parallel": tp > 1, "placement": " ".join(place.overrides()) or None,
+                        "recompute": gran, "memory_gib": round(rm.total / GIB, 2),
+                        "bubble_fraction": cost.bubble_fraction, "step_s": cost.step_s,
+                        "tokens_per_s_per_gpu": lay.gbs * m.seq_length / (cost.step_s * world),
+                        "cost": {**asdict(cost)},
+                        "overrides": _overrides(c),
+                    })
     results.sort(key=lambda r: (r["step_s"], r["memory_gib"]))
     return results[:top] if top else results
 
@@ -130,9 +138,8 @@ def _overrides(c: Config) -> str:
              f"parallel.tp_comm_overlap={str(p.tp_comm_overlap).lower()}",
              f"train.micro_batch_size={c.train.micro_batch_size}",
              "optimizer.fsdp=true" if c.optimizer.fsdp else "optimizer.distributed=true"]
-    if p.num_layers_in_first_pipeline_stage is not None:
-        parts += [f"parallel.num_layers_in_first_pipeline_stage={p.num_layers_in_first_pipeline_stage}",
-                  f"parallel.num_layers_in_last_pipeline_stage={p.num_layers_in_last_pipeline_stage}"]
+    parts += Placement(p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage, p.pipeline_layout,
+                       p.account_for_embedding_in_pipeline_split).overrides()
     if c.model.num_moe_experts:
         parts += [f"parallel.expert={p.expert}", "parallel.expert_tensor=1"]
     if c.model.recompute_granularity:

@@ -32,6 +32,7 @@ from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
 from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
 from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, value
+from pretrain.planner.mla import recompute_shares
 
 
 @dataclass
@@ -143,8 +144,8 @@ def recompute_factor(cfg: Config) -> float:
     if m.recompute_granularity == "full":
         return 4 / 3
     modules = recomputed_modules(cfg)
-    extra = 0.0
-    if "moe" in modules or "mlp" in modules:
+    extra = recompute_shares(cfg, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
+    if "moe" in modules or ("mlp" in modules and not cfg.model.num_moe_experts):
         extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
         extra += value("recompute_core_attn_extra")

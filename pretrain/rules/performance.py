@@ -59,6 +59,9 @@ def performance_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: boo
     if perf.moe_shared_expert_overlap and not m.moe_shared_expert_intermediate_size:
         r.error("performance.moe_shared_expert_overlap", "performance.moe_shared_expert_overlap is set but the model "
                 "has no shared experts (model.moe_shared_expert_intermediate_size)", "drop it")
+    if perf.moe_shared_expert_overlap and "shared_experts" in (m.recompute_modules or ()):
+        r.error(("performance.moe_shared_expert_overlap", "model.recompute_modules"), "Megatron-Core cannot recompute "
+                "the shared experts while overlapping them (recompute_modules shared_experts)", "drop one of them")
     if perf.fp4_recipe and m.fp8:
         r.error(("performance.fp4_recipe", "model.fp8"), "performance.fp4_recipe and model.fp8 both choose the GEMM "
                 "precision", "set one of them")

@@ -27,8 +27,15 @@ FEATURES = {
     "swa": ["model.sliding_window=32", "model.window_attn_skip_freq=2"],
     # attention sinks (GPT-OSS): one learnable logit per head in every softmax
     "sinks": ["model.softmax_type=learnable"],
+    # pipeline placement on PP2: a layout string with uneven stages (1 and 3 layers), and the embedding and loss
+    # counted as layers (3 and 3 with them)
+    "layout": ["parallel.pipeline=2", "parallel.pipeline_layout=Et|tttL"],
+    "account": ["parallel.pipeline=2", "parallel.account_for_embedding_in_pipeline_split=true",
+                "parallel.account_for_loss_in_pipeline_split=true"],
+    "muon": ["optimizer.name=muon"],
 }
-EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp"}]
+EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp", "layout", "account"}]
+PAIRS_ONLY = {"layout", "account", "muon"}  # in pairs with every other feature, not in triples (test time)
 DATA_PARALLEL = {"ep", "fsdp", "distopt"}  # need two data-parallel ranks
 
 
@@ -37,8 +44,9 @@ def _allowed(names: tuple[str, ...]) -> bool:
 
 
 def combinations(sizes=(2, 3)) -> list[tuple[str, ...]]:
-    """Every pair and triple of FEATURES that does not combine two of one exclusive group."""
-    return [c for k in sizes for c in itertools.combinations(FEATURES, k) if _allowed(c)]
+    """Every pair and triple of FEATURES that does not combine two of one exclusive group (PAIRS_ONLY: pairs)."""
+    return [c for k in sizes for c in itertools.combinations(FEATURES, k)
+            if _allowed(c) and (k == 2 or not PAIRS_ONLY & set(c))]
 
 
 def config_name(names) -> str:
@@ -49,7 +57,7 @@ def config_name(names) -> str:
 def world_size(names) -> int:
     """TP × PP × CP × DP of the combination (DP 2 when a feature needs data-parallel ranks)."""
     tp = 2 if "tp_sp" in names else 1
-    pp = 2 if {"pp", "vp"} & set(names) else 1
+    pp = 2 if {"pp", "vp", "layout", "account"} & set(names) else 1
     cp = 2 if any(n.startswith("cp_") for n in names) else 1
     dp = 2 if DATA_PARALLEL & set(names) else 1
     return tp * pp * cp * dp

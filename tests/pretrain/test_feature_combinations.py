@@ -1,6 +1,7 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window, attention sinks} that `validate` accepts builds every Megatron-Core config object training
-builds, in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
+recompute, sliding window, attention sinks} and every pair of those with {a pipeline layout string, the embedding and
+loss in the split, Muon} that `validate` accepts builds every Megatron-Core config object training builds,
+in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
 
 Megatron-Core asserts many combinations at build time (TransformerConfig's `__post_init__`, the layer specs of each
@@ -29,6 +30,10 @@ REFUSALS = {
     ("data.reset_attention_mask", "parallel.context", "parallel.virtual_pipeline"),  # gloo, VP on 2 stages
     ("model.sliding_window", "parallel.cp_comm_type"),  # Transformer Engine: windows under CP only with a2a/all_gather
     ("model.softmax_type", "parallel.cp_comm_type"),  # sinks: not in the CPU ring (p2p); TE under CP: a2a only
+    ("optimizer.name", "optimizer.fsdp"),  # Muon needs whole matrices: Megatron-Core builds it over Megatron DDP only
+    ("optimizer.name", "optimizer.distributed"),  # ... and refuses it inside the distributed optimizer
+    # a layout string places every layer: one without the MTP layer ('m') is Megatron-Core's refusal
+    ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers", "model.mtp_num_layers"),
 }
 
 

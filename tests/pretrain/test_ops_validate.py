@@ -108,10 +108,10 @@ def test_wandb_missing_is_reported(monkeypatch):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("model.recompute_modules=[core_attn,shared_experts]",
-     "model.recompute_modules: 'shared_experts' is not one of core_attn, mlp, layernorm, moe, moe_act"),
-    ("model.recompute_modules=mlp",
-     "'model.recompute_modules' must be a list of core_attn, mlp, layernorm, moe, moe_act, got 'mlp'"),
+    ("model.recompute_modules=[core_attn,experts]", "model.recompute_modules: 'experts' is not one of core_attn, mlp, "
+     "layernorm, moe, moe_act, mla_up_proj, shared_experts"),
+    ("model.recompute_modules=mlp", "'model.recompute_modules' must be a list of core_attn, mlp, layernorm, moe, "
+     "moe_act, mla_up_proj, shared_experts, got 'mlp'"),
     ("logging.wandb.mode=cloud", "logging.wandb.mode='cloud' is not one of online, offline, disabled"),
     ("logging.profile.ranks=[zero]", "'logging.profile.ranks' must be of type list of int, got ['zero'] (list)"),
     ("data.eod_mask_loss=yes please", "'data.eod_mask_loss' must be of type bool, got 'yes please' (str)"),
@@ -144,10 +144,22 @@ SEL = "model.recompute_granularity=selective"
     ("tiny_moe", [SEL, "model.recompute_modules=[moe_act]", "model.fp8=delayed"], True, True,
      ["[model.recompute_modules, model.fp8] recompute of moe_act does not work with delayed FP8 scaling "
       "(megatron-core). Fix: set model.fp8=tensorwise, or remove moe_act"]),
-    # mlp is a no-op on MoE layers (TransformerLayer recomputes only a dense MLP).
+    # mlp is a no-op on MoE layers (TransformerLayer recomputes only a dense MLP): refused when every layer is MoE.
     ("tiny_moe", [SEL, "model.recompute_modules=[mlp]"], False, False,
-     ["[model.recompute_modules] recompute of mlp does nothing on MoE layers (Megatron-Core skips them). Fix: use moe "
-      "(the whole MoE layer) instead of mlp"]),
+     ["[model.recompute_modules] recompute of mlp does nothing on MoE layers (Megatron-Core skips them) and every "
+      "layer of this model is MoE. Fix: use moe (the whole MoE layer) instead of mlp"]),
+    # DeepSeek-V3's recipes: MLA's up-projections, the shared experts, the dense-first layers' MLP; layernorm under TE
+    # (MLA and MoE norms are not fused into a linear layer).
+    ("tiny_deepseek", [SEL, "model.recompute_modules=[mla_up_proj,shared_experts,mlp,layernorm]"], True, True, []),
+    ("tiny_moe", [SEL, "model.recompute_modules=[mla_up_proj]"], False, False,
+     ["[model.recompute_modules, model.multi_latent_attention] recompute of mla_up_proj needs multi-latent attention "
+      "(model.multi_latent_attention=false; megatron-core refuses it). Fix: remove mla_up_proj"]),
+    ("tiny_llama", [SEL, "model.recompute_modules=[shared_experts]"], False, False,
+     ["[model.recompute_modules, model.num_moe_experts] recompute of shared_experts needs MoE layers and this model is "
+      "dense (model.num_moe_experts=null). Fix: remove shared_experts (mlp recomputes a dense model's MLP)"]),
+    ("tiny_moe", [SEL, "model.recompute_modules=[shared_experts]"], False, False,
+     ["[model.recompute_modules, model.moe_shared_expert_intermediate_size] recompute of shared_experts needs shared "
+      "experts (model.moe_shared_expert_intermediate_size=null). Fix: remove shared_experts"]),
 ])  # fmt: skip
 def test_moe_recompute_modules(config, overrides, gpu, te, expected):
     report = validate(load_config(config, overrides), 1, te_on_gpu=te, cuda_available=gpu)

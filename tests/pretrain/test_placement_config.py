@@ -134,3 +134,20 @@ def test_planner_sizes_every_stage_of_a_layout():
     assert [s["pipeline_stage"] for s in even["stages"]] == [0, 7]
     assert flops_per_token(load_config("deepseek_v3").model, plan["padded_vocab_size"]) == plan["flops_per_token"]
     assert plan["most_loaded_rank"]["pipeline_stage"] == 1  # dense layers 0-2 on stage 0: MoE stage 1 is larger
+
+
+def test_search_tries_placements_where_layers_do_not_divide_the_stages():
+    """`plan --search` places layers that do not divide the virtual stages as Megatron-Bridge does: DeepSeek-V3's
+    layout strings on PP8 × VP2 and VP4, the embedding and loss in the split for Llama-3.1-405B (126 layers on 8 × 8);
+    a 7-layer model on 4 GPUs is planned with uneven first / last stages on PP4 and a layout string on PP2 × VP2 (no
+    first / last split places 7 layers on 4 virtual stages)."""
+    from pretrain.planner.placements import Placement, layout_string, placements
+    from pretrain.planner.search import search
+
+    assert layout_string(61, 16, mtp=True) == "Et*4|(t*4|)*14tmL"
+    assert layout_string(61, 32, mtp=True) == "Et|(tt|)*30mL"
+    assert Placement(embedding_and_loss=True) in placements(126, 8, 8, False, None)
+    found = search(load_config("tiny_llama", ["data.mock=true", "model.num_layers=7"]), 1, 4, "h100", top=0)
+    placed = {(r["pipeline"], r["virtual_pipeline"], r["placement"]) for r in found if r["pipeline"] > 1}
+    assert (2, 2, "parallel.pipeline_layout=Ett|(tt|)*2tL") in placed, placed
+    assert any(pp == 4 and p and p.startswith("parallel.num_layers_in_first") for pp, _, p in placed), placed
