@@ -27,8 +27,9 @@ def recompute_problems(m: Any, use_te: bool) -> list[Problem]:
                     "list each module once"))
     if "layernorm" in mods and use_te and not (m.multi_latent_attention or m.num_moe_experts):
         out.append((("model.recompute_modules", "model.transformer_impl"),
-                    "recompute of layernorm does nothing with the Transformer Engine spec (both norms are fused "
-                    "into the following linear layers)", "remove layernorm, or set model.transformer_impl=local"))
+                    "recompute of layernorm does nothing with the Transformer Engine spec on a dense model "
+                    "without MLA (both norms are fused into the following linear layers)",
+                    "remove layernorm, or set model.transformer_impl=local"))
     if "mla_up_proj" in mods and not m.multi_latent_attention:
         out.append((("model.recompute_modules", "model.multi_latent_attention"),
                     "recompute of mla_up_proj needs multi-latent attention (model.multi_latent_attention=false; "

@@ -69,8 +69,8 @@ FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP 
       "module once"]),
     (["model.recompute_granularity=selective", "model.recompute_modules=[layernorm,mlp]"], True, True,
      ["[model.recompute_modules, model.transformer_impl] recompute of layernorm does nothing with the Transformer "
-      "Engine spec on a dense model (both norms are fused into the following linear layers). Fix: remove layernorm, "
-      "or set model.transformer_impl=local"]),
+      "Engine spec on a dense model without MLA (both norms are fused into the following linear layers). "
+      "Fix: remove layernorm, or set model.transformer_impl=local"]),
     (["model.recompute_granularity=selective", "model.recompute_modules=[core_attn,mlp]"], True, True, []),
     # Logging.
     (["logging.wandb.entity=team"], False, False,
