@@ -32,8 +32,9 @@ PYTHON = sys.executable
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 DAEMONS = ["slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "munged"]
 
-# One run, launched three ways (plain torchrun, sbatch, sbatch + preemption): 2 nodes x 2 ranks. Enough
-# steps that the preemption test can signal well before the end; a checkpoint at the interval too.
+# One run, launched three ways (plain torchrun, sbatch: `make test-all`; sbatch + preemption, compared with the same
+# run on one pool rank: `make test`): 2 nodes x 2 ranks. Enough steps that the preemption test can signal well
+# before the end; a checkpoint at the interval too.
 STEPS = 12
 RUN_OVERRIDES = f"data.mock=true train.steps={STEPS} checkpoint.interval=5"
 # Preempted after the periodic checkpoint at step 3 (signal once 4 steps are logged).
