@@ -32,7 +32,7 @@ test-all: install
 	TEST_TIER=all $(PY) -m pytest $(PYTEST_ARGS)
 
 ## The tests that exercise Megatron-Core (layouts, resume, resharding, distributed optimizer, HF bridge,
-## quickstart, Megatron fixes, cross-version checkpoints, a small MoE/EP subset, validation rules quoting
+## Megatron fixes, cross-version checkpoints, a small MoE/EP subset, validation rules quoting
 ## Megatron-Core): run on a second release with MCORE=X.
 test-mcore: install
 	$(PY) -m pytest -m mcore $(PYTEST_ARGS)

@@ -14,7 +14,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.mcore
 def test_quickstart_end_to_end(tmp_path):
     run_dir = tmp_path / "qs"
     proc = subprocess.run([sys.executable, "scripts/quickstart.py", "--steps", "12", "--run-dir", str(run_dir)],

@@ -1,6 +1,6 @@
 """HF bridge (`python -m data_tools convert`): exact logits both ways, bit-identical round trip, bounded
 memory, refusals. Megatron logits come from a 1-rank gloo process (convert_worker.py); the layout tests
-train with torchrun and are marked slow."""
+train on pool ranks and are marked slow."""
 
 from __future__ import annotations
 
@@ -249,29 +249,34 @@ def test_memory_is_bounded_by_the_largest_tensor(tmp_path, tokenizer_dir):
 # --------------------------------------------------------------------------------------------------
 
 
-def torchrun(nproc: int, config: str, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run([PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "pretrain",
-                "train", config, f"run.dir={run_dir}", "train.steps=2", "checkpoint.interval=2",
-                "logging.tensorboard=false", *overrides])
+def train(world: int, config: str, run_dir: Path, *overrides: str) -> None:
+    """`pretrain train` (its entry point) on `world` pool ranks: 2 steps, saved at the end."""
+    argv = ["train", config, f"run.dir={run_dir}", "train.steps=2", "checkpoint.interval=2",
+            "logging.tensorboard=false", *overrides]
+    log = run_dir.parent / "train.log"
+    rc = run_case(world, "pretrain.__main__", argv, log, timeout=600, env={"PYTHONWARNINGS": "ignore"})
+    assert rc == 0, log_text(log)[-3000:]
 
 
 @pytest.mark.slow
-# tiny_gpt (tied embeddings: the last stage's output layer is the first stage's embedding). The TP2 × PP2 × VP2
-# export of a Llama-style model is test_moe.py's (Mixtral at TP2×PP2×VP2×EP2); per family at TP2 and PP2:
-# test_hf_families.py.
-@pytest.mark.parametrize("preset,layout", [
-    ("tiny_gpt", ["parallel.tensor=2", "parallel.pipeline=2"]),
+# tiny_gpt (tied embeddings: the last stage's output layer is the first stage's embedding): at PP2 (world 2) in
+# `make test`, at TP2 × PP2 (world 4) in `make test-all`. The TP2 export (vocabulary padded for TP2, unpadded on
+# export) is test_hf_families.py's per family; TP2 × PP2 × VP2 of a Llama-style model is test_moe.py's (Mixtral at
+# TP2×PP2×VP2×EP2).
+@pytest.mark.parametrize("preset,world,layout", [
+    ("tiny_gpt", 2, ["parallel.pipeline=2"]),
+    pytest.param("tiny_gpt", 4, ["parallel.tensor=2", "parallel.pipeline=2"], marks=pytest.mark.full),
 ])
-def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, layout):
+def test_export_from_any_layout_matches_megatron_logits(tmp_path, preset, world, layout):
     run_dir = tmp_path / "run"
-    torchrun(4, preset, run_dir, *layout)
+    train(world, preset, run_dir, *layout)
     out = tmp_path / "hf"
     r = to_hf(run_dir, out)
     assert "to-hf:" in r.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [{"tiny_llama": "LlamaForCausalLM", "tiny_gpt": "GPT2LMHeadModel"}[preset]]
     vocab = config["vocab_size"]
-    assert vocab == {"tiny_llama": 32000, "tiny_gpt": 50257}[preset]  # GPT at TP2 was padded to 50432
+    assert vocab == {"tiny_llama": 32000, "tiny_gpt": 50257}[preset]  # padded to 50304 (TP1), 50432 (TP2)
     tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(1))
     ref = megatron_logits(run_dir, tokens, tmp_path)
     got = hf_logits(out, tokens)

@@ -140,8 +140,11 @@ def run_case(world: int, module: str, argv: list[str], log: str | Path, timeout:
             raise AssertionError(f"pool case {name!r} on {world} rank(s): {why}\n{log_text(log)[-4000:]}")
         time.sleep(POLL_S)
     rc = max([d["rc"] for d in done.values()] + ([1] if len(done) < world else []))
-    if rc != 0 or any(d.get("retire") for d in done.values()):
+    retired = sorted({d["retire"] for d in done.values() if d.get("retire")})
+    if rc != 0 or retired:
         stop_pool(world)  # its state may be poisoned (or worn out); the next case starts a fresh pool
-    launch_ledger.record_case(name, world, time.monotonic() - started)
+    # The ledger names why a pool ended after this case: each restart costs the next case a pool start.
+    ended = f" [pool ended: rc {rc}]" if rc != 0 else f" [pool retired: {', '.join(retired)}]" if retired else ""
+    launch_ledger.record_case(name + ended, world, time.monotonic() - started)
     return rc
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.pool import run_case
+from tests.pool.reference import reference_run
 from tests.pretrain.ckpt_helpers import (
     SMALL,
     command,
@@ -57,48 +59,52 @@ def _assert_same_run(run_dir: Path, reference: Path, steps: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_rank_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ref1")
-    rc = run(command(ONE_RANK + [f"run.dir={root}"]), root / "log", timeout=240)
-    assert rc == 0, log_text(root / "log")[-3000:]
+def one_rank_reference():
+    """The uninterrupted run: one pool rank (`pretrain train`'s entry point), shared with the session's references."""
+    root = reference_run("tiny_llama", ONE_RANK)
     assert len(deterministic(root)) == STEPS
     return root
 
 
-def test_kill9_at_random_steps_resumes_identically(one_rank_reference, tmp_path):
+def _kill_at(cmd: list[str], run_dir: Path, step: int, rng: random.Random, log: Path) -> int | None:
+    """Start `cmd`, SIGKILL its process group anywhere in step `step` or the save after it; the tracker then."""
+    proc = start(cmd, log)
+    reached = wait_until(lambda: len(metrics(run_dir)) >= step, proc, timeout=240)
+    if proc.poll() is None:
+        time.sleep(rng.uniform(0.0, 0.6))
+        kill_group(proc)
+    finish(proc, timeout=60)
+    assert reached, log_text(log)[-3000:]
+    return _tracker(run_dir)
+
+
+def test_kill9_at_random_steps_and_crash_while_saving_resume_identically(one_rank_reference, tmp_path):
+    """One run directory, restarted with the same command after each blow: kill -9 at a random step before the
+    first periodic save is done (1-3), a SIGKILL of the process in the middle of writing step 4's checkpoint (the
+    previous checkpoint, step 2, stays the one to resume from), kill -9 at a random later step (5-7), then run to
+    the end: the metrics are the uninterrupted run's, exactly."""
     rng = random.Random(SEED)
-    kill_steps = sorted(rng.sample(range(1, STEPS), 3))
-    cmd = command(ONE_RANK + [f"run.dir={tmp_path}"])
-    resumed_from = []
-    for k in kill_steps:
-        proc = start(cmd, tmp_path / "log")
-        reached = wait_until(lambda k=k: len(metrics(tmp_path)) >= k, proc, timeout=240)
-        if proc.poll() is None:
-            time.sleep(rng.uniform(0.0, 0.6))  # anywhere in the step or the save after it
-            kill_group(proc)
-        finish(proc, timeout=60)
-        resumed_from.append(_tracker(tmp_path))
-        assert reached
-    rc = run(cmd, tmp_path / "log", timeout=240)
-    assert rc == 0, log_text(tmp_path / "log")[-3000:]
-    print(f"seed {SEED}: killed at steps {kill_steps}; trackers after each kill {resumed_from}")
-    _assert_same_run(tmp_path, one_rank_reference, STEPS)
-
-
-def test_crash_while_saving_keeps_previous_checkpoint(one_rank_reference, tmp_path):
+    early, late = rng.randrange(1, 4), rng.randrange(5, STEPS)
     run_dir = tmp_path / "run"
+    cmd = command(ONE_RANK + [f"run.dir={run_dir}"])
+    trackers = [_kill_at(cmd, run_dir, early, rng, tmp_path / "early.log")]
+
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"results": str(tmp_path / "results.json"), "cases": [
         {"name": "crash", "overrides": ONE_RANK + [f"run.dir={run_dir}"], "crash_in_save": 4}]}))
-    rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), tmp_path / "log", timeout=240)
-    assert rc == -signal.SIGKILL, log_text(tmp_path / "log")[-3000:]
+    rc = run(command([], module="tests.pretrain.ckpt_worker", args=[str(plan)]), tmp_path / "crash.log", timeout=240)
+    assert rc == -signal.SIGKILL, log_text(tmp_path / "crash.log")[-3000:]
     partial = run_dir / "checkpoints" / "iter_0000004"
     assert partial.is_dir() and not (partial / "metadata.json").exists()  # killed mid-write
     assert _tracker(run_dir) == 2
     assert len(metrics(run_dir)) == 4
-    rc = run(command(ONE_RANK + [f"run.dir={run_dir}"]), tmp_path / "log", timeout=240)
+
+    trackers.append(_kill_at(cmd, run_dir, late, rng, tmp_path / "late.log"))
+    resumed = log_text(tmp_path / "late.log")
+    assert "resumed from" in resumed and "iter_0000002 at step 2" in resumed, resumed[-3000:]
+    rc = run(cmd, tmp_path / "log", timeout=240)
     assert rc == 0, log_text(tmp_path / "log")[-3000:]
-    assert "resumed from" in log_text(tmp_path / "log") and "iter_0000002 at step 2" in log_text(tmp_path / "log")
+    print(f"seed {SEED}: killed at steps {early} and {late}; trackers after each kill {trackers}")
     _assert_same_run(run_dir, one_rank_reference, STEPS)
     assert _tracker(run_dir) == STEPS
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_0000006", "iter_0000008"]
@@ -106,9 +112,10 @@ def test_crash_while_saving_keeps_previous_checkpoint(one_rank_reference, tmp_pa
 
 def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
     """DP2 + async save: SIGUSR1 to rank 1 and the helpers → all ranks save and exit 0; kill -9 rank 0; resume."""
-    ref = tmp_path / "ref"
-    rc = run(command(TWO_RANKS + [f"run.dir={ref}"], nproc=2), ref / "log", timeout=300)
-    assert rc == 0, log_text(ref / "log")[-3000:]
+    ref = tmp_path / "ref"  # the uninterrupted run, on the 2-rank pool (the same entry point, no launch)
+    rc = run_case(2, "pretrain.__main__", ["train", "tiny_llama", *TWO_RANKS, f"run.dir={ref}"], tmp_path / "ref.log",
+                  timeout=300)
+    assert rc == 0, log_text(tmp_path / "ref.log")[-3000:]
 
     work = tmp_path / "run"
     cmd = command(TWO_RANKS + [f"run.dir={work}"], nproc=2)

@@ -1,4 +1,5 @@
-"""Profiler window and per-rank timing through the trainer, in one 2-rank launch (CPU, gloo, DP2).
+"""Profiler window and per-rank timing through the trainer, in one 2-rank run (CPU, gloo, DP2; a pool case:
+`pretrain train`'s entry point on the 2-rank pool).
 
 `logging.profile` over steps 4-5 of 6 on both ranks: each rank's Chrome trace exists, parses, and holds exactly
 the steps of the window (every recorded op inside them) with their data / forward_backward / optimizer phases.
@@ -10,11 +11,11 @@ slowest, and rank 0's time waiting in collectives shows it.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import SMALL, command, log_text, metrics, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import SMALL, log_text, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +28,8 @@ def instrumented_run(tmp_path_factory):
     overrides = SMALL + ["train.steps=6", "checkpoint.interval=null", "checkpoint.save_at_end=false",
                          "logging.profile.start_step=4", "logging.profile.end_step=5", "logging.profile.ranks=[0,1]",
                          "logging.timing_interval=3", f"run.dir={run_dir}"]
-    os.environ["MEGAPRETRAIN_TEST_DELAY_RANK"] = f"1:{DELAY_S}"
-    try:
-        rc = run(command(overrides, nproc=2), run_dir / "log", timeout=400)
-    finally:
-        del os.environ["MEGAPRETRAIN_TEST_DELAY_RANK"]
+    rc = run_case(2, "pretrain.__main__", ["train", "tiny_llama", *overrides], run_dir / "log", timeout=400,
+                  env={"MEGAPRETRAIN_TEST_DELAY_RANK": f"1:{DELAY_S}"})
     assert rc == 0, log_text(run_dir / "log")[-3000:]
     return run_dir
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain.ckpt_helpers import SMALL, command, log_text, metrics, run
+from tests.pool import run_case
+from tests.pretrain.ckpt_helpers import SMALL, log_text, metrics
 
 pytest.importorskip("wandb")
 pytestmark = pytest.mark.slow
@@ -50,11 +51,14 @@ def _tensorboard(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def test_offline_wandb_holds_tensorboard_scalars_and_resumes_the_same_run(tmp_path):
-    base = SMALL + WANDB + [f"run.dir={tmp_path}"]
-    assert run(command(base + ["train.steps=3"]), tmp_path / "log1") == 0, log_text(tmp_path / "log1")[-3000:]
+    base = ["train", "tiny_llama", *SMALL, *WANDB, f"run.dir={tmp_path}"]
+    # `pretrain train`'s entry point on a pool rank, twice in one process: wandb.init / finish per run.
+    rc = run_case(1, "pretrain.__main__", [*base, "train.steps=3"], tmp_path / "log1", timeout=600)
+    assert rc == 0, log_text(tmp_path / "log1")[-3000:]
     run_id = (tmp_path / "wandb_run_id").read_text().strip()
     # Requeued job: same run.dir, resumes from the step-3 checkpoint and continues to step 5.
-    assert run(command(base + ["train.steps=5"]), tmp_path / "log2") == 0, log_text(tmp_path / "log2")[-3000:]
+    rc = run_case(1, "pretrain.__main__", [*base, "train.steps=5"], tmp_path / "log2", timeout=600)
+    assert rc == 0, log_text(tmp_path / "log2")[-3000:]
     assert (tmp_path / "wandb_run_id").read_text().strip() == run_id
     files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2, files
