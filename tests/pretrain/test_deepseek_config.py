@@ -207,11 +207,10 @@ def test_launch_script_plans_to_fit_on_two_nodes():
 
 
 @pytest.mark.slow
-def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_published_one():
-    """`plan deepseek_v3 --nodes 32 --gpus-per-node 8 --gpu h100 --search` lists layouts that fit; Megatron-Bridge's
-    published TP1 PP8 VP2 EP32 is refused without its layout string (61 layers over 16 virtual stages) and planned
-    with it (`parallel.pipeline_layout`); PP8 with 7 and 6 layers on the first and last stages fits with full
-    recompute and not without."""
+@pytest.mark.full  # the whole 32-node search: ~2.5 min here; placements in the search: test_placement_config
+def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_keeps_the_shipped_one_close():
+    """`plan deepseek_v3 --nodes 32 --gpus-per-node 8 --gpu h100 --search` lists layouts that fit, and the shipped
+    layout is within 10% of its best."""
     import json
 
     cluster = ["--nodes", "32", "--gpus-per-node", "8", "--gpu", "h100"]
@@ -222,6 +221,17 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     print(f"deepseek_v3 on 256 H100: {found['layouts_considered_ok']} layouts fit; best {best['overrides']}: "
           f"{best['memory_gib']} GiB, {best['step_s']:.2f} s/step, {best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
     assert found["layouts_considered_ok"] > 0 and best["memory_gib"] <= 0.9 * 79.6
+    shipped = _plan("deepseek_v3", *cluster)  # pretrain/configs/deepseek_v3.yaml: the search's first layout
+    # The shipped layout was the first of the uncalibrated cost model; the calibrated one (planner/timing.py) puts
+    # TP2 CP2 PP16 ahead of it by 7% (docs/performance.md "plan --search and the published layouts").
+    assert shipped["fits"] and shipped["cost_model"]["step_s"] <= 1.10 * best["step_s"]
+
+
+def test_deepseek_v3_published_placement_on_32_nodes():
+    """Megatron-Bridge's published TP1 PP8 VP2 EP32 is refused without its layout string (61 layers over 16 virtual
+    stages) and planned with it (`parallel.pipeline_layout`); PP8 with 7 and 6 layers on the first and last stages
+    fits with full recompute and not without."""
+    cluster = ["--nodes", "32", "--gpus-per-node", "8", "--gpu", "h100"]
     published = ["parallel.tensor=1", "parallel.sequence_parallel=false", "parallel.context=1", "parallel.expert=32",
                  "parallel.pipeline=8", "parallel.num_layers_in_first_pipeline_stage=null",
                  "parallel.num_layers_in_last_pipeline_stage=null"]
@@ -242,10 +252,6 @@ def test_deepseek_v3_search_on_32_nodes_finds_a_layout_that_fits_and_the_publish
     print(f"TP1 PP8 (7/6) EP32: full recompute {full['memory_gib']['total']:.1f} GiB "
           f"({full['cost_model']['step_s']:.2f} s/step, {full['cost_model']['tokens_per_s_per_gpu']:,.0f} "
           f"tokens/s/GPU), none {none['memory_gib']['total']:.1f} GiB")
-    shipped = _plan("deepseek_v3", *cluster)  # pretrain/configs/deepseek_v3.yaml: the search's first layout
-    # The shipped layout was the first of the uncalibrated cost model; the calibrated one (planner/timing.py) puts
-    # TP2 CP2 PP16 ahead of it by 7% (docs/performance.md "plan --search and the published layouts").
-    assert shipped["fits"] and shipped["cost_model"]["step_s"] <= 1.10 * best["step_s"]
     assert full["fits"] and not none["fits"]
 
 
