@@ -208,8 +208,8 @@ def _into_ddp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> Non
     reader = ChunkReader(path, index)
     sources = _fsdp_sources(common)
     # The tensor pieces only (per-rank RNG states do not cross formats); the optimizer's when `with_optimizer`.
-    io = Io(is_loading=True, common=common if with_optimizer else {})
-    requested = sharded_state(ctx, io, only=(ModelState, OptimizerState))
+    op = Io(is_loading=True, common=common if with_optimizer else {})
+    requested = sharded_state(ctx, op, only=(ModelState, OptimizerState))
     state, nonpersistent, factories = load_preprocess(requested)
     dict_list_map_inplace(lambda item: _fill(item, reader, sources), state)
     state = apply_factory_merges(state, factories)

@@ -37,9 +37,10 @@ def _optimizer_config_diff(cfg, common: dict) -> str:
     return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
 
 
-def _check_requested(cfg, path: Path, index, common: dict, state: dict, vocab: int) -> None:
-    """What this rank will load exists in the checkpoint with the right shape and safe contents (`vocab`: the run's
-    true vocabulary, from its plan)."""
+def _check_requested(ctx, op: Io, index, state: dict) -> None:
+    """What this rank will load (`state`) exists in the checkpoint `op.path` with the right shape and safe
+    contents (vocabulary rows: at least the run's true vocabulary, from its plan)."""
+    cfg, path, common, vocab = ctx.cfg, op.path, op.common, ctx.plan.layout.vocab_size
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -110,7 +111,7 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
 
     path = Path(path)
     error, state, fills, pieces = None, {}, [], []
-    io = Io(is_loading=True, weights_only=weights_only, path=path)
+    op = Io(is_loading=True, weights_only=weights_only, path=path)
     try:
         backend = checkpoint_backend(path)
     except CheckpointError:
@@ -118,12 +119,12 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
     if fsdp_format.is_fsdp(ctx.model) or backend == fsdp_format.FORMAT:
         return _load_fsdp_or_across(ctx, path, weights_only=weights_only)
     try:
-        io.common, index = inspect_checkpoint(path)
-        pieces = [piece for piece in ctx.states if piece.included(ctx, io)]
+        op.common, index = inspect_checkpoint(path)
+        pieces = [piece for piece in ctx.states if piece.included(ctx, op)]
         for piece in pieces:
-            state.update(piece.sharded_state_dict(ctx, state, io))
+            state.update(piece.sharded_state_dict(ctx, state, op))
         fills = optimizer_forms.map_keys(state, index)
-        _check_requested(ctx.cfg, path, index, io.common, state, ctx.plan.layout.vocab_size)
+        _check_requested(ctx, op, index, state)
     except CheckpointError as exc:
         error = exc
     agree(error)
@@ -138,7 +139,7 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
     bad = _non_finite({k: v for k, v in loaded.items() if k.startswith(("model", "optimizer"))})
     agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
     for piece in pieces:  # model, optimizer, RNG, then this config's schedule at the checkpoint's step
-        piece.load_state_dict(ctx, loaded, io)
+        piece.load_state_dict(ctx, loaded, op)
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
@@ -154,10 +155,10 @@ def _load_fsdp_or_across(ctx, path: Path, *, weights_only: bool) -> tuple[int, i
         error = exc
     agree(error)
     fsdp_model = fsdp_format.is_fsdp(ctx.model)
-    io = Io(is_loading=True, weights_only=weights_only, path=path, common=common)
-    pieces = run_level(ctx, io)  # the schedule (this config's) and the record; the tensors: the format's own
+    op = Io(is_loading=True, weights_only=weights_only, path=path, common=common)
+    pieces = run_level(ctx, op)  # the schedule (this config's) and the record; the tensors: the format's own
     for piece in pieces:
-        piece.sharded_state_dict(ctx, {}, io)
+        piece.sharded_state_dict(ctx, {}, op)
     if fsdp_model and checkpoint_backend(path) == fsdp_format.FORMAT:
         step, consumed = fsdp_format.load(ctx, path, common, index, weights_only=weights_only)
     else:
@@ -165,5 +166,5 @@ def _load_fsdp_or_across(ctx, path: Path, *, weights_only: bool) -> tuple[int, i
 
         step, consumed = cross_format.load_across(ctx, path, common, index, weights_only=weights_only)
     for piece in pieces:
-        piece.load_state_dict(ctx, {}, io)
+        piece.load_state_dict(ctx, {}, op)
     return step, consumed

@@ -51,59 +51,59 @@ class Io:
 class Stateful(Protocol):
     """A piece of a checkpoint: whether it takes part, what it adds to the state, how it loads back."""
 
-    def included(self, ctx, io: Io) -> bool: ...
+    def included(self, ctx, op: Io) -> bool: ...
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict: ...
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict: ...
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None: ...
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None: ...
 
 
 class ModelState:
-    def included(self, ctx, io: Io) -> bool:
+    def included(self, ctx, op: Io) -> bool:
         return True
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
-        return checkpoint_state.model_state(ctx.model, is_loading=io.is_loading)
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
+        return checkpoint_state.model_state(ctx.model, is_loading=op.is_loading)
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
         for key in [k for k in loaded if k.startswith("model")]:
             index = 0 if key == "model" else int(key[5:])
             try:
                 checkpoint_state.unwrap(ctx.model[index]).load_state_dict(loaded[key], strict=True)
             except RuntimeError as exc:
-                raise CheckpointError(f"{io.path}: model weights do not fit this model ({reason(exc)})") from None
+                raise CheckpointError(f"{op.path}: model weights do not fit this model ({reason(exc)})") from None
 
 
 class OptimizerState:
-    def included(self, ctx, io: Io) -> bool:
+    def included(self, ctx, op: Io) -> bool:
         c = ctx.cfg.checkpoint
-        if not io.is_loading:
+        if not op.is_loading:
             return c.save_optimizer
-        return not io.weights_only and c.load_optimizer and "optimizer" in io.common
+        return not op.weights_only and c.load_optimizer and "optimizer" in op.common
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
         """Built from the model's sharded state (`state`, what came before it)."""
         return {"optimizer": ctx.optimizer.sharded_state_dict(
-            dict(state), is_loading=io.is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})}
+            dict(state), is_loading=op.is_loading, metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING})}
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
         ctx.optimizer.load_state_dict(optimizer_forms.convert_common(ctx.optimizer, loaded["optimizer"]))
 
 
 class RngState:
-    def included(self, ctx, io: Io) -> bool:
-        if not io.is_loading:
+    def included(self, ctx, op: Io) -> bool:
+        if not op.is_loading:
             return True  # restored only at the same layout, never for weights only (the contract's reshard note)
-        return not io.weights_only and list(io.common.get("layout", [])) == list(ctx.plan.layout_key())
+        return not op.weights_only and list(op.common.get("layout", [])) == list(ctx.plan.layout_key())
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         world, rank = dist.get_world_size(), dist.get_rank()
         return {"rng_state": ShardedObject("rng_state", checkpoint_state._rng_state(), (world,), (rank,),
                                            replica_id=0)}
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
         if "rng_state" in loaded:
             checkpoint_state.set_rng_state(loaded["rng_state"])
 
@@ -111,15 +111,15 @@ class RngState:
 class ProgressState:
     """Step and consumed samples are read back by `load_checkpoint`'s caller (its return value)."""
 
-    def included(self, ctx, io: Io) -> bool:
-        return not io.is_loading  # common state: the load reads common.pt whole
+    def included(self, ctx, op: Io) -> bool:
+        return not op.is_loading  # common state: the load reads common.pt whole
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
         plan = ctx.plan
-        return {"iteration": io.step, "consumed_samples": io.consumed_samples, "layout": list(plan.layout_key()),
+        return {"iteration": op.step, "consumed_samples": op.consumed_samples, "layout": list(plan.layout_key()),
                 "config": plan.cfg.to_dict()}
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
         pass
 
 
@@ -129,27 +129,27 @@ class SchedulerState:
     def __init__(self) -> None:
         self.fresh: list[dict] | None = None  # this config's param-group settings, taken before a load
 
-    def included(self, ctx, io: Io) -> bool:
-        return ctx.scheduler is not None and not io.weights_only
+    def included(self, ctx, op: Io) -> bool:
+        return ctx.scheduler is not None and not op.weights_only
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
-        if io.is_loading:  # nothing is read: the schedule is this config's; its hyperparameters, kept here
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
+        if op.is_loading:  # nothing is read: the schedule is this config's; its hyperparameters, kept here
             self.fresh = contract.hyperparameters(ctx.optimizer)
             return {}
         return {"opt_param_scheduler": ctx.scheduler.state_dict()}
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
-        common = io.common
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
+        common = op.common
         num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
         contract.apply_new_schedule(ctx.optimizer, ctx.scheduler, self.fresh, int(num_steps))
 
 
 class RecordState:
-    def included(self, ctx, io: Io) -> bool:
+    def included(self, ctx, op: Io) -> bool:
         return True
 
-    def sharded_state_dict(self, ctx, state: dict, io: Io) -> dict:
-        if io.is_loading:
+    def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
+        if op.is_loading:
             return {}
         tokenizer, record = ctx.plan.tokenizer, {}
         if tokenizer is not None and tokenizer.identity is not None:  # compared on resume
@@ -163,10 +163,10 @@ class RecordState:
                 record[name] = value
         return record
 
-    def load_state_dict(self, ctx, loaded: dict, io: Io) -> None:
-        written_by = io.common.get("megatron_core")
+    def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
+        written_by = op.common.get("megatron_core")
         if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
-            print(f"[pretrain] {io.path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
+            print(f"[pretrain] {op.path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
                   flush=True)
 
 
@@ -178,26 +178,26 @@ def default_states() -> list:
 COMMON = (ProgressState, SchedulerState, RecordState)  # the run-level pieces, whatever the format
 
 
-def sharded_state(ctx, io: Io, only: tuple = ()) -> dict:
-    """The torch_dist state of `ctx` (a `CheckpointContext`) for `io`: each included piece's entries, in order
+def sharded_state(ctx, op: Io, only: tuple = ()) -> dict:
+    """The torch_dist state of `ctx` (a `CheckpointContext`) for `op`: each included piece's entries, in order
     (`only`: these kinds of pieces)."""
     state: dict = {}
     for piece in ctx.states:
-        if (not only or isinstance(piece, only)) and piece.included(ctx, io):
-            state.update(piece.sharded_state_dict(ctx, state, io))
+        if (not only or isinstance(piece, only)) and piece.included(ctx, op):
+            state.update(piece.sharded_state_dict(ctx, state, op))
     return state
 
 
 def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
     """The run-level entries of every checkpoint's common state, whatever its format (torch_dist, fsdp_dtensor)."""
-    io = Io(is_loading=False, step=step, consumed_samples=consumed_samples)
+    op = Io(is_loading=False, step=step, consumed_samples=consumed_samples)
     common: dict = {}
     for piece in ctx.states:
-        if isinstance(piece, COMMON) and piece.included(ctx, io):
-            common.update(piece.sharded_state_dict(ctx, common, io))
+        if isinstance(piece, COMMON) and piece.included(ctx, op):
+            common.update(piece.sharded_state_dict(ctx, common, op))
     return common
 
 
-def run_level(ctx, io: Io) -> list:
-    """The run-level pieces a load of `io` applies (the fsdp_dtensor and cross-format loads: schedule, record)."""
-    return [piece for piece in ctx.states if isinstance(piece, COMMON) and piece.included(ctx, io)]
+def run_level(ctx, op: Io) -> list:
+    """The run-level pieces a load of `op` applies (the fsdp_dtensor and cross-format loads: schedule, record)."""
+    return [piece for piece in ctx.states if isinstance(piece, COMMON) and piece.included(ctx, op)]
