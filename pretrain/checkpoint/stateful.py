@@ -1,8 +1,8 @@
 """The pieces of a checkpoint as `Stateful` objects, each owning its save and load rule (TorchTitan's idea,
 written for Megatron-Core's `dist_checkpointing`).
 
-A `CheckpointContext` holds them in save order (`default_states`); `state.sharded_state` and `load.py` iterate
-them instead of naming each:
+A `CheckpointContext` holds them in save order (`default_states`); the torch_dist save (`sharded_state`) and load
+(`load.py`) iterate them instead of naming each:
 
 - `ModelState`: the chunks' sharded tensors (global names, any layout; vocabulary rows may differ by TP padding);
 - `OptimizerState`: built from the model's sharded state; saved with `checkpoint.save_optimizer`, loaded with
@@ -190,12 +190,7 @@ def sharded_state(ctx, op: Io, only: tuple = ()) -> dict:
 
 def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
     """The run-level entries of every checkpoint's common state, whatever its format (torch_dist, fsdp_dtensor)."""
-    op = Io(is_loading=False, step=step, consumed_samples=consumed_samples)
-    common: dict = {}
-    for piece in ctx.states:
-        if isinstance(piece, COMMON) and piece.included(ctx, op):
-            common.update(piece.sharded_state_dict(ctx, common, op))
-    return common
+    return sharded_state(ctx, Io(is_loading=False, step=step, consumed_samples=consumed_samples), only=COMMON)
 
 
 def run_level(ctx, op: Io) -> list:
