@@ -1,7 +1,9 @@
 """Megatron-Core distributed checkpoints (`torch_dist`) under `run.dir/checkpoints/`.
 
 - `format`: file names, the tracker, the commit, the safe readers (also used by the HF bridge);
-- `state`: what a checkpoint holds (sharded model/optimizer state, step, config, RNG);
+- `context`: `CheckpointContext`, what save/load/resume act on (model chunks, optimizer, schedule, plan, pieces);
+- `stateful`: the pieces a checkpoint holds as `Stateful` objects, each owning its save and load rule;
+- `state`: the model's sharded state, the RNG states, `RUN_STATE` (other parts' run-level state);
 - `save`: synchronous and asynchronous saves, the commit, pruning, the writer helper;
 - `load`: checks before loading, and loading;
 - `resume`: which checkpoint a run resumes from (and finishing a commit a kill interrupted);

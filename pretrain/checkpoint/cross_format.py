@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.format import CheckpointError, agree, reason
-from pretrain.checkpoint.state import OPTIMIZER_SHARDING, sharded_state, unwrap
+from pretrain.checkpoint.state import OPTIMIZER_SHARDING, unwrap
+from pretrain.checkpoint.stateful import Io, ModelState, OptimizerState, sharded_state
 
 _OPT_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.*)$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -206,8 +207,9 @@ def _into_ddp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> Non
 
     reader = ChunkReader(path, index)
     sources = _fsdp_sources(common)
-    requested = sharded_state(ctx, step=0, consumed_samples=0, with_optimizer=with_optimizer, is_loading=True)
-    requested.pop("rng_state")
+    # The tensor pieces only (per-rank RNG states do not cross formats); the optimizer's when `with_optimizer`.
+    op = Io(is_loading=True, common=common if with_optimizer else {})
+    requested = sharded_state(ctx, op, only=(ModelState, OptimizerState))
     state, nonpersistent, factories = load_preprocess(requested)
     dict_list_map_inplace(lambda item: _fill(item, reader, sources), state)
     state = apply_factory_merges(state, factories)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint import state as checkpoint_state
+from pretrain.checkpoint import stateful
 from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
 from pretrain.checkpoint.state import set_rng_state
 
@@ -202,8 +203,8 @@ def dcp_state(ctx, *, with_optimizer: bool, is_loading: bool) -> tuple[dict, dic
 
 def common_state(ctx, names: dict, *, step: int, consumed_samples: int, with_optimizer: bool) -> dict:
     """What rank 0 writes to common.pt (read back with the weights-only loader); `names`: all_stored_names.
-    The run-level entries are torch_dist's (`state.common_fields`: schedule, step, config, tokenizer identity)."""
-    common = {**checkpoint_state.common_fields(ctx, step=step, consumed_samples=consumed_samples),
+    The run-level entries are torch_dist's (`stateful.common_fields`: schedule, step, config, tokenizer identity)."""
+    common = {**stateful.common_fields(ctx, step=step, consumed_samples=consumed_samples),
               "format": FORMAT, "names": names}
     if with_optimizer:
         common["optimizer"] = {"param_state_sharding_type": FORMAT}

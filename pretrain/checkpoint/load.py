@@ -6,9 +6,8 @@ import io
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from pretrain.checkpoint import contract, fsdp_format, optimizer_forms
+from pretrain.checkpoint import fsdp_format, optimizer_forms
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
@@ -18,7 +17,8 @@ from pretrain.checkpoint.format import (
     read_object_bytes,
     reason,
 )
-from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, set_rng_state, sharded_state, unwrap
+from pretrain.checkpoint.state import VOCAB_PADDED_KEYS
+from pretrain.checkpoint.stateful import Io, run_level
 from pretrain.compat import mcore
 
 
@@ -37,9 +37,10 @@ def _optimizer_config_diff(cfg, common: dict) -> str:
     return f" (the checkpoint was written with {', '.join(diffs)})" if diffs else ""
 
 
-def _check_requested(cfg, path: Path, index, common: dict, state: dict, vocab: int) -> None:
-    """What this rank will load exists in the checkpoint with the right shape and safe contents (`vocab`: the run's
-    true vocabulary, from its plan)."""
+def _check_requested(ctx, op: Io, index, state: dict) -> None:
+    """What this rank will load (`state`) exists in the checkpoint `op.path` with the right shape and safe
+    contents (vocabulary rows: at least the run's true vocabulary, from its plan)."""
+    cfg, path, common, vocab = ctx.cfg, op.path, op.common, ctx.plan.layout.vocab_size
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -101,33 +102,29 @@ def _non_finite(tree, name: str = "") -> str | None:
 def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
     """Load model (and unless `weights_only`, optimizer, schedule, RNG) from `path` (all ranks call this).
 
-    Returns (step, consumed_samples); (0, 0) for a weights-only load. Raises CheckpointError naming the
-    file and the mismatch for missing, truncated, foreign, unsafe or incompatible checkpoints.
+    Which pieces load and how is each piece's rule (`ctx.states`, `stateful.py`). Returns (step,
+    consumed_samples); (0, 0) for a weights-only load. Raises CheckpointError naming the file and the mismatch
+    for missing, truncated, foreign, unsafe or incompatible checkpoints.
     """
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from torch.distributed.checkpoint.api import CheckpointException
 
-    cfg, model, optimizer, scheduler = ctx.parts()
     path = Path(path)
-    error, common, state, fills = None, {}, {}, []
+    error, state, fills, pieces = None, {}, [], []
+    op = Io(is_loading=True, weights_only=weights_only, path=path)
     try:
         backend = checkpoint_backend(path)
     except CheckpointError:
         backend = None  # inspect_checkpoint below reports why, on every rank
-    if fsdp_format.is_fsdp(model) or backend == fsdp_format.FORMAT:
+    if fsdp_format.is_fsdp(ctx.model) or backend == fsdp_format.FORMAT:
         return _load_fsdp_or_across(ctx, path, weights_only=weights_only)
     try:
-        common, index = inspect_checkpoint(path)
-        with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-        same_layout = list(common.get("layout", [])) == list(ctx.plan.layout_key())
-        state = sharded_state(ctx, step=0, consumed_samples=0, with_optimizer=with_optimizer, is_loading=True)
-        if weights_only or not same_layout:
-            state.pop("rng_state")
-        if not with_optimizer:
-            state.pop("optimizer", None)
-        state.pop("opt_param_scheduler", None)  # the schedule is this config's (contract.apply_new_schedule)
+        op.common, index = inspect_checkpoint(path)
+        pieces = [piece for piece in ctx.states if piece.included(ctx, op)]
+        for piece in pieces:
+            state.update(piece.sharded_state_dict(ctx, state, op))
         fills = optimizer_forms.map_keys(state, index)
-        _check_requested(cfg, path, index, common, state, ctx.plan.layout.vocab_size)
+        _check_requested(ctx, op, index, state)
     except CheckpointError as exc:
         error = exc
     agree(error)
@@ -141,24 +138,8 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
     optimizer_forms.fill_from_model(loaded, fills)
     bad = _non_finite({k: v for k, v in loaded.items() if k.startswith(("model", "optimizer"))})
     agree(CheckpointError(f"{path}: corrupt checkpoint, {bad}") if bad else None)
-    for key in [k for k in loaded if k.startswith("model")]:
-        index_ = 0 if key == "model" else int(key[5:])
-        try:
-            unwrap(model[index_]).load_state_dict(loaded[key], strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{path}: model weights do not fit this model ({reason(exc)})") from None
-    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
-    if with_optimizer:
-        optimizer.load_state_dict(optimizer_forms.convert_common(optimizer, loaded["optimizer"]))
-    if not weights_only:  # the checkpoint's step count, this config's schedule
-        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
-        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
-    if "rng_state" in loaded:
-        set_rng_state(loaded["rng_state"])
-    written_by = common.get("megatron_core")
-    if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
-        print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
-              flush=True)
+    for piece in pieces:  # model, optimizer, RNG, then this config's schedule at the checkpoint's step
+        piece.load_state_dict(ctx, loaded, op)
     if weights_only:
         return 0, 0
     return int(loaded["iteration"]), int(loaded["consumed_samples"])
@@ -167,28 +148,23 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
 
 def _load_fsdp_or_across(ctx, path: Path, *, weights_only: bool) -> tuple[int, int]:
     """An fsdp_dtensor checkpoint into a Megatron-FSDP run; anything across formats: `cross_format.py`."""
-    model, optimizer, scheduler = ctx.model, ctx.optimizer, ctx.scheduler
     error, common, index = None, {}, None
     try:
         common, index = inspect_checkpoint(path)
     except CheckpointError as exc:
         error = exc
     agree(error)
-    fsdp_model = fsdp_format.is_fsdp(model)
-    fresh = None if weights_only else contract.hyperparameters(optimizer)  # this config's lr, betas, eps, wd
+    fsdp_model = fsdp_format.is_fsdp(ctx.model)
+    op = Io(is_loading=True, weights_only=weights_only, path=path, common=common)
+    pieces = run_level(ctx, op)  # the schedule (this config's) and the record; the tensors: the format's own
+    for piece in pieces:
+        piece.sharded_state_dict(ctx, {}, op)
     if fsdp_model and checkpoint_backend(path) == fsdp_format.FORMAT:
-        step, consumed = fsdp_format.load(ctx, path, common, index,
-                                          weights_only=weights_only)
+        step, consumed = fsdp_format.load(ctx, path, common, index, weights_only=weights_only)
     else:
         from pretrain.checkpoint import cross_format
 
-        step, consumed = cross_format.load_across(ctx, path, common, index,
-                                                  weights_only=weights_only)
-    if not weights_only:  # the checkpoint's step count, this config's schedule (as for torch_dist above)
-        num_steps = (common.get("opt_param_scheduler") or {}).get("num_steps", common.get("iteration", 0))
-        contract.apply_new_schedule(optimizer, scheduler, fresh, int(num_steps))
-    written_by = common.get("megatron_core")
-    if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
-        print(f"[pretrain] {path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",
-              flush=True)
+        step, consumed = cross_format.load_across(ctx, path, common, index, weights_only=weights_only)
+    for piece in pieces:
+        piece.load_state_dict(ctx, {}, op)
     return step, consumed

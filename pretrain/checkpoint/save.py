@@ -28,7 +28,7 @@ from pretrain.checkpoint.format import (
     latest_iteration,
     reason,
 )
-from pretrain.checkpoint.state import sharded_state
+from pretrain.checkpoint.stateful import Io, sharded_state
 from pretrain.compat import mcore
 
 
@@ -177,8 +177,7 @@ def save_checkpoint(ctx, *, step: int, consumed_samples: int, async_saves: Async
             error = exc
     agree(error)
     fsdp = fsdp_format.is_fsdp(model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
-    state = None if fsdp else sharded_state(ctx, step=step, consumed_samples=consumed_samples,
-                                            with_optimizer=cfg.checkpoint.save_optimizer, is_loading=False)
+    state = None if fsdp else sharded_state(ctx, Io(is_loading=False, step=step, consumed_samples=consumed_samples))
     try:
         request = fsdp_format.save_request(ctx, path, step=step, consumed_samples=consumed_samples) if fsdp else None
         if async_saves is None:

@@ -3,7 +3,8 @@
 Model and optimizer (the distributed optimizer in the `fully_reshardable` format) are sharded tensors keyed
 by global names, so a checkpoint loads at any TP/PP/VP/DP layout. The LR schedule, step, consumed samples,
 config, the tokenizer's identity and per-rank RNG states (Python, NumPy, torch, Megatron's RNG tracker) make a
-same-layout resume exact.
+same-layout resume exact. The pieces and their save and load rules: `stateful.py`; here the model's sharded
+state and the RNG states they use.
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
-
-from pretrain.checkpoint.contract import TOKENIZER_STATE
-from pretrain.compat import mcore
 
 OPTIMIZER_SHARDING = "fully_reshardable"
 # Run-level state other parts of the run keep in every checkpoint's common state: name -> a callable returning it
@@ -87,41 +84,3 @@ def set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
     if rng.get("tracker"):
         get_cuda_rng_tracker().set_states(rng["tracker"])
-
-
-def sharded_state(ctx, *, step: int, consumed_samples: int, with_optimizer: bool, is_loading: bool) -> dict:
-    """The torch_dist state of `ctx` (a `CheckpointContext`): model chunks, optimizer, per-rank RNG, common fields."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    model, optimizer = ctx.model, ctx.optimizer
-
-    state = model_state(model, is_loading=is_loading)
-    if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            dict(state),
-            is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": OPTIMIZER_SHARDING},
-        )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
-    state.update(common_fields(ctx, step=step, consumed_samples=consumed_samples))
-    return state
-
-
-def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
-    """The run-level entries of every checkpoint's common state, whatever its format (torch_dist, fsdp_dtensor)."""
-    plan, scheduler = ctx.plan, ctx.scheduler
-    common = {"iteration": step, "consumed_samples": consumed_samples, "layout": list(plan.layout_key()),
-              "config": plan.cfg.to_dict()}
-    if scheduler is not None:  # its step count is read on resume, also without optimizer (None: weights only)
-        common["opt_param_scheduler"] = scheduler.state_dict()
-    if plan.tokenizer is not None and plan.tokenizer.identity is not None:  # compared on resume
-        common[TOKENIZER_STATE] = plan.tokenizer.record()
-    elif plan.tokenizer is not None and plan.tokenizer.null:
-        common[TOKENIZER_STATE] = None  # a null tokenizer of unknown size: "no tokenizer"
-    common["megatron_core"] = str(mcore.MCORE)  # the release that wrote it (any supported release reads it)
-    for name, provider in RUN_STATE.items():  # other parts' run-level state (the rerun state machine's window)
-        value = provider()
-        if value is not None:
-            common[name] = value
-    return common
