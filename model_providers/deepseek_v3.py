@@ -17,12 +17,13 @@ renormalised and scaled by `routed_scaling_factor`. Shapes follow the released c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 from model_providers.core.family import Family, require
 from model_providers.core.mapping import ConversionError, Copy, Duplicate, ExactCopy, GateUp, MappingRule, Vocab
+from model_providers.core.yarn import refuse as _refuse
+from model_providers.core.yarn import yarn_fields
 from model_providers.llama import ROTARY_BUFFERS
 
 # What makes a model a DeepSeek-V3 (checked on export, set on import).
@@ -155,13 +156,6 @@ def first_k_dense(m: Any) -> int:
     return k
 
 
-def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
-    def get(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    return get(factor, mscale) / get(factor, mscale_all_dim)
-
-
 def _rope_parameters(m: Any) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
     if m.rope_type == "yarn":
@@ -188,26 +182,7 @@ def _rope_fields(cfg: Any) -> dict:
     if rope.get("truncate", True) is not True:
         raise ConversionError("config.json: rope_scaling.truncate=false is not supported (Megatron-Core rounds the "
                               "YaRN correction range)")
-    factor = rope.get("factor") or cfg.max_position_embeddings / rope["original_max_position_embeddings"]
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):  # transformers then scales cos/sin by get_mscale(factor) alone
-        if (mscale or 1.0) != 1.0:
-            raise ConversionError(f"config.json: rope_scaling.mscale={mscale} without mscale_all_dim is not "
-                                  "supported (transformers ignores it, Megatron-Core would not)")
-        mscale, mscale_all_dim = 1.0, float(mscale_all_dim or 0.0)
-    attention = rope.get("attention_factor")
-    if attention is not None and not math.isclose(attention, yarn_attention_factor(factor, mscale, mscale_all_dim)):
-        raise ConversionError(f"config.json: rope_scaling.attention_factor={attention} is not supported (Megatron-Core "
-                              "derives it from factor, mscale and mscale_all_dim)")
-    return {**fields, "rope_type": "yarn", "rotary_scaling_factor": float(factor),
-            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
-            "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
-
-
-def _refuse(cfg: Any, key: str, ok: bool, why: str) -> None:
-    if not ok:
-        raise ConversionError(f"config.json: {key}={getattr(cfg, key, None)!r} is not supported ({why})")
+    return {**fields, "rope_type": "yarn", **yarn_fields(cfg, rope, keep_mscale_all_dim=True)}
 
 
 class DeepseekV3Family(Family):

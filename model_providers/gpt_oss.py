@@ -34,7 +34,8 @@ from model_providers.core.mapping import (
     Vocab,
 )
 from model_providers.core.windows import layer_windowed
-from model_providers.deepseek_v3 import yarn_attention_factor
+from model_providers.core.yarn import refuse as _refuse
+from model_providers.core.yarn import yarn_fields
 
 # What makes a model a GPT-OSS (checked on export, set on import).
 _FIXED = {"normalization": "RMSNorm", "gated_linear_unit": True, "activation": "quick_gelu",
@@ -224,28 +225,9 @@ def _rope_fields(cfg: Any) -> dict:
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConversionError(f"config.json: rope_scaling.partial_rotary_factor={rope['partial_rotary_factor']} is "
                               "not supported (RoPE on the whole head only)")
-    factor = rope.get("factor") or cfg.max_position_embeddings / rope["original_max_position_embeddings"]
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if not (mscale and mscale_all_dim):  # transformers then scales cos/sin by get_mscale(factor) alone
-        if (mscale or 1.0) != 1.0:
-            raise ConversionError(f"config.json: rope_scaling.mscale={mscale} without mscale_all_dim is not "
-                                  "supported (transformers ignores it, Megatron-Core would not)")
-        mscale, mscale_all_dim = 1.0, 0.0
-    attention = rope.get("attention_factor")
-    if attention is not None and not math.isclose(attention, yarn_attention_factor(factor, mscale, mscale_all_dim)):
-        raise ConversionError(f"config.json: rope_scaling.attention_factor={attention} is not supported (Megatron-Core "
-                              "derives it from factor, mscale and mscale_all_dim)")
     return {"rotary_base": float(rope.get("rope_theta", 150000.0)), "rotary_percent": 1.0,
-            "rotary_scaling_factor": float(factor),
-            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
-            "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim),
+            **yarn_fields(cfg, rope, keep_mscale_all_dim=False),
             "yarn_correction_range_round_to_int": bool(rope.get("truncate", True))}
-
-
-def _refuse(cfg: Any, key: str, ok: bool, why: str) -> None:
-    if not ok:
-        raise ConversionError(f"config.json: {key}={getattr(cfg, key, None)!r} is not supported ({why})")
 
 
 FAMILY = GptOssFamily(name="gpt_oss", hf_architecture="GptOssForCausalLM", hf_model_type="gpt_oss",
