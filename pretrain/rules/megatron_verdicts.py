@@ -12,8 +12,8 @@ runs again. A refusal is never cached (it is re-checked and printed each time).
 Entries live beside the data check's verdicts, in `data.cache_dir` (default `run.dir/data_cache`) under
 `megatron_checks/`, one small JSON file each; they are written only when the whole validation passed
 (`pretrain.validate.store_verdicts`, with the data check's), by `validate` only into a cache directory that
-exists. The cache is read only by a process that has not imported megatron-core yet (the `validate` CLI): where it is imported (the
-trainer, the tests' workers), running the checks costs milliseconds and they always run.
+exists. The cache is read only by a process that has not imported megatron-core yet (the `validate` CLI):
+where it is imported (the trainer, the tests' workers), running the checks costs milliseconds and they always run.
 """
 
 from __future__ import annotations
