@@ -133,6 +133,21 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1  # MTP loss weight (divided over the MTP layers)
     # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
     fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
+    # --- Qwen3-Next / Qwen3.5 (docs/moe.md "Qwen3-Next"): Gated DeltaNet linear attention on the layers
+    # linear_attention_freq picks, output-gated attention, zero-centred norms, a gated shared expert. Names follow
+    # Megatron-Core's TransformerConfig (model_providers/core/linear_attention.py).
+    experimental_attention_variant: Literal["gated_delta_net"] | None = None  # linear-attention layers (None: none)
+    # Which layers are Gated DeltaNet: N = every N-th layer full attention, the rest linear (Qwen's
+    # full_attention_interval); a list: 1 linear, 0 full attention, per layer.
+    linear_attention_freq: int | list[int] | None = None
+    linear_conv_kernel_dim: int = 4  # the causal depthwise convolution's width
+    linear_key_head_dim: int = 128  # query/key head width of Gated DeltaNet
+    linear_value_head_dim: int = 128  # value/gate head width
+    linear_num_key_heads: int = 16  # query/key heads
+    linear_num_value_heads: int = 32  # value heads (a multiple of the key heads)
+    attention_output_gate: bool = False  # full attention's output × sigmoid(a gate projected with the queries)
+    layernorm_zero_centered_gamma: bool = False  # every norm scales by (1 + weight): weights start at 0
+    moe_shared_expert_gate: bool = False  # the shared expert's output × sigmoid(x · w), w a [1, hidden] weight
 
 
 @dataclass

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions, windows
+from model_providers.core import fusions, linear_attention, windows
 from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import shapes_vary
@@ -60,6 +60,8 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         sequence_parallel=layout.sp,
         normalization=m.normalization,
         layernorm_epsilon=m.layernorm_epsilon,
+        layernorm_zero_centered_gamma=m.layernorm_zero_centered_gamma,
+        attention_output_gate=m.attention_output_gate,
         gated_linear_unit=m.gated_linear_unit,
         activation_func=_activation(m.activation),
         glu_linear_offset=m.glu_linear_offset,
@@ -120,6 +122,7 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+    kwargs.update(linear_attention.config_kwargs(m))  # Gated DeltaNet layers (Qwen3-Next), if any
     if m.multi_latent_attention:
         kwargs.update(mla_config(m))
         kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
@@ -202,6 +205,7 @@ def moe_config(m, layout: Any) -> dict:
         moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
     )
 
 
@@ -413,7 +417,7 @@ def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None,
 
 def _std_for(gname: str, m) -> float:
     std = m.init_method_std
-    if gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight"):
+    if gname.endswith(("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")):
         return std / math.sqrt(2.0 * m.num_layers)  # Megatron's scaled output init
     return std
 
@@ -436,7 +440,8 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
                                 padded_vocab: int) -> None:
     """Draw every parameter on its full shape from (seed, global name), then keep this rank's slice.
 
-    Matrices ~ N(0, std) (output projections scaled by 1/sqrt(2·layers)), norm weights 1, biases 0.
+    Matrices ~ N(0, std) (output projections scaled by 1/sqrt(2·layers)), norm weights 1 (0 when zero-centred),
+    biases 0; Gated DeltaNet's parameters by `linear_attention.init_gdn_parameter` (split over TP by parts).
     Embedding rows past the real vocabulary (TP padding) are zero, so padding never changes values.
     """
     seed, m = plan.seed, plan.config
@@ -444,16 +449,20 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
         names = global_parameter_names(chunk)
         for local, param in chunk.named_parameters():
             gname = names[local]
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(_seed_for(seed, gname))
+            if linear_attention.is_gdn_parameter(gname):
+                linear_attention.init_gdn_parameter(param, gname, m, gen, _std_for(gname, m),
+                                                    parallel_state.get_tensor_model_parallel_world_size(),
+                                                    parallel_state.get_tensor_model_parallel_rank())
+                continue
             full_shape, dim, rank = _full_shape(param, gname)
-            is_norm = param.dim() == 1 and _NORM_RE.search(gname) is not None
             if gname.endswith("bias"):
                 param.zero_()
                 continue
-            if is_norm:
-                param.fill_(1.0)
+            if param.dim() == 1 and _NORM_RE.search(gname) is not None:
+                param.fill_(0.0 if m.layernorm_zero_centered_gamma else 1.0)
                 continue
-            gen = torch.Generator(device=param.device)
-            gen.manual_seed(_seed_for(seed, gname))
             if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 rows = torch.empty([vocab_size, *full_shape[1:]], dtype=torch.float32, device=param.device)
                 rows.normal_(0.0, _std_for(gname, m), generator=gen)

@@ -35,19 +35,20 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from model_providers.core.causal_conv1d import causal_conv1d
 from model_providers.core.gated_delta_rule import document_bounds, gated_delta_rule, l2norm, seq_index
+from model_providers.core.linear_layers import VARIANT, is_hybrid, linear_pattern
 from model_providers.core.norms import HeadNorm
 
-VARIANT = "gated_delta_net"
 
-
-def linear_pattern(num_layers: int, freq) -> list[int]:
-    """1 for a Gated DeltaNet layer, 0 for full attention, per layer (Megatron-Core's `linear_attention_freq`: N → every
-    N-th layer full; a list as given)."""
-    if freq is None:
-        return [0] * num_layers
-    if isinstance(freq, int):
-        return [0 if (i + 1) % freq == 0 else 1 for i in range(num_layers)]
-    return [int(x) for x in freq]
+def config_kwargs(m) -> dict:
+    """Megatron-Core's TransformerConfig fields of Gated DeltaNet (same names as our `model.*` keys); none without."""
+    if m.experimental_attention_variant != VARIANT:
+        return {}
+    freq = m.linear_attention_freq
+    return dict(experimental_attention_variant=VARIANT,
+                linear_attention_freq=list(freq) if isinstance(freq, (list, tuple)) else freq,
+                linear_conv_kernel_dim=m.linear_conv_kernel_dim, linear_key_head_dim=m.linear_key_head_dim,
+                linear_value_head_dim=m.linear_value_head_dim, linear_num_key_heads=m.linear_num_key_heads,
+                linear_num_value_heads=m.linear_num_value_heads)
 
 
 def fla_available() -> bool:
@@ -148,7 +149,7 @@ def use_linear_attention(config, layer: ModuleSpec, use_te: bool) -> ModuleSpec:
 def apply_pattern(config, layers: list[ModuleSpec], offset: int, use_te: bool) -> list[ModuleSpec]:
     """The layer specs of one pipeline stage (global layers offset, offset+1, ...) with Gated DeltaNet on the linear
     layers, unchanged without `experimental_attention_variant`."""
-    if getattr(config, "experimental_attention_variant", None) != VARIANT:
+    if not is_hybrid(config):
         return layers
     pattern = linear_pattern(config.num_layers, config.linear_attention_freq)
     return [use_linear_attention(config, spec, use_te) if pattern[offset + i] else spec

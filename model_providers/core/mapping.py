@@ -329,3 +329,97 @@ RULES: dict[str, type[MappingRule]] = {
     cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate,
                             LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp)
 }
+
+
+# --- Qwen3-Next / Qwen3.5: output-gated attention, Gated DeltaNet's fused in_proj, a norm zero-centred on one side ---
+
+
+class GatedQKV(MappingRule):
+    """Megatron-Core's gated-attention linear_qkv (`attention_output_gate`): per query group [q heads; gate heads; k; v]
+    ↔ HF q_proj with each head's [query; gate] rows (Qwen3-Next's `q_proj` of 2·head_dim per head), k_proj, v_proj."""
+
+    op = "split_gated_qkv"
+
+    def to_hf(self, t, d):
+        qpg = d.num_heads // d.num_groups
+        g = t.reshape(d.num_groups, 2 * qpg + 2, d.head_dim, -1)
+        q, gate = g[:, :qpg], g[:, qpg:2 * qpg]
+        q_proj = _stack([q, gate], dim=2).reshape(2 * d.num_heads * d.head_dim, -1)
+        k = g[:, 2 * qpg].reshape(d.num_groups * d.head_dim, -1)
+        v = g[:, 2 * qpg + 1].reshape(d.num_groups * d.head_dim, -1)
+        return [q_proj, k, v]
+
+    def from_hf(self, ts, d):
+        import torch
+
+        q_proj, k, v = ts
+        qpg, tail = d.num_heads // d.num_groups, q_proj.shape[1:]
+        qg = q_proj.reshape(d.num_groups, qpg, 2, d.head_dim, *tail)
+        parts = [qg[:, :, 0], qg[:, :, 1], k.reshape(d.num_groups, 1, d.head_dim, *tail),
+                 v.reshape(d.num_groups, 1, d.head_dim, *tail)]
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def _stack(ts, dim):
+    import torch
+
+    return torch.stack(ts, dim=dim)
+
+
+@dataclass(frozen=True)
+class GDNInProj(MappingRule):
+    """Megatron-Core's Gated DeltaNet in_proj [q; k; v; z; b; a] (all heads of each) ↔ HF's projections.
+
+    `grouped=True` (Qwen3-Next): `in_proj_qkvz` with per key head [q; k; v; z] rows (v and z of the value heads
+    that key head serves) and `in_proj_ba` with per key head [b; a]; `grouped=False` (Qwen3.5): `in_proj_qkv`,
+    `in_proj_z`, `in_proj_b`, `in_proj_a`, each all heads in order."""
+
+    key_heads: int = 1
+    value_heads: int = 1
+    key_dim: int = 1
+    value_dim: int = 1
+    grouped: bool = True
+    op: ClassVar[str] = "gdn_in_proj"
+
+    def _sizes(self) -> list[int]:
+        qk, v = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return [qk, qk, v, v, self.value_heads, self.value_heads]
+
+    def to_hf(self, t, d):
+        import torch
+
+        q, k, v, z, b, a = t.split(self._sizes(), dim=0)
+        if not self.grouped:
+            return [torch.cat([q, k, v]), z, b, a]
+        nk, tail = self.key_heads, t.shape[1:]
+        qkvz = torch.cat([x.reshape(nk, -1, *tail) for x in (q, k, v, z)], dim=1).reshape(-1, *tail)
+        ba = torch.cat([x.reshape(nk, -1, *tail) for x in (b, a)], dim=1).reshape(-1, *tail)
+        return [qkvz, ba]
+
+    def from_hf(self, ts, d):
+        import torch
+
+        if not self.grouped:
+            return torch.cat(ts, dim=0)
+        qkvz, ba = ts
+        nk, tail, r = self.key_heads, qkvz.shape[1:], self.value_heads // self.key_heads
+        q, k, v, z = qkvz.reshape(nk, -1, *tail).split([self.key_dim, self.key_dim, r * self.value_dim,
+                                                        r * self.value_dim], dim=1)
+        b, a = ba.reshape(nk, 2 * r, *tail).split([r, r], dim=1)
+        return torch.cat([x.reshape(-1, *tail) for x in (q, k, v, z, b, a)], dim=0)
+
+
+class ShiftedNorm(MappingRule):
+    """A norm weight zero-centred on the Megatron side (scales by 1 + w, `layernorm_zero_centered_gamma`) and plain on
+    the HF side (scales by w: Qwen3-Next's gated output norm): HF = Megatron + 1, computed in float64."""
+
+    op = "shifted_norm"
+
+    def to_hf(self, t, d):
+        return [(t.double() + 1.0).to(t.dtype)]
+
+    def from_hf(self, ts, d):
+        return (ts[0].double() - 1.0).to(ts[0].dtype)
+
+
+RULES.update({cls.op: cls for cls in (GatedQKV, GDNInProj, ShiftedNorm)})

@@ -34,8 +34,10 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from model_providers.core import linear_attention
 from model_providers.core.cp_attention import ContextParallelAttention
 from model_providers.core.experts import ExpertRowParallelLinear
+from model_providers.core.norms import ZeroCenteredNorm
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,7 +62,9 @@ class SequenceParallelNorm:
     """
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.normalization == "RMSNorm":
+        if config.layernorm_zero_centered_gamma:  # weight (1 + w), as Transformer Engine's zero_centered_gamma
+            norm = ZeroCenteredNorm(hidden_size, eps, config.normalization == "RMSNorm", config.params_dtype)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
@@ -145,7 +149,7 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
                 num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm) and bool(num_experts),
                 qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
 
-        if all(pattern) or not experts:
+        if (all(pattern) or not experts) and not linear_attention.is_hybrid(config):
             return te_layer(experts)  # TransformerBlock picks TENorm itself
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -159,6 +163,7 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layers = [kinds[pattern[i]] for i in range(offset, offset + num_layers)]
+    layers = linear_attention.apply_pattern(config, layers, offset, use_te)  # Gated DeltaNet layers (Qwen3-Next)
     submodules = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
     return ModuleSpec(module=TransformerBlock, submodules=submodules)
 

@@ -42,6 +42,10 @@ _MODEL_IDENTITY = (
     "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
     "mscale_all_dim", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
+    # Qwen3-Next / Qwen3.5
+    "experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "attention_output_gate",
+    "layernorm_zero_centered_gamma", "moe_shared_expert_gate",
 )
 _MODEL_TRAINING = (
     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
