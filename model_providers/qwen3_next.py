@@ -23,7 +23,16 @@ from typing import Any, ClassVar
 
 from model_providers.core.family import Family, require, shape
 from model_providers.core.linear_layers import linear_pattern
-from model_providers.core.mapping import ConversionError, Copy, GatedQKV, GateUp, GDNInProj, ShiftedNorm, Vocab
+from model_providers.core.mapping import (
+    ConversionError,
+    Copy,
+    GatedQKV,
+    GateUp,
+    GDNConv1d,
+    GDNInProj,
+    ShiftedNorm,
+    Vocab,
+)
 from model_providers.core.yarn import refuse as _refuse
 from model_providers.llama import ROTARY_BUFFERS
 
@@ -76,10 +85,13 @@ def _gdn(m: Any, grouped: bool) -> tuple:
     p, g = _M + "self_attention.", _G
     hf_in = (g + "in_proj_qkvz.weight", g + "in_proj_ba.weight") if grouped else \
         (g + "in_proj_qkv.weight", g + "in_proj_z.weight", g + "in_proj_b.weight", g + "in_proj_a.weight")
+    qk, v = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
     return (Copy(p + "in_proj.layer_norm_weight", _L + "input_layernorm.weight"),
-            GDNInProj(p + "in_proj.weight", hf_in, m.linear_num_key_heads, m.linear_num_value_heads,
-                      m.linear_key_head_dim, m.linear_value_head_dim, grouped),
-            Copy(p + "conv1d.weight", g + "conv1d.weight"), Copy(p + "A_log", g + "A_log"),
+            GDNInProj(p + "in_proj.weight", hf_in, key_heads=m.linear_num_key_heads,
+                      value_heads=m.linear_num_value_heads, key_dim=m.linear_key_head_dim,
+                      value_dim=m.linear_value_head_dim, grouped=grouped),
+            GDNConv1d(p + "conv1d.weight", g + "conv1d.weight", key_channels=qk, value_channels=v),
+            Copy(p + "A_log", g + "A_log"),
             Copy(p + "dt_bias", g + "dt_bias"), ShiftedNorm(p + "out_norm.weight", g + "norm.weight"),
             Copy(p + "out_proj.weight", g + "out_proj.weight"))
 
@@ -222,6 +234,8 @@ class Qwen3NextFamily(Family):
             **self.hf_extra(m))
         if m.mtp_num_layers or (base or {}).get("mtp_num_hidden_layers") is not None:
             fields["mtp_num_hidden_layers"] = m.mtp_num_layers or 0
+        # layer_types decides the pattern: an imported full_attention_interval (transformers' shorthand) is not kept
+        base = {k: v for k, v in (base or {}).items() if k != "full_attention_interval"}
         return self.hf_config(getattr(transformers, self.config_class), fields, bos=bos, eos=eos, base=base)
 
     def config_json(self, hf_cfg: Any) -> dict:

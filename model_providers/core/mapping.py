@@ -117,6 +117,12 @@ class MappingRule:
         return dataclasses.replace(self, megatron=self.megatron.replace("{i}", str(layer)),
                                    hf=tuple(n.replace("{i}", str(hf_layer)) for n in self.hf))
 
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """How Megatron-Core stores this tensor when it splits it (a `ShardedTensorFactory` of parts, each split over
+        TP on its own, e.g. Gated DeltaNet's in_proj): (key suffix, rows along dim 0) per part, in order; () when it
+        is stored whole. The checkpoint then holds `<megatron>.<suffix>` for each part."""
+        return ()
+
     def to_hf(self, t: Tensor, d: Dims) -> list[Tensor]:
         raise NotImplementedError
 
@@ -381,14 +387,15 @@ class GDNInProj(MappingRule):
     grouped: bool = True
     op: ClassVar[str] = "gdn_in_proj"
 
-    def _sizes(self) -> list[int]:
+    def parts(self) -> tuple[tuple[str, int], ...]:
         qk, v = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        return [qk, qk, v, v, self.value_heads, self.value_heads]
+        return (("query", qk), ("key", qk), ("value", v), ("z", v), ("beta", self.value_heads),
+                ("alpha", self.value_heads))
 
     def to_hf(self, t, d):
         import torch
 
-        q, k, v, z, b, a = t.split(self._sizes(), dim=0)
+        q, k, v, z, b, a = t.split([n for _, n in self.parts()], dim=0)
         if not self.grouped:
             return [torch.cat([q, k, v]), z, b, a]
         nk, tail = self.key_heads, t.shape[1:]
@@ -409,6 +416,25 @@ class GDNInProj(MappingRule):
         return torch.cat([x.reshape(-1, *tail) for x in (q, k, v, z, b, a)], dim=0)
 
 
+@dataclass(frozen=True)
+class GDNConv1d(MappingRule):
+    """Gated DeltaNet's depthwise conv1d weight [q; k; v channels, 1, width]: the same tensor on both sides, stored by
+    Megatron-Core in its query, key and value parts."""
+
+    key_channels: int = 1
+    value_channels: int = 1
+    op: ClassVar[str] = "gdn_conv1d"
+
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        return (("query", self.key_channels), ("key", self.key_channels), ("value", self.value_channels))
+
+    def to_hf(self, t, d):
+        return [t]
+
+    def from_hf(self, ts, d):
+        return ts[0]
+
+
 class ShiftedNorm(MappingRule):
     """A norm weight zero-centred on the Megatron side (scales by 1 + w, `layernorm_zero_centered_gamma`) and plain on
     the HF side (scales by w: Qwen3-Next's gated output norm): HF = Megatron + 1, computed in float64."""
@@ -422,4 +448,4 @@ class ShiftedNorm(MappingRule):
         return (ts[0].double() - 1.0).to(ts[0].dtype)
 
 
-RULES.update({cls.op: cls for cls in (GatedQKV, GDNInProj, ShiftedNorm)})
+RULES.update({cls.op: cls for cls in (GatedQKV, GDNInProj, GDNConv1d, ShiftedNorm)})

@@ -42,9 +42,9 @@ from pretrain.hf.import_checks import (
 from pretrain.hf.readers import HFReader
 from pretrain.hf.writers import StreamingSavePlanner, writer_class
 
-# Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`) carry an (empty) `_extra_state`
-# that the trainer's sharded state dict expects.
-_LINEAR_WEIGHT = (".linear_", ".eh_proj.")
+# Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`, Gated DeltaNet's `in_proj` and
+# `out_proj`) carry an (empty) `_extra_state` that the trainer's sharded state dict expects.
+_LINEAR_WEIGHT = (".linear_", ".eh_proj.", ".in_proj.", ".out_proj.")
 
 
 def check_duplicate(rule: Duplicate, reader: HFReader) -> None:
@@ -109,6 +109,17 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
     if problems:
         raise ConversionError(str(problems[0]))
     return cfg
+
+
+def _stored_parts(rule: MappingRule, slice_shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The checkpoint tensors one slice of `rule` is written as: (key, rows of its first dim) per part, or (key, None)
+    for the whole."""
+    parts = rule.parts()
+    if not parts:
+        return [(rule.megatron, None)]
+    if sum(n for _, n in parts) != slice_shape[0]:
+        raise ConversionError(f"'{rule.megatron}': parts of {[n for _, n in parts]} rows do not make {slice_shape[0]}")
+    return [(f"{rule.megatron}.{name}", rows) for name, rows in parts]
 
 
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None = None, dtype: str | None = None,
@@ -183,20 +194,23 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
         tdtype = DTYPES[dtype] if dtype and not rule.keeps_dtype else reader.info[names0[0]][1]
         stack = rule.stack_shape(m.num_layers, d.num_experts)
-        global_shape = (*stack, *slice_shape)
         props = TensorProperties(dtype=tdtype)
         for layer in layers:
             names = _hf_names_in(rule, layer, reader.info)
             if names is None:
                 raise ConversionError(f"HF tensor '{rule.hf_names(layer)[0]}' is missing")
-            offsets = (*lead_offsets(layer), *[0] * len(slice_shape))
-            sizes = (*[1] * rule.stack_dims, *slice_shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            index = MetadataIndex(rule.megatron, torch.Size(offsets))
-            items.append(WriteItem(index=index, type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=props,
-                                                               size=torch.Size(global_shape))))
-            sources[(rule.megatron, tuple(offsets))] = (rule, names, sizes, tdtype)
+            # A tensor Megatron-Core stores in parts (`rule.parts()`): one checkpoint tensor per part.
+            start = 0
+            for key, rows in _stored_parts(rule, slice_shape):
+                part = slice_shape if rows is None else (rows, *slice_shape[1:])
+                offsets = (*lead_offsets(layer), *[0] * len(part))
+                sizes = (*[1] * rule.stack_dims, *part)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items.append(WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(
+                                           (*stack, *part)))))
+                sources[(key, tuple(offsets))] = (rule, names, sizes, tdtype, (start, rows))
+                start += rows or 0
     extra = io.BytesIO()
     torch.save([None], extra)
     for rule in rules:
@@ -213,11 +227,16 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
                       for s in sources.values())
     bar = Progress(len(sources), total_bytes, "from-hf", progress)
 
+    last: dict = {}  # the whole tensor of the parts being written (a rule stored in parts reads its HF tensors once)
+
     def resolve(item):
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(extra.getvalue())
-        rule, names, sizes, tdtype = sources[(item.index.fqn, tuple(item.index.offset))]
-        tensor = rule.from_hf([reader.read(n) for n in names], d).to(tdtype).reshape(sizes).contiguous()
+        rule, names, sizes, tdtype, (start, rows) = sources[(item.index.fqn, tuple(item.index.offset))]
+        if last.get("names") != names:
+            last.update(names=names, tensor=rule.from_hf([reader.read(n) for n in names], d))
+        tensor = last["tensor"] if rows is None else last["tensor"].narrow(0, start, rows)
+        tensor = tensor.to(tdtype).reshape(sizes).contiguous()
         bar.update(tensor.nbytes)
         return tensor
 

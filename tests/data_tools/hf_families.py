@@ -112,15 +112,33 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.55.0.dev0",
         "use_cache": True, "vocab_size": 50270,
     },
+    # Qwen3-Next-80B-A3B style: Gated DeltaNet (layer 0: 2 key / 4 value heads of 16, conv 4) then output-gated full
+    # attention (layer 1: 4 heads / 2 groups of 32, RoPE on a quarter), zero-centred norms, 4 experts of 32 (top-2)
+    # + a gated shared expert of 32, the MTP layer the released checkpoints store (mtp.*), released keys
+    # (full_attention_interval, partial_rotary_factor, use_sliding_window).
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 50256, "decoder_sparse_step": 1, "eos_token_id": 50256, "full_attention_interval": 2,
+        "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16, "max_position_embeddings": 4096, "mlp_only_layers": [], "model_type": "qwen3_next",
+        "moe_intermediate_size": 32, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "output_router_logits": False, "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 32, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "transformers_version": "4.57.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 50262,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral, Qwen3: longer than their sliding windows).
 SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64,
-              "gpt_oss": 64}
+              "gpt_oss": 64, "qwen3_next": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
-             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe"}
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe",
+             "qwen3_next": "bpe"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:

@@ -1,0 +1,167 @@
+"""Qwen3-Next on CPU (gloo), through `train()`: every layout equals one rank; checkpoints reshard from TP2 to TP1;
+kill -9 and resume reproduce every number; packed documents equal the documents alone; the validate refusals.
+
+`tiny_qwen3_next` (pretrain/configs/tiny_qwen3_next.yaml: Gated DeltaNet on layers 1 and 3, output-gated full
+attention with RoPE on a quarter of the head on 2 and 4, zero-centred norms, 4 experts top-2 + a gated shared expert,
+sequence 128 = two chunks of the delta rule) trains 4 steps in fp32 on mock data. Each layout's losses, gradient norms
+and router (aux) losses must equal the one-rank run's to 1e-5 relative. `make test` trains TP2 + SP, PP2 (the layout
+string `Ett|ttL`), EP2 and DP2 with the distributed optimizer in one 2-rank pool case (and the reference on one
+rank); `make test-all` adds TP2 + SP × EP2, the TP2 checkpoint resumed at TP1, kill -9 + resume, and packed
+documents.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.validate import validate
+from tests import tiers
+from tests.pretrain.ckpt_helpers import (
+    DETERMINISTIC,
+    by_step,
+    command,
+    kill9_and_resume,
+    layout_case,
+    max_rel,
+    metrics,
+    rel_diff,
+    run_worker_cases,
+    step_values,
+)
+from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "tiny_qwen3_next"
+STEPS = 4
+TOLERANCE = 1e-5
+BASE = ["data.mock=true", f"train.steps={STEPS}", "train.precision=fp32", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "checkpoint.save_at_end=false", "checkpoint.interval=null",
+        "logging.tensorboard=false", "optimizer.warmup_steps=1"]
+TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+# name: (overrides, copy_from source or None); all on 2 ranks (EP folds into TP / DP).
+LAYOUTS = {
+    "tp2_sp": (TP2_SP + ["checkpoint.interval=2"], None),
+    "pp2_layout": (["parallel.pipeline=2", "parallel.pipeline_layout=Ett|ttL"], None),
+    "ep2": (["parallel.expert=2"], None),
+    "dp2_distopt": (["optimizer.distributed=true"], None),
+    "tp2_sp_ep2": (TP2_SP + ["parallel.expert=2", "parallel.expert_tensor=1"], None),
+    "pp2": (["parallel.pipeline=2"], None),
+    "tp2_to_tp1": ([], "tp2_sp"),  # DP2 at TP1 from the TP2 run's step-2 checkpoint (in_proj split by parts)
+}
+FULL = {"tp2_sp_ep2", "pp2", "tp2_to_tp1"}
+
+
+def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
+    return {**case(run_dir, data_prefix, seq_length, ["train.precision=fp32", *extra]), "config": CONFIG}
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_runs(tmp_path_factory):
+    """The reference (and, in `make test-all`, the packed-document cases) on world 1, the layouts on world 2.
+    Returns (root, the documents' prediction counts)."""
+    root = tmp_path_factory.mktemp("qwen3_next")
+    by_world = {1: [layout_case(root, CONFIG, BASE, "ref", [], None)],
+                2: [layout_case(root, CONFIG, BASE, name, extra, source)
+                    for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
+    singles = {}
+    if tiers.everything():
+        packed, seq, singles = documents(root)
+        for name, (path, n) in singles.items():
+            by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
+        by_world[1].append(_doc_case(root / "docs_packed", packed, seq, FLAGS))
+        by_world[2].append(_doc_case(root / "docs_tp2_sp", packed, seq, FLAGS + TP2_SP))
+    for world, cases in by_world.items():
+        (root / f"w{world}").mkdir()
+        run_worker_cases(root / f"w{world}", world, cases, timeout=1800)
+    return root, {name: n for name, (_, n) in singles.items()}
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n != "tp2_to_tp1"], FULL))
+def test_qwen3_next_layout_matches_one_rank(qwen3_next_runs, name):
+    root, _ = qwen3_next_runs
+    ref, got = by_step(root / "ref"), by_step(root / name)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
+    norm = max_rel(step_values(root / name, "grad_norm"), step_values(root / "ref", "grad_norm"))
+    aux = max(rel_diff(got[s]["moe_load_balancing_loss"], ref[s]["moe_load_balancing_loss"]) for s in ref)
+    print(f"| tiny_qwen3_next | {name} | loss {loss:.1e} | grad norm {norm:.1e} | aux loss {aux:.1e} |")
+    assert loss <= TOLERANCE and norm <= TOLERANCE and aux <= TOLERANCE, (name, loss, norm, aux)
+    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
+    assert got[STEPS]["loss"] != got[1]["loss"]
+
+
+@pytest.mark.full
+def test_qwen3_next_tp2_checkpoint_resumes_at_tp1(qwen3_next_runs):
+    """Gated DeltaNet's fused in_proj (and conv1d) are stored split into their parts (query, key, value, z, beta,
+    alpha), each split over TP on its own: the TP2 checkpoint loads at TP1 and continues with the TP2 run's losses."""
+    root, _ = qwen3_next_runs
+    ref, got = by_step(root / "tp2_sp"), by_step(root / "tp2_to_tp1")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in (3, 4):
+        rel = rel_diff(got[s]["loss"], ref[s]["loss"])
+        print(f"tiny_qwen3_next TP2 → TP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
+        assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= 2e-6
+
+
+@pytest.mark.full
+def test_qwen3_next_kill9_and_resume_reproduce_every_number(qwen3_next_runs, tmp_path):
+    root, _ = qwen3_next_runs
+    work = tmp_path / "run"
+    cmd = command([], nproc=2, args=["train", CONFIG, *BASE, *TP2_SP, "checkpoint.interval=1", f"run.dir={work}"])
+    kill_at = kill9_and_resume(cmd, work, STEPS)
+    keys = DETERMINISTIC + ("moe_load_balancing_loss", "moe_tokens_per_expert")
+    got = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(work) if "loss" in m]
+    want = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(root / "tp2_sp") if "loss" in m]
+    print(f"killed after step {kill_at}; {len(got)} steps compared exactly")
+    assert len(got) == STEPS and got == want
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["docs_packed", "docs_tp2_sp"])
+def test_qwen3_next_packed_documents_equal_documents_alone(qwen3_next_runs, name):
+    """THD: Gated DeltaNet resets its convolution and state at each document, full attention masks by document."""
+    root, predictions = qwen3_next_runs
+    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
+    got = first_loss(root / name)
+    print(f"tiny_qwen3_next {name}: packed {got:.7f}, documents alone {expected:.7f} "
+          f"(rel {abs(got - expected) / expected:.1e})")
+    assert abs(got - expected) / expected < 1e-6
+
+
+REFUSED = {
+    "GDN with CP": (["parallel.context=2"], 2, False,
+                    "[model.experimental_attention_variant, parallel.context] Gated DeltaNet layers have no "
+                    "context-parallel path"),
+    "heads vs TP": (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.num_query_groups=4"], 4, False,
+                    "[model.linear_num_key_heads, model.linear_num_value_heads, parallel.tensor] Gated DeltaNet's "
+                    "heads are split over tensor parallelism"),
+    "interval beyond the layers": (["model.linear_attention_freq=5"], 1, False,
+                                   "[model.linear_attention_freq, model.num_layers] model.linear_attention_freq=5 "
+                                   "does not fit model.num_layers=4"),
+    "pattern length": (["model.linear_attention_freq=[1,0,1]"], 1, False, "model.linear_attention_freq as a list"),
+    "MTP after a linear layer": (["model.mtp_num_layers=1", "model.linear_attention_freq=[0,1,0,1]"], 1, False,
+                                 "[model.linear_attention_freq, model.mtp_num_layers]"),
+    "value heads": (["model.linear_num_value_heads=3"], 1, False, "[model.linear_num_value_heads, "
+                    "model.linear_num_key_heads] model.linear_num_value_heads=3 must be a multiple"),
+    "TE without SP": (["parallel.tensor=2"], 2, True, "[model.experimental_attention_variant, parallel.tensor, "
+                      "parallel.sequence_parallel] with Transformer Engine"),
+    "no variant": (["model.experimental_attention_variant=null"], 1, False,
+                   "[model.linear_attention_freq, model.experimental_attention_variant]"),
+}
+
+
+def test_qwen3_next_combinations_are_validated():
+    """Each bad combination is a problem naming its keys; the preset validates at TP2 + SP, PP2, EP2 (CPU) and as a
+    GPU job."""
+    for case_name, (overrides, world, te, message) in REFUSED.items():
+        report = validate(load_config(CONFIG, overrides), world, te_on_gpu=te, cuda_available=te, files=False)
+        assert [str(p) for p in report.errors if message in str(p)], (case_name, [str(p) for p in report.errors])
+    for overrides, te in ((TP2_SP, False), (["parallel.pipeline=2"], False), (["parallel.expert=2"], False),
+                          (TP2_SP, True)):
+        report = validate(load_config(CONFIG, overrides), 2, te_on_gpu=te, cuda_available=te, files=False)
+        assert not report.errors, (overrides, [str(p) for p in report.errors])
