@@ -239,14 +239,17 @@ class Qwen3NextFamily(Family):
         return self.hf_config(getattr(transformers, self.config_class), fields, bos=bos, eos=eos, base=base)
 
     def config_json(self, hf_cfg: Any) -> dict:
-        """As released configs spell it: `rope_theta`, `partial_rotary_factor` and `full_attention_interval` (when the
-        layer types follow one) beside transformers' keys."""
+        """As released configs spell it: `rope_theta`, `partial_rotary_factor`, `full_attention_interval` instead of
+        `layer_types` (when the layers follow one) and, with an MTP layer, `mtp_use_dedicated_embeddings`."""
         out = hf_cfg.to_diff_dict()
         rope = hf_cfg.rope_parameters
         out["rope_theta"], out["partial_rotary_factor"] = rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
         freq = _freq_of(list(hf_cfg.layer_types))
         if isinstance(freq, int):
             out["full_attention_interval"] = freq
+            out.pop("layer_types", None)
+        if _mtp_layers(hf_cfg):
+            out["mtp_use_dedicated_embeddings"] = False
         return out
 
     def from_hf_config(self, cfg: Any) -> dict:

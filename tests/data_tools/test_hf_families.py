@@ -39,7 +39,7 @@ pytestmark = pytest.mark.mcore  # the HF bridge and the trainer for every family
 # stages split 1 | 2, the MTP layer on the last stage) in both.
 PP2_FAMILIES = ("deepseek_v3",)
 # Families also run at EP2 (world 2: EP2 × DP2) vs transformers in the same pool case, in `make test`.
-EP2_FAMILIES = ("gpt_oss",)
+EP2_FAMILIES = ("gpt_oss", "qwen3_next")
 # Extra layout keys per family: GPT-OSS's expert biases need expert tensor parallelism 1 under TP.
 LAYOUT_KEYS = {"gpt_oss": ["parallel.expert_tensor=1"]}
 # Trained (lr 1e-3) at TP2, exported, transformers' logits = Megatron's: in `make test` a dense family with tied
@@ -142,9 +142,10 @@ def test_config_from_the_model_fields_alone_means_the_same(tmp_path, imported, f
     theirs = AutoConfig.from_pretrained(str(src), local_files_only=True).to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
     # ep_size: DeepSeek's inference-time expert parallel size (no model field decides it); experts_per_token,
-    # initial_context_length: released GPT-OSS keys transformers does not read; pad_token_id: a token id.
+    # initial_context_length: released GPT-OSS keys transformers does not read; pad_token_id: a token id;
+    # use_sliding_window: a released Qwen3-Next key its class does not have.
     assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope", "ep_size",
-                      "experts_per_token", "initial_context_length", "pad_token_id"}, differ
+                      "experts_per_token", "initial_context_length", "pad_token_id", "use_sliding_window"}, differ
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,6 +178,11 @@ BAD = {
     "extra tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.q_norm.weight' is not in the qwen2 HF mapping"),
+    "qwen3_next dedicated MTP embeddings": ("qwen3_next", lambda s: _edit_config(
+        s, mtp_use_dedicated_embeddings=True), "config.json: mtp_use_dedicated_embeddings=True is not supported"),
+    "qwen3_next rope type": ("qwen3_next", lambda s: _edit_config(s, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+        "config.json: rope_parameters="),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
