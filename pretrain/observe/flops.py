@@ -27,6 +27,12 @@ P = h·r_q + r_q·a·(d_qk + d_pe) (or h·a·(d_qk + d_pe) without q LoRA) + h·
 a·d_v·h, plus the causal scores s·a·(d_qk + d_pe + d_v)/(4h²). Multi-Token Prediction adds, per MTP layer, a
 transformer layer like the last, its input projection (2h → h: 1) and another output GEMM (V/(2h)), as
 Megatron-LM counts them (they run every step).
+
+Gated DeltaNet (`model.experimental_attention_variant=gated_delta_net`, Qwen3-Next): on its layers
+(`model.linear_attention_freq`) the attention term is Megatron-LM's for the layer, [h·(2qk + 2v + 2n_v) (in_proj) +
+w·(2qk + v) (conv) + 4·n_v·d_v² (the delta rule's KKᵀ, VKᵀ, state update, Sq) + h·v (out_proj)] / (2h²), with
+qk = n_k·d_k, v = n_v·d_v, w the conv width; the output gate of gated attention (`model.attention_output_gate`)
+adds its projection, (a·d/h)/2. The layers are averaged; an MTP layer is like the last.
 """
 
 from __future__ import annotations
@@ -54,6 +60,25 @@ def _mla_attention(m: Any) -> float:
     return projections / (2 * h * h) + s * a * (qk + pe + v) / (4 * h * h)
 
 
+def _linear_attention(m: Any, attention: float) -> tuple[float, float]:
+    """(the attention term averaged over the layers, the last layer's) with Gated DeltaNet layers and the output gate;
+    (attention, attention) for a model with neither."""
+    from model_providers.core.linear_layers import is_hybrid, linear_pattern
+
+    h = m.hidden_size
+    if getattr(m, "attention_output_gate", False):
+        attention += 0.5 * m.num_attention_heads * (m.kv_channels or h // m.num_attention_heads) / h
+    if not is_hybrid(m):
+        return attention, attention
+    qk, nv, dv = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads, m.linear_value_head_dim
+    v = nv * dv
+    gdn = (h * (2 * qk + 2 * v + 2 * nv) + m.linear_conv_kernel_dim * (2 * qk + v) + 4 * nv * dv * dv + h * v) \
+        / (2 * h * h)
+    pattern = linear_pattern(m.num_layers, m.linear_attention_freq)
+    mean = (sum(pattern) * gdn + (len(pattern) - sum(pattern)) * attention) / len(pattern)
+    return mean, (gdn if pattern[-1] else attention)
+
+
 def _moe_pattern(m: Any) -> list[bool]:
     freq = getattr(m, "moe_layer_freq", 1)
     if isinstance(freq, list):
@@ -74,6 +99,7 @@ def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
         attention = _mla_attention(m)
     else:
         attention = (1 + g / a + mean_attended_keys(m) / h) * (a * d / h)  # s/(2h) without a window
+    attention, last_attention = _linear_attention(m, attention)
     mlp = (f / h) * gated
     logits = padded_vocab / (2 * L * h)
     mtp = getattr(m, "mtp_num_layers", None) or 0
@@ -87,7 +113,7 @@ def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
         n_moe = sum(pattern)
         mlp, last = ((L - n_moe) * mlp + n_moe * moe) / L, (moe if pattern[-1] else mlp)  # MTP: like the last
     per_layer = attention + mlp + logits
-    return 12.0 * h * h * (L * per_layer + mtp * (attention + last + 1 + padded_vocab / (2 * h)))
+    return 12.0 * h * h * (L * per_layer + mtp * (last_attention + last + 1 + padded_vocab / (2 * h)))
 
 
 def flops_per_step(model_cfg: Any, padded_vocab: int, global_batch_size: int) -> float:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config
 from pretrain.layout import Layout
+from pretrain.planner import linear_attention
 from pretrain.planner.census import is_moe_layer
 from pretrain.planner.context import (
     cpu_attention_terms,
@@ -125,6 +126,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     # core attention recomputed, only the projection's copy remains).
     kept = (FP8_BYTES if recompute_core_attention else p + FP8_BYTES) if fp8 else p
     out["attention_output"] = a * sbd * kept
+    out = linear_attention.adjust_attention_terms(out, m, lay, index)  # Gated DeltaNet layers, the output gate
     fc2_in = FP8_BYTES if fp8 else p
     if moe:
         out.update(moe_terms(cfg, lay, rows, modules))

@@ -8,6 +8,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.layout import Layout, expert_tensor_size
+from pretrain.planner import linear_attention
 from pretrain.planner.common import layout_of
 
 
@@ -68,9 +69,13 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     `global_index` decides dense or MoE (dense-first models); `pre` the name prefix (an MTP layer's
     `mtp.layers.{j}.transformer_layer`)."""
     h, a, tp = m.hidden_size, m.num_attention_heads, lay.tp
-    g, d, f = lay.num_query_groups, lay.head_dim, lay.ffn_hidden_size
+    g, d = lay.num_query_groups, lay.head_dim
     pre = pre or f"decoder.layers.{index}"
     out = _norm_params(f"{pre}.input_layernorm", m)
+    gi = index if global_index is None else global_index
+    if linear_attention.is_linear_layer(m, gi):  # Gated DeltaNet instead of attention (planner/linear_attention.py)
+        out += [Param(n, k, linear=lin) for n, k, lin in linear_attention.gdn_parameters(m, tp, pre)]
+        return out + _mlp_parameters(m, lay, pre, gi)
     value = m.v_head_dim if m.multi_latent_attention else d
     if getattr(m, "softmax_type", "vanilla") == "learnable":  # attention sinks: one logit per head, split over TP
         out.append(Param(f"{pre}.self_attention.core_attention.softmax_offset", a // tp))
@@ -80,14 +85,20 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     if m.multi_latent_attention:
         out += mla_parameters(m, lay, pre)
     else:
-        qkv = (a + 2 * g) * d // tp
+        qkv = ((a + 2 * g) * d + linear_attention.gate_rows(m)) // tp  # + the output gate's rows
         out.append(Param(f"{pre}.self_attention.linear_qkv.weight", qkv * h, linear=True))
         if m.add_bias_linear or m.add_qkv_bias:
             out.append(Param(f"{pre}.self_attention.linear_qkv.bias", qkv))
         if m.qk_layernorm:  # per-head norms of queries and keys, replicated across TP
             out += [Param(f"{pre}.self_attention.{n}_layernorm.weight", d) for n in ("q", "k")]
-    out += _norm_params(f"{pre}.pre_mlp_layernorm", m)
-    if is_moe_layer(m, index if global_index is None else global_index):
+    return out + _mlp_parameters(m, lay, pre, gi)
+
+
+def _mlp_parameters(m: Any, lay: Layout, pre: str, global_index: int) -> list[Param]:
+    """The pre-MLP norm and the dense MLP or MoE of one layer on one TP rank."""
+    h, f, tp = m.hidden_size, lay.ffn_hidden_size, lay.tp
+    out = _norm_params(f"{pre}.pre_mlp_layernorm", m)
+    if is_moe_layer(m, global_index):
         return out + moe_parameters(m, lay, pre)
     fc1 = (2 if m.gated_linear_unit else 1) * f // tp
     out.append(Param(f"{pre}.mlp.linear_fc1.weight", fc1 * h, linear=True))
@@ -121,6 +132,8 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
         fs = (2 if m.gated_linear_unit else 1) * shared // lay.tp
         out += [Param(f"{pre}.mlp.shared_experts.linear_fc1.weight", fs * h, linear=True),
                 Param(f"{pre}.mlp.shared_experts.linear_fc2.weight", h * shared // lay.tp, linear=True)]
+        if getattr(m, "moe_shared_expert_gate", False):  # sigmoid(x · w) on the shared expert's output
+            out.append(Param(f"{pre}.mlp.shared_experts.gate_weight", h))
     return out
 
 

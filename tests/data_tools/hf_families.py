@@ -129,16 +129,33 @@ CONFIGS: dict[str, dict] = {
         "shared_expert_intermediate_size": 32, "tie_word_embeddings": False, "torch_dtype": "float32",
         "transformers_version": "4.57.0.dev0", "use_cache": True, "use_sliding_window": False, "vocab_size": 50262,
     },
+    # Qwen3.5-35B-A3B's text model as Qwen3_5MoeForCausalLM saves it: the flat Gated DeltaNet projections
+    # (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), multimodal RoPE sections (plain RoPE on text), 3 layers
+    # (linear, linear, full: an interval of 3), every layer MoE, one MTP layer.
+    "qwen3_5_moe": {
+        "architectures": ["Qwen3_5MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 50256, "eos_token_id": 50256, "full_attention_interval": 3, "head_dim": 32,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 16,
+        "max_position_embeddings": 4096, "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 32,
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "num_attention_heads": 4,
+        "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+        "output_router_logits": False, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 32, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "transformers_version": "5.2.0", "use_cache": True, "vocab_size": 50263,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral, Qwen3: longer than their sliding windows).
 SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64,
-              "gpt_oss": 64, "qwen3_next": 64}
+              "gpt_oss": 64, "qwen3_next": 64, "qwen3_5_moe": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
              "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe",
-             "qwen3_next": "bpe"}
+             "qwen3_next": "bpe", "qwen3_5_moe": "bpe"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:
