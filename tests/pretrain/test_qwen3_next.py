@@ -165,3 +165,65 @@ def test_qwen3_next_combinations_are_validated():
                           (TP2_SP, True)):
         report = validate(load_config(CONFIG, overrides), 2, te_on_gpu=te, cuda_available=te, files=False)
         assert not report.errors, (overrides, [str(p) for p in report.errors])
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets, parameter counts, FLOPs, the published-size config
+# --------------------------------------------------------------------------------------------------
+
+# preset: (transformers' count of its meta-device model, the model card's total in billions)
+RELEASED_SIZES = {"qwen3_next_80b_a3b": (79_674_391_296, 80), "qwen3_5_35b_a3b": (34_660_610_688, 35)}
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASED_SIZES))
+def test_preset_parameter_count_is_transformers(preset):
+    """The planner's count (Gated DeltaNet layers, gated attention, the shared-expert gate) = transformers' model of the
+    preset built on the meta device, and rounds to the model card's size (80B, 35B: the MTP layer aside, as
+    transformers builds none)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_providers import get_family
+    from pretrain.plan import count_parameters
+
+    cfg = load_config(None, [f"model.preset={preset}"])
+    m = cfg.model
+    ours = count_parameters(cfg, m.vocab_size)
+    hf_cfg = get_family(m.family).to_hf_config(m, m.vocab_size, bos=None, eos=None, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
+    print(f"{preset}: {ours:,} parameters (transformers {theirs:,}; model card {RELEASED_SIZES[preset][1]}B)")
+    assert ours == theirs == RELEASED_SIZES[preset][0] and round(ours / 1e9) == RELEASED_SIZES[preset][1]
+
+
+def test_flops_per_token_is_megatron_lm_accounting():
+    """FLOPs per token of qwen3_next_80b_a3b at 4096 tokens = Megatron-LM's `num_floating_point_operations` terms
+    written out here (6 FLOPs per weight per token; Gated DeltaNet's in_proj, conv, delta rule (4·n_v·d_v²),
+    out_proj; gated attention's q, gate, k, v, out projections and causal scores; top-k + shared experts and the
+    router; the logits; the MTP layer, a full-attention MoE layer with its 2h → h projection and its logits)."""
+    from pretrain.observe.flops import flops_per_token
+
+    m = load_config(None, ["model.preset=qwen3_next_80b_a3b", "model.seq_length=4096"]).model
+    h, s, vocab = 2048, 4096, 151936
+    qk, v, nv = 16 * 128, 32 * 128, 32
+    gdn = h * (2 * qk + 2 * v + 2 * nv) + 4 * (2 * qk + v) + 4 * nv * 128 * 128 + h * v
+    q, kv = 16 * 256, 2 * 256
+    attention = h * (q + 2 * kv + q) + q * s / 2 * 2 + q * h
+    moe = h * (512 * 10 * 3 + 512 * 3) + 512 * h
+    layers = 36 * gdn + 12 * attention + 48 * moe
+    mtp = attention + moe + 2 * h * h + h * vocab
+    want = 6 * (layers + h * vocab + mtp)
+    got = flops_per_token(m, vocab)
+    print(f"qwen3_next_80b_a3b at 4096: {got:.6g} FLOPs/token (by hand {want:.6g})")
+    assert abs(got - want) / want < 1e-12
+
+
+def test_published_size_config_plans_and_validates():
+    """pretrain/configs/qwen3_next_80b_a3b.yaml validates as a 32-GPU job (a GPU dry run) and the planner fits it."""
+    from pretrain.planner.plan import make_plan
+
+    cfg = load_config("qwen3_next_80b_a3b", ["data.mock=true"])
+    report = validate(cfg, 32, gpu_dry_run=True, cuda_available=False)
+    assert report.ok, report.text()
+    result = make_plan(cfg, nodes=4, gpus_per_node=8, gpu="h100")
+    assert result["fits"], result
