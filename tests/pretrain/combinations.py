@@ -33,6 +33,12 @@ FEATURES = {
     "account": ["parallel.pipeline=2", "parallel.account_for_embedding_in_pipeline_split=true",
                 "parallel.account_for_loss_in_pipeline_split=true"],
     "muon": ["optimizer.name=muon"],
+    # Qwen3-Next's layers: Gated DeltaNet on layers 1 and 3 (2 key / 4 value heads of 16), output-gated attention on
+    # 2 and 4, zero-centred norms
+    "gdn": ["model.experimental_attention_variant=gated_delta_net", "model.linear_attention_freq=2",
+            "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", "model.linear_key_head_dim=16",
+            "model.linear_value_head_dim=16", "model.attention_output_gate=true",
+            "model.layernorm_zero_centered_gamma=true"],
 }
 EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp", "layout", "account"}]
 PAIRS_ONLY = {"layout", "account", "muon"}  # in pairs with every other feature, not in triples (test time)

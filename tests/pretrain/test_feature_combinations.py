@@ -1,5 +1,5 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window, attention sinks} and every pair of those with {a pipeline layout string, the embedding and
+recompute, sliding window, attention sinks, Gated DeltaNet layers} and every pair of those with {a pipeline layout string, the embedding and
 loss in the split, Muon} that `validate` accepts builds every Megatron-Core config object training builds,
 in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
@@ -34,6 +34,9 @@ REFUSALS = {
     ("optimizer.name", "optimizer.distributed"),  # ... and refuses it inside the distributed optimizer
     # a layout string places every layer: one without the MTP layer ('m') is Megatron-Core's refusal
     ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers", "model.mtp_num_layers"),
+    ("model.experimental_attention_variant", "parallel.context"),  # Gated DeltaNet: no context parallelism
+    # Gated DeltaNet on GPUs: packed documents need megatron-core 0.19+ (GatedDeltaNet's NotImplementedError before)
+    ("model.experimental_attention_variant", "data.reset_attention_mask"),
 }
 
 
