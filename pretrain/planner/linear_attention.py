@@ -8,13 +8,15 @@ Gated DeltaNet has n_k key heads of d_k and n_v value heads of d_v (qk = n_k·d_
 width w over the 2qk + v channels of q, k, v.
 
 Activations of one Gated DeltaNet layer (its heads split over TP, the whole sequence on every TP rank: in_proj
-gathers it under sequence parallelism) — from the saved tensors of the pieces, not measured:
+gathers it under sequence parallelism) — from the saved tensors of the pieces (on CPU, one layer measured with
+`planner.measure.SavedTensorMeter`: 8.04 MB for 7.52 MB predicted; the GPU terms are not measured):
 - in_proj's output (the conv, the gate, beta and alpha read it): s·b·(2qk + 2v + 2n_v)/t values;
 - the conv: its input and the silu's input (2·(2qk + v)/t per token), w shifted taps on CPU (`causal_conv1d`);
 - L2-normed q, k repeated to the value heads and v (3 values of n_v·d per token /t), g and beta in fp32;
-- the chunked delta rule (64-token chunks; fp32): per chunk and value head the 64×64 intra-chunk matrices (3) and
-  the state entering it (d_k × d_v) — the recurrent state of one sequence and head is d_k·d_v fp32 values, n_v/t
-  heads per rank;
+- the chunked delta rule (64-token chunks C; fp32): per chunk and value head the state entering it (d_k × d_v: the
+  recurrent state of one sequence and head is d_k·d_v fp32 values, n_v/t heads per rank) and its C×C intra-chunk
+  matrices — one with FLA's kernel (GPU), five with Megatron-Core's torch kernel (CPU), whose row-by-row triangular
+  solve also keeps each step's row and block, Σ_{i<C} (i + i²) values (87,360 at C = 64: the largest term on CPU);
 - the gated norm's input, the gate and its output (3·v/t per token), out_proj's input (v/t).
 """
 
@@ -73,11 +75,14 @@ def gdn_terms(m: Any, lay: Any) -> dict[str, int]:
     conv = 2 * qk + v
     chunks = b * -(-s // CHUNK)
     taps = 0 if lay.on_gpu else m.linear_conv_kernel_dim * conv // t * tokens * p  # the CPU conv's shifted inputs
+    square = 1 if lay.on_gpu else 5
+    solve = 0 if lay.on_gpu else sum(i + i * i for i in range(1, CHUNK))
+    per_chunk = square * CHUNK * CHUNK + solve + m.linear_key_head_dim * m.linear_value_head_dim
     return {
         "gdn_in_proj": tokens * (conv + v + 2 * heads) // t * p,
         "gdn_conv": 2 * tokens * conv // t * p + taps,
         "gdn_qkv": tokens * (3 * heads * m.linear_value_head_dim) // t * p + 8 * tokens * heads // t,
-        "gdn_chunks": chunks * (heads // t) * 4 * (3 * CHUNK * CHUNK + m.linear_key_head_dim * m.linear_value_head_dim),
+        "gdn_chunks": chunks * (heads // t) * 4 * per_chunk,
         "attention_output": 4 * tokens * v // t * p,  # norm input, gate, gated output, out_proj input
     }
 
