@@ -1,6 +1,7 @@
 """Every pair and triple of {TP+SP, PP, VP, CP (each comm type), EP, FSDP, distributed optimizer, document masks, MTP,
-recompute, sliding window, attention sinks, Gated DeltaNet layers} and every pair of those with {a pipeline layout string, the embedding and
-loss in the split, Muon} that `validate` accepts builds every Megatron-Core config object training builds,
+recompute, sliding window, attention sinks, Gated DeltaNet layers} and every pair of those with {a pipeline layout
+string, the embedding and loss in the split, Muon} that `validate` accepts builds every Megatron-Core config object
+training builds,
 in-process, in seconds (`tests/pretrain/combinations.py`; the same matrix trains in `make test-all`:
 `test_feature_matrix.py`).
 
