@@ -76,10 +76,15 @@ def _incomplete(path: Path) -> str | None:
             offset = f.tell()
         need = offset + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     except (OSError, ValueError, EOFError, TypeError) as exc:
-        return f"unreadable: {path.name} is not a .npy file ({str(exc).splitlines()[0] if str(exc) else exc})"
+        return f"unreadable: {_short(path)} is not a .npy file ({str(exc).splitlines()[0] if str(exc) else exc})"
     have = os.stat(path).st_size
-    return f"truncated, left by an interrupted start: {path.name} has {have:,} of {need:,} bytes" if have < need \
-        else None
+    return f"truncated, left by an interrupted start: {_short(path)} has {have:,} of {need:,} bytes" \
+        if have < need else None
+
+
+def _short(path: Path) -> str:
+    """An entry's array by its own name (`shuffle_index.npy`), without the entry's."""
+    return path.name.rsplit("-", 1)[-1]
 
 
 def _stamp(path: Path) -> list[int]:
@@ -155,8 +160,10 @@ def _digest_mismatch(desc: Path, paths: list[Path]) -> str | None:
         want = known.get(p.name) if isinstance(known.get(p.name), dict) else {}
         have = now[p.name]
         if (have["size"], have["crc32"]) != (want.get("size"), want.get("crc32")):
-            return (f"{p.name} does not match the digest recorded when it was written: CRC-32 {_hex(have['crc32'])} "
-                    f"over {have['size']:,} bytes, recorded {_hex(want.get('crc32'))} over {want.get('size')} bytes")
+            size = want.get("size")
+            return (f"{_short(p)} does not match the digest recorded when it was written: CRC-32 "
+                    f"{_hex(have['crc32'])} over {have['size']:,} bytes, recorded {_hex(want.get('crc32'))} over "
+                    f"{f'{size:,}' if isinstance(size, int) else size} bytes")
     if now != known:
         try:
             _write_digests(desc, now)  # the new stamps (a copied cache dir): not read again next time

@@ -141,7 +141,7 @@ def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, 
     os.truncate(shuffle, size - 8)  # a start killed while numpy.save wrote the last array
     rebuilt, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
     assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1]
-    assert f"(truncated, left by an interrupted start: {shuffle.name} has {size - 8:,} of {size:,} bytes)" \
+    assert f"(truncated, left by an interrupted start: shuffle_index.npy has {size - 8:,} of {size:,} bytes)" \
         in said[-2], said
     assert shuffle.stat().st_size == size
     (samples,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-sample_index.npy")
@@ -155,12 +155,12 @@ def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, 
     assert shuffle.stat().st_size == size
     zeros, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
     assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1], said
-    assert f"({shuffle.name} does not match the digest recorded when it was written: CRC-32 " in said[-2], said
+    assert "(shuffle_index.npy does not match the digest recorded when it was written: CRC-32 " in said[-2], said
     assert [zeros[i]["tokens"].tolist() for i in range(8)] == want
     # Random bytes are unreadable, not "truncated" (nothing about their size says so).
     shuffle.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
     build_datasets(cfg, tokenizer, 8, log=said.append)
-    assert f"(unreadable: {shuffle.name} is not a .npy file" in said[-2] and "built in" in said[-1], said
+    assert "(unreadable: shuffle_index.npy is not a .npy file" in said[-2] and "built in" in said[-1], said
     back, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
     assert "read from the cache" in said[-1] and "checked against the digests recorded then" in said[-1], said
     assert [back[i]["tokens"].tolist() for i in range(8)] == want
