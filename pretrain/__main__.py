@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         if world is None:  # the launcher's (pretrain.run.runtime.env_world_size, which imports torch)
             world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else p.tensor * p.pipeline * p.context
         # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
-        report = resolve(cfg, world, gpu_dry_run=args.world_size is not None).problems
+        plan = resolve(cfg, world, gpu_dry_run=args.world_size is not None)
+        report = plan.problems
+        from pretrain.rules.start import start_rules
+
+        start_rules(report, cfg, plan.tokenizer)  # what train will start from: a checkpoint's resume, or fresh
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)

@@ -111,14 +111,16 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
 
 
 def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
-    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`) and Megatron-Core's
-    checks that passed (`pretrain.rules.megatron_verdicts`) into their caches in the data cache dir (`create=False`:
+    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
+    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into
+    their caches in the data cache dir (`create=False`:
     only into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
     from pretrain.data.cache import data_cache_dir
     from pretrain.data.check import store_verdicts as store_data_verdicts
-    from pretrain.rules import megatron_verdicts
+    from pretrain.rules import megatron_verdicts, start
 
     if r.errors:
         return 0
     megatron_verdicts.store(data_cache_dir(cfg), r.megatron_verdicts, create=create)
+    megatron_verdicts.store(data_cache_dir(cfg), r.start_verdicts, create=create, directory=start.VERDICT_DIR)
     return store_data_verdicts(cfg, r, create=create)

@@ -62,7 +62,8 @@ def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, toke
     from pretrain.data.check import check_data_config, check_data_files
 
     null, ident = (tokenizer.null, tokenizer.identity) if tokenizer is not None else (None, None)
-    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null)
+    # O(1) per file where the metadata cannot stand for the index: the trainer's one-rank check reads it in full
+    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null, header_only=True)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
