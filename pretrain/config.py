@@ -60,7 +60,7 @@ class ParallelConfig:
 
     tensor: int = knob(1, range=">= 1")
     pipeline: int = knob(1, range=">= 1")
-    virtual_pipeline: int | None = knob(None, range=">= 2")  # None: not interleaved
+    virtual_pipeline: int | None = knob(None, range=">= 2", fix="set {key} to 2 or more, or null for no interleaving")
     context: int = knob(1, range=">= 1")
     expert: int = knob(1, range=">= 1")  # expert parallel (MoE): experts split across this many ranks
     expert_tensor: int | None = knob(None, range=">= 1")  # tensor parallel inside each expert; None: parallel.tensor

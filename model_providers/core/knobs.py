@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +174,13 @@ def leaves(cls: type, prefix: str = "") -> list[tuple[str, type, dataclasses.Fie
         else:
             out.append((f"{prefix}{f.name}", cls, f))
     return out
+
+
+def number_types(hint: Any) -> set[type]:
+    """`int` and/or `float` where a field's annotation holds a number (`int`, `float | None`, `int | list[int]`);
+    empty for other types (a list of numbers included)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return {a for a in args if a in (int, float)}
 
 
 def mcore_kwargs(section: Any, feed: Feed) -> dict[str, Any]:

@@ -67,7 +67,9 @@ class ModelConfig:
     # Attention window: a token sees itself and the sliding_window-1 before it (Megatron-Core: window_size).
     sliding_window: int | None = knob(None, mcore=TC.named("window_size"), range=">= 1")
     # Which layers use the window (Megatron-Core's name): None all; N: every N-th layer full; a list: 1 windowed.
-    window_attn_skip_freq: int | list[int] | None = knob(None, mcore=TC, range=">= 1", why="every N-th layer full")
+    window_attn_skip_freq: int | list[int] | None = knob(
+        None, mcore=TC, range=">= 1", why="every N-th layer full",
+        fix="use e.g. 2 (alternating windowed and full layers) or null (all windowed)")
     # Attention sinks (Megatron-Core's softmax_type): learnable = one logit per head added to the softmax (GPT-OSS).
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = knob("vanilla", mcore=TC)
     hidden_dropout: float = knob(0.0, mcore=TC, resume=NEXT_STEP, range="[0, 1)", why="a probability")
