@@ -31,6 +31,7 @@ from pretrain.config import Config
 from pretrain.observe.observers import Observers, StepResult, build_observers
 from pretrain.optim import muon
 from pretrain.resilience import hooks as resilience
+from pretrain.resilience.results import first_step_cause
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.run_plan import resolve
@@ -324,6 +325,7 @@ def train(cfg: Config) -> dict:
         return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
     # 5. Steps.
+    first_step = step  # a non-finite result before this run's first update points at the config, not the LR
     try:
         while step < t.steps:
             if res.skipped(step + 1):  # consumed, not trained: the data order and LR schedule go on as if trained
@@ -338,9 +340,10 @@ def train(cfg: Config) -> dict:
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
-                    raise TrainingStopped(
-                        f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last checkpoint "
-                        f"is intact; lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
+                    advice = (f"{first_step_cause(cfg)}." if step == first_step else
+                              "lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
+                    raise TrainingStopped(f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last "
+                                          f"checkpoint is intact; {advice}")
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
                 observers.step_skipped(step + 1)
                 consumed += t.global_batch_size
@@ -355,8 +358,9 @@ def train(cfg: Config) -> dict:
                 muon.after_step(cfg, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
+                cause = f" Note: {first_step_cause(cfg)}." if step == first_step else ""
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
-                                      "(train.nan_policy=stop). The last checkpoint is intact.")
+                                      f"(train.nan_policy=stop). The last checkpoint is intact.{cause}")
             step += 1
             consumed += t.global_batch_size
             observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,

@@ -109,6 +109,8 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
     loops forever on a split that holds no documents)."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    from model_providers.core.knobs import DATASET, mcore_kwargs
+
     d = cfg.data
     mock = uses_mock(d)
     per_split = None
@@ -122,9 +124,7 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
         split=None if per_split else d.split,
         path_to_cache=data_cache_dir(cfg),
         tokenizer=tokenizer,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
+        **mcore_kwargs(d, DATASET),  # the data section's fields declared mcore=DATASET (document boundaries)
         create_attention_mask=False,  # documents travel as packed sequences (pack_documents), never a dense mask
         mmap_bin_files=True,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from model_providers.core.knobs import DDP, OPT, mcore_kwargs
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.problems import Report
@@ -57,9 +58,7 @@ def ddp_config(cfg: Config, gloo: bool):
 
     sharding = fsdp_sharding(cfg)  # None: Megatron DDP
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
-        overlap_grad_reduce=cfg.optimizer.overlap_grad_reduce,
-        overlap_param_gather=cfg.optimizer.overlap_param_gather,
+        **mcore_kwargs(cfg.optimizer, DDP),  # the optimizer section's fields declared mcore=DDP
         use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,
         # Each bucket's gradient norm validated by the rerun state machine (pretrain/resilience/results.py).
         check_for_nan_in_grad=cfg.rerun.mode == "validate_results" and sharding is None,
@@ -94,8 +93,7 @@ def optimizer_config(cfg: Config, layout: Layout):
 
     o = cfg.optimizer
     return OptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        optimizer="adam", **mcore_kwargs(o, OPT),  # the optimizer section's fields declared mcore=OPT
         bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
         use_distributed_optimizer=o.distributed or o.fsdp, overlap_param_gather_with_optimizer_step=False,
     )

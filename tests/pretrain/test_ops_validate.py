@@ -80,7 +80,7 @@ FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP 
      ["[logging.profile.end_step, logging.profile.start_step] logging.profile.end_step is set without "
       "logging.profile.start_step. Fix: set logging.profile.start_step (the first profiled step)"]),
     (["logging.profile.start_step=5", "logging.profile.end_step=4"], False, False,
-     ["[logging.profile.start_step, logging.profile.end_step] profile window 5..4 is empty or starts before step 1. "
+     ["[logging.profile.start_step, logging.profile.end_step] profile window 5..4 is empty. "
       "Fix: use 1 <= start_step <= end_step"]),
     (["logging.profile.start_step=29", "logging.profile.end_step=31", "logging.profile.ranks=[0,2]"], False, False,
      ["[logging.profile.end_step, train.steps] profile window ends at step 31, after the last step "
@@ -90,7 +90,7 @@ FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP 
     (["logging.profile.start_step=3"], False, False, []),  # one step: end_step defaults to start_step
     (["logging.timing_interval=0"], False, False,
      ["[logging.timing_interval] logging.timing_interval=0 must be at least 1. Fix: set "
-      "logging.timing_interval=null to turn per-rank timing off"]),
+      "logging.timing_interval to a positive integer, or null"]),
 ])
 def test_rule(overrides, gpu, te, expected):
     assert problems(overrides, gpu=gpu, te=te) == expected

@@ -51,7 +51,7 @@ def test_every_config_field_has_one_resume_class():
 
     fields = config_fields()
     missing = sorted(set(fields) - set(FIELDS))
-    assert not missing, f"config fields without a resume class in pretrain/checkpoint/contract.py: {missing}"
+    assert not missing, f"config fields declaring no resume rule (knob(resume=) or a section RESUME): {missing}"
     assert not sorted(set(FIELDS) - set(fields)), "FIELDS names keys that are not config fields"
     assert {cls for cls, _ in FIELDS.values()} == {MATCH, CHANGE, UNUSED}
     # A new field appears in config_fields (which walks the dataclass tree), so this test fails until it is classed.
@@ -65,7 +65,8 @@ def test_every_config_field_has_one_resume_class():
 
 
 def test_docs_table_lists_every_field():
-    """docs/checkpoints.md "Resuming": each field in the row of its section, class and what happens."""
+    """docs/checkpoints.md "Resuming": each field in the row of its section, class and what happens, and nothing
+    else (the table `python -m pretrain.checkpoint.contract` prints from the fields' declarations)."""
     from pretrain.checkpoint.contract import FIELDS
 
     text = (ROOT / "docs/checkpoints.md").read_text()
@@ -73,10 +74,14 @@ def test_docs_table_lists_every_field():
     for line in text.split("## Resuming", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].startswith("`"):
-            rows[(cells[0].strip("`"), cells[2], cells[3])] = set(re.findall(r"`([^`]+)`", cells[1]))
+            rows.setdefault((cells[0].strip("`"), cells[2], cells[3]), set()).update(
+                re.findall(r"`([^`]+)`", cells[1]))
+    declared = {}
     for key, (cls, how) in FIELDS.items():
         section, name = key.rsplit(".", 1)
         assert name in rows.get((section, cls, how), set()), f"{key} ({cls}: {how}) is not in its docs row"
+        declared.setdefault((section, cls, how), set()).add(name)
+    assert rows == declared, "docs/checkpoints.md's Resuming table names fields or rows the declarations do not"
 
 
 # --------------------------------------------------------------------------------------------------
