@@ -93,4 +93,5 @@ def _record(cfg, path: Path, dropped: list[str], weights_only: bool) -> None:
     loads.append({"checkpoint": str(path), "load": "pretrained weights" if weights_only else "resume",
                   "allowed_by": "checkpoint.allow_dropped_weights=true", "dropped": dropped,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    record_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(record_path, json.dumps({"loads": loads}, indent=1) + "\n")
