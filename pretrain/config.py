@@ -221,6 +221,7 @@ class CheckpointConfig:
     save_optimizer: bool = True
     load_optimizer: bool = True
     save_at_end: bool = True
+    allow_dropped_weights: bool = False  # load a checkpoint with tensors this model has no place for (recorded)
 
 
 @dataclass

@@ -313,6 +313,7 @@ def train(cfg: Config) -> dict:
     # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
     observers = build_observers(cfg, run, res.observer())
     saves = _Saves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
+    res.watch_saves(saves.async_saves)  # a hang report names a stalled checkpoint writer
     t = cfg.train
 
     def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)

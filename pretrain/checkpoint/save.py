@@ -132,6 +132,17 @@ class AsyncSaves:
         calls = getattr(self.queue, "async_calls", None)  # megatron-core 0.16-0.19: the caller holds its process
         self.writer = getattr(calls[-1].async_caller, "process", None) if calls else None
 
+    def in_flight(self) -> dict | None:
+        """The save not yet committed whose writer has not finished: its iteration, directory and the writer's
+        processes with their states (`pretrain.run.child_processes.process_tree`); None otherwise. Read by the hang
+        watchdog's thread while the main thread may wait on the writer."""
+        from pretrain.run.child_processes import process_tree
+
+        writer, step, path = self.writer, self.pending, self.pending_path
+        if step is None or writer is None or writer.pid is None or writer.exitcode is not None:
+            return None
+        return {"iteration": step, "checkpoint": str(path), "processes": process_tree(writer.pid)}
+
     def finalize(self, blocking: bool = False) -> list[int]:
         """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""
         from torch.distributed.checkpoint.api import CheckpointException

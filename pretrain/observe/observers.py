@@ -127,6 +127,12 @@ class StepRecord(Observer):
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_tok = flops_per_token(cfg.model, run.layout.padded_vocab)
         self.peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if run.rt.on_gpu else None
+        self.lr: float | None = None
+
+    def step_start(self, step: int) -> None:
+        """The rate this step applies, read before it runs: the loop's `scheduler.step()` after the optimizer step
+        sets the next step's (Megatron-Core's schedule at `step - 1` optimizer steps: 0 at step 1 under warmup)."""
+        self.lr = self.run.optimizer.param_groups[0]["lr"]
 
     def step_end(self, step: int, result: StepResult) -> None:
         from pretrain.observe.metrics import format_step_line
@@ -137,7 +143,7 @@ class StepRecord(Observer):
         record: dict[str, Any] = {
             "step": step,
             "loss": result.loss,
-            "lr": run.optimizer.param_groups[0]["lr"],
+            "lr": self.lr,  # the rate the step applied (step_start)
             "grad_norm": result.grad_norm,
             "tokens_per_s": self.tokens_per_step / result.step_time_s,
             "step_time_s": result.step_time_s,
