@@ -251,6 +251,8 @@ class TrainConfig:
     nan_policy: Literal["stop", "skip"] = "stop"  # what a NaN/Inf loss or grad norm does
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
     skip_steps: list = field(default_factory=list)  # steps consumed, not trained: [5, "10-12"] (docs/training.md)
+    # [start, increment, ramp_samples]: Megatron-Core's batch-size ramp-up (docs/training.md "Batch-size ramp-up").
+    rampup_batch_size: list[int] | None = None
 
 
 @dataclass
@@ -369,6 +371,9 @@ class Config:
     rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation (pretrain/resilience/)
     hang: HangConfig = field(default_factory=HangConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)  # fault injection, tests only
+    # The run's stages, in order: [{name, steps | tokens, set: {dotted.key: value}, keep}] (pretrain/stages/,
+    # docs/training.md "Stages"); null: one stage, the config itself.
+    stages: list | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -423,6 +428,9 @@ def _shipped_names() -> str:
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Build a `Config` from a nested dict, applying the model preset under explicit model keys."""
     tree = dict(tree)
+    train = tree.get("train") or {}
+    if tree.get("stages") and isinstance(train, dict) and "steps" not in train:  # the length: the stages' sum
+        tree["train"] = {**train, "steps": 0}
     model = dict(tree.get("model") or {})
     preset = model.get("preset")
     if preset is not None:

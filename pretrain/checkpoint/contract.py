@@ -31,16 +31,13 @@ TOKENIZER_STATE = "tokenizer"  # common-state key: TokenizerIdentity.to_dict(), 
 _MODEL_IDENTITY = (
     "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation",
-    "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor",
-    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "sliding_window",
+    "position_embedding_type", "rotary_percent", "share_embeddings_and_output_weights", "add_bias_linear",
+    "add_qkv_bias", "qk_layernorm", "sliding_window",
     "window_attn_skip_freq", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
-    "yarn_correction_range_round_to_int",
     "apply_residual_connection_post_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
     "moe_router_score_function", "moe_router_pre_softmax",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-    "mscale_all_dim", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
+    "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
 )
 _MODEL_TRAINING = (
@@ -51,6 +48,12 @@ _MODEL_TRAINING = (
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
     "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "fp8_recipe",
 )
+# RoPE's frequencies (base, Llama-3 scaling, YaRN): no weights depend on them, so a context extension (a stage,
+# docs/training.md "Stages") changes them on resume.
+_ROPE = ("rotary_base", "rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+         "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings", "rope_type",
+         "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+         "mscale_all_dim", "yarn_correction_range_round_to_int")
 _SCHEDULE = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
 _ADAM = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
 _DDP = ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_fp32")
@@ -66,6 +69,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "model.preset": (UNUSED, "its fields are compared one by one"),
     "model.init_method_std": (UNUSED, "the weights come from the checkpoint"),
     **_group(CHANGE, "from the resumed step", "model", _MODEL_TRAINING),
+    **_group(CHANGE, "the positions' frequencies from the resumed step (a context extension; no weight depends on "
+             "them)", "model", _ROPE),
     **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
              "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",
                                      "expert_tensor", "sequence_parallel",
@@ -104,6 +109,9 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(CHANGE, "from the resumed step", "train", ("eval_interval", "eval_iters", "exit_duration_in_mins",
                                                          "nan_policy", "exit_signal_handler")),
     "train.skip_steps": (CHANGE, "the listed steps still ahead are consumed, not trained"),
+    "train.rampup_batch_size": (CHANGE, "the batch size at consumed_samples follows the new ramp"),
+    "stages": (CHANGE, "the run continues in the stage its step falls in (a stage that has started keeps its "
+               "start: pretrain/stages/)"),
     **_group(CHANGE, "from the resumed step", "checkpoint", ("interval", "dir", "keep_last", "async_save",
                                                               "save_optimizer", "load_optimizer", "save_at_end")),
     "checkpoint.pretrained": (UNUSED, "the run resumes from its own checkpoint"),
