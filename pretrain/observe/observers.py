@@ -145,7 +145,7 @@ class StepRecord(Observer):
         }
         if run.stage is not None:  # a run in stages: the stage's name (and number: a TensorBoard / W&B scalar)
             record.update(stage=run.stage.name, stage_index=run.stage.index)
-        if self.cfg.train.rampup_batch_size is not None:
+        if run.stage is not None or self.cfg.train.rampup_batch_size is not None:  # the batch may change
             record["global_batch_size"] = batch
         record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / run.rt.world_size
         record["tflops_per_gpu"] = self.flops_tok * record["tokens_per_s_per_gpu"] / 1e12

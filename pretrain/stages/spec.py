@@ -252,6 +252,8 @@ def derive(cfg: Config) -> StagedConfig:
         if stage_cfg is None:
             continue
         t = stage_cfg.train
+        if t.rampup_batch_size and len(t.rampup_batch_size) == 3 and sample > t.rampup_batch_size[2]:
+            t.rampup_batch_size = None  # the ramp ended before this stage: its batch is train.global_batch_size
         try:
             done = walk(t.rampup_batch_size, t.global_batch_size, sample, stage_cfg.model.seq_length, steps=steps,
                         tokens=tokens)
