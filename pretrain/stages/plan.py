@@ -50,15 +50,15 @@ class StagedRun:
         merged = Report(self.world_size, errors=list(self.spec.problems))
         named = [(stage.name, plan.problems) for stage, plan in zip(self.stages, self.plans)]
         everyone = len(named)
-        groups: dict[tuple, list[str]] = {}
+        groups: dict[tuple, tuple] = {}  # (kind, text) -> (the item, the stages that have it)
         for name, report in named:
             for kind, items in (("error", report.errors), ("warning", report.warnings), ("note", report.notes)):
                 for item in items:
-                    groups.setdefault((kind, item), []).append(name)
+                    groups.setdefault((kind, str(item)), (item, []))[1].append(name)
             merged.ids_unchecked = merged.ids_unchecked or report.ids_unchecked
             merged.data_verdicts += report.data_verdicts
             merged.megatron_verdicts += report.megatron_verdicts
-        for (kind, item), names in groups.items():
+        for (kind, _), (item, names) in groups.items():
             label = _label(names, everyone)
             if kind == "error":
                 merged.errors.append(Problem(item.keys, f"{label}: {item.message}", item.fix))
@@ -95,7 +95,11 @@ def resolve_run(cfg: Config, world_size: int, **kwargs) -> StagedRun:
     plans = []
     for stage in spec.stages:
         plan = resolve(stage.cfg, world_size, **kwargs)
-        ramp_fits(plan.problems, stage, plan.layout.dp if plan.layout is not None else None)
+        p = stage.cfg.parallel
+        model_parallel = p.tensor * p.pipeline * p.context
+        dp = plan.layout.dp if plan.layout is not None else (  # a GPU dry run derives none: the sizes tell it
+            world_size // model_parallel if model_parallel > 0 and world_size % model_parallel == 0 else None)
+        ramp_fits(plan.problems, stage, dp)
         plans.append(plan)
     return StagedRun(spec, tuple(plans), world_size)
 

@@ -251,6 +251,11 @@ def derive(cfg: Config) -> StagedConfig:
         label, stage_cfg, sets, steps, tokens = _one(p, i, raw, tree, before, names)
         if stage_cfg is None:
             continue
+        if steps is None and tokens is None:  # no length: the stages after it start from its config
+            tree = stage_cfg.to_dict()
+            tree.pop("stages")
+            before = stage_cfg
+            continue
         t = stage_cfg.train
         if t.rampup_batch_size and len(t.rampup_batch_size) == 3 and sample > t.rampup_batch_size[2]:
             t.rampup_batch_size = None  # the ramp ended before this stage: its batch is train.global_batch_size
