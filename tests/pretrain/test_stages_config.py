@@ -123,6 +123,7 @@ def _documented_ramp(ramp: list[int], gbs: int, consumed: int) -> int:
     return start + int(consumed / (samples / ((gbs - start) // increment))) * increment
 
 
+@pytest.mark.mcore
 def test_the_ramp_is_megatrons_calculator_step_by_step():
     """The batches the stages walk (and the 0.19 step schedule they are handed as) = Megatron-Core's calculator:
     its class where the release has it, its documented arithmetic otherwise; a stage in tokens during the ramp."""
@@ -240,3 +241,26 @@ def test_report_marks_the_stage_boundaries(tmp_path, monkeypatch):
     assert report.main([str(run)]) == 0
     assert sorted(set(lines)) == [3.5, 5.5] and len(lines) == 2 * 4  # before steps 4 and 6, on every panel
     assert (run / "report.png").stat().st_size > 10_000
+
+
+def test_wandb_carries_the_stage_name(tmp_path):
+    """W&B (offline) gets `train/stage` (the name) and `train/stage_index` with every step's scalars, read back with
+    wandb's own transaction-log reader."""
+    pytest.importorskip("wandb")
+    import subprocess
+    import sys
+
+    from pretrain.observe.metrics import MetricsWriter
+    from pretrain.observe.wandb_logger import wandb_sinks
+
+    cfg = load_config("tiny_llama", [f"run.dir={tmp_path}", "logging.wandb.project=stages-test",
+                                     "logging.wandb.mode=offline"])
+    writer = MetricsWriter(tmp_path, tensorboard=False, sinks=wandb_sinks(cfg))
+    for step, stage in ((1, "pretrain"), (2, "anneal")):
+        writer.write({"step": step, "loss": 1.0 / step, "stage": stage, "stage_index": step - 1})
+    writer.close()
+    (log,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run([str(Path(sys.executable).with_name("wandb")), "leet", "inspect", str(log), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [json.loads(line)["history"]["item"] for line in out.splitlines() if json.loads(line)["type"] == "history"]
+    assert [(r["train/stage"], r["train/stage_index"]) for r in rows] == [("pretrain", 0), ("anneal", 1)]
