@@ -83,5 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError) as exc:
         print(f"plan error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    from pretrain.planner.stage_table import format_ramp, ramp_summary
+
+    ramp = ramp_summary(cfg)  # a batch-size ramp: the batches it passes through (None without one)
+    if ramp is not None:
+        plan["rampup"] = ramp
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan) + (f"\n{format_ramp(ramp)}" if ramp else ""))
     return 0

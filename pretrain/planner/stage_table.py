@@ -80,3 +80,23 @@ def format_stage_table(table: dict[str, Any]) -> str:
         if r["set"]:
             lines.append(f"  {r['name']} sets " + ", ".join(f"{k}={v}" for k, v in r["set"].items()))
     return "\n".join(lines)
+
+
+def ramp_summary(cfg: Config) -> dict[str, Any] | None:
+    """A config's batch-size ramp as `plan` shows it (None without one): the batches it passes through and the steps
+    and samples before the global batch is reached."""
+    from pretrain.stages.samples import ramp_steps, walk
+
+    t = cfg.train
+    if t.rampup_batch_size is None:
+        return None
+    steps, samples = ramp_steps(t.rampup_batch_size, t.global_batch_size)
+    sizes = walk(t.rampup_batch_size, t.global_batch_size, 0, cfg.model.seq_length, steps=max(steps, 1)).batch_sizes
+    return {"rampup_batch_size": list(t.rampup_batch_size), "batch_sizes": [*sizes, t.global_batch_size],
+            "steps": steps, "samples": samples}
+
+
+def format_ramp(ramp: dict[str, Any]) -> str:
+    sizes = ", ".join(map(str, ramp["batch_sizes"]))
+    return (f"  ramp-up    train.rampup_batch_size={ramp['rampup_batch_size']}: global batch {sizes} (Megatron-Core's "
+            f"calculator); the target from step {ramp['steps'] + 1:,} ({ramp['samples']:,} samples before it)")

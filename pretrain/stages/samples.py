@@ -56,3 +56,17 @@ def walk(ramp: list[int] | None, global_batch_size: int, first_sample: int, seq_
     if tokens is not None and done != tokens:
         raise TokensNotExact((n - 1, done - last), (n, done))
     return StageSamples(n, consumed - first_sample, done, tuple(sorted(sizes)))
+
+
+def ramp_steps(ramp: list[int], global_batch_size: int) -> tuple[int, int]:
+    """(steps, samples) a ramp takes before its batch is `global_batch_size` (Megatron-Core's calculator)."""
+    from pretrain.compat.mcore import microbatch_calculator
+
+    calculator = microbatch_calculator(ramp, global_batch_size, 1, 1)
+    steps, consumed = 0, 0
+    while True:
+        calculator.update(consumed, False)
+        batch = calculator.get_current_global_batch_size()
+        if batch == global_batch_size:
+            return steps, consumed
+        steps, consumed = steps + 1, consumed + batch

@@ -150,6 +150,13 @@ def test_the_ramp_is_megatrons_calculator_step_by_step():
         assert walk(ramp, gbs, 0, 16, tokens=16 * sum(want[:9])).steps == 9
 
 
+def test_plan_shows_the_ramp(capsys):
+    """[2, 2, 40] to 8: 2 while consumed < 40/3 (7 steps), 4 to 26 (4 more), 6 to 42 (2 more), then 8 (by hand)."""
+    assert cli(["plan", "tiny_llama", "train.rampup_batch_size=[2,2,40]", "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 2, 4, 6, 8 (Megatron-Core's calculator); the target from step 14 (42 samples before it)" in out
+
+
 def test_the_first_stage_is_the_plain_config(tmp_path):
     """The first stage's config is the config with its set and the run's length (no stages); later stages add
     their own set to the one before (keep: tokens rescales the batch)."""
