@@ -279,8 +279,9 @@ def derive(cfg: Config) -> StagedConfig:
         tree.pop("stages")
         before, start, sample = stage_cfg, start + done.steps, sample + done.samples
     if cfg.train.steps and cfg.train.steps != start and len(stages) == len(cfg.stages):
-        p.add("train.steps", "train.steps", f"train.steps={cfg.train.steps} conflicts with the stages, whose steps "
-              f"add up to {start:,}", f"leave train.steps out (the stages set the run's length) or make it {start}")
+        p.items.append(Problem(("train.steps",), f"train.steps={cfg.train.steps} conflicts with the stages, whose "
+                               f"steps add up to {start:,}", f"leave train.steps out (the stages set the run's length) "
+                               f"or make it {start}"))
     for stage in stages:
         stage.cfg.train.steps = start
         stage.cfg.stages = None

@@ -46,7 +46,7 @@ REFUSALS = {
                               "stage 'a': tokens=1,000 is no whole number of steps (global batch 4 × sequence 64): it "
                               "falls between 3 step(s) (768 tokens) and 4 step(s) (1,024 tokens)"),
     "conflicting train.steps": (GOOD, {"train": {"steps": 100}},
-                                "train.steps: train.steps=100 conflicts with the stages, whose steps add up to 6"),
+                                "[train.steps] train.steps=100 conflicts with the stages, whose steps add up to 6"),
     "sequence change without keep": ([*GOOD, {"name": "long", "steps": 1, "set": {"model.seq_length": 128}}], {},
                                      "stage 'long': model.seq_length changes 64 → 128: say whether the batch keeps its "
                                      "256 tokens (keep: tokens) or its 4 samples, 512 tokens (keep: samples)"),
