@@ -3,9 +3,10 @@
     python -m pretrain train CONFIG [overrides]              # one process
     torchrun --nproc-per-node N -m pretrain train CONFIG ... # several
 
-validate → process groups → tokenizer → model chunks (layout-invariant init) → DDP → optimizer and LR
-schedule → resume or pretrained weights → datasets → steps (forward/backward schedule, optimizer step,
-metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → exit status.
+validate (every stage) → process groups → for each stage from the checkpoint's: tokenizer → model chunks
+(layout-invariant init) → DDP → optimizer and LR schedule → resume or pretrained weights → datasets → steps
+(forward/backward schedule, the batch of Megatron's calculator, optimizer step, metrics, checkpoints, signals,
+time limit, NaN policy) → the stage's last checkpoint (named for it: the next stage here, or exit 76) → exit status.
 """
 
 from __future__ import annotations

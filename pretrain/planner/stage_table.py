@@ -53,7 +53,7 @@ def stage_table(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: floa
                      "gpu_hours": seconds / 3600 * world, "set": {k: v for k, v in stage.sets.items()}})
     hours = sum(r["hours"] for r in rows)
     return {"config": name or cfg.model.preset or cfg.model.family, "gpu": gpu, "nodes": nodes,
-            "gpus_per_node": gpus_per_node, "world_size": world, "mfu_note": "the cost model's step time",
+            "gpus_per_node": gpus_per_node, "world_size": world,
             "stages": rows, "total": {"steps": spec.total_steps, "tokens": sum(r["tokens"] for r in rows),
                                       "hours": hours, "days": hours / 24, "gpu_hours": hours * world}}
 

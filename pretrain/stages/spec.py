@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -77,12 +78,14 @@ class StagedConfig:
         return self.stages[-1]
 
 
-def _leaves() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _leaves() -> tuple[str, ...]:
     from pretrain.checkpoint.contract import config_fields
 
-    return config_fields()
+    return tuple(config_fields())
 
 
+@functools.lru_cache(maxsize=1)
 def _must_match() -> dict[str, str]:
     from pretrain.checkpoint.contract import FIELDS, MATCH
 
@@ -167,6 +170,8 @@ def _keep(p: _Problems, label: str, raw: dict, sets: dict, before: Config | None
     keep = raw.get("keep")
     seq_before = before.model.seq_length if before is not None else None
     seq = tree.get("model", {}).get("seq_length", seq_before)
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+        return  # not a length: the config's own check names it
     changed = before is not None and seq != seq_before
     if keep is not None and keep not in ("tokens", "samples"):
         p.add(label, "stages.keep", f"keep={keep!r} is not one of tokens, samples", "keep: tokens or keep: samples")
