@@ -22,6 +22,7 @@ from pretrain.checkpoint.format import (
     agree,
     checkpoint_root,
     commit_files,
+    ends_a_stage,
     is_committed,
     iteration_dir,
     iterations,
@@ -98,14 +99,15 @@ def _commit(cfg, root: Path, path: Path, step: int) -> None:
 def _prune(root: Path, keep_last: int | None, current: int) -> None:
     """Delete checkpoints beyond the newest `keep_last` and partial saves other than `current`.
 
-    A committed checkpoint newer than `current` is kept: only uncommitted leftovers of a crashed save are stale.
-    Each deletion removes `run_config.yaml` first, so a kill in the middle leaves a partial save, never a
-    "complete" checkpoint with files missing.
+    A committed checkpoint newer than `current` is kept (only uncommitted leftovers of a crashed save are stale), and
+    so is one that ends a stage (`format.ends_a_stage`, docs/training.md "Stages"). Each deletion removes
+    `run_config.yaml` first, so a kill in the middle leaves a partial save, never a "complete" checkpoint with files
+    missing.
     """
     iters = iterations(root)
     committed = {it for it in iters if is_committed(iteration_dir(root, it))}
     stale = [it for it in iters if it != current and it not in committed]
-    kept = [it for it in iters if it <= current and it in committed]
+    kept = [it for it in iters if it <= current and it in committed and not ends_a_stage(iteration_dir(root, it))]
     old = kept[:-keep_last] if keep_last else []
     for it in stale + old:
         path = iteration_dir(root, it)
