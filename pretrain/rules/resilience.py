@@ -10,7 +10,7 @@ import os
 from pretrain.config import TESTING_ENV, Config, TestingConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
-from pretrain.resilience.skips import parse_skip_steps
+from pretrain.resilience.skips import beyond, listed, parse_skip_steps
 
 _TEST_DEFAULTS = TestingConfig()
 _FAULT_KEYS = ("nan_step", "spike_step", "hang_step", "slow_rank")
@@ -31,10 +31,7 @@ def resilience_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
     if rr.spike_window < 1:
         r.error("rerun.spike_window", f"rerun.spike_window={rr.spike_window} must be at least 1",
                 "set the number of steps whose loss sets the spike maximum (e.g. 100)")
-    _, bad = parse_skip_steps(cfg.train.skip_steps)
-    if bad is not None:
-        r.error("train.skip_steps", f"train.skip_steps entry {bad} is not a step (1 or more) or a range \"a-b\"",
-                "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    _skip_rules(r, cfg)
     for key, value in (("hang.factor", h.factor), ("hang.floor_s", h.floor_s), ("hang.long_s", h.long_s)):
         if not (math.isfinite(value) and value > 0):
             r.error(key, f"{key}={value} must be a positive number", f"set {key} above 0")
@@ -48,6 +45,24 @@ def resilience_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
         r.error("logging.straggler_threshold", f"logging.straggler_threshold={cfg.logging.straggler_threshold} "
                 "must be positive", "set the fraction over the median compute that names a rank, e.g. 0.2")
     _testing_rules(r, cfg, lay)
+
+
+def _skip_rules(r: Report, cfg: Config) -> None:
+    """Every entry of train.skip_steps that is not a step or range, at once; a warning for those beyond train.steps
+    (kept: they apply if a resumed run is given more steps)."""
+    _, bad = parse_skip_steps(cfg.train.skip_steps)
+    if len(bad) == 1:
+        r.error("train.skip_steps", f"train.skip_steps entry {bad[0]} is not a step (1 or more) or a range \"a-b\"",
+                "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    elif bad:
+        r.error("train.skip_steps", f"train.skip_steps entries {listed(bad)} are not steps (1 or more) or ranges "
+                "\"a-b\" (1 <= a <= b)", "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    late = beyond(cfg.train.skip_steps, cfg.train.steps)
+    if late:
+        steps = cfg.train.steps
+        r.warnings.append(f"train.skip_steps names steps after train.steps={steps} ({listed(late)}): this run ends "
+                          f"at step {steps}, so they are never skipped here (they apply if a resumed run is given "
+                          "more train.steps)")
 
 
 def report_stats_broken() -> bool:
