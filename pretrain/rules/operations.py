@@ -128,7 +128,10 @@ def logging_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
                     f"profile window ends at step {end}, after the last step (train.steps={steps})",
                     f"end the window by step {steps}")
         bad = [x for x in p.ranks if not 0 <= x < r.world_size]
-        if not p.ranks or bad:
+        if len(p.ranks) > len(set(p.ranks)):
+            r.error("logging.profile.ranks", f"logging.profile.ranks lists {len(p.ranks):,} ranks, "
+                    f"{len(p.ranks) - len(set(p.ranks)):,} of them more than once", "list each rank once")
+        elif not p.ranks or bad:
             r.error("logging.profile.ranks", f"logging.profile.ranks={shown(p.ranks)} must name ranks of the job "
                     f"(0..{r.world_size - 1})", "e.g. logging.profile.ranks=[0]")
     if lg.timing_interval is not None and lg.timing_interval < 1:

@@ -105,3 +105,11 @@ def test_blend_of_more_datasets_than_megatron_indexes(tmp_path):
     line = _one_problem(_validate(str(path))[0])
     assert ("[data.blend] data.blend names 32,769 datasets: Megatron-Core's blend indexes its datasets as int16, at "
             "most 32,768") in line, line
+
+
+def test_profile_ranks_are_bounded_by_the_job():
+    """Distinct ranks of the job: a list of ranks holds at most the world size (before: any length, echoed whole)."""
+    line = _one_problem(_validate("tiny_llama", "logging.profile.start_step=1", "logging.profile.end_step=2",
+                                  f"logging.profile.ranks=[{','.join(['0'] * 5000)}]")[0])
+    assert ("[logging.profile.ranks] logging.profile.ranks lists 5,000 ranks, 4,999 of them more than once. Fix: list "
+            "each rank once") in line, line
