@@ -27,6 +27,7 @@ class Report:
     ids_unchecked: bool = False  # a dataset's largest token id is unknown: the trainer checks every batch
     data_verdicts: list = field(default_factory=list)  # full reads of dataset files, for the verdict cache (rank 0)
     megatron_verdicts: list = field(default_factory=list)  # Megatron-Core's checks passed: rules/megatron_verdicts
+    start_verdicts: list = field(default_factory=list)  # what train starts from, accepted: rules/start
 
     def error(self, keys: tuple[str, ...] | str, message: str, fix: str) -> None:
         self.errors.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), message, fix))
@@ -48,7 +49,9 @@ class Report:
 
 
 class ValidationFailed(ValueError):
-    """Raised by the trainer when the config fails pre-flight validation."""
+    """Raised by the trainer when the config fails pre-flight validation (on every rank alike: printed by rank 0)."""
+
+    every_rank = True
 
     def __init__(self, report: Report):
         super().__init__(report.text())

@@ -35,20 +35,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from model_providers.core.causal_conv1d import causal_conv1d
 from model_providers.core.gated_delta_rule import document_bounds, gated_delta_rule, l2norm, seq_index
-from model_providers.core.linear_layers import VARIANT, is_hybrid, linear_pattern
+from model_providers.core.linear_layers import is_hybrid, linear_pattern
 from model_providers.core.norms import HeadNorm
-
-
-def config_kwargs(m) -> dict:
-    """Megatron-Core's TransformerConfig fields of Gated DeltaNet (same names as our `model.*` keys); none without."""
-    if m.experimental_attention_variant != VARIANT:
-        return {}
-    freq = m.linear_attention_freq
-    return dict(experimental_attention_variant=VARIANT,
-                linear_attention_freq=list(freq) if isinstance(freq, (list, tuple)) else freq,
-                linear_conv_kernel_dim=m.linear_conv_kernel_dim, linear_key_head_dim=m.linear_key_head_dim,
-                linear_value_head_dim=m.linear_value_head_dim, linear_num_key_heads=m.linear_num_key_heads,
-                linear_num_value_heads=m.linear_num_value_heads)
 
 
 def fla_available() -> bool:
@@ -154,6 +142,30 @@ def apply_pattern(config, layers: list[ModuleSpec], offset: int, use_te: bool) -
     pattern = linear_pattern(config.num_layers, config.linear_attention_freq)
     return [use_linear_attention(config, spec, use_te) if pattern[offset + i] else spec
             for i, spec in enumerate(layers)]
+
+
+def stored_parts(model: torch.nn.Module) -> dict[str, tuple[list[tuple[str, int]], int]]:
+    """{parameter name: ([(part, global rows), ...], TP size)} of every tensor Megatron-Core's GatedDeltaNet stores in
+    parts in torch_dist (its `sharded_state_dict`: in_proj as query, key, value, z, beta, alpha; conv1d as query,
+    key, value; each part split over TP on its own). Read by the fsdp_dtensor format
+    (`pretrain/checkpoint/parts.py`)."""
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, GatedDeltaNet):
+            continue
+        tp, qk, v = module.tp_size, module.qk_dim, module.v_dim
+        if hasattr(module, "in_proj_split_sections"):  # 0.19+: the module names its own split
+            in_proj = [(n, rows * tp) for n, rows in zip(module.in_proj_split_names, module.in_proj_split_sections)]
+        else:
+            heads = module.num_value_heads
+            in_proj = list(zip(("query", "key", "value", "z", "beta", "alpha"), (qk, qk, v, v, heads, heads)))
+        conv = [("query", qk), ("key", qk), ("value", v)]
+        prefix = f"{name}." if name else ""
+        out[f"{prefix}in_proj.weight"] = (in_proj, tp)
+        out[f"{prefix}conv1d.weight"] = (conv, tp)
+        if module.conv_bias:
+            out[f"{prefix}conv1d.bias"] = (conv, tp)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

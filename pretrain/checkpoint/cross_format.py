@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pretrain.checkpoint import fsdp_format
 from pretrain.checkpoint.format import CheckpointError, agree, reason
+from pretrain.checkpoint.parts import is_parts, part_to_whole, whole_to_parts
 from pretrain.checkpoint.state import OPTIMIZER_SHARDING, unwrap
 from pretrain.checkpoint.stateful import Io, ModelState, OptimizerState, sharded_state
 
@@ -91,9 +92,16 @@ def _local_chunk(dtensor) -> tuple[list[int], list[int]]:
     return list(chunk.offsets), list(chunk.sizes)
 
 
-def _read_torch_dist(reader: ChunkReader, key: str, lead: list[int], half: str | None, offsets: list[int],
-                     sizes: list[int]) -> torch.Tensor:
-    """The region of torch_dist tensor `key` at layer/expert `lead` that a Megatron-FSDP shard holds."""
+def _read_torch_dist(reader: ChunkReader, key: str, lead: list[int], half, offsets: list[int], sizes: list[int],
+                     kind: str | None = None) -> torch.Tensor:
+    """The region of torch_dist tensor `key` (its optimizer state `kind`: "param", "exp_avg", ...) at layer/expert
+    `lead` that a Megatron-FSDP shard holds; a tensor stored in parts (`parts.Parts`) read part by part."""
+    if is_parts(half):
+        runs = whole_to_parts(half, offsets[0], offsets[0] + sizes[0]) or [(half["parts"][0][0], 0, 0)]  # or empty
+        return torch.cat([_read_torch_dist(reader, f"{key}.{name}", lead, None, [a, *offsets[1:]],
+                                           [b - a, *sizes[1:]], kind) for name, a, b in runs], dim=0)
+    if kind is not None:
+        key = _optimizer_key(reader, kind, key)
     md = reader.meta.get(key)
     if md is None:
         raise CheckpointError(f"{reader.path}: tensor '{key}' is not in the checkpoint")
@@ -130,12 +138,12 @@ def _into_fsdp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> No
     for stored, tensor in state["model"].items():
         key, lead, half = names[stored]
         offsets, sizes = _local_chunk(tensor)
-        source = _optimizer_key(reader, "param", key) if with_optimizer else key  # the fp32 master
-        tensor.to_local().copy_(_read_torch_dist(reader, source, lead, half, offsets, sizes))
+        source = "param" if with_optimizer else None  # the fp32 master
+        tensor.to_local().copy_(_read_torch_dist(reader, key, lead, half, offsets, sizes, source))
         if with_optimizer:
             entry = state["optimizer"]["state"][fsdp_format.OPTIMIZER_PREFIX + stored]
             for kind in MOMENTS:
-                value = _read_torch_dist(reader, _optimizer_key(reader, kind, key), lead, half, offsets, sizes)
+                value = _read_torch_dist(reader, key, lead, half, offsets, sizes, kind)
                 entry[kind].to_local().copy_(value)
             entry["step"].fill_(step)
     gpt.load_state_dict(raw_model, strict=True)  # installs the weights as Megatron-FSDP's compute weights
@@ -148,11 +156,16 @@ def _into_fsdp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> No
 # --------------------------------------------------------------------------------------------------
 
 
-def _fsdp_sources(common: dict) -> dict[tuple, dict[str, str]]:
-    """{(torch_dist key, lead...): {half or "": stored model key}} from the checkpoint's names map."""
-    sources: dict[tuple, dict[str, str]] = {}
+def _fsdp_sources(common: dict) -> dict[tuple, dict]:
+    """{(torch_dist key, lead...): {half or "": stored model key}} from the checkpoint's names map; a part of a
+    tensor stored in parts: {"part": (stored model key, its `parts.Parts`, the part's name)}."""
+    sources: dict[tuple, dict] = {}
     for stored, (key, lead, half) in common["names"].items():
-        sources.setdefault((key, *lead), {})[half or ""] = stored
+        if is_parts(half):
+            for name, _ in half["parts"]:
+                sources[(f"{key}.{name}", *lead)] = {"part": (stored, half, name)}
+        else:
+            sources.setdefault((key, *lead), {})[half or ""] = stored
     return sources
 
 
@@ -170,6 +183,11 @@ def _read_fsdp(reader: ChunkReader, sources: dict, key: str, kind: str | None, l
 
     if "" in found:
         return reader.read(fsdp_key(found[""]), offsets, sizes)
+    if "part" in found:  # rows of one part: runs of the whole tensor's rows, one per TP rank
+        stored, spec, name = found["part"]
+        return torch.cat([reader.read(fsdp_key(stored), [a, *offsets[1:]], [b - a, *sizes[1:]])
+                          for a, b in part_to_whole(spec, name, offsets[0], offsets[0] + sizes[0]) or [(0, 0)]],
+                         dim=0)
     rows = reader.meta[fsdp_key(found["w"])].size[0]  # [w; v]: rows below `rows` are w's
     start, stop = offsets[0], offsets[0] + sizes[0]
     parts = []
@@ -245,9 +263,14 @@ class FsdpAsTorchDist:
             entries.setdefault(key, []).append((lead, halves))
         for key, found in entries.items():
             lead, halves = found[0]
-            md = self.reader.meta[f"model.{halves.get('') or halves['w']}"]
-            inner = list(md.size)
-            if "" not in halves:
+            if "part" in halves:  # one part of a tensor stored whole: its global rows
+                stored, spec, name = halves["part"]
+                md = self.reader.meta[f"model.{stored}"]
+                inner = [dict(spec["parts"])[name], *md.size[1:]]
+            else:
+                md = self.reader.meta[f"model.{halves.get('') or halves['w']}"]
+                inner = list(md.size)
+            if "" not in halves and "part" not in halves:
                 inner[0] *= 2  # [w; v]
             counts = [max(lead[i] for lead, _ in found) + 1 for i in range(len(lead))]
             self.inner[key] = inner
@@ -264,6 +287,23 @@ class FsdpAsTorchDist:
 # --------------------------------------------------------------------------------------------------
 
 
+def crossing_refusal(cfg, path: Path, common: dict, into_fsdp: bool) -> CheckpointError | None:
+    """Why the optimizer state of `path` (the other format than this run's, `common` its common state) cannot be
+    loaded into this run's optimizer (Megatron-FSDP: `into_fsdp`), or None (`validate` asks too:
+    `pretrain.checkpoint.resume.preview_start`)."""
+    if not cfg.checkpoint.load_optimizer or "optimizer" not in common:
+        return None
+    source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
+    sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if sharding in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) and (into_fsdp or cfg.optimizer.distributed):
+        return None
+    return CheckpointError(
+        f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
+        f"{source} checkpoint's optimizer state ({sharding or 'not sharded'}) does not fit this run's "
+        f"optimizer. Fix: set optimizer.distributed=true, or checkpoint.load_optimizer=false to start from "
+        "the weights with a fresh optimizer")
+
+
 def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
     """Load `path` (the other format than this run's) on every rank. Returns (step, consumed_samples)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -272,17 +312,7 @@ def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> 
     into_fsdp = fsdp_format.is_fsdp(model)
     source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
     with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-    error = None
-    if with_optimizer:
-        sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
-        sharded_here = into_fsdp or cfg.optimizer.distributed
-        if sharding not in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) or not sharded_here:
-            error = CheckpointError(
-                f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
-                f"{source} checkpoint's optimizer state ({sharding or 'not sharded'}) does not fit this run's "
-                f"optimizer. Fix: set optimizer.distributed=true, or checkpoint.load_optimizer=false to start from "
-                "the weights with a fresh optimizer")
-    agree(error)
+    agree(crossing_refusal(cfg, path, common, into_fsdp) if with_optimizer else None)
     target = "Megatron-FSDP" if into_fsdp else "the distributed optimizer" if cfg.optimizer.distributed else "DDP"
     if dist.get_rank() == 0:
         print(f"[pretrain] {path} is in the {source} format: loading it into {target} (per-rank RNG states are "

@@ -68,13 +68,27 @@ def _mapped(rest: str, keys_map: dict) -> str:
     return rest
 
 
+def non_homogeneous(config) -> bool:
+    """Whether Megatron-Core's `TransformerBlock.sharded_state_dict` keys each layer on its own
+    (`decoder.layers.<i>.…`) rather than stacking the layers along dim 0: its rule (0.16.1–0.19) for layers of
+    different kinds (MoE every few layers or by list, Gated DeltaNet layers, heterogeneous specs)."""
+    def mixed(freq) -> bool:
+        return isinstance(freq, list) or (isinstance(freq, int) and freq > 1)
+
+    return bool(getattr(config, "hetereogenous_dist_checkpoint", False) or mixed(config.moe_layer_freq)
+                or mixed(getattr(config, "linear_attention_freq", None))
+                or getattr(config, "heterogeneous_block_specs", False))
+
+
 def torch_dist_names(gpt) -> dict[str, tuple[str, list[int]]]:
     """{GPTModel parameter name: (torch_dist key, leading indices)}: layers stack along dim 0 (global layer
-    index), experts along dim 1 (global expert index), as Megatron's sharded_state_dict lays them out."""
+    index), experts along dim 1 (global expert index), as Megatron's sharded_state_dict lays them out; layers of
+    different kinds (`non_homogeneous`) are keyed `decoder.layers.<i>.…`, experts then along dim 0."""
     from megatron.core.transformer.fsdp_dtensor_checkpoint import get_ep_layer_offset
 
     num_experts = getattr(gpt.config, "num_moe_experts", None)
     expert_offset = get_ep_layer_offset(num_experts) if num_experts else 0
+    per_layer = non_homogeneous(gpt.config)
     names = {}
     for name, _ in gpt.named_parameters():
         m = _LAYER.match(name)
@@ -84,21 +98,26 @@ def torch_dist_names(gpt) -> dict[str, tuple[str, list[int]]]:
         layer = gpt.decoder.layers[int(m.group(1))]
         keys_map = getattr(layer.submodules_config, "sharded_state_dict_keys_map", None) or {}
         rest = m.group(2)
+        prefix, lead = (f"decoder.layers.{layer.layer_number - 1}.", []) if per_layer else \
+            ("decoder.layers.", [layer.layer_number - 1])
         e = _EXPERT.match(rest)
         if e is not None:
-            names[name] = (f"decoder.layers.mlp.experts.experts.{e.group(2)}",
-                           [layer.layer_number - 1, int(e.group(1)) + expert_offset])
+            names[name] = (f"{prefix}mlp.experts.experts.{e.group(2)}", [*lead, int(e.group(1)) + expert_offset])
         else:
-            names[name] = (f"decoder.layers.{_mapped(rest, keys_map)}", [layer.layer_number - 1])
+            names[name] = (f"{prefix}{_mapped(rest, keys_map)}", lead)
     return names
 
 
 def stored_names(gpt) -> dict[str, list]:
     """{stored model key (after the expert renumbering and SwiGLU split): [torch_dist key, leading indices,
-    half]} with half "w"/"v" for the SwiGLU halves of linear_fc1 (the torch_dist tensor is [w; v] on dim 0)."""
+    half]} with half "w"/"v" for the SwiGLU halves of linear_fc1 (the torch_dist tensor is [w; v] on dim 0), or
+    a `parts.Parts` for a tensor torch_dist stores in parts (`KEY.<part>`: Gated DeltaNet's in_proj, conv1d)."""
     from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
+    from model_providers.core.linear_attention import stored_parts
+
     names = torch_dist_names(gpt)
+    in_parts = stored_parts(gpt)
     num_experts = getattr(gpt.config, "num_moe_experts", None)
     renamed = handle_experts_in_state_dict({k: k for k in names}, num_experts) if num_experts else {k: k for k in names}
     out = {}
@@ -107,6 +126,9 @@ def stored_names(gpt) -> dict[str, list]:
         if gpt.config.gated_linear_unit and _is_swiglu(stored):
             out[f"{stored}_w"] = [key, lead, "w"]
             out[f"{stored}_v"] = [key, lead, "v"]
+        elif local in in_parts:
+            parts, tp = in_parts[local]
+            out[stored] = [key, lead, {"parts": [list(p) for p in parts], "tp": tp}]
         else:
             out[stored] = [key, lead, None]
     return out

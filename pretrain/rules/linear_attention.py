@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from model_providers.core.linear_layers import VARIANT, linear_pattern
 from pretrain.config import Config
+from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
@@ -63,31 +64,29 @@ def _pattern_rules(r: Report, cfg: Config) -> None:
                 "set it, e.g. 4: every 4th layer full attention (Qwen's full_attention_interval)")
         return
     if isinstance(freq, int):
-        if not 2 <= freq <= max(layers, 2):
+        if freq < 2:
+            return  # reported by the range rule (the declared range: 2 or more)
+        if freq > max(layers, 2):
             r.error((key, "model.num_layers"), f"{key}={freq} does not fit model.num_layers={layers}: every "
                     f"{freq}-th layer is full attention, so it must be 2..{layers} (1: no linear layer; more than "
                     "the layers: no full-attention layer)", f"set {key} to 2..{layers} or a list of 0/1 per layer")
             return
     elif len(freq) != layers or set(freq) - {0, 1}:
         r.error((key, "model.num_layers"), f"{key} as a list needs one 0 (full attention) or 1 (Gated DeltaNet) per "
-                f"layer: got {len(freq)} entries {sorted(set(freq))} for model.num_layers={layers}",
+                f"layer: got {len(freq)} entries {shown(sorted(set(freq)))} for model.num_layers={layers}",
                 f"give {layers} entries of 0/1, or an interval")
         return
     if m.mtp_num_layers and linear_pattern(layers, freq)[-1]:
         r.error((key, "model.mtp_num_layers"), "Multi-Token Prediction builds its layer from the last decoder layer, "
-                f"which {key}={freq} makes Gated DeltaNet; Qwen3-Next's MTP layer is full attention",
+                f"which {key}={shown(freq)} makes Gated DeltaNet; Qwen3-Next's MTP layer is full attention",
                 "make the last layer full attention (an interval dividing model.num_layers) or drop MTP")
 
 
 def _head_rules(r: Report, cfg: Config) -> None:
     m, tp = cfg.model, cfg.parallel.tensor
-    for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                 "linear_num_value_heads"):
-        if getattr(m, name) < 1:
-            r.error(f"model.{name}", f"model.{name}={getattr(m, name)} must be at least 1",
-                    f"set model.{name} to a positive integer")
-            return
     nk, nv = m.linear_num_key_heads, m.linear_num_value_heads
+    if nk < 1 or nv < 1:
+        return  # reported by the range rule (`knob(range=...)`, pretrain/rules/bounds.py)
     if nv % nk:
         r.error(("model.linear_num_value_heads", "model.linear_num_key_heads"),
                 f"model.linear_num_value_heads={nv} must be a multiple of model.linear_num_key_heads={nk} (each key "

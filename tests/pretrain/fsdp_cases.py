@@ -8,7 +8,8 @@
   optimizer refusing its optimizer state; an
   asynchronous save; an HF model imported, trained one step with FSDP at lr 0 (for the export); a planted pickle
   saved and a resume refusing it; each Megatron-FSDP CPU shim undone; tiny_moe at DP2 × EP2 with Megatron-FSDP
-  (refused by validation where its grad norm is wrong) and with the distributed optimizer;
+  (refused by validation where its grad norm is wrong) and with the distributed optimizer; tiny_moe with a dense
+  first layer (layers keyed one by one in torch_dist) with the distributed optimizer, its weights continued by FSDP;
 - world 1: one rank (the reference); FSDP at DP1 from the DP2 checkpoint where validation allows FSDP on one
   data-parallel rank; the single-process cases of test_megatron_fixes.py (`fix_cases.py`);
 - world 4: TP2 without the `fsdp_tp_without_te` fix (fails where the fix is needed); TP2 × FSDP DP2; FSDP DP4
@@ -28,6 +29,7 @@ BASE = SMALL + [f"train.steps={STEPS}", "checkpoint.save_at_end=false"]
 NO_CKPT = ["checkpoint.interval=null", "train.exit_signal_handler=false"]
 FSDP = ["optimizer.fsdp=true"]
 ZERO2 = ["optimizer.fsdp=true", "optimizer.fsdp_sharding=optim_grads"]
+MIXED = ["model.moe_layer_freq=[0,1,1,1]"]  # tiny_moe with a dense first layer
 HF_FAMILY = "llama"  # tied embeddings: the shared weight goes through Megatron-FSDP too
 
 
@@ -66,6 +68,12 @@ def world2(root: Path, hf_checkpoint: Path, hf_blend: str) -> list[dict]:
         # Into the non-distributed optimizer the Adam state cannot cross: refused naming the way.
         _case("ddp_from_fsdp", root, ["checkpoint.interval=2"], copy_from=[str(root / "killed"), 2]),
         _case("async", root, [*FSDP, "checkpoint.interval=2", "checkpoint.async_save=true", "train.steps=2"]),
+        # Layers of different kinds (a dense first layer, then MoE): Megatron-Core keys each layer on its own in
+        # torch_dist; its weights cross into Megatron-FSDP (a chained MoE optimizer's state does not cross).
+        {**_case("mixed_distopt", root, [*MIXED, "optimizer.distributed=true", "checkpoint.interval=2"]),
+         "config": "tiny_moe"},
+        {**_case("mixed_fsdp_from_distopt", root, [*MIXED, *FSDP, "checkpoint.load_optimizer=false", *NO_CKPT],
+                 copy_from=[str(root / "mixed_distopt"), 2]), "config": "tiny_moe"},
         # FSDP × EP2: refused where Megatron-FSDP's grad norm is wrong with EP (validation), compared elsewhere.
         {**_case("moe_fsdp_ep2", root, [*FSDP, "parallel.expert=2", *NO_CKPT]), "config": "tiny_moe"},
     ] + ([{**_case("moe_distopt_ep2", root, ["optimizer.distributed=true", "parallel.expert=2", *NO_CKPT]),

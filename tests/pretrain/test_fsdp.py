@@ -179,3 +179,38 @@ def test_fsdp_with_expert_parallelism(fsdp_runs):
     print(f"megatron-core {MCORE}: tiny_moe FSDP DP2 × EP2 vs distributed optimizer: loss {loss:.1e}, grad norm "
           f"{norm:.1e}")
     assert loss <= TOLERANCE and norm <= TOLERANCE
+
+
+def test_layers_of_different_kinds_cross_formats(fsdp_runs):
+    """tiny_moe with a dense first layer: Megatron-Core keys such layers one by one in torch_dist
+    (`decoder.layers.<i>.…`, not stacked); the distributed optimizer's checkpoint loads into Megatron-FSDP (weights
+    only: a chained MoE optimizer's state does not cross) and step 3 equals the uninterrupted run's."""
+    _ok(fsdp_runs, "mixed_distopt", "mixed_fsdp_from_distopt")
+    root = fsdp_runs["root"]
+    got, ref = _steps(root / "mixed_fsdp_from_distopt"), _steps(root / "mixed_distopt")
+    loss, norm = _rel(got, ref, (3,))
+    print(f"megatron-core {MCORE}: tiny_moe (dense first layer) torch_dist → FSDP, step 3: loss {loss:.1e}, grad norm "
+          f"{norm:.1e}")
+    assert {3, 4} <= set(got) and loss <= TOLERANCE and norm <= TOLERANCE
+
+
+def test_parts_map_rows_between_the_formats():
+    """A tensor torch_dist stores in parts (Gated DeltaNet's in_proj: six parts, each split over TP on its own) and
+    the whole tensor Megatron-FSDP keeps (the TP ranks' local tensors one after another): every row range of one,
+    read through `pretrain/checkpoint/parts.py`, is the same rows as the other, built here with torch.chunk."""
+    from pretrain.checkpoint.parts import part_to_whole, whole_to_parts
+
+    rows = {"query": 8, "key": 8, "value": 16, "z": 16, "beta": 4, "alpha": 4}
+    for tp in (1, 2, 4):
+        spec = {"parts": [[n, r] for n, r in rows.items()], "tp": tp}
+        parts = {n: torch.arange(r * 3, dtype=torch.float32).reshape(r, 3) + 1000 * i
+                 for i, (n, r) in enumerate(rows.items())}
+        whole = torch.cat([torch.cat([p.chunk(tp)[rank] for p in parts.values()]) for rank in range(tp)])
+        n = whole.shape[0]
+        for lo, hi in ((0, n), (3, 29), (n - 5, n), (7, 7)):
+            got = [parts[name][a:b] for name, a, b in whole_to_parts(spec, lo, hi)]
+            assert torch.equal(torch.cat(got) if got else whole[lo:hi], whole[lo:hi]), (tp, lo, hi)
+        for name, part in parts.items():
+            for lo, hi in ((0, part.shape[0]), (1, part.shape[0] - 1)):
+                got = torch.cat([whole[a:b] for a, b in part_to_whole(spec, name, lo, hi)])
+                assert torch.equal(got, part[lo:hi]), (tp, name, lo, hi)

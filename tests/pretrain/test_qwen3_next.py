@@ -5,9 +5,9 @@ kill -9 and resume reproduce every number; packed documents equal the documents 
 attention with RoPE on a quarter of the head on 2 and 4, zero-centred norms, 4 experts top-2 + a gated shared expert,
 sequence 128 = two chunks of the delta rule) trains 4 steps in fp32 on mock data. Each layout's losses, gradient norms
 and router (aux) losses must equal the one-rank run's to 1e-5 relative. `make test` trains TP2 + SP, PP2 (the layout
-string `Ett|ttL`), EP2 and DP2 with the distributed optimizer in one 2-rank pool case (and the reference on one
-rank); `make test-all` adds TP2 + SP × EP2, the TP2 checkpoint resumed at TP1, kill -9 + resume, and packed
-documents.
+string `Ett|ttL`), EP2, DP2 with the distributed optimizer, the TP2 checkpoint resumed at TP1 and continued by
+Megatron-FSDP in one 2-rank pool case (and the reference on one rank); `make test-all` adds TP2 + SP × EP2, PP2,
+kill -9 + resume, and packed documents.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ LAYOUTS = {
     "tp2_sp_ep2": (TP2_SP + ["parallel.expert=2", "parallel.expert_tensor=1"], None),
     "pp2": (["parallel.pipeline=2"], None),
     "tp2_to_tp1": ([], "tp2_sp"),  # DP2 at TP1 from the TP2 run's step-2 checkpoint (in_proj split by parts)
+    # Megatron-FSDP DP2 from the same torch_dist checkpoint (weights only: the MoE optimizer's state does not cross)
+    "fsdp_from_tp2": (["optimizer.fsdp=true", "checkpoint.load_optimizer=false"], "tp2_sp"),
 }
-FULL = {"tp2_sp_ep2", "pp2", "tp2_to_tp1"}
+RESUMED = {"tp2_to_tp1", "fsdp_from_tp2"}
+FULL = {"tp2_sp_ep2", "pp2"}
 
 
 def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
@@ -81,7 +84,7 @@ def qwen3_next_runs(tmp_path_factory):
 
 
 @pytest.mark.mcore
-@pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n != "tp2_to_tp1"], FULL))
+@pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n not in RESUMED], FULL))
 def test_qwen3_next_layout_matches_one_rank(qwen3_next_runs, name):
     root, _ = qwen3_next_runs
     ref, got = by_step(root / "ref"), by_step(root / name)
@@ -95,10 +98,11 @@ def test_qwen3_next_layout_matches_one_rank(qwen3_next_runs, name):
     assert got[STEPS]["loss"] != got[1]["loss"]
 
 
-@pytest.mark.full
+@pytest.mark.mcore
 def test_qwen3_next_tp2_checkpoint_resumes_at_tp1(qwen3_next_runs):
     """Gated DeltaNet's fused in_proj (and conv1d) are stored split into their parts (query, key, value, z, beta,
-    alpha), each split over TP on its own: the TP2 checkpoint loads at TP1 and continues with the TP2 run's losses."""
+    alpha), each split over TP on its own: the TP2 checkpoint loads at TP1 and continues with the TP2 run's losses.
+    The load's dropped-weight check (`pretrain/checkpoint/dropped.py`) finds a place for every part."""
     root, _ = qwen3_next_runs
     ref, got = by_step(root / "tp2_sp"), by_step(root / "tp2_to_tp1")
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -106,6 +110,18 @@ def test_qwen3_next_tp2_checkpoint_resumes_at_tp1(qwen3_next_runs):
         rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"tiny_qwen3_next TP2 → TP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= 2e-6
+
+
+@pytest.mark.mcore
+def test_qwen3_next_torch_dist_checkpoint_continues_in_megatron_fsdp(qwen3_next_runs):
+    """torch_dist keeps Gated DeltaNet's in_proj and conv1d in parts, Megatron-FSDP's fsdp_dtensor whole
+    (`pretrain/checkpoint/parts.py`): the TP2 run's step-2 checkpoint loads into Megatron-FSDP at DP2 (weights only)
+    and step 3 (the loaded weights' forward and backward) equals the TP2 run's step 3."""
+    root, _ = qwen3_next_runs
+    ref, got = by_step(root / "tp2_sp"), by_step(root / "fsdp_from_tp2")
+    loss, norm = rel_diff(got[3]["loss"], ref[3]["loss"]), rel_diff(got[3]["grad_norm"], ref[3]["grad_norm"])
+    print(f"tiny_qwen3_next TP2 torch_dist → FSDP DP2, step 3: loss {loss:.1e}, grad norm {norm:.1e}")
+    assert {3, 4} <= set(got) and loss <= TOLERANCE and norm <= TOLERANCE, (loss, norm)
 
 
 @pytest.mark.full
