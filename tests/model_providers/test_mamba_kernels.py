@@ -173,14 +173,19 @@ def _mixers(pg, chunk: int = 8):
     hf_config = NemotronHConfig(hidden_size=64, layers_block_type=["mamba"], mamba_num_heads=8, mamba_head_dim=8,
                                 n_groups=2, ssm_state_size=16, chunk_size=chunk, layer_norm_epsilon=1e-5)
     theirs = H.NemotronHMamba2Mixer(hf_config, layer_idx=0)
-    named = dict(ours.named_parameters())
+    named = {_hf_name(k): v for k, v in ours.named_parameters()}
     theirs.load_state_dict({k: named[k].detach().clone() for k in theirs.state_dict()})
     return ours.train(), theirs.train()
 
 
+def _hf_name(name: str) -> str:
+    """transformers' name of a mixer parameter (Megatron-Core 0.19+ holds the convolution as `conv1d_weight`)."""
+    return {"conv1d_weight": "conv1d.weight", "conv1d_bias": "conv1d.bias"}.get(name, name)
+
+
 def _named_grads(module, out, seed=98):
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-    params = dict(module.named_parameters())
+    params = {_hf_name(k): v for k, v in module.named_parameters()}
     return dict(zip(params, torch.autograd.grad((out * probe).sum(), list(params.values()))))
 
 
