@@ -48,12 +48,14 @@ class ModelConfig:
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
     gated_linear_unit: bool = True  # SwiGLU when activation is "silu"
-    activation: Literal["silu", "gelu", "quick_gelu"] = "silu"  # quick_gelu: x·sigmoid(1.702x) (GPT-OSS)
+    # quick_gelu: x·sigmoid(1.702x) (GPT-OSS); squared_relu: relu(x)² (Nemotron-H, with gated_linear_unit=false)
+    activation: Literal["silu", "gelu", "quick_gelu", "squared_relu"] = "silu"
     # GLU (GPT-OSS's clamped SwiGLU, Megatron-Core's names): act(min(gate, c)) · (clamp(up, ±c) + offset).
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
-    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*.
-    position_embedding_type: Literal["rope", "learned_absolute", "yarn"] = "rope"
+    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*;
+    # none: no position encoding (Nemotron-H: order comes from its Mamba layers; hybrid models only).
+    position_embedding_type: Literal["rope", "learned_absolute", "yarn", "none"] = "rope"
     yarn_correction_range_round_to_int: bool = True  # YaRN's correction range rounded (GPT-OSS: false, "truncate")
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
@@ -133,6 +135,18 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1  # MTP loss weight (divided over the MTP layers)
     # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
     fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
+    # ---- Hybrid Mamba models (Megatron-Core's MambaModel; family nemotron_h; docs/hybrid.md). Megatron-Core's names.
+    # One symbol per layer (num_layers of them): M Mamba-2, * attention, - MLP, E MoE. None: a GPTModel (no Mamba).
+    hybrid_layer_pattern: str | None = None
+    mamba_state_dim: int = 128  # SSM state size per group (HF ssm_state_size)
+    mamba_head_dim: int = 64
+    mamba_num_heads: int | None = None  # None: 2 × hidden_size / mamba_head_dim (Megatron-Core's expand=2)
+    mamba_num_groups: int = 8  # B/C groups (HF n_groups); the gated RMSNorm normalises per group
+    mamba_conv_kernel: int = 4  # causal depthwise conv width (MambaMixer d_conv; HF conv_kernel): 2-4
+    mamba_chunk_size: int = 128  # SSD scan chunk (MambaMixer chunk_size; HF chunk_size): a power of 2
+    mamba_dt_min: float = 0.001  # initial time steps drawn log-uniformly in [dt_min, dt_max] (init only)
+    mamba_dt_max: float = 0.1
+    mamba_dt_init_floor: float = 1e-4  # ... and at least this
 
 
 @dataclass

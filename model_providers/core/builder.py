@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions, windows
+from model_providers.core import fusions, hybrid, mamba_builder, windows
 from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import shapes_vary
@@ -120,6 +120,8 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
+        kwargs.update(mamba_builder.hybrid_config_kwargs(m))
     if m.multi_latent_attention:
         kwargs.update(mla_config(m))
         kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
@@ -137,6 +139,10 @@ def _activation(name: str):
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         return quick_gelu
+    if name == "squared_relu":
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
     return F.silu if name == "silu" else F.gelu
 
 
@@ -217,6 +223,12 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        if hybrid.is_hybrid(m):
+            model = mamba_builder.hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
+            chunks.append(_finish(model, m, layout, vocab_size, padded))
+            continue
         block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=plan.packed_documents)
         model = GPTModel(
             config=config,
@@ -224,8 +236,8 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             mtp_block_spec=mtp_block_spec(config, block, layout.use_te, vp_stage=stage),
             vocab_size=padded,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=pre,
+            post_process=post,
             share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type,
             rotary_percent=m.rotary_percent,
@@ -240,17 +252,22 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             # Megatron creates this torch.nn.Embedding in fp32 (Megatron-LM casts it with Float16Module,
             # which this trainer does not use): in bf16 it would promote the hidden states to fp32.
             model.embedding.position_embeddings.to(dtype=config.params_dtype)
-        if layout.on_gpu:
-            model.cuda(torch.cuda.current_device())
-        if model.post_process and padded > vocab_size:
-            mask_padded_logits(model, vocab_size, padded)
-        chunks.append(model)
+        chunks.append(_finish(model, m, layout, vocab_size, padded))
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
     if config.softmax_type == "learnable":
         mark_sink_parameters(chunks)
     initialize_layout_invariant(chunks, plan, vocab_size, padded)
     return chunks
+
+
+def _finish(model, m, layout: Any, vocab_size: int, padded: int):
+    """A built chunk on its device, with the vocabulary padding masked in its logits."""
+    if layout.on_gpu:
+        model.cuda(torch.cuda.current_device())
+    if model.post_process and padded > vocab_size:
+        mask_padded_logits(model, vocab_size, padded)
+    return model
 
 
 def _rotary_base(m) -> int | float:
@@ -413,8 +430,9 @@ def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None,
 
 def _std_for(gname: str, m) -> float:
     std = m.init_method_std
-    if gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight"):
-        return std / math.sqrt(2.0 * m.num_layers)  # Megatron's scaled output init
+    if gname.endswith(("linear_proj.weight", "linear_fc2.weight", ".mixer.out_proj.weight")):
+        # Megatron's scaled output init: std / sqrt(2 · layers), of a hybrid model (is_hybrid_model) / sqrt(layers)
+        return std / math.sqrt((1.0 if hybrid.is_hybrid(m) else 2.0) * m.num_layers)
     return std
 
 
@@ -422,13 +440,20 @@ def _is_glu_fc1(gname: str, m) -> bool:
     return m.gated_linear_unit and ".linear_fc1." in gname
 
 
-def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> torch.Tensor:
-    """This TP rank's shard. A gated fc1 is [gate; up] on every rank, so shard each half."""
-    if not glu:
+def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, parts: list[int] | None) -> torch.Tensor:
+    """This TP rank's shard. A tensor of `parts` (full sizes along `dim`) holds every part's shard on every rank
+    (a gated fc1 is [gate; up]; Mamba's in_proj [z; x; B; C; dt]), so shard part by part."""
+    if not parts:
         return full.narrow(dim, rank * size, size)
-    gate, up = full.chunk(2, dim=dim)
-    half = size // 2
-    return torch.cat([gate.narrow(dim, rank * half, half), up.narrow(dim, rank * half, half)], dim=dim)
+    tp = full.shape[dim] // size
+    shards = [p.narrow(dim, rank * (n // tp), n // tp) for p, n in zip(full.split(parts, dim=dim), parts)]
+    return torch.cat(shards, dim=dim)
+
+
+def _tp_parts(gname: str, m, full_rows: int) -> list[int] | None:
+    if _is_glu_fc1(gname, m):
+        return [full_rows // 2, full_rows // 2]
+    return mamba_builder.tp_parts(gname, m) if hybrid.is_hybrid(m) else None
 
 
 @torch.no_grad()
@@ -446,7 +471,7 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
             gname = names[local]
             full_shape, dim, rank = _full_shape(param, gname)
             is_norm = param.dim() == 1 and _NORM_RE.search(gname) is not None
-            if gname.endswith("bias"):
+            if gname.endswith("bias") and not gname.endswith(".dt_bias"):  # Mamba's dt_bias is drawn below
                 param.zero_()
                 continue
             if is_norm:
@@ -454,7 +479,11 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
                 continue
             gen = torch.Generator(device=param.device)
             gen.manual_seed(_seed_for(seed, gname))
-            if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            special = mamba_builder.initial_value(gname, full_shape, gen, m, param.device) \
+                if hybrid.is_hybrid(m) else None
+            if special is not None:
+                full = special
+            elif gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 rows = torch.empty([vocab_size, *full_shape[1:]], dtype=torch.float32, device=param.device)
                 rows.normal_(0.0, _std_for(gname, m), generator=gen)
                 full = torch.zeros(full_shape, dtype=torch.float32, device=param.device)
@@ -463,5 +492,5 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
                 full = torch.empty(full_shape, dtype=torch.float32, device=param.device)
                 full.normal_(0.0, _std_for(gname, m), generator=gen)
             if dim is not None:
-                full = _tp_slice(full, dim, rank, param.shape[dim], glu=_is_glu_fc1(gname, m))
+                full = _tp_slice(full, dim, rank, param.shape[dim], _tp_parts(gname, m, full.shape[dim]))
             param.copy_(full.to(param.dtype))

@@ -42,6 +42,9 @@ _MODEL_IDENTITY = (
     "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
     "mscale_all_dim", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
+    # hybrid Mamba models
+    "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_heads", "mamba_num_groups",
+    "mamba_conv_kernel",
 )
 _MODEL_TRAINING = (
     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
@@ -50,6 +53,7 @@ _MODEL_TRAINING = (
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
     "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
     "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "fp8_recipe",
+    "mamba_chunk_size",  # the SSD scan's chunking: the same recurrence, other rounding
 )
 _SCHEDULE = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
 _ADAM = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
@@ -65,6 +69,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(MATCH, "the model's identity: a resumed run trains the same model", "model", _MODEL_IDENTITY),
     "model.preset": (UNUSED, "its fields are compared one by one"),
     "model.init_method_std": (UNUSED, "the weights come from the checkpoint"),
+    **_group(UNUSED, "the weights come from the checkpoint (initial Mamba time steps)", "model",
+             ("mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor")),
     **_group(CHANGE, "from the resumed step", "model", _MODEL_TRAINING),
     **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
              "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",

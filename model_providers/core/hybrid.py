@@ -1,0 +1,61 @@
+"""The hybrid layer pattern of Megatron-Core's `MambaModel` (`model.hybrid_layer_pattern`) and the Mamba-2 mixer's
+derived sizes: one owner for the symbols, the counts and the shapes that validation, the builder, the HF mapping
+and the planner read. No torch import.
+
+A pattern has one symbol per layer, Megatron-Core's: `M` a Mamba-2 layer (norm → mixer), `*` an attention layer
+(norm → self-attention), `-` an MLP layer (norm → MLP), `E` an MoE layer (norm → router and experts). Every layer is
+one residual block, so `model.num_layers` is the pattern's length.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+SYMBOLS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
+CONV_KERNEL_WIDTHS = (2, 3, 4)  # the causal_conv1d CUDA kernel's widths
+
+
+def is_hybrid(m: Any) -> bool:
+    """A model built as Megatron-Core's `MambaModel` (a hybrid layer pattern is set)."""
+    return getattr(m, "hybrid_layer_pattern", None) is not None
+
+
+def pattern_problem(pattern: str, num_layers: int) -> str | None:
+    """Why `pattern` cannot be a pattern of `num_layers` layers (None when it can)."""
+    unknown = sorted({c for c in pattern if c not in SYMBOLS})
+    if unknown:
+        known = ", ".join(f"{k} ({v})" for k, v in SYMBOLS.items())
+        return f"has the unknown symbol(s) {' '.join(repr(c) for c in unknown)} (known: {known})"
+    if len(pattern) != num_layers:
+        return f"has {len(pattern)} symbols but model.num_layers={num_layers} (one symbol per layer)"
+    return None
+
+
+def counts(m: Any) -> Counter:
+    """How many layers of each symbol the model has."""
+    return Counter(m.hybrid_layer_pattern or "")
+
+
+def mamba_num_heads(m: Any) -> int:
+    """Mamba heads: model.mamba_num_heads, else Megatron-Core's default 2 × hidden / head_dim."""
+    return m.mamba_num_heads or 2 * m.hidden_size // m.mamba_head_dim
+
+
+def mamba_inner(m: Any) -> int:
+    """The mixer's inner width (heads × head_dim: z, x and the gated norm)."""
+    return mamba_num_heads(m) * m.mamba_head_dim
+
+
+def in_proj_parts(m: Any) -> dict[str, int]:
+    """The rows of the fused input projection, in Megatron-Core's (and transformers') order: z, x, B, C, dt. Each
+    part is split over TP on its own (a rank holds [z_r, x_r, B_r, C_r, dt_r]); checkpoints store one key per part."""
+    inner, bc = mamba_inner(m), m.mamba_num_groups * m.mamba_state_dim
+    return {"z": inner, "x": inner, "B": bc, "C": bc, "dt": mamba_num_heads(m)}
+
+
+def conv_parts(m: Any) -> dict[str, int]:
+    """The channels of the causal convolution: x, B, C (split over TP part by part, like the input projection)."""
+    parts = in_proj_parts(m)
+    return {k: parts[k] for k in ("x", "B", "C")}
