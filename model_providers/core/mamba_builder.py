@@ -145,7 +145,8 @@ def initial_value(gname: str, shape: list[int], gen: torch.Generator, m: Any, de
         return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log()
     if _is(gname, "dt_bias"):
         lo, hi = math.log(m.mamba_dt_min), math.log(m.mamba_dt_max)
-        dt = torch.exp(torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo).clamp(min=m.mamba_dt_init_floor)
+        dt = torch.exp(torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo)
+        dt = dt.clamp(min=m.mamba_dt_init_floor)
         return dt + torch.log(-torch.expm1(-dt))
     if _is(gname, "D", "norm.weight") or gname.endswith((".norm.weight", "final_norm.weight")):
         return torch.ones(shape, device=device)

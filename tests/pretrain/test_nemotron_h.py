@@ -1,0 +1,159 @@
+"""Nemotron-H (hybrid Mamba-2 / attention / MLP / MoE, Megatron-Core's `MambaModel`) on CPU (gloo), through
+`train()`: every layout equals one rank; checkpoints reshard (TP2 → TP1: Mamba's fused in-projection is stored part
+by part); packed documents equal the documents alone; the refusals of what does not combine.
+
+`tiny_nemotron_h` (pretrain/configs/tiny_nemotron_h.yaml: pattern M*M-ME, the CPU Mamba mixer, squared-ReLU MLP and
+experts, Nemotron 3's sigmoid router with expert bias and a shared expert, no position encoding) trains 4 steps in
+fp32 on mock data. Each layout's losses and gradient norms must equal the one-rank run's to 1e-5 relative, and its
+router (aux) losses too. `make test` trains TP2 + SP, PP2 (the pattern split M*M | -ME as Megatron-Core splits it),
+EP2, DP2 with the distributed optimizer and CP2 (Megatron-Core's Mamba all-to-all context parallelism) in one pool
+case on 2 ranks, and the TP2 checkpoint resumed at TP1; `make test-all` adds TP2 + SP × EP2 and packed documents.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.validate import validate
+from tests import tiers
+from tests.pretrain.ckpt_helpers import by_step, layout_case, max_rel, rel_diff, run_worker_cases, step_values
+from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "tiny_nemotron_h"
+STEPS = 4
+TOLERANCE = 1e-5
+BASE = ["data.mock=true", f"train.steps={STEPS}", "train.precision=fp32", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "checkpoint.save_at_end=false", "checkpoint.interval=null",
+        "logging.tensorboard=false", "optimizer.warmup_steps=1"]
+TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+EP2 = ["parallel.expert=2"]
+# name: (overrides, copy_from source or None); all on 2 ranks (EP folds into TP / DP).
+LAYOUTS = {
+    "tp2_sp": (TP2_SP + ["checkpoint.interval=2"], None),
+    "pp2": (["parallel.pipeline=2"], None),
+    "ep2": (EP2, None),
+    "dp2_distopt": (["optimizer.distributed=true"], None),
+    "cp2": (["parallel.context=2"], None),
+    "tp2_to_tp1": ([], "tp2_sp"),  # DP2 at TP1 from the TP2 run's step-2 checkpoint
+    "tp2_sp_ep2": (TP2_SP + EP2, None),
+}
+FULL = {"tp2_sp_ep2"}
+DOC_LAYOUTS = {"docs_tp1": [], "docs_tp2_sp": TP2_SP}  # packed documents (THD) at one and two ranks
+
+
+def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
+    return {**case(run_dir, data_prefix, seq_length, ["train.precision=fp32", *extra]), "config": CONFIG}
+
+
+@pytest.fixture(scope="module")
+def nemotron_runs(tmp_path_factory):
+    """The reference and the packed-document cases on world 1, the layouts on world 2. Returns (root, the documents'
+    prediction counts)."""
+    root = tmp_path_factory.mktemp("nemotron_h")
+    by_world = {1: [layout_case(root, CONFIG, BASE, "ref", [], None)],
+                2: [layout_case(root, CONFIG, BASE, name, extra, source)
+                    for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
+    singles = {}
+    if tiers.everything():
+        packed, seq, singles = documents(root)
+        for name, (path, n) in singles.items():
+            by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
+        for name, extra in DOC_LAYOUTS.items():
+            by_world[2 if extra else 1].append(_doc_case(root / name, packed, seq, FLAGS + extra))
+    for world, cases in by_world.items():
+        (root / f"w{world}").mkdir()
+        run_worker_cases(root / f"w{world}", world, cases, timeout=1800)
+    return root, {name: n for name, (_, n) in singles.items()}
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n != "tp2_to_tp1"], FULL))
+def test_nemotron_h_layout_matches_one_rank(nemotron_runs, name):
+    root, _ = nemotron_runs
+    ref, got = by_step(root / "ref"), by_step(root / name)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
+    norm = max_rel(step_values(root / name, "grad_norm"), step_values(root / "ref", "grad_norm"))
+    aux = max(rel_diff(got[s]["moe_seq_load_balancing_loss"], ref[s]["moe_seq_load_balancing_loss"]) for s in ref)
+    print(f"| tiny_nemotron_h | {name} | loss {loss:.1e} | grad norm {norm:.1e} | aux loss {aux:.1e} |")
+    assert loss <= TOLERANCE and norm <= TOLERANCE and aux <= TOLERANCE, (name, loss, norm, aux)
+    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
+    assert got[STEPS]["loss"] != got[1]["loss"]
+
+
+@pytest.mark.mcore
+def test_nemotron_h_tp2_checkpoint_resumes_at_tp1(nemotron_runs):
+    """The TP2 checkpoint (in-projection and convolution stored as z/x/B/C/dt parts, each split over TP) loads at TP1
+    and continues as the TP2 run did."""
+    root, _ = nemotron_runs
+    ref, got = by_step(root / "tp2_sp"), by_step(root / "tp2_to_tp1")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in (3, 4):
+        rel = rel_diff(got[s]["loss"], ref[s]["loss"])
+        print(f"tiny_nemotron_h TP2 → TP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
+        assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= TOLERANCE
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(DOC_LAYOUTS))
+def test_nemotron_h_packed_documents_equal_documents_alone(nemotron_runs, name):
+    """THD: the Mamba state and convolution restart at each document, attention stays inside it = each document
+    alone."""
+    root, predictions = nemotron_runs
+    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
+    got = first_loss(root / name)
+    print(f"tiny_nemotron_h {name}: packed {got:.7f}, documents alone {expected:.7f} "
+          f"(rel {abs(got - expected) / expected:.1e})")
+    assert abs(got - expected) / expected < 1e-6
+
+
+_PATTERN = "[model.hybrid_layer_pattern, model.num_layers] model.hybrid_layer_pattern="
+REFUSED = {
+    "unknown symbol": (["model.hybrid_layer_pattern=M*X-ME"], 1,
+                       _PATTERN + "'M*X-ME' has the unknown symbol(s) 'X' (known: M (Mamba-2), * (attention), "),
+    "length": (["model.hybrid_layer_pattern=M*M-E"], 1, _PATTERN + "'M*M-E' has 5 symbols but model.num_layers=6"),
+    "heads by TP": (["parallel.tensor=4", "parallel.sequence_parallel=true"], 4,
+                    "[model.mamba_num_heads, model.mamba_num_groups, parallel.tensor] 8 Mamba heads and 2 groups must "
+                    "both divide by parallel.tensor=4"),
+    "heads by CP": (["model.mamba_num_heads=6", "model.mamba_num_groups=2", "parallel.context=2",
+                     "parallel.tensor=2", "parallel.sequence_parallel=true"], 4,
+                    "[model.mamba_num_heads, model.mamba_num_groups, parallel.context] Mamba's context parallelism"),
+    "chunk": (["model.mamba_chunk_size=12"], 1, "[model.mamba_chunk_size] model.mamba_chunk_size=12: mamba_ssm's "
+              "SSD scan kernels take a power of 2"),
+    "conv width": (["model.mamba_conv_kernel=5"], 1, "[model.mamba_conv_kernel] model.mamba_conv_kernel=5: the "
+                   "causal_conv1d CUDA kernel takes widths 2 to 4"),
+    "state": (["model.mamba_state_dim=3"], 1, "the Mamba convolution has 76 channels per rank (x, B, C); the "
+              "causal_conv1d CUDA kernel takes the channel-last layout only for a multiple of 8"),
+    "experts without E": (["model.hybrid_layer_pattern=M*M-MM"], 1,
+                          "model.num_moe_experts=4 but model.hybrid_layer_pattern has no MoE layer (E)"),
+    "virtual pipeline": (["parallel.pipeline=2", "parallel.virtual_pipeline=3"], 2,
+                         "[model.hybrid_layer_pattern, parallel.virtual_pipeline] a hybrid model's virtual pipeline"),
+    "layout string": (["parallel.pipeline=2", "parallel.pipeline_layout=Etttt|ttL"], 2,
+                      "[model.hybrid_layer_pattern, parallel.pipeline_layout] parallel.pipeline_layout places GPT"),
+    "MTP": (["model.mtp_num_layers=1"], 1, "[model.hybrid_layer_pattern, model.mtp_num_layers] Multi-Token "
+            "Prediction in a hybrid model"),
+    "full recompute": (["model.recompute_granularity=full", "model.recompute_method=uniform",
+                        "model.recompute_num_layers=1"], 1, "full recompute: Megatron-Core's Mamba stack has no"),
+    "FSDP": (["optimizer.fsdp=true"], 2, "[model.hybrid_layer_pattern, optimizer.fsdp] Megatron-FSDP with a hybrid"),
+    "documents under CP": (["data.reset_attention_mask=true", "parallel.context=2"], 2,
+                           "packed documents under context parallelism: Megatron-Core's Mamba CP reorders THD tokens"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_nemotron_h_refusals_name_their_keys(name):
+    overrides, world, message = REFUSED[name]
+    report = validate(load_config(CONFIG, ["data.mock=true", *overrides]), world, files=False)
+    assert [str(p) for p in report.errors if message in str(p)], (name, [str(p) for p in report.errors])
+
+
+def test_bad_pattern_is_one_line_at_the_cli():
+    """`python -m pretrain validate` with a bad pattern: exit 2, the key named, no traceback."""
+    from tests.cli import run_cli
+
+    r = run_cli("pretrain", ["validate", CONFIG, "model.hybrid_layer_pattern=M*M-MQ"])
+    assert r.rc == 2 and "model.hybrid_layer_pattern='M*M-MQ' has the unknown symbol(s) 'Q'" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
