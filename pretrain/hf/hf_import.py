@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from model_providers import family_for_hf, get_family
+from model_providers.core import hybrid
 from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
 from pretrain.hf import mxfp4
@@ -209,6 +210,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel keeps its output layer's extra state (GPTModel drops it)
+        items.append(WriteItem(index=MetadataIndex("output_layer._extra_state/shard_0_1"), type=WriteItemType.BYTE_IO))
     total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()
                       for s in sources.values())
     bar = Progress(len(sources), total_bytes, "from-hf", progress)
