@@ -181,6 +181,11 @@ BAD = {
     "extra tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.q_norm.weight' is not in the qwen2 HF mapping"),
+    "nemotron_h dt limit": ("nemotron_h", lambda s: _edit_config(s, time_step_limit=[0.0, 0.1]),
+                            "config.json: time_step_limit=[0.0, 0.1] is not supported (Megatron-Core's training scan "
+                            "clamps no time step)"),
+    "nemotron_h latent MoE": ("nemotron_h", lambda s: _edit_config(s, moe_latent_size=32),
+                              "config.json: moe_latent_size=32 is not supported"),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
