@@ -59,3 +59,32 @@ def conv_parts(m: Any) -> dict[str, int]:
     """The channels of the causal convolution: x, B, C (split over TP part by part, like the input projection)."""
     parts = in_proj_parts(m)
     return {k: parts[k] for k in ("x", "B", "C")}
+
+
+def flops_per_token(m: Any, padded_vocab: int) -> float:
+    """Training FLOPs per token of a hybrid model, as Megatron-LM counts them (`num_floating_point_operations`'
+    hybrid branch, the accounting of Megatron-Bridge's published TFLOP/s): 3 × the forward's GEMMs at 2 FLOPs per
+    multiply-add, per layer kind —
+
+    - Mamba-2: in_proj 2·h·(2·d_in + 2·G·N + H), the scan 7·d_in·N, out_proj 2·d_in·h, with Megatron-LM's
+      d_in = 2·h (its convention, whatever H × head_dim is), G groups, N state, H heads;
+    - attention: 4·h·(a·d/h)·(h + h·g/a + s/2) (projections and the causal scores);
+    - MLP: 4·h·f (× 3/2 gated); MoE: 4·h·f_e·k + 4·h·f_s (× 3/2 gated), the router not counted;
+    - logits: 2·h·V.
+    """
+    h, s = m.hidden_size, m.seq_length
+    a = m.num_attention_heads
+    g, d = m.num_query_groups or a, m.kv_channels or h // a
+    gated = 1.5 if m.gated_linear_unit else 1.0
+    d_in = 2 * h
+    mamba = 2 * h * (2 * d_in + 2 * m.mamba_num_groups * m.mamba_state_dim + mamba_num_heads(m)) \
+        + 7 * d_in * m.mamba_state_dim + 2 * d_in * h
+    attention = 4 * h * (a * d / h) * (h + h * g / a + s / 2)
+    mlp = 4 * h * (m.ffn_hidden_size or 4 * h) * gated
+    moe = 0.0
+    if m.num_moe_experts:
+        moe = 4 * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) * m.moe_router_topk * gated
+        moe += 4 * h * (m.moe_shared_expert_intermediate_size or 0) * gated
+    n = counts(m)
+    forward = n[MAMBA] * mamba + n[ATTENTION] * attention + n[MLP] * mlp + n[MOE] * moe + 2 * h * padded_vocab
+    return 3.0 * forward

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from model_providers.core import hybrid
 from pretrain.config import Config
 from pretrain.layout import Layout, expert_tensor_size
+from pretrain.planner import mamba
 from pretrain.planner.common import layout_of
 
 
@@ -99,6 +101,19 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     return out
 
 
+def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int) -> list[Param]:
+    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol: a Mamba mixer and its norm
+    (`pretrain.planner.mamba`), or the attention / MLP / MoE half of a decoder layer with its norm."""
+    pre = f"decoder.layers.{index}"
+    kind = m.hybrid_layer_pattern[global_index]
+    if kind == hybrid.MAMBA:
+        return [Param(n, k, linear=g) for n, k, g in mamba.mixer_parameters(m, lay, pre)] + \
+            _norm_params(f"{pre}.norm", m)
+    model = m if kind == hybrid.MOE else replace(m, num_moe_experts=None)
+    keep = ("input_layernorm", "self_attention") if kind == hybrid.ATTENTION else ("pre_mlp_layernorm", ".mlp.")
+    return [p for p in layer_parameters(model, lay, index, global_index=global_index) if any(k in p.name for k in keep)]
+
+
 def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     """An MoE layer's router (replicated) and this rank's experts (E / EP of them, split over expert TP), in
     the registration order of Megatron-Core's `SequentialMLP` (TE's grouped GEMM holds the same elements)."""
@@ -154,9 +169,10 @@ def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, 
                              (m.max_position_embeddings or m.seq_length) * m.hidden_size))
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     for i in range(per_chunk):
-        out += layer_parameters(m, lay, i, global_index=offset + i)
+        out += hybrid_layer_parameters(m, lay, i, offset + i) if hybrid.is_hybrid(m) else \
+            layer_parameters(m, lay, i, global_index=offset + i)
     if post:
-        out += _norm_params("decoder.final_layernorm", m)
+        out += _norm_params("decoder.final_norm" if hybrid.is_hybrid(m) else "decoder.final_layernorm", m)
         out += mtp_parameters(m, lay) if mtp else []
         if not (tied and pre):
             out.append(Param("output_layer.weight", padded_vocab // lay.tp * m.hidden_size,

@@ -17,7 +17,18 @@ import pytest
 from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
-from tests.pretrain.ckpt_helpers import by_step, layout_case, max_rel, rel_diff, run_worker_cases, step_values
+from tests.pretrain.ckpt_helpers import (
+    DETERMINISTIC,
+    by_step,
+    command,
+    kill9_and_resume,
+    layout_case,
+    max_rel,
+    metrics,
+    rel_diff,
+    run_worker_cases,
+    step_values,
+)
 from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
 
 pytestmark = pytest.mark.slow
@@ -95,6 +106,23 @@ def test_nemotron_h_tp2_checkpoint_resumes_at_tp1(nemotron_runs):
         rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"tiny_nemotron_h TP2 → TP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= TOLERANCE
+
+
+@pytest.mark.full  # kill -9 on a hybrid model; `make test` has test_resume.py's
+def test_kill9_and_resume_reproduce_every_number_at_tp2(nemotron_runs, tmp_path):
+    """Killed (SIGKILL, process group) after a random step or in its save, resumed by the same command: every
+    step's loss, grad norm, lr, samples, router loss, expert load and expert bias as the uninterrupted TP2 run's."""
+    import json
+
+    root, _ = nemotron_runs
+    work = tmp_path / "run"
+    cmd = command([], nproc=2, args=["train", CONFIG, *BASE, *TP2_SP, "checkpoint.interval=1", f"run.dir={work}"])
+    kill_at = kill9_and_resume(cmd, work, STEPS)
+    keys = DETERMINISTIC + ("moe_seq_load_balancing_loss", "moe_tokens_per_expert", "moe_expert_bias")
+    got = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(work) if "loss" in m]
+    want = [tuple(json.dumps(m[k]) for k in keys) for m in metrics(root / "tp2_sp") if "loss" in m]
+    print(f"killed after step {kill_at}; {len(got)} steps compared exactly")
+    assert len(got) == STEPS and got == want
 
 
 @pytest.mark.full
