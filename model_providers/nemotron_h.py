@@ -47,7 +47,7 @@ PRESETS: dict[str, dict] = {
                         "mamba_num_heads": 8, "mamba_head_dim": 8, "mamba_num_groups": 2, "mamba_state_dim": 16,
                         "mamba_chunk_size": 8, "num_moe_experts": 4, "moe_ffn_hidden_size": 32,
                         "moe_shared_expert_intermediate_size": 48, "moe_router_topk": 2,
-                        "moe_router_topk_scaling_factor": 2.5, "moe_aux_loss_coeff": 1e-3, "vocab_size": None,
+                        "moe_router_topk_scaling_factor": 2.5, "vocab_size": None,
                         "seq_length": 32, "max_position_embeddings": 64},
     # Nemotron 3 Nano 30B-A3B: 52 layers (23 Mamba-2, 23 MoE, 6 attention), 128 experts + 1 shared, top-6.
     "nemotron3_nano": {**_COMMON, **_ROUTER, "num_layers": 52, "hybrid_layer_pattern": _NANO_PATTERN,
@@ -213,6 +213,7 @@ class NemotronHFamily(Family):
         return {
             **self.fixed_fields, "family": self.name, "num_layers": len(pattern), "hybrid_layer_pattern": pattern,
             "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": heads,
+            "rotary_base": 10000.0, "rope_scaling": False, "sliding_window": None,  # no RoPE: the defaults stand
             "num_query_groups": cfg.num_key_value_heads or heads,
             "kv_channels": cfg.head_dim if cfg.head_dim * heads != cfg.hidden_size else None,
             "layernorm_epsilon": float(cfg.layer_norm_epsilon),

@@ -24,10 +24,12 @@ dense and MoE layers.
 
 Multi-Latent Attention (`model.multi_latent_attention`): the attention term is its projections, P/(2h²) with
 P = h·r_q + r_q·a·(d_qk + d_pe) (or h·a·(d_qk + d_pe) without q LoRA) + h·(r_kv + d_pe) + r_kv·a·(d_qk + d_v) +
-a·d_v·h, plus the causal scores s·a·(d_qk + d_pe + d_v)/(4h²). Hybrid Mamba models (`model.hybrid_layer_pattern`): Megatron-LM's hybrid accounting, per layer kind
-(`model_providers.core.hybrid.flops_per_token`). Multi-Token Prediction adds, per MTP layer, a
+a·d_v·h, plus the causal scores s·a·(d_qk + d_pe + d_v)/(4h²). Multi-Token Prediction adds, per MTP layer, a
 transformer layer like the last, its input projection (2h → h: 1) and another output GEMM (V/(2h)), as
 Megatron-LM counts them (they run every step).
+
+Hybrid Mamba models (`model.hybrid_layer_pattern`): Megatron-LM's hybrid accounting, per layer kind
+(`model_providers.core.hybrid.flops_per_token`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ from typing import Any
 from model_providers.core import hybrid
 from pretrain.layout import Layout
 
+FLOPS_FORMULA = ("F/token = 3·[Σ over layers: Mamba 2h(2d_in + 2GN + H) + 7·d_in·N + 2·d_in·h (d_in = 2h); "
+                 "attention 4h(a·d/h)(h + h·g/a + s/2); MLP 4h·f; MoE 4h(k·f_e + f_s) (× 3/2 gated) + logits 2h·V] "
+                 "(Megatron-LM's hybrid accounting, as Megatron-Bridge's published TFLOP/s)")
+
 
 def mixer_parameters(m: Any, lay: Layout, pre: str) -> list[tuple[str, int, bool]]:
     """(name, elements on one TP rank, a GEMM weight) of a Mamba layer's mixer, in Megatron-Core's registration
@@ -53,3 +57,27 @@ def scan_states(m: Any, lay: Layout) -> int:
     s, b = m.seq_length // lay.cp, lay.mbs
     heads = hybrid.mamba_num_heads(m) // lay.tp
     return 4 * b * -(-s // m.mamba_chunk_size) * heads * m.mamba_head_dim * m.mamba_state_dim
+
+
+def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, layer_terms, norm_terms) -> list[int]:
+    """Bytes each layer of a hybrid model's chunk keeps per microbatch, by its pattern symbol: a Mamba layer
+    (`mamba_layer_terms`), or the attention / MLP / MoE half of a decoder layer (`layer_terms` of the activations
+    model: the attention's terms and one norm; the MLP's or the experts' terms and one norm). `layer_terms`,
+    `norm_terms`: `pretrain.planner.activations`' functions (passed in: that module calls this one)."""
+    import dataclasses
+
+    m = cfg.model
+    s, b, tp = m.seq_length // lay.cp, lay.mbs, lay.tp
+    hs = s * b * m.hidden_size // (tp if lay.sp else 1)
+    fp8 = bool(m.fp8) and lay.use_te
+    dense_cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, num_moe_experts=None))
+    dense = layer_terms(dense_cfg, lay, modules=modules)
+    moe = layer_terms(cfg, lay, modules=modules) if m.num_moe_experts else dense
+    norm = dense["norms_and_gemm_inputs"] // 2
+    ffn_keys = ("mlp", "moe_router", "moe_experts", "moe_shared_experts")
+    attention = sum(v for k, v in dense.items() if k not in ffn_keys) - norm
+    mlp = dense.get("mlp", 0) + norm
+    experts = sum(moe.get(k, 0) for k in ffn_keys[1:]) + norm
+    mamba = sum(mamba_layer_terms(m, lay, norm_terms(cfg, lay, hs, hs // m.hidden_size, fp8)).values())
+    by_kind = {hybrid.MAMBA: mamba, hybrid.ATTENTION: attention, hybrid.MLP: mlp, hybrid.MOE: experts}
+    return [by_kind[c] for c in m.hybrid_layer_pattern[offset:offset + per_chunk]]

@@ -185,3 +185,33 @@ def test_bad_pattern_is_one_line_at_the_cli():
     r = run_cli("pretrain", ["validate", CONFIG, "model.hybrid_layer_pattern=M*M-MQ"])
     assert r.rc == 2 and "model.hybrid_layer_pattern='M*M-MQ' has the unknown symbol(s) 'Q'" in r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+# Megatron-Bridge's published Nemotron 3 Nano runs (performance summary, 26.04.01 container, sequence 8192): model
+# TFLOP/s per GPU and tokens/s per GPU on GB300, GB200, B300, B200 (8 GPUs, EP8) and H100 (16 GPUs).
+NANO_PUBLISHED = {"gb300": (845, 37888), "gb200": (725, 32768), "b300": (794, 35840), "b200": (726, 32768),
+                  "h100": (321, 14336)}
+
+
+def test_published_nano_layout_validates_and_plans():
+    """launch/pretrain_nemotron3_nano.sh as `validate --world-size 8` checks it (a GPU dry run): Megatron-Bridge's
+    layout (TP1, EP8, DP8, GBS 512 × 8192) is accepted; `plan` counts the HF model's parameters and Megatron's
+    FLOPs per token, inside the range the published runs give (TFLOP/s ÷ tokens/s)."""
+    from pretrain.layout import derive_layout
+    from pretrain.plan import count_parameters
+    from pretrain.planner import make_plan
+    from tests.pretrain.test_placement_config import _launch_overrides
+
+    config, overrides = _launch_overrides("pretrain_nemotron3_nano.sh", {})
+    cfg = load_config(config, [*overrides, "data.mock=true"])
+    report = validate(cfg, 8, gpu_dry_run=True, cuda_available=False)
+    assert report.ok, report.text()
+    lay = derive_layout(cfg, 8, vocab_size=cfg.model.vocab_size)
+    assert (lay.tp, lay.pp, lay.cp, lay.ep, lay.etp, lay.dp) == (1, 1, 1, 8, 1, 8)
+    assert cfg.train.global_batch_size == 512 and cfg.model.seq_length == 8192
+    assert count_parameters(cfg, 131072) == 31_577_937_344  # NemotronHForCausalLM(the released config) on meta
+    plan = make_plan(cfg, nodes=1, gpus_per_node=8, gpu="b200")
+    published = [tflops * 1e12 / tokens for tflops, tokens in NANO_PUBLISHED.values()]
+    print(f"nemotron3_nano: planner {plan['flops_per_token']:.4e} FLOPs/token; published "
+          f"{min(published):.4e} .. {max(published):.4e}")
+    assert min(published) <= plan["flops_per_token"] <= max(published)
