@@ -69,8 +69,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     **_group(MATCH, "the model's identity: a resumed run trains the same model", "model", _MODEL_IDENTITY),
     "model.preset": (UNUSED, "its fields are compared one by one"),
     "model.init_method_std": (UNUSED, "the weights come from the checkpoint"),
-    **_group(UNUSED, "the weights come from the checkpoint (initial Mamba time steps)", "model",
-             ("mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor")),
+    **_group(UNUSED, "the weights come from the checkpoint", "model",
+             ("mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor")),  # the initial Mamba time steps
     **_group(CHANGE, "from the resumed step", "model", _MODEL_TRAINING),
     **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
              "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",
