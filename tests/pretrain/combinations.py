@@ -33,9 +33,11 @@ FEATURES = {
     "account": ["parallel.pipeline=2", "parallel.account_for_embedding_in_pipeline_split=true",
                 "parallel.account_for_loss_in_pipeline_split=true"],
     "muon": ["optimizer.name=muon"],
+    # a hybrid Mamba model (tiny_nemotron_h: Megatron-Core's MambaModel, pattern M*M-ME) instead of a GPT
+    "hybrid": [],
 }
 EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp", "layout", "account"}]
-PAIRS_ONLY = {"layout", "account", "muon"}  # in pairs with every other feature, not in triples (test time)
+PAIRS_ONLY = {"layout", "account", "muon", "hybrid"}  # in pairs with every other feature, not in triples (test time)
 DATA_PARALLEL = {"ep", "fsdp", "distopt"}  # need two data-parallel ranks
 
 
@@ -50,7 +52,9 @@ def combinations(sizes=(2, 3)) -> list[tuple[str, ...]]:
 
 
 def config_name(names) -> str:
-    """tiny_moe for expert parallelism, else tiny_llama."""
+    """tiny_nemotron_h for a hybrid model, tiny_moe for expert parallelism, else tiny_llama."""
+    if "hybrid" in names:
+        return "tiny_nemotron_h"
     return "tiny_moe" if "ep" in names else "tiny_llama"
 
 
