@@ -65,8 +65,12 @@ class LocalMambaStack(MambaStack):
             self.final_norm = SequenceParallelNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
 
 
-def _norm(config) -> ModuleSpec:
-    return ModuleSpec(module=SequenceParallelNorm, params={"eps": config.layernorm_epsilon})
+class MambaLayerNorm:
+    """A Mamba layer's norm: `SequenceParallelNorm` with the model's epsilon (0.16.1–0.18 build it from the config
+    and hidden size alone, 0.19+ pass the epsilon too)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float | None = None, **_unused):
+        return SequenceParallelNorm(config, hidden_size, eps=config.layernorm_epsilon if eps is None else eps)
 
 
 def local_stack_spec(config, m: Any, packed_sequences: bool) -> ModuleSpec:
@@ -77,7 +81,7 @@ def local_stack_spec(config, m: Any, packed_sequences: bool) -> ModuleSpec:
                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
     layers = dict(
         mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-            norm=_norm(config), mixer=mixer, mamba_bda=bda,
+            norm=MambaLayerNorm, mixer=mixer, mamba_bda=bda,
             sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"})),
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=SequenceParallelNorm, self_attention=dense.self_attention, self_attn_bda=bda,
