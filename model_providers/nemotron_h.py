@@ -37,6 +37,7 @@ _COMMON = {"family": "nemotron_h", **_FIXED, "share_embeddings_and_output_weight
            "vocab_size": 131072, "seq_length": 8192}
 
 _NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+_SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
 
 PRESETS: dict[str, dict] = {
     # CPU-sized Nemotron 3: one layer of each kind and a second Mamba layer (M*M-ME), 64 wide; 8 Mamba heads of 8 in
@@ -55,6 +56,15 @@ PRESETS: dict[str, dict] = {
                        "kv_channels": 128, "mamba_num_heads": 64, "num_moe_experts": 128, "moe_ffn_hidden_size": 1856,
                        "moe_shared_expert_intermediate_size": 3712, "moe_router_topk": 6,
                        "moe_router_topk_scaling_factor": 2.5, "max_position_embeddings": 262144},
+    # Nemotron 3 Super 120B-A12B: 88 layers (40 Mamba-2, 40 LatentMoE, 8 attention), 512 experts of 2688 at the
+    # latent width 1024 (top-22, × 5) + a shared expert of 5376. Its MTP layers (*E) are not wired here; the count
+    # is the decoder's (as transformers' NemotronHForCausalLM, which builds no MTP layer either).
+    "nemotron3_super": {**_COMMON, **_ROUTER, "num_layers": 88, "hybrid_layer_pattern": _SUPER_PATTERN,
+                        "hidden_size": 4096, "ffn_hidden_size": 2688, "num_attention_heads": 32,
+                        "num_query_groups": 2, "kv_channels": 128, "mamba_num_heads": 128, "num_moe_experts": 512,
+                        "moe_ffn_hidden_size": 2688, "moe_shared_expert_intermediate_size": 5376,
+                        "moe_router_topk": 22, "moe_router_topk_scaling_factor": 5.0, "moe_latent_size": 1024,
+                        "max_position_embeddings": 262144},
 }
 
 
@@ -93,6 +103,8 @@ _MOE = (Copy(_M + "pre_mlp_layernorm.weight", _L + "norm.weight"),
         Copy(_M + "mlp.experts.experts.linear_fc2.weight", _X + "experts.{e}.down_proj.weight"),
         Copy(_M + "mlp.shared_experts.linear_fc1.weight", _X + "shared_experts.up_proj.weight"),
         Copy(_M + "mlp.shared_experts.linear_fc2.weight", _X + "shared_experts.down_proj.weight"))
+_LATENT = (Copy(_M + "mlp.fc1_latent_proj.weight", _X + "fc1_latent_proj.weight"),
+           Copy(_M + "mlp.fc2_latent_proj.weight", _X + "fc2_latent_proj.weight"))
 _GLOBAL = (Vocab("embedding.word_embeddings.weight", "backbone.embeddings.weight"),
            Copy("decoder.final_norm.weight", "backbone.norm_f.weight"),
            Vocab("output_layer.weight", "lm_head.weight"))
@@ -102,7 +114,7 @@ _BLOCK_TYPES = {"linear_attention": hybrid.MAMBA, "mamba": hybrid.MAMBA, "full_a
                 "attention": hybrid.ATTENTION, "mlp": hybrid.MLP, "moe": hybrid.MOE}
 _HF_BLOCK = {hybrid.MAMBA: "mamba", hybrid.ATTENTION: "attention", hybrid.MLP: "mlp", hybrid.MOE: "moe"}
 # Every rule the family can produce (the registry's table; `mapping_for` expands them per model).
-MAPPING = (*_GLOBAL, *_ATTENTION, *_MLP, *_MOE)
+MAPPING = (*_GLOBAL, *_ATTENTION, *_MLP, *_MOE, *_LATENT)
 
 
 class NemotronHFamily(Family):
@@ -112,10 +124,11 @@ class NemotronHFamily(Family):
     attention_dropout, hidden_dropout, intermediate_size, ssm_state_size, mamba_num_heads, mamba_head_dim, n_groups,
     conv_kernel, chunk_size, time_step_min / max / floor, n_routed_experts, num_experts_per_tok,
     moe_intermediate_size, moe_shared_expert_intermediate_size, routed_scaling_factor, n_group, topk_group,
+    moe_latent_size (LatentMoE: Transformer Engine only, pretrain/rules/hybrid.py),
     layer_norm_epsilon, tie_word_embeddings. Refused unless at the value our model computes: attention_bias, mlp_bias,
     use_bias, mamba_proj_bias (false), use_conv_bias (true), mlp_hidden_act (relu2), mamba_hidden_act (silu),
     sliding_window (null), time_step_limit ([0, inf]: Megatron-Core's training scan clamps nothing), norm_topk_prob
-    (true), moe_latent_size (null), num_nextn_predict_layers (0), residual_in_fp32 (false), layer_norm_epsilon with
+    (true), num_nextn_predict_layers (0), residual_in_fp32 (false), layer_norm_epsilon with
     Mamba layers (1e-5: Megatron-Core's gated mixer norm). Kept from the imported config.json, as they decide nothing
     in training: use_cache, num_logits_to_keep, use_mamba_kernels, mamba_ssm_cache_dtype, expand (transformers' mixer
     reads heads × head_dim), n_shared_experts (transformers builds one shared MLP of
@@ -130,6 +143,8 @@ class NemotronHFamily(Family):
         rules: list[MappingRule] = list(_GLOBAL)
         for i, kind in enumerate(m.hybrid_layer_pattern or ""):
             layer = _mamba(m) if kind == hybrid.MAMBA else _KINDS[kind]
+            if kind == hybrid.MOE and m.moe_latent_size:
+                layer = (*layer, *_LATENT)
             rules += [r.at(i, i) for r in layer]
         return tuple(rules)
 
@@ -163,7 +178,7 @@ class NemotronHFamily(Family):
             conv_kernel=m.mamba_conv_kernel, chunk_size=m.mamba_chunk_size, time_step_min=m.mamba_dt_min,
             time_step_max=m.mamba_dt_max, time_step_floor=m.mamba_dt_init_floor, time_step_limit=(0.0, math.inf),
             use_conv_bias=True, mamba_proj_bias=False, use_bias=False, residual_in_fp32=False, norm_topk_prob=True,
-            moe_latent_size=None, num_nextn_predict_layers=0, layer_norm_epsilon=m.layernorm_epsilon,
+            moe_latent_size=m.moe_latent_size, num_nextn_predict_layers=0, layer_norm_epsilon=m.layernorm_epsilon,
             hidden_dropout=m.hidden_dropout, tie_word_embeddings=m.share_embeddings_and_output_weights,
             architectures=[arch], dtype=str(dtype).removeprefix("torch."), **_moe_hf_fields(m, arch))
         return self.hf_config(getattr(transformers, self.config_class), {**kept, **fields}, bos=bos, eos=eos,
@@ -185,7 +200,6 @@ class NemotronHFamily(Family):
                 ("mamba_hidden_act", "silu", "the mixer's convolution activation is silu"),
                 ("sliding_window", None, "full attention only"), ("norm_topk_prob", True,
                  "Megatron-Core renormalises sigmoid top-k weights"),
-                ("moe_latent_size", None, "latent MoE projections are not wired here"),
                 ("num_nextn_predict_layers", 0, "Multi-Token Prediction in a hybrid model is not wired here"),
                 ("residual_in_fp32", False, "residuals in the model's dtype")):
             _refuse(cfg, key, getattr(cfg, key, want) == want, why)
@@ -208,7 +222,8 @@ class NemotronHFamily(Family):
                "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
                "moe_router_topk": topk, "moe_router_topk_scaling_factor": float(cfg.routed_scaling_factor),
                "moe_router_num_groups": groups if groups > 1 else None,
-               "moe_router_group_topk": group_topk if groups > 1 else None, **_ROUTER} if experts else \
+               "moe_router_group_topk": group_topk if groups > 1 else None, "moe_latent_size": cfg.moe_latent_size,
+               **_ROUTER} if experts else \
             {"num_moe_experts": None}
         return {
             **self.fixed_fields, "family": self.name, "num_layers": len(pattern), "hybrid_layer_pattern": pattern,

@@ -147,6 +147,7 @@ class ModelConfig:
     mamba_dt_min: float = 0.001  # initial time steps drawn log-uniformly in [dt_min, dt_max] (init only)
     mamba_dt_max: float = 0.1
     mamba_dt_init_floor: float = 1e-4  # ... and at least this
+    moe_latent_size: int | None = None  # LatentMoE (Nemotron 3 Super): experts run at this width (h → latent → h)
 
 
 @dataclass

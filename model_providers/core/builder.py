@@ -208,6 +208,7 @@ def moe_config(m, layout: Any) -> dict:
         moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_latent_size=m.moe_latent_size,  # LatentMoE: Transformer Engine only (pretrain/rules/hybrid.py)
     )
 
 

@@ -69,7 +69,8 @@ def flops_per_token(m: Any, padded_vocab: int) -> float:
     - Mamba-2: in_proj 2·h·(2·d_in + 2·G·N + H), the scan 7·d_in·N, out_proj 2·d_in·h, with Megatron-LM's
       d_in = 2·h (its convention, whatever H × head_dim is), G groups, N state, H heads;
     - attention: 4·h·(a·d/h)·(h + h·g/a + s/2) (projections and the causal scores);
-    - MLP: 4·h·f (× 3/2 gated); MoE: 4·h·f_e·k + 4·h·f_s (× 3/2 gated), the router not counted;
+    - MLP: 4·h·f (× 3/2 gated); MoE: 4·h·f_e·k + 4·h·f_s (× 3/2 gated), the router not counted; LatentMoE:
+      the experts at the latent width, 4·l·f_e·k, plus its projections 4·h·l;
     - logits: 2·h·V.
     """
     h, s = m.hidden_size, m.seq_length
@@ -83,7 +84,9 @@ def flops_per_token(m: Any, padded_vocab: int) -> float:
     mlp = 4 * h * (m.ffn_hidden_size or 4 * h) * gated
     moe = 0.0
     if m.num_moe_experts:
-        moe = 4 * h * (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) * m.moe_router_topk * gated
+        latent = getattr(m, "moe_latent_size", None)  # LatentMoE: experts at the latent width, and its projections
+        moe = 4 * (latent or h) * (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) * m.moe_router_topk * gated
+        moe += 4 * h * latent if latent else 0
         moe += 4 * h * (m.moe_shared_expert_intermediate_size or 0) * gated
     n = counts(m)
     forward = n[MAMBA] * mamba + n[ATTENTION] * attention + n[MLP] * mlp + n[MOE] * moe + 2 * h * padded_vocab

@@ -44,7 +44,7 @@ _MODEL_IDENTITY = (
     "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
     # hybrid Mamba models
     "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_heads", "mamba_num_groups",
-    "mamba_conv_kernel",
+    "mamba_conv_kernel", "moe_latent_size",
 )
 _MODEL_TRAINING = (
     "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",

@@ -122,6 +122,10 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     out = [Param(f"{pre}.mlp.router.weight", m.num_moe_experts * h)]
     if m.add_bias_linear:
         out.append(Param(f"{pre}.mlp.router.bias", m.num_moe_experts))
+    if m.moe_latent_size:  # LatentMoE: h → latent before the experts, latent → h after (duplicated over TP)
+        out += [Param(f"{pre}.mlp.fc1_latent_proj.weight", m.moe_latent_size * h, linear=True),
+                Param(f"{pre}.mlp.fc2_latent_proj.weight", h * m.moe_latent_size, linear=True)]
+        h = m.moe_latent_size  # the experts' input and output width
     fc1 = (2 if m.gated_linear_unit else 1) * fe // etp
     for j in range(m.num_moe_experts // lay.ep):
         e = f"{pre}.mlp.experts.local_experts.{j}"
@@ -131,7 +135,7 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
         out.append(Param(f"{e}.linear_fc2.weight", h * fe // etp, linear=True, expert=True))
         if m.add_bias_linear:
             out.append(Param(f"{e}.linear_fc2.bias", h, expert=True))
-    shared = m.moe_shared_expert_intermediate_size
+    shared, h = m.moe_shared_expert_intermediate_size, m.hidden_size
     if shared:  # shared experts: one dense MLP, split over TP like the attention
         fs = (2 if m.gated_linear_unit else 1) * shared // lay.tp
         out += [Param(f"{pre}.mlp.shared_experts.linear_fc1.weight", fs * h, linear=True),

@@ -28,6 +28,7 @@ _KEY = "model.hybrid_layer_pattern"
 def hybrid_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Every rule of a hybrid model (module docstring); nothing for a GPT."""
     m = cfg.model
+    _latent_moe_rules(r, cfg, lay, te_on_gpu)
     if not hybrid.is_hybrid(m):
         if m.position_embedding_type == "none":
             r.error("model.position_embedding_type", "model.position_embedding_type=none is for hybrid Mamba models "
@@ -131,3 +132,21 @@ def _unwired_rules(r: Report, cfg: Config) -> None:
         if bad:
             r.error((_KEY, f"model.{key}"), f"{why} is not wired into the hybrid model here",
                     f"leave model.{key} at its default")
+
+
+def _latent_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """LatentMoE (`model.moe_latent_size`, Nemotron 3 Super): Megatron-Core builds its projections with Transformer
+    Engine only (`TELinear`; it asserts it), and the experts need a router to reach them."""
+    from pretrain.layout import use_transformer_engine
+
+    m = cfg.model
+    if m.moe_latent_size is None:
+        return
+    if m.moe_latent_size < 1 or not m.num_moe_experts:
+        r.error(("model.moe_latent_size", "model.num_moe_experts"), f"model.moe_latent_size={m.moe_latent_size} "
+                "needs experts and a width of at least 1", "set model.moe_latent_size=null or a positive width")
+    use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
+    if not use_te:
+        r.error(("model.moe_latent_size", "model.transformer_impl"), "LatentMoE (model.moe_latent_size): Megatron-Core "
+                "builds its latent projections with Transformer Engine only (TELinear; it asserts it)",
+                "run on GPUs with Transformer Engine, or set model.moe_latent_size=null")

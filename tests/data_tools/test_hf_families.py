@@ -184,8 +184,13 @@ BAD = {
     "nemotron_h dt limit": ("nemotron_h", lambda s: _edit_config(s, time_step_limit=[0.0, 0.1]),
                             "config.json: time_step_limit=[0.0, 0.1] is not supported (Megatron-Core's training scan "
                             "clamps no time step)"),
-    "nemotron_h latent MoE": ("nemotron_h", lambda s: _edit_config(s, moe_latent_size=32),
-                              "config.json: moe_latent_size=32 is not supported"),
+    "nemotron_h latent MoE on CPU": ("nemotron_h", lambda s: _edit_config(s, moe_latent_size=32),
+                                     "[model.moe_latent_size, model.transformer_impl] LatentMoE "
+                                     "(model.moe_latent_size): Megatron-Core builds its latent projections with "
+                                     "Transformer Engine only"),
+    "nemotron_h MTP": ("nemotron_h", lambda s: _edit_config(s, num_nextn_predict_layers=1),
+                       "config.json: num_nextn_predict_layers=1 is not supported (Multi-Token Prediction in a hybrid "
+                       "model is not wired here)"),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),

@@ -215,3 +215,26 @@ def test_published_nano_layout_validates_and_plans():
     print(f"nemotron3_nano: planner {plan['flops_per_token']:.4e} FLOPs/token; published "
           f"{min(published):.4e} .. {max(published):.4e}")
     assert min(published) <= plan["flops_per_token"] <= max(published)
+
+
+def test_super_preset_counts_as_transformers_and_validates_on_gpus():
+    """nemotron3_super (LatentMoE, no MTP here): the planner's count equals transformers' NemotronHForCausalLM of the
+    same config (built on the meta device; it builds no MTP layer either); Megatron-Bridge's GB300 layout (64 GPUs,
+    TP1, EP64, GBS 512 × 8192) validates as a GPU job; on this machine the latent projections (Transformer Engine
+    only) are refused naming the key."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_providers import get_family
+    from pretrain.plan import count_parameters
+
+    layout = ["data.mock=true", "parallel.expert=64", "parallel.expert_tensor=1", "train.global_batch_size=512",
+              "model.seq_length=8192", "optimizer.distributed=true"]
+    cfg = load_config(None, ["model.preset=nemotron3_super", *layout])
+    hf_cfg = get_family("nemotron_h").to_hf_config(cfg.model, 131072, bos=None, eos=None, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
+    assert count_parameters(cfg, 131072) == theirs == 120_668_687_360
+    assert validate(cfg, 64, gpu_dry_run=True, cuda_available=False).ok
+    here = validate(cfg, 64, files=False)
+    assert any(p.keys == ("model.moe_latent_size", "model.transformer_impl") for p in here.errors), here.text()
