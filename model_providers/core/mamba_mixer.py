@@ -8,8 +8,9 @@ convolution (`model_providers/core/causal_conv1d.py`) and the chunked SSD scan w
 `mamba_split_conv1d_scan_combined` without a fused norm, then `RMSNormGated` by groups): in_proj → [z, x, B, C,
 dt] → conv1d + silu over [x, B, C] → SSD scan with the D skip, gated by silu(z) → group RMSNorm (eps 1e-5, one
 group per `mamba_num_groups`, as Megatron-Core builds it) → out_proj. Packed documents (`PackedSeqParams`, THD)
-become the per-token document index `seq_idx` of both pieces, so no state crosses a document boundary. Inference
-(a key/value cache) is not supported here.
+become the per-token document index `seq_idx` of both pieces, so no state crosses a document boundary; under
+context parallelism Megatron-Core's all-to-all runs and the THD token order is restored with our CP layout's partition
+indices (Megatron-Core takes Transformer Engine's). Inference (a key/value cache) is not supported here.
 
 Releases: 0.16.1–0.18 keep the convolution as an `nn.Conv1d` (`mixer.conv1d.weight`), 0.19+ as two parameters
 (`mixer.conv1d_weight`); both store them under `conv1d.weight` / `conv1d.bias` in checkpoints. The mixer builds
@@ -142,8 +143,25 @@ class CpuMambaMixer(MambaMixer):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("CpuMambaMixer has no inference cache (use Megatron-Core's MambaMixer)")
         zxBCdt, _ = self.in_proj(hidden_states)
-        zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)
-        y = self.cp.post_conv_ssm(self._scan(zxBCdt, packed_seq_params), packed_seq_params)
+        thd_cp = packed_seq_params is not None and self.cp.cp_size > 1
+        if not thd_cp:
+            zxBCdt = self.cp.pre_conv_ssm(zxBCdt, packed_seq_params)
+            y = self.cp.post_conv_ssm(self._scan(zxBCdt, packed_seq_params), packed_seq_params)
+            return self.out_proj(self.norm(y))
+        # Packed documents under CP: Megatron-Core reorders THD tokens with Transformer Engine's partition indices;
+        # here its all-to-all runs on the zigzag path and the order is fixed with the same indices (cp_layout).
+        from megatron.core.ssm.mamba_context_parallel import (
+            _redo_attention_load_balancing,
+            _undo_attention_load_balancing,
+        )
+
+        cp = self.cp.cp_size
+        order = _thd_order(packed_seq_params, cp)  # the global position of each token, CP ranks concatenated
+        gathered = _redo_attention_load_balancing(self.cp.pre_conv_ssm(zxBCdt, None), cp, None)
+        full = torch.empty_like(gathered)
+        full[order] = gathered
+        y = self._scan(full, packed_seq_params)[order]
+        y = self.cp.post_conv_ssm(_undo_attention_load_balancing(y, cp, None), None)
         return self.out_proj(self.norm(y))
 
     def _scan(self, zxBCdt: torch.Tensor, packed_seq_params) -> torch.Tensor:
@@ -164,6 +182,14 @@ class CpuMambaMixer(MambaMixer):
                      C.reshape(batch, seq, groups, state), self.chunk_size, D=cp.get_D(),
                      z=z.reshape(batch, seq, heads, self.headdim), seq_idx=seq_idx)
         return y.reshape(batch, seq, inner).to(zxBCdt.dtype).transpose(0, 1)
+
+
+def _thd_order(packed_seq_params, cp: int) -> torch.Tensor:
+    """Where each token of the CP ranks' THD shares (rank 0's, then rank 1's, ...) sits in the packed sequence."""
+    from model_providers.core.cp_layout import thd_partition_index
+
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return torch.cat([thd_partition_index(cu, cp, rank) for rank in range(cp)])
 
 
 def document_index(packed_seq_params, total: int) -> torch.Tensor:

@@ -10,9 +10,8 @@
 - what the hybrid model does not wire: virtual pipeline stages and layout strings (0.16.1 splits the stages inside
   its stack, evenly or by first/last stage; 0.19+ takes stage boundaries as `|` in the pattern, not wired here),
   MTP (0.16.1's MambaModel has none; 0.19+'s `/` patterns are not wired), full recompute (the Mamba stack has
-  none), Megatron-FSDP (our fsdp_dtensor key mapping is GPTModel's), packed documents under CP (Megatron-Core's
-  Mamba CP reorders THD tokens with Transformer Engine), and the GPT-only attention options (MLA, windows, sinks,
-  YaRN, Llama-3 RoPE scaling).
+  none), Megatron-FSDP (our fsdp_dtensor key mapping is GPTModel's), and the GPT-only attention options (MLA,
+  windows, sinks, YaRN, Llama-3 RoPE scaling).
 """
 
 from __future__ import annotations
@@ -118,10 +117,6 @@ def _unwired_rules(r: Report, cfg: Config) -> None:
         r.error((_KEY, "optimizer.fsdp"), "Megatron-FSDP with a hybrid model: the fsdp_dtensor checkpoint mapping "
                 "(pretrain/checkpoint/fsdp_format.py) knows GPTModel's layers only",
                 "use optimizer.distributed=true (ZeRO-1)")
-    if cfg.data.reset_attention_mask and p.context > 1:
-        r.error((_KEY, "data.reset_attention_mask", "parallel.context"), "packed documents under context "
-                "parallelism: Megatron-Core's Mamba CP reorders THD tokens with Transformer Engine's partition "
-                "indices (no CPU path)", "use parallel.context=1 with packed documents")
     for key, bad, why in (("multi_latent_attention", m.multi_latent_attention, "Multi-Latent Attention"),
                           ("sliding_window", m.sliding_window is not None, "sliding-window attention"),
                           ("softmax_type", m.softmax_type != "vanilla", "attention sinks"),

@@ -39,7 +39,6 @@ REFUSALS = {
         "model.mtp_num_layers", "model.recompute_granularity", "model.sliding_window", "model.softmax_type",
         "parallel.virtual_pipeline", "parallel.pipeline_layout", "parallel.account_for_embedding_in_pipeline_split",
         "parallel.account_for_loss_in_pipeline_split", "optimizer.fsdp")),
-    ("model.hybrid_layer_pattern", "data.reset_attention_mask", "parallel.context"),
     # ... and tiny_nemotron_h's 6 layers do not split over 2 × 2 virtual stages, nor fit the 4-layer layout string
     ("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline"),
     ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers"),

@@ -52,7 +52,8 @@ LAYOUTS = {
     "tp2_sp_ep2": (TP2_SP + EP2, None),
 }
 FULL = {"tp2_sp_ep2"}
-DOC_LAYOUTS = {"docs_tp1": [], "docs_tp2_sp": TP2_SP}  # packed documents (THD) at one and two ranks
+# packed documents (THD) at one and two ranks; under CP the THD order around Mamba's all-to-all is ours (cp_layout)
+DOC_LAYOUTS = {"docs_tp1": [], "docs_tp2_sp": TP2_SP, "docs_cp2": ["parallel.context=2"]}
 
 
 def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
@@ -166,8 +167,6 @@ REFUSED = {
     "full recompute": (["model.recompute_granularity=full", "model.recompute_method=uniform",
                         "model.recompute_num_layers=1"], 1, "full recompute: Megatron-Core's Mamba stack has no"),
     "FSDP": (["optimizer.fsdp=true"], 2, "[model.hybrid_layer_pattern, optimizer.fsdp] Megatron-FSDP with a hybrid"),
-    "documents under CP": (["data.reset_attention_mask=true", "parallel.context=2"], 2,
-                           "packed documents under context parallelism: Megatron-Core's Mamba CP reorders THD tokens"),
 }
 
 
