@@ -104,11 +104,15 @@ def te_stack_spec(m: Any) -> ModuleSpec:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
     except ImportError:  # 0.16.1-0.18
         from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as spec
-    spec = copy.deepcopy(spec)
-    mixer = spec.submodules.mamba_layer.submodules.mixer
+    # Copies along the path to the mixer only (the spec's other entries hold closures deepcopy cannot copy).
+    spec, stack = copy.copy(spec), copy.copy(spec.submodules)
+    layer = copy.copy(stack.mamba_layer)
+    layer_subs = copy.copy(layer.submodules)
+    mixer = copy.copy(layer_subs.mixer)
     mixer.params = {**mixer.params, **_mixer_params(m)}
     if not mamba_kernels_available():
         mixer.module = CpuMambaMixer
+    layer_subs.mixer, layer.submodules, stack.mamba_layer, spec.submodules = mixer, layer_subs, layer, stack
     return spec
 
 

@@ -237,3 +237,18 @@ def test_super_preset_counts_as_transformers_and_validates_on_gpus():
     assert validate(cfg, 64, gpu_dry_run=True, cuda_available=False).ok
     here = validate(cfg, 64, files=False)
     assert any(p.keys == ("model.moe_latent_size", "model.transformer_impl") for p in here.errors), here.text()
+
+
+def test_transformer_engine_stack_spec_takes_the_cpu_mixer_without_mamba_ssm():
+    """On GPUs with Transformer Engine the hybrid stack is Megatron-Core's own spec with our mixer arguments; where
+    `mamba_ssm` is not installed (here) its mixer is `CpuMambaMixer`; Megatron-Core's module-level spec is left as
+    it was."""
+    from megatron.core.models.mamba import mamba_layer_specs
+
+    from model_providers.core.mamba_builder import te_stack_spec
+    from model_providers.core.mamba_mixer import CpuMambaMixer
+
+    original = getattr(mamba_layer_specs, "mamba_stack_spec", None) or mamba_layer_specs.hybrid_stack_spec
+    mixer = te_stack_spec(load_config(CONFIG).model).submodules.mamba_layer.submodules.mixer
+    assert mixer.module is CpuMambaMixer and mixer.params["chunk_size"] == 8 and mixer.params["d_conv"] == 4
+    assert original.submodules.mamba_layer.submodules.mixer.module is not CpuMambaMixer
