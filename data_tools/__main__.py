@@ -157,22 +157,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("shard-plan", "shard-run", "finalize"):
         return _shard_command(args)
     if args.command == "preprocess":
+        from data_tools.made_with import NothingToResume
         from data_tools.preprocess import preprocess
 
-        summary = preprocess(
-            args.input,
-            args.output_prefix,
-            *_tokenizer_files(args),
-            json_keys=args.json_keys,
-            append_eod=args.append_eod,
-            workers=args.workers,
-            strict=args.strict,
-            keep_empty=args.keep_empty,
-            resume=args.resume,
-            encoder=args.encoder,
-            batch_bytes=int(args.batch_mb * (1 << 20)),
-            progress=False if args.no_progress else None,
-        )
+        try:
+            summary = preprocess(args.input, args.output_prefix, *_tokenizer_files(args), json_keys=args.json_keys,
+                                 append_eod=args.append_eod, workers=args.workers, strict=args.strict,
+                                 keep_empty=args.keep_empty, resume=args.resume, encoder=args.encoder,
+                                 batch_bytes=int(args.batch_mb * (1 << 20)),
+                                 progress=False if args.no_progress else None)
+        except NothingToResume as e:  # a finished output of these options: nothing is written
+            print(e)
+            return 0
         print(summary.format())
         return 0
     if args.command == "inspect":
@@ -210,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. a scheduler's kill) interrupts like Ctrl-C, so an interrupted run can --resume.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     from data_tools.inputs import InputError
+    from data_tools.made_with import ResumeRefused
     from data_tools.shards import ShardError
     from pretrain.tokenizer.types import TokenizerError
 
@@ -219,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; re-run with --resume to continue", file=sys.stderr)
         return 130
-    except (InputError, ShardError, TokenizerError, OSError, RuntimeError, ValueError) as e:
+    except (InputError, ShardError, TokenizerError, ResumeRefused, OSError, RuntimeError, ValueError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
 

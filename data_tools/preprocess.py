@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from data_tools import made_with
 from data_tools.inputs import Batch, InputError, expand_inputs
 from data_tools.stages import Stages
 from data_tools.tokenizers import BatchEncoder, build_batch_encoder
@@ -178,20 +179,6 @@ def _check_prefix(output_prefix: str) -> None:
                                   f"PREFIX_{{key}}_document.bin/.idx); use {output_prefix[: -len(ext)]}")
 
 
-def _read_state(state_path: Path, fingerprint: str, resume: bool, log: TextIO) -> dict[str, Any] | None:
-    """The state of an interrupted run of the same inputs and options (None: start from the beginning)."""
-    state: dict[str, Any] | None = None
-    if resume and state_path.is_file():
-        try:
-            state = json.loads(state_path.read_text())
-        except ValueError:
-            state = None
-        if state is None or state.get("fingerprint") != fingerprint:
-            print(f"note: {state_path} is from different inputs or options; starting over", file=log)
-            state = None
-    return state
-
-
 @dataclass
 class _Run:
     """One run's options and running totals, shared by the steps of :func:`preprocess`."""
@@ -207,6 +194,7 @@ class _Run:
     log: TextIO
     state_path: Path
     fingerprint: str
+    options: dict[str, Any]  # what the output is made with (data_tools.made_with), kept in the resume state
     writers: dict[str, IndexedWriter] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
     reported: Counter[str] = field(default_factory=Counter)
@@ -284,7 +272,7 @@ class _Run:
         try:
             sizes = {k: w.flush() for k, w in self.writers.items()}
             _write_state(self.state_path, {
-                "fingerprint": self.fingerprint,
+                "fingerprint": self.fingerprint, "options": self.options,
                 "position": [batch.file_index, batch.records_done, batch.byte_offset],
                 "sizes": sizes, "documents": summary.documents, "tokens": summary.tokens,
                 "bytes": summary.input_bytes, "skipped": dict(self.skipped), "max_ids": max_ids,
@@ -386,9 +374,13 @@ def preprocess(
 
     state_path = Path(f"{output_prefix}{STATE_SUFFIX}")
     fingerprint = _fingerprint(files, spec, keys, append_eod, keep_empty)
+    options = made_with.options(spec, keys, append_eod, keep_empty, strict, files)
     run = _Run(files, keys, {k: f"{output_prefix}_{k}_document" for k in keys}, output_prefix, spec, append_eod,
-               strict, keep_empty, log, state_path, fingerprint)
-    state = _read_state(state_path, fingerprint, resume, log)
+               strict, keep_empty, log, state_path, fingerprint, options)
+    # --resume: an interrupted run of these inputs and options, else nothing (refused when the state or a finished
+    # output is of others; NothingToResume for a finished output of these: data_tools.made_with)
+    state = made_with.resume_state(options, state_path, fingerprint, list(run.prefixes.values()), log) \
+        if resume else None
     start = tuple(state["position"]) if state is not None else (0, 0, 0)
 
     def on_bad(path: Path, line: int, reason: str) -> None:

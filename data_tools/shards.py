@@ -172,50 +172,38 @@ def plan_tokenizer(plan: Plan) -> PlanTokenizer:
     """The identity of the plan's tokenizer (its files hashed once per plan; the tokenizer is not loaded)."""
     cached = plan.__dict__.get("_tokenizer")
     if cached is None:
+        from data_tools.made_with import tokenizer_text
         from pretrain.tokenizer.identity import spec_sha256
         from pretrain.tokenizer.spec import resolve_spec
 
         o = plan.options
         spec = resolve_spec(o["tokenizer_type"], o.get("tokenizer_model"), o.get("vocab_file"), o.get("merge_file"))
         files, sha = spec_sha256(spec)
-        cached = plan.__dict__["_tokenizer"] = PlanTokenizer(sha, _tokenizer_text(spec.kind, files, sha))
+        cached = plan.__dict__["_tokenizer"] = PlanTokenizer(sha, tokenizer_text(spec.kind, files, sha))
     return cached
 
 
-def _tokenizer_text(kind: object, files: object, sha: object) -> str:
-    names = " + ".join(Path(str(f)).name for f in files) if isinstance(files, (list, tuple)) else "?"
-    return f"{kind} {names or 'no files'} (sha256 {str(sha)[:12]})"
-
-
 def option_differences(plan: Plan, key: str, meta: dict[str, Any]) -> list[str]:
-    """How a part's recorded options differ from the plan's, one ``"option: the part's X, the plan's Y"`` each.
-
-    Every option that changes a part's bytes is compared: the tokenizer (its identity: kind and the contents of
-    its files, so the same files elsewhere match), ``append_eod``, ``keep_empty``, the JSON key, the token dtype
-    (fixed by the tokenizer's vocabulary) and ``strict`` (a part made without it may have skipped lines the plan
-    would refuse). ``workers``, ``encoder`` and ``batch_bytes`` give the same bytes and are not compared."""
+    """How a part's recorded options differ from the plan's, one ``"option: the part's X, the plan's Y"`` each:
+    ``data_tools.made_with.differences`` (every option that changes a part's bytes, as ``preprocess --resume``
+    compares them; the part's files are compared by ``part_mismatch``), and the token dtype (fixed by the
+    tokenizer's vocabulary)."""
     import numpy as np
 
+    from data_tools import made_with
     from pretrain.dataset_format.indexed import optimal_dtype
 
-    o, diffs = plan.options, []
-    tok = plan_tokenizer(plan)
+    o, tok = plan.options, plan_tokenizer(plan)
+    want = {"tokenizer": tok.text, "tokenizer_sha256": tok.sha256, "append_eod": bool(o.get("append_eod")),
+            "keep_empty": bool(o.get("keep_empty")), "json_keys": [key], "strict": bool(o.get("strict"))}
+    diffs = made_with.differences(made_with.from_meta(meta), want, "the part's", "the plan's", inputs=False)
     made = meta.get("tokenizer") or {}
-    if made.get("sha256") != tok.sha256:
-        part = _tokenizer_text(made.get("kind"), made.get("files"), made.get("sha256"))
-        diffs.append(f"tokenizer: the part's {part}, the plan's {tok.text}")
-    for name, want in (("append_eod", bool(o.get("append_eod"))), ("keep_empty", bool(o.get("keep_empty"))),
-                       ("json_key", key)):
-        if meta.get(name) != want:
-            diffs.append(f"{name}: the part's {meta.get(name)!r}, the plan's {want!r}")
     try:
         dtype = np.dtype(optimal_dtype(int(made["vocab_size"]))).name
     except (KeyError, TypeError, ValueError):
         dtype = None
     if meta.get("dtype") != dtype:
         diffs.append(f"dtype: the part's {meta.get('dtype')!r}, its tokenizer's vocabulary gives {dtype!r}")
-    if o.get("strict") and meta.get("strict") is not True:
-        diffs.append(f"strict: the part's {meta.get('strict')!r} (bad lines may have been skipped), the plan's True")
     return diffs
 
 
@@ -268,6 +256,7 @@ def part_problem(plan: Plan, task: int) -> str | None:
 
 def run_task(plan: Plan, task: int, log: Callable[[str], None]) -> str:
     """Preprocess task ``task``'s share into its part (resuming an interrupted run); return a one-line report."""
+    from data_tools.made_with import NothingToResume, ResumeRefused
     from data_tools.preprocess import preprocess
     from pretrain.dataset_format.indexed import IndexedFormatError
 
@@ -292,9 +281,12 @@ def run_task(plan: Plan, task: int, log: Callable[[str], None]) -> str:
     kwargs = {**plan.options, "progress": False, "log": sys.stderr}
     try:
         try:
-            summary = preprocess(plan.files(task), part_prefix(plan.output_prefix, task), resume=True, **kwargs)
-        except IndexedFormatError as e:  # temporaries shorter than the resume state (a node crashed)
-            log(f"note: {e}; starting the task's share over")
+            summary = preprocess(plan.files(task), part_prefix(plan.output_prefix, task), resume=mismatch is None,
+                                 **kwargs)
+        except NothingToResume:
+            return f"{what}: already complete ({part_prefix(plan.output_prefix, task)}_*); nothing to do"
+        except (IndexedFormatError, ResumeRefused) as e:  # temporaries shorter than the resume state (a node
+            log(f"note: {e}; starting the task's share over")  # crashed), a state of another plan's options
             summary = preprocess(plan.files(task), part_prefix(plan.output_prefix, task), resume=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure is reported with the task and its files
         raise ShardError(f"{what} failed: {e}") from e

@@ -6,6 +6,10 @@ Override values are parsed as YAML (`data.blend=[1.0,/data/x_text_document]`). U
 values of the wrong type and config paths that are no YAML text file are rejected with one message naming the
 key or path (the parsing is `pretrain/config_parse.py`). Model presets (`model.preset`) fill every model field
 the file and the overrides leave unset.
+
+Each field declares its facts where it is declared (`knob(default, mcore=..., resume=..., range=...)`,
+`model_providers/core/knobs.py`): the Megatron-Core attribute it feeds, its rule on resume (a section's `RESUME`
+for the fields that name none), the values `validate` accepts. The model section is `pretrain/sections/model.py`.
 """
 
 from __future__ import annotations
@@ -18,156 +22,57 @@ from typing import Any, Literal
 
 import yaml
 
-from model_providers import DEFAULT_FAMILY, FAMILIES
+from model_providers import FAMILIES
+from model_providers.core.knobs import (
+    CHANGE,
+    DATASET,
+    DDP,
+    MATCH,
+    NEXT_STEP,
+    OPT,
+    QK_CLIP,
+    REPLACED,
+    RESHARD,
+    UNUSED,
+    Resume,
+    knob,
+)
 from pretrain.config_parse import ConfigError, build, parse_override, parse_yaml, set_dotted, yaml_error_line
 from pretrain.performance import PerformanceConfig
+from pretrain.sections.model import ModelConfig
 
-__all__ = ["CONFIG_DIR", "Config", "ConfigError", "config_from_dict", "load_config", "parse_override",
+__all__ = ["CONFIG_DIR", "Config", "ConfigError", "ModelConfig", "config_from_dict", "load_config", "parse_override",
            "resolve_config_path", "save_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a small YAML file; anything bigger is the wrong file
-
-
-@dataclass
-class ModelConfig:
-    """Model shape and numerics. Field names follow Megatron-Core's `TransformerConfig` where one exists."""
-
-    preset: str | None = None
-    family: str = DEFAULT_FAMILY  # a family of model_providers/ (checked when the config is parsed)
-    num_layers: int = 4
-    hidden_size: int = 256
-    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
-    num_attention_heads: int = 8
-    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
-    kv_channels: int | None = None  # None: hidden_size // num_attention_heads
-    seq_length: int = 256  # training sequence length
-    max_position_embeddings: int | None = None  # the model's context length (None: seq_length)
-    vocab_size: int | None = None  # None: taken from the tokenizer
-    make_vocab_size_divisible_by: int = 128
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    gated_linear_unit: bool = True  # SwiGLU when activation is "silu"
-    # quick_gelu: x·sigmoid(1.702x) (GPT-OSS); squared_relu: relu(x)² (Nemotron-H, with gated_linear_unit=false)
-    activation: Literal["silu", "gelu", "quick_gelu", "squared_relu"] = "silu"
-    # GLU (GPT-OSS's clamped SwiGLU, Megatron-Core's names): act(min(gate, c)) · (clamp(up, ±c) + offset).
-    glu_linear_offset: float = 0.0
-    activation_func_clamp_value: float | None = None
-    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*;
-    # none: no position encoding (Nemotron-H: order comes from its Mamba layers; hybrid models only).
-    position_embedding_type: Literal["rope", "learned_absolute", "yarn", "none"] = "rope"
-    yarn_correction_range_round_to_int: bool = True  # YaRN's correction range rounded (GPT-OSS: false, "truncate")
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-    rope_scaling: bool = False  # Llama-3 ("llama3") RoPE frequency scaling
-    rope_scaling_factor: float = 8.0
-    rope_scaling_low_freq_factor: float = 1.0
-    rope_scaling_high_freq_factor: float = 4.0
-    rope_scaling_original_max_position_embeddings: int = 8192
-    share_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False  # per-head norm of queries and keys (model.normalization, before RoPE)
-    sliding_window: int | None = None  # attention window: a token sees itself and the sliding_window-1 before it
-    # Which layers use the window (Megatron-Core's name): None all; N: every N-th layer full; a list: 1 windowed.
-    window_attn_skip_freq: int | list[int] | None = None
-    # Attention sinks (Megatron-Core's softmax_type): learnable = one logit per head added to the softmax (GPT-OSS).
-    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    apply_residual_connection_post_layernorm: bool = False
-    # Recompute: None | "selective" | "full"; method "uniform" | "block" for full.
-    recompute_granularity: Literal["selective", "full"] | None = None
-    recompute_method: Literal["uniform", "block"] | None = None
-    recompute_num_layers: int | None = None
-    # Fused SwiGLU / bias-GELU kernels (torch.compile'd): None = on GPU, off on CPU.
-    bias_activation_fusion: bool | None = None
-    # Selective recompute: which submodules (Megatron-Core's names); None: ["core_attn"] (Megatron's default).
-    # moe (the whole MoE layer), moe_act (the experts' activation, grouped GEMM only), shared_experts: MoE models
-    # only; mla_up_proj (MLA's up-projections and RoPE): multi-latent attention only (pretrain/rules/recompute.py).
-    recompute_modules: list[Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "mla_up_proj",
-                                    "shared_experts"]] | None = None
-    # Transformer Engine / FP8 (GPU only; validated).
-    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
-    fp8: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
-    fp8_param_gather: bool = False
-    # Mixture of Experts (None: dense). Names follow Megatron-Core's TransformerConfig.
-    num_moe_experts: int | None = None
-    moe_ffn_hidden_size: int | None = None  # one expert's FFN size; None: ffn_hidden_size
-    moe_router_topk: int = 2
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    # False: softmax over the top-k logits (= softmax over all, renormalised over the top k: Mixtral,
-    # Qwen3-MoE with norm_topk_prob); True: softmax over all experts, top-k probabilities not renormalised.
-    moe_router_pre_softmax: bool = False
-    moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"  # None: the activations' dtype
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float | None = None
-    moe_expert_capacity_factor: float | None = None  # None: dropless
-    moe_token_drop_policy: Literal["probs", "position"] = "probs"
-    moe_pad_expert_input_to_capacity: bool = False
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    moe_grouped_gemm: bool | None = None  # None: Transformer Engine grouped GEMM with the TE spec
-    # DeepSeek-V3 class (docs/moe.md): Multi-Latent Attention, DeepSeek routing, dense-first layers, Multi-Token
-    # Prediction. Names follow Megatron-Core's MLATransformerConfig / TransformerConfig.
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None  # None: queries projected directly (HF q_proj); else q_a_proj → norm → q_b_proj
-    kv_lora_rank: int = 512  # the compressed KV width (HF kv_lora_rank)
-    qk_head_dim: int = 128  # per-head query/key width without RoPE (HF qk_nope_head_dim)
-    qk_pos_emb_head_dim: int = 64  # per-head RoPE width, shared by all heads for keys (HF qk_rope_head_dim)
-    v_head_dim: int = 128
-    rope_type: Literal["rope", "yarn"] = "rope"  # MLA's RoPE; yarn: YaRN with the fields below
-    rotary_scaling_factor: float = 1.0  # YaRN factor
-    original_max_position_embeddings: int = 4096  # YaRN: the pre-extension context
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    moe_layer_freq: int | list[int] = 1  # 1: every layer MoE; a list of 0 (dense) / 1 (MoE) per layer
-    moe_shared_expert_intermediate_size: int | None = None  # shared experts' total FFN size (None: none)
-    moe_router_num_groups: int | None = None  # group-limited routing: expert groups
-    moe_router_group_topk: int | None = None  # ... and how many of them a token may use
-    moe_router_topk_scaling_factor: float | None = None  # routing weights × this (HF routed_scaling_factor)
-    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias on the scores
-    moe_router_bias_update_rate: float = 1e-3  # ... moved by ± this per step toward balanced load
-    mtp_num_layers: int | None = None  # Multi-Token Prediction depth (None: off)
-    mtp_loss_scaling_factor: float = 0.1  # MTP loss weight (divided over the MTP layers)
-    # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
-    fp8_recipe: Literal["tensorwise", "delayed", "mxfp8", "blockwise"] | None = None
-    # ---- Hybrid Mamba models (Megatron-Core's MambaModel; family nemotron_h; docs/hybrid.md). Megatron-Core's names.
-    # One symbol per layer (num_layers of them): M Mamba-2, * attention, - MLP, E MoE. None: a GPTModel (no Mamba).
-    hybrid_layer_pattern: str | None = None
-    mamba_state_dim: int = 128  # SSM state size per group (HF ssm_state_size)
-    mamba_head_dim: int = 64
-    mamba_num_heads: int | None = None  # None: 2 × hidden_size / mamba_head_dim (Megatron-Core's expand=2)
-    mamba_num_groups: int = 8  # B/C groups (HF n_groups); the gated RMSNorm normalises per group
-    mamba_conv_kernel: int = 4  # causal depthwise conv width (MambaMixer d_conv; HF conv_kernel): 2-4
-    mamba_chunk_size: int = 128  # SSD scan chunk (MambaMixer chunk_size; HF chunk_size): a power of 2
-    mamba_dt_min: float = 0.001  # initial time steps drawn log-uniformly in [dt_min, dt_max] (init only)
-    mamba_dt_max: float = 0.1
-    mamba_dt_init_floor: float = 1e-4  # ... and at least this
-    moe_latent_size: int | None = None  # LatentMoE (Nemotron 3 Super): experts run at this width (h → latent → h)
+SCHEDULE = Resume(CHANGE, "the LR schedule is re-derived from this config at the resumed step")
+TOKENIZER = Resume(MATCH, "the tokenizer, compared by identity (kind and SHA-256 of its files), not by path")
+NEW_DATA = Resume(CHANGE, "training reads the new data from consumed_samples on (a new stage: from its own first "
+                            "sample)")
 
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Data parallelism is what is left of the world size."""
+    """Parallel layout. Data parallelism is what is left of the world size. (The sizes reach Megatron-Core through
+    `pretrain.layout.Layout`.)"""
 
-    tensor: int = 1
-    pipeline: int = 1
-    virtual_pipeline: int | None = None  # None: not interleaved
-    context: int = 1
-    expert: int = 1  # expert parallel (MoE): experts split across this many ranks
-    expert_tensor: int | None = None  # tensor parallel inside each expert; None: parallel.tensor
+    RESUME = RESHARD
+
+    tensor: int = knob(1, range=">= 1")
+    pipeline: int = knob(1, range=">= 1")
+    virtual_pipeline: int | None = knob(None, range=">= 2", fix="set {key} to 2 or more, or null for no interleaving")
+    context: int = knob(1, range=">= 1")
+    expert: int = knob(1, range=">= 1")  # expert parallel (MoE): experts split across this many ranks
+    expert_tensor: int | None = knob(None, range=">= 1")  # tensor parallel inside each expert; None: parallel.tensor
     sequence_parallel: bool = False
-    tp_comm_overlap: bool = False  # Transformer Engine userbuffers overlap (GPU only)
+    tp_comm_overlap: bool = knob(False, resume=NEXT_STEP)  # Transformer Engine userbuffers overlap (GPU only)
     # None: automatic (False on gloo, where batched p2p with PP=2 interleaving is silently wrong).
-    batch_p2p_comm: bool | None = None
+    batch_p2p_comm: bool | None = knob(None, resume=NEXT_STEP)
     # Uneven pipeline stages (Megatron-Core's names): decoder layers of the first / last stage (null: an even
     # share); the other stages split the rest evenly. E.g. DeepSeek-V3's 61 layers on PP8: 7, 6 (8 per middle stage).
-    num_layers_in_first_pipeline_stage: int | None = None
-    num_layers_in_last_pipeline_stage: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = knob(None, range=">= 1")
+    num_layers_in_last_pipeline_stage: int | None = knob(None, range=">= 1")
     # Flexible placement (pretrain/placement.py), Megatron-Core's own options: a pipeline_model_parallel_layout
     # string (one `|`-separated stage per virtual stage: E embedding, t decoder layer, m MTP layer, L loss; e.g.
     # "Et*4|(t*4|)*14tmL"), or the embedding / loss counted as one layer of the even split.
@@ -176,29 +81,31 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = False
     # Context-parallel attention (Megatron's cp_comm_type, on GPU with Transformer Engine and on CPU alike):
     # p2p ring of K/V blocks, all_gather of K/V, a2a (Ulysses: heads <-> sequence), a2a+p2p (hierarchical).
-    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = knob("p2p", resume=NEXT_STEP)
 
 
 @dataclass
 class DataConfig:
     """Training data: Megatron indexed datasets (blends) or synthetic tokens."""
 
-    mock: bool = False
-    blend: list | None = None  # [weight, prefix, weight, prefix, ...] or [prefix, ...]
-    train_blend: list | None = None  # per-split blends (instead of blend + split)
-    valid_blend: list | None = None
-    test_blend: list | None = None
-    split: str = "969,30,1"
-    tokenizer_type: str = "sentencepiece"
-    tokenizer_model: str | None = None  # None: the embedded Mistral-7B SentencePiece model
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    num_workers: int = 0
+    RESUME = NEXT_STEP
+
+    mock: bool = knob(False, resume=NEW_DATA)
+    blend: list | None = knob(None, resume=NEW_DATA)  # [weight, prefix, weight, prefix, ...] or [prefix, ...]
+    train_blend: list | None = knob(None, resume=NEW_DATA)  # per-split blends (instead of blend + split)
+    valid_blend: list | None = knob(None, resume=NEW_DATA)
+    test_blend: list | None = knob(None, resume=NEW_DATA)
+    split: str = knob("969,30,1", resume=NEW_DATA)
+    tokenizer_type: str = knob("sentencepiece", resume=TOKENIZER)
+    tokenizer_model: str | None = knob(None, resume=TOKENIZER)  # None: the embedded Mistral-7B SentencePiece model
+    vocab_file: str | None = knob(None, resume=TOKENIZER)
+    merge_file: str | None = knob(None, resume=TOKENIZER)
+    num_workers: int = knob(0, range="[0, 1024]")
     cache_dir: str | None = None  # None: run.dir/data_cache
     # Document boundaries inside packed samples (Megatron-Core's GPTDatasetConfig fields).
-    eod_mask_loss: bool = False  # no loss on predicting across a document boundary
-    reset_position_ids: bool = False  # positions restart at 0 after each end-of-document token
-    reset_attention_mask: bool = False  # tokens attend only within their own document
+    eod_mask_loss: bool = knob(False, mcore=DATASET)  # no loss on predicting across a document boundary
+    reset_position_ids: bool = knob(False, mcore=DATASET)  # positions restart at 0 after each end-of-document token
+    reset_attention_mask: bool = knob(False, mcore=DATASET)  # tokens attend only within their own document
     # True: train on datasets whose PREFIX.meta.json names another tokenizer than the run's (checked otherwise).
     allow_tokenizer_mismatch: bool = False
 
@@ -206,48 +113,70 @@ class DataConfig:
 @dataclass
 class MuonConfig:
     """Muon (optimizer.name=muon): Megatron-Core's `muon_*` OptimizerConfig fields, same names and defaults
-    (docs/training.md "Muon"); QK-clip is Megatron-Core's TransformerConfig `qk_clip*`."""
+    (docs/training.md "Muon"; `pretrain/compat/muon.py` renames them for releases that name them otherwise); QK-clip
+    is Megatron-Core's TransformerConfig `qk_clip*`."""
 
-    momentum: float = 0.95
-    nesterov: bool = False
-    num_ns_steps: int = 5  # Newton-Schulz iterations
-    coefficient_type: Literal["quintic", "simple", "polar_express", "cans", "aol"] = "quintic"  # 0.16.1: quintic
-    scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = "spectral"
-    extra_scale_factor: float = 1.0  # 0.2 with scale_mode=spectral: Moonlight's AdamW-RMS-matched update
-    split_qkv: bool = True  # orthogonalise Q, K and V of the fused QKV weight separately
-    tp_mode: Literal["blockwise", "duplicated", "distributed"] = "blockwise"
-    fp32_matmul_prec: Literal["highest", "high", "medium"] = "medium"
-    layer_wise: bool = False  # LayerWiseDistributedOptimizer: each DP rank updates whole matrices, then all-gather
-    qk_clip: bool = False  # MuonClip (Kimi K2): rescale W_q, W_k of heads whose max logit exceeds the threshold
-    qk_clip_threshold: float = 100.0
-    qk_clip_alpha: float = 0.5
+    RESUME = REPLACED
+
+    momentum: float = knob(0.95, mcore=OPT.named("muon_momentum"), range="[0, 1)")
+    nesterov: bool = knob(False, mcore=OPT.named("muon_nesterov"))
+    # Newton-Schulz iterations (each a few matrix products per weight per step)
+    num_ns_steps: int = knob(5, mcore=OPT.named("muon_num_ns_steps"), range="[1, 100]")
+    coefficient_type: Literal["quintic", "simple", "polar_express", "cans", "aol"] = knob(  # 0.16.1: quintic
+        "quintic", mcore=OPT.named("muon_coefficient_type"))
+    scale_mode: Literal["spectral", "unit_rms_norm", "shape_scaling"] = knob(
+        "spectral", mcore=OPT.named("muon_scale_mode"))
+    # 0.2 with scale_mode=spectral: Moonlight's AdamW-RMS-matched update
+    extra_scale_factor: float = knob(1.0, mcore=OPT.named("muon_extra_scale_factor"), range="> 0")
+    # orthogonalise Q, K and V of the fused QKV weight separately
+    split_qkv: bool = knob(True, mcore=OPT.named("muon_split_qkv"))
+    tp_mode: Literal["blockwise", "duplicated", "distributed"] = knob("blockwise", mcore=OPT.named("muon_tp_mode"))
+    fp32_matmul_prec: Literal["highest", "high", "medium"] = knob("medium", mcore=OPT.named("muon_fp32_matmul_prec"))
+    # LayerWiseDistributedOptimizer: each DP rank updates whole matrices, then all-gather
+    layer_wise: bool = knob(False, resume=Resume(CHANGE, "Muon's momentum is loaded into this run's optimizer (whole "
+                                                          "matrices either way)"))
+    # MuonClip (Kimi K2): rescale W_q, W_k of heads whose max logit exceeds the threshold
+    qk_clip: bool = knob(False, mcore=QK_CLIP)
+    qk_clip_threshold: float = knob(100.0, mcore=QK_CLIP, range="> 0")
+    qk_clip_alpha: float = knob(0.5, mcore=QK_CLIP, range="[0, 1]")
 
 
 @dataclass
 class OptimizerConfig:
     """Adam(W) or Muon, and the learning-rate schedule (Megatron-Core `OptimizerParamScheduler`)."""
 
-    name: Literal["adamw", "muon"] = "adamw"  # muon: matrices by Muon, the rest by AdamW (Megatron-Core's split)
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    distributed: bool = False  # Megatron distributed optimizer (ZeRO-1 over data parallel)
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    grad_reduce_in_fp32: bool = True  # False: bf16 grad buffers (half the gradient memory)
-    warmup_steps: int = 0
-    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
-    decay_steps: int | None = None  # None: train.steps
-    wsd_decay_steps: int | None = None
-    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
-    fsdp: bool = False  # Megatron-FSDP: parameters, gradients and optimizer state sharded over data parallel
+    RESUME = NEXT_STEP
+
+    # muon: matrices by Muon, the rest by AdamW (Megatron-Core's split)
+    name: Literal["adamw", "muon"] = knob("adamw", resume=Resume(
+        CHANGE, "only with checkpoint.load_optimizer=false: the new optimizer starts fresh from the checkpoint's "
+                "weights (AdamW's moments are not Muon's momentum); refused otherwise"))
+    lr: float = knob(3e-4, mcore=OPT, resume=SCHEDULE, range=">= 0")
+    min_lr: float = knob(3e-5, mcore=OPT, resume=SCHEDULE, range=">= 0")
+    weight_decay: float = knob(0.1, mcore=OPT, resume=REPLACED, range=">= 0")
+    adam_beta1: float = knob(0.9, mcore=OPT, resume=REPLACED, range="[0, 1)")
+    adam_beta2: float = knob(0.95, mcore=OPT, resume=REPLACED, range="[0, 1)")
+    adam_eps: float = knob(1e-8, mcore=OPT, resume=REPLACED, range="> 0")
+    clip_grad: float = knob(1.0, mcore=OPT, resume=REPLACED, range=">= 0", why="0: no clipping")
+    # Megatron distributed optimizer (ZeRO-1 over data parallel)
+    distributed: bool = knob(False, resume=Resume(CHANGE, "the optimizer state is converted to this run's optimizer"))
+    overlap_grad_reduce: bool = knob(False, mcore=DDP)
+    overlap_param_gather: bool = knob(False, mcore=DDP)
+    grad_reduce_in_fp32: bool = knob(True, mcore=DDP)  # False: bf16 grad buffers (half the gradient memory)
+    warmup_steps: int = knob(0, resume=SCHEDULE, range=">= 0")
+    decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = knob(
+        "cosine", resume=SCHEDULE)
+    decay_steps: int | None = knob(None, resume=SCHEDULE, range=">= 1")  # None: train.steps
+    wsd_decay_steps: int | None = knob(None, resume=SCHEDULE, range=">= 1")
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = knob("linear", resume=SCHEDULE)
+    # Megatron-FSDP: parameters, gradients and optimizer state sharded over data parallel
+    fsdp: bool = knob(False, resume=Resume(CHANGE, "the checkpoint is loaded across formats (torch_dist ↔ "
+                                                   "fsdp_dtensor, pretrain/checkpoint/cross_format.py) and saved in "
+                                                   "this run's from then on"))
     # What Megatron-FSDP shards over DP (Megatron-Core's data_parallel_sharding_strategy): optim_grads_params
     # (ZeRO-3, the default), optim_grads (ZeRO-2), optim (ZeRO-1). Setting it implies optimizer.fsdp=true.
-    fsdp_sharding: Literal["optim_grads_params", "optim_grads", "optim"] | None = None
+    fsdp_sharding: Literal["optim_grads_params", "optim_grads", "optim"] | None = knob(None, resume=Resume(
+        CHANGE, "fsdp_dtensor holds the same global tensors for every strategy: the state is resharded to the new one"))
     muon: MuonConfig = field(default_factory=MuonConfig)
 
 
@@ -255,36 +184,55 @@ class OptimizerConfig:
 class TrainConfig:
     """Batch sizes, length, seeding and numerics of the run."""
 
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    steps: int = 100
-    seed: int = 1234
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
-    eval_interval: int | None = None
-    eval_iters: int = 2
-    exit_duration_in_mins: float | None = None  # save and stop after this wall-clock duration
+    RESUME = NEXT_STEP
+
+    micro_batch_size: int = knob(1, range=">= 1", resume=Resume(CHANGE, "the same global batch in other "
+                                                                         "microbatches"))
+    global_batch_size: int = knob(8, range=">= 1", resume=Resume(
+        CHANGE, "consumed_samples continues: the next step reads the samples after it"))
+    steps: int = knob(100, range=">= 1", resume=Resume(
+        CHANGE, "the run ends there; with optimizer.decay_steps null the LR decay is re-derived over it"))
+    seed: int = knob(1234, range="[0, 4294967295]", why="numpy's seed range, which Megatron-Core's datasets use",
+                     resume=Resume(CHANGE, "the data order from consumed_samples on and, after a reshard, the RNG"))
+    # auto: fp32 on CPU, bf16 on GPU
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = knob("auto", resume=Resume(
+        MATCH, "16-bit and fp32 runs keep different optimizer state"))
+    eval_interval: int | None = knob(None, range=">= 1")
+    eval_iters: int = knob(2, range=">= 1")
+    exit_duration_in_mins: float | None = knob(None, range="> 0")  # save and stop after this wall-clock duration
     nan_policy: Literal["stop", "skip"] = "stop"  # what a NaN/Inf loss or grad norm does
     exit_signal_handler: bool = True  # SIGTERM/SIGUSR1: save and exit 0
-    skip_steps: list = field(default_factory=list)  # steps consumed, not trained: [5, "10-12"] (docs/training.md)
+    # steps consumed, not trained: [5, "10-12"] (docs/training.md)
+    skip_steps: list = knob(default_factory=list, resume=Resume(CHANGE, "the listed steps still ahead are consumed, "
+                                                                        "not trained"))
+    # [start, increment, ramp_samples]: Megatron-Core's batch-size ramp-up (docs/training.md "Batch-size ramp-up").
+    rampup_batch_size: list[int] | None = knob(None, resume=Resume(
+        CHANGE, "the batch size at consumed_samples follows the new ramp"))
 
 
 @dataclass
 class CheckpointConfig:
     """Megatron-Core distributed checkpoints (`torch_dist`)."""
 
-    interval: int | None = None  # None: only at the end (and on signals)
+    RESUME = NEXT_STEP
+
+    interval: int | None = knob(None, range=">= 1")  # None: only at the end (and on signals)
     dir: str | None = None  # None: run.dir/checkpoints
-    keep_last: int | None = None  # None: keep all
+    keep_last: int | None = knob(None, range=">= 1")  # None: keep all
     async_save: bool = False
-    pretrained: str | None = None  # weights-only start when run.dir has no checkpoint yet
+    # weights-only start when run.dir has no checkpoint yet
+    pretrained: str | None = knob(None, resume=Resume(UNUSED, "the run resumes from its own checkpoint"))
     save_optimizer: bool = True
     load_optimizer: bool = True
     save_at_end: bool = True
+    allow_dropped_weights: bool = False  # load a checkpoint with tensors this model has no place for (recorded)
 
 
 @dataclass
 class WandbConfig:
     """Weights & Biases: the same scalars as TensorBoard. Off while `project` is null."""
+
+    RESUME = NEXT_STEP
 
     project: str | None = None
     entity: str | None = None
@@ -296,8 +244,10 @@ class WandbConfig:
 class ProfileConfig:
     """A profiler window: steps start_step..end_step (inclusive, 1-based as in metrics.jsonl)."""
 
-    start_step: int | None = None  # None: no profiling
-    end_step: int | None = None
+    RESUME = NEXT_STEP
+
+    start_step: int | None = knob(None, range=">= 1")  # None: no profiling
+    end_step: int | None = knob(None, range=">= 1")
     ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that write a trace
 
 
@@ -305,17 +255,23 @@ class ProfileConfig:
 class LoggingConfig:
     """Where scalars go."""
 
-    log_interval: int = 1
+    RESUME = NEXT_STEP
+
+    log_interval: int = knob(1, range=">= 1")
     tensorboard: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    timing_interval: int | None = None  # every N steps: each rank's compute/wait split, slowest ranks named
-    straggler_threshold: float = 0.2  # ... and the ranks whose compute is more than this fraction over the median
+    # every N steps: each rank's compute/wait split, slowest ranks named
+    timing_interval: int | None = knob(None, range=">= 1")
+    # ... and the ranks whose compute is more than this fraction over the median
+    straggler_threshold: float = knob(0.2, range="> 0")
 
 
 @dataclass
 class RunConfig:
     """The run's home: metrics, TensorBoard, checkpoints and caches live under `dir`."""
+
+    RESUME = NEXT_STEP
 
     dir: str = "runs/default"
     name: str | None = None
@@ -333,9 +289,12 @@ TESTING_ENV = "PRETRAIN_TESTING"
 class RerunConfig:
     """Result validation every step by Megatron-Core's `RerunStateMachine` (docs/training.md, "Faults")."""
 
+    RESUME = Resume(CHANGE, "from the resumed step (the spike maximum comes from the checkpoint)")
+
     mode: Literal["disabled", "validate_results", "report_stats"] = "validate_results"
-    spike_factor: float | None = 10.0  # a loss >= factor x the maximum of the first spike_window steps is a spike
-    spike_window: int = 100  # steps whose loss sets that maximum (Megatron's num_samples)
+    # a loss >= factor x the maximum of the first spike_window steps is a spike
+    spike_factor: float | None = knob(10.0, range="> 1")
+    spike_window: int = knob(100, range=">= 1")  # steps whose loss sets that maximum (Megatron's num_samples)
     on_transient: Literal["continue", "stop"] = "continue"  # a result the re-run does not reproduce
 
 
@@ -343,29 +302,35 @@ class RerunConfig:
 class HangConfig:
     """The per-rank hang watchdog and the process groups' timeout."""
 
+    RESUME = NEXT_STEP
+
     enabled: bool = True
-    factor: float = 10.0  # a step may take factor x the median step time ...
-    floor_s: float = 600.0  # ... and at least this long
-    long_s: float = 1800.0  # the first step, checkpoint saves and evaluation
-    process_group_timeout_s: float | None = None  # the default process group's timeout; None: 10 minutes
+    factor: float = knob(10.0, range="> 1", why="a step may take factor x the median")  # ... step time
+    floor_s: float = knob(600.0, range="> 0")  # ... and at least this long
+    long_s: float = knob(1800.0, range="> 0")  # the first step, checkpoint saves and evaluation
+    # the default process group's timeout; None: 10 minutes
+    process_group_timeout_s: float | None = knob(None, range="> 0")
 
 
 @dataclass
 class TestingConfig:
     """Faults injected on purpose (refused unless PRETRAIN_TESTING=1: the test suite). Steps are 1-based."""
 
-    nan_step: int | None = None  # the loss is NaN at this step on rank nan_rank
-    nan_rank: int = 0
+    RESUME = Resume(CHANGE, "from the resumed step (injected faults: tests only)")
+
+    nan_step: int | None = knob(None, range=">= 1")  # the loss is NaN at this step on rank nan_rank
+    nan_rank: int = knob(0, range=">= 0")
     nan_times: Literal["once", "always"] = "once"  # once: transient (the re-run is clean); always: persistent
-    spike_step: int | None = None  # the loss x spike_scale at this step on rank spike_rank (once)
-    spike_rank: int = 0
-    spike_scale: float = 1000.0
+    spike_step: int | None = knob(None, range=">= 1")  # the loss x spike_scale at this step on rank spike_rank (once)
+    spike_rank: int = knob(0, range=">= 0")
+    spike_scale: float = knob(1000.0, range="finite")
     spike_times: Literal["once", "always"] = "once"
-    hang_step: int | None = None  # rank hang_rank sleeps forever in this step (before its first collective)
-    hang_rank: int = 0
+    # rank hang_rank sleeps forever in this step (before its first collective)
+    hang_step: int | None = knob(None, range=">= 1")
+    hang_rank: int = knob(0, range=">= 0")
     hang_how: Literal["sleep", "sigstop"] = "sleep"  # sigstop: the rank stops itself (SIGSTOP)
-    slow_rank: int | None = None  # this rank sleeps slow_s in every step's compute (a straggler)
-    slow_s: float = 0.0
+    slow_rank: int | None = knob(None, range=">= 0")  # this rank sleeps slow_s in every step's compute (a straggler)
+    slow_s: float = knob(0.0, range=">= 0")
 
 
 @dataclass
@@ -384,6 +349,11 @@ class Config:
     rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation (pretrain/resilience/)
     hang: HangConfig = field(default_factory=HangConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)  # fault injection, tests only
+    # The run's stages, in order: [{name, steps | tokens, set: {dotted.key: value}, keep}] (pretrain/stages/,
+    # docs/training.md "Stages"); null: one stage, the config itself.
+    stages: list | None = knob(None, resume=Resume(
+        CHANGE, "the run continues in the stage its step falls in (a stage that has started keeps its start: "
+                "pretrain/stages/)"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -438,6 +408,9 @@ def _shipped_names() -> str:
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Build a `Config` from a nested dict, applying the model preset under explicit model keys."""
     tree = dict(tree)
+    train = tree.get("train") or {}
+    if tree.get("stages") and isinstance(train, dict) and "steps" not in train:  # the length: the stages' sum
+        tree["train"] = {**train, "steps": 0}
     model = dict(tree.get("model") or {})
     preset = model.get("preset")
     if preset is not None:

@@ -66,6 +66,22 @@ def model_shape(m) -> ModelShape:
                       moe_ffn_hidden_size=(m.moe_ffn_hidden_size or ffn) if m.num_moe_experts else None)
 
 
+def resolved_model_fields(model: dict[str, Any], vocab: int | None) -> dict[str, Any]:
+    """The model section's fields from a dict (as a run_config.yaml holds them; absent: the default) with their null
+    defaults applied as `model_shape` applies them (null ffn_hidden_size = 4 × hidden, …), and a null vocab_size the
+    tokenizer's `vocab` (the resume contract compares these)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from pretrain.config import ModelConfig
+
+    values = {f.name: model.get(f.name, f.default) for f in dataclasses.fields(ModelConfig)}
+    shape = model_shape(SimpleNamespace(**values))
+    return {**values, "ffn_hidden_size": shape.ffn_hidden_size, "num_query_groups": shape.num_query_groups,
+            "kv_channels": shape.head_dim, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+            "vocab_size": values["vocab_size"] or vocab}
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """How MoE expert layers split the world: expert TP × EP × expert DP × PP (Megatron-Core's expert groups).

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from model_providers.core.knobs import CHANGE, Resume, knob
+
 # CUDA-graph scopes both supported Megatron-Core releases accept (0.19 renamed the field cuda_graph_modules).
 CudaGraphScope = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess"]
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
@@ -20,7 +22,10 @@ OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "ml
 
 @dataclass
 class PerformanceConfig:
-    """Speed settings that do not change the model's math (GPU only; each refused on CPU by validate)."""
+    """Speed settings that do not change the model's math (GPU only; each refused on CPU by validate). Passed to
+    Megatron-Core by `model_providers/core/performance.py` (each only when set, some under a release's name)."""
+
+    RESUME = Resume(CHANGE, "from the resumed step (speed settings: the model's math is the same)")
 
     # MoE token dispatch through DeepEP / HybridEP (Megatron-Core's "flex" dispatcher); None: model's dispatcher.
     moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] | None = None
@@ -35,7 +40,8 @@ class PerformanceConfig:
     # Run the shared experts on a side stream, overlapped with the routed experts' dispatch.
     moe_shared_expert_overlap: bool = False
     # NVFP4 GEMMs (Transformer Engine on Blackwell); instead of model.fp8.
-    fp4_recipe: Literal["nvfp4"] | None = None
+    fp4_recipe: Literal["nvfp4"] | None = knob(None, resume=Resume(
+        CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"))
 
 
 def settings_in_use(perf: PerformanceConfig) -> list[str]:

@@ -27,6 +27,7 @@ class Report:
     ids_unchecked: bool = False  # a dataset's largest token id is unknown: the trainer checks every batch
     data_verdicts: list = field(default_factory=list)  # full reads of dataset files, for the verdict cache (rank 0)
     megatron_verdicts: list = field(default_factory=list)  # Megatron-Core's checks passed: rules/megatron_verdicts
+    start_verdicts: list = field(default_factory=list)  # what train starts from, accepted: rules/start
 
     def error(self, keys: tuple[str, ...] | str, message: str, fix: str) -> None:
         self.errors.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), message, fix))

@@ -3,7 +3,8 @@
 All violations are reported at once, each naming the keys involved and a fix (`pretrain/problems.py`). The
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
-logging), `context` (CP), `windows` (sliding-window attention), `bounds` (integer settings no other rule bounds),
+logging), `context` (CP), `windows` (sliding-window attention), `bounds` (first: every numeric key against the range
+its declaration gives, `knob(range=...)`; and the run's sample count),
 and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
 trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
 alone (exit 2 on errors).
@@ -16,7 +17,7 @@ from functools import partial
 from pretrain.config import Config
 from pretrain.layout import Layout, LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
-from pretrain.rules.bounds import bounds_rules
+from pretrain.rules.bounds import bounds_rules, range_rules
 from pretrain.rules.context import context_rules
 from pretrain.rules.hybrid import hybrid_rules
 from pretrain.rules.megatron import megatron_config_rules, megatron_data_rules
@@ -30,7 +31,6 @@ from pretrain.rules.placement import placement_note
 from pretrain.rules.resilience import resilience_rules
 from pretrain.rules.run import data_config_rules, data_rules, optimizer_rules, run_rules
 from pretrain.rules.sinks import glu_bias_yarn_rules, sink_rules
-from pretrain.rules.vocab import optional_sizes_rules
 from pretrain.rules.windows import window_rules
 
 __all__ = ["Problem", "Report", "ValidationFailed", "check", "length_problems", "validate"]
@@ -70,9 +70,10 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
-    lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, optional_sizes_rules,
-                        performance_rules, resilience_rules]
-    if sizes_positive(r, cfg, world_size):  # else only the rules that do no arithmetic on the sizes
+    out_of_range = range_rules(r, cfg)  # every numeric key against its declared range, first
+    lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, performance_rules,
+                        resilience_rules]
+    if sizes_positive(r, cfg, world_size, out_of_range):  # else only the rules that do no arithmetic on the sizes
         try:
             lay = derive_layout(cfg, world_size, vocab_size=vocab_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
@@ -112,14 +113,16 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
 
 
 def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
-    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`) and Megatron-Core's
-    checks that passed (`pretrain.rules.megatron_verdicts`) into their caches in the data cache dir (`create=False`:
+    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
+    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into
+    their caches in the data cache dir (`create=False`:
     only into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
     from pretrain.data.cache import data_cache_dir
     from pretrain.data.check import store_verdicts as store_data_verdicts
-    from pretrain.rules import megatron_verdicts
+    from pretrain.rules import megatron_verdicts, start
 
     if r.errors:
         return 0
     megatron_verdicts.store(data_cache_dir(cfg), r.megatron_verdicts, create=create)
+    megatron_verdicts.store(data_cache_dir(cfg), r.start_verdicts, create=create, directory=start.VERDICT_DIR)
     return store_data_verdicts(cfg, r, create=create)

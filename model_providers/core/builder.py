@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from model_providers.core import fusions, hybrid, mamba_builder, windows
+from model_providers.core.knobs import FP8, GPT, MLA, MOE, MTP, TC, YARN, mcore_kwargs
 from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import shapes_vary
@@ -30,23 +31,56 @@ from model_providers.core.specs import decoder_block_spec, mtp_block_spec
 def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
     """Megatron-Core `TransformerConfig` for the run's model, layout and numerics.
 
+    Every model field declared as feeding `TransformerConfig` (`knob(mcore=TC)`, `pretrain/sections/model.py`) is
+    passed under its Megatron-Core name (`mcore_kwargs`); the values the run derives come from the named functions
+    below, which take precedence: `shape_fields`, `parallel_fields`, `numerics_fields`, `fusion_fields`,
+    `window_fields`, `fp8_fields`, `moe_config`, `mla_config`, `yarn_fields`, the performance section's
+    `performance_kwargs`, and a hybrid Mamba model's `mamba_builder.hybrid_fields`.
+
     `plan`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout` (derived facts: sizes,
     precision, spec choice, shape defaults).
     """
     m = plan.config
-    on_gpu, use_te, precision = layout.on_gpu, layout.use_te, layout.precision
-    dtype = layout.params_dtype
-    batch_p2p = plan.batch_p2p_comm
-    if batch_p2p is None:
-        # gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently.
-        batch_p2p = on_gpu
-    kwargs = dict(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=layout.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=layout.num_query_groups,
-        kv_channels=m.kv_channels,
+    kwargs = {**mcore_kwargs(m, TC), **shape_fields(m, layout), **parallel_fields(plan, layout),
+              **numerics_fields(layout), **fusion_fields(plan, layout), **window_fields(m)}
+    if m.fp8:
+        kwargs.update(fp8_fields(m))
+    if layout.moe:
+        kwargs.update(moe_config(m, layout))
+    elif kwargs["variable_seq_lengths"]:
+        # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
+        # lengths (packed documents under CP × PP), even on a dense model.
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
+    perf = plan.performance
+    if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
+        kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
+    if m.mtp_num_layers:
+        kwargs.update(mcore_kwargs(m, MTP))
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
+        kwargs.update(mamba_builder.hybrid_fields(m))
+    kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
+    if m.multi_latent_attention:
+        return MLATransformerConfig(**{**kwargs, **mla_config(m)})
+    config = TransformerConfig(**kwargs)
+    if m.position_embedding_type == "yarn":
+        yarn_fields(config, m)
+    return config
+
+
+def shape_fields(m, layout: Any) -> dict:
+    """The shape fields whose null the layout resolves (`pretrain.layout.model_shape`), the activation function
+    `model.activation` names, and list fields copied (Megatron-Core may extend them)."""
+    return dict(ffn_hidden_size=layout.ffn_hidden_size, num_query_groups=layout.num_query_groups,
+                activation_func=_activation(m.activation),
+                recompute_modules=list(m.recompute_modules) if m.recompute_modules is not None else None)
+
+
+def parallel_fields(plan: ModelPlan, layout: Any) -> dict:
+    """The parallel layout (`pretrain.layout.Layout`) and the pipeline / context-parallel communication settings."""
+    on_gpu = layout.on_gpu
+    # None: on GPU only (gloo: interleaved PP=2 with batched p2p swaps same-shape messages silently).
+    batch_p2p = on_gpu if plan.batch_p2p_comm is None else plan.batch_p2p_comm
+    return dict(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline,
@@ -58,20 +92,19 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         context_parallel_size=layout.cp,
         cp_comm_type=plan.cp_comm_type if layout.cp > 1 else None,
         sequence_parallel=layout.sp,
-        normalization=m.normalization,
-        layernorm_epsilon=m.layernorm_epsilon,
-        gated_linear_unit=m.gated_linear_unit,
-        activation_func=_activation(m.activation),
-        glu_linear_offset=m.glu_linear_offset,
-        activation_func_clamp_value=m.activation_func_clamp_value,
-        softmax_type=m.softmax_type,
-        add_bias_linear=m.add_bias_linear,
-        add_qkv_bias=m.add_qkv_bias,
-        qk_layernorm=m.qk_layernorm,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        apply_residual_connection_post_layernorm=m.apply_residual_connection_post_layernorm,
+        batch_p2p_comm=batch_p2p,
+        batch_p2p_sync=on_gpu,
+        # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
+        variable_seq_lengths=shapes_vary(plan.packed_documents, layout),
+        deallocate_pipeline_outputs=True,
+        tp_comm_overlap=plan.tp_comm_overlap,
+    )
+
+
+def numerics_fields(layout: Any) -> dict:
+    """Precision, initialisation and the loss's normalisation."""
+    dtype, precision = layout.params_dtype, layout.precision
+    return dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
@@ -79,58 +112,37 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         # Megatron's init also sets the tensor-parallel attributes (partition_dim, ...) that DDP, grad
         # clipping and our own init rely on; initialize_layout_invariant then redraws every weight.
         perform_initialization=True,
-        use_cpu_initialization=not on_gpu,
-        recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers,
-        recompute_modules=list(m.recompute_modules) if m.recompute_modules is not None else None,
-        batch_p2p_comm=batch_p2p,
-        batch_p2p_sync=on_gpu,
-        # Packed documents under CP are padded per microbatch: pipeline stages exchange shapes first.
-        variable_seq_lengths=shapes_vary(plan.packed_documents, layout),
-        deallocate_pipeline_outputs=True,
-        # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
+        use_cpu_initialization=not layout.on_gpu,
+        # Loss = sum over tokens; finalize_model_grads divides by the global token count.
+        calculate_per_token_loss=True,
+    )
+
+
+def fusion_fields(plan: ModelPlan, layout: Any) -> dict:
+    """Fused kernels (they need CUDA kernels or apex; the local spec on CPU runs the plain paths) and the spec."""
+    m, on_gpu, use_te = plan.config, layout.on_gpu, layout.use_te
+    return dict(
         bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
         masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=plan.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
-        # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).
-        window_size=windows.window_size(m),
-        window_attn_skip_freq=windows.skip_freq(m),
         bias_dropout_fusion=on_gpu,
         # MLA fuses RoPE only for YaRN (MLATransformerConfig refuses it with plain RoPE).
         apply_rope_fusion=on_gpu and use_te and (not m.multi_latent_attention or m.rope_type == "yarn"),
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=on_gpu,
-        tp_comm_overlap=plan.tp_comm_overlap,
         transformer_impl="transformer_engine" if use_te else "local",
-        # Loss = sum over tokens; finalize_model_grads divides by the global token count.
-        calculate_per_token_loss=True,
     )
-    if m.fp8:
-        kwargs.update(fp8="hybrid", fp8_recipe=m.fp8, fp8_param=m.fp8_param_gather)
-    if layout.moe:
-        kwargs.update(moe_config(m, layout))
-    elif kwargs["variable_seq_lengths"]:
-        # No experts, so no dispatcher runs; TransformerConfig's default one (allgather) refuses variable sequence
-        # lengths (packed documents under CP × PP), even on a dense model.
-        kwargs["moe_token_dispatcher_type"] = "alltoall"
-    perf = plan.performance
-    if perf is not None:  # the performance section (GPU speed settings), under Megatron-Core's names
-        kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
-    if m.mtp_num_layers:
-        kwargs.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
-    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
-        kwargs.update(mamba_builder.hybrid_config_kwargs(m))
-    if m.multi_latent_attention:
-        kwargs.update(mla_config(m))
-        kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
-        return MLATransformerConfig(**kwargs)
-    kwargs.update(plan.qk_clip)
-    config = TransformerConfig(**kwargs)
-    if m.position_embedding_type == "yarn":
-        yarn_fields(config, m)
-    return config
+
+
+def window_fields(m) -> dict:
+    """Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0))."""
+    return dict(window_size=windows.window_size(m), window_attn_skip_freq=windows.skip_freq(m))
+
+
+def fp8_fields(m) -> dict:
+    """FP8 (`model.fp8` set): Transformer Engine's hybrid format with the recipe and parameter all-gather."""
+    return dict(fp8="hybrid", **mcore_kwargs(m, FP8))
 
 
 def _activation(name: str):
@@ -149,29 +161,19 @@ def _activation(name: str):
 def yarn_fields(config: TransformerConfig, m) -> None:
     """YaRN RoPE (`position_embedding_type=yarn`): Megatron-Core's `GPTModel` and attention read `yarn_*` attributes
     of the config that `TransformerConfig` does not declare (the attention applies the concentration factor
-    `mscale` to cos/sin). Our keys are MLA's YaRN names."""
-    config.yarn_rotary_scaling_factor = m.rotary_scaling_factor
-    config.yarn_original_max_position_embeddings = m.original_max_position_embeddings
-    config.yarn_beta_fast = m.beta_fast
-    config.yarn_beta_slow = m.beta_slow
-    config.yarn_mscale = m.mscale
-    config.yarn_mscale_all_dim = m.mscale_all_dim
-    config.yarn_correction_range_round_to_int = m.yarn_correction_range_round_to_int
+    `mscale` to cos/sin): the fields declared `mcore=YARN` (our keys are MLA's YaRN names)."""
+    for name, value in mcore_kwargs(m, YARN).items():
+        setattr(config, name, value)
 
 
 def mla_config(m) -> dict:
-    """Megatron-Core's MLATransformerConfig fields (the same names as our `model.*` keys)."""
-    return dict(
-        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim,
-        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_type=m.rope_type,
-        rotary_base=m.rotary_base, rotary_percent=m.rotary_percent, rotary_scaling_factor=m.rotary_scaling_factor,
-        original_max_position_embeddings=m.original_max_position_embeddings, beta_fast=m.beta_fast,
-        beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim,
-    )
+    """Megatron-Core's MLATransformerConfig fields (declared `mcore=MLA`: the same names as our `model.*` keys)."""
+    return mcore_kwargs(m, MLA)
 
 
 def moe_config(m, layout: Any) -> dict:
-    """The MoE fields of Megatron-Core's TransformerConfig (same names as our `model.*` keys).
+    """The MoE fields of Megatron-Core's TransformerConfig (declared `mcore=MOE`), with the expert layout, the expert
+    FFN size and grouped GEMM resolved.
 
     The aux-loss and z-loss coefficients are multiplied by `layout.moe_loss_scale`: with
     `calculate_per_token_loss` (ours), Megatron-Core 0.16.1–0.18 scale those losses by the tokens of the rank's
@@ -184,31 +186,13 @@ def moe_config(m, layout: Any) -> dict:
     """
     sliced = layout.moe_loss_scale
     return dict(
-        num_moe_experts=m.num_moe_experts,
+        mcore_kwargs(m, MOE),
         moe_ffn_hidden_size=layout.moe_ffn_hidden_size,
-        moe_router_topk=m.moe_router_topk,
-        moe_router_score_function=m.moe_router_score_function,
-        moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_router_dtype=m.moe_router_dtype,
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff * sliced,
         moe_z_loss_coeff=m.moe_z_loss_coeff * sliced if m.moe_z_loss_coeff is not None else None,
-        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
-        moe_token_drop_policy=m.moe_token_drop_policy,
-        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
-        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=layout.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        # DeepSeek routing, shared experts and dense-first layers (defaults: off).
-        moe_layer_freq=m.moe_layer_freq,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_router_num_groups=m.moe_router_num_groups,
-        moe_router_group_topk=m.moe_router_group_topk,
-        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
-        moe_latent_size=m.moe_latent_size,  # LatentMoE: Transformer Engine only (pretrain/rules/hybrid.py)
     )
 
 
@@ -226,9 +210,9 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
         stage = vp_stage if layout.virtual_pipeline else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        if hybrid.is_hybrid(m):
+        if hybrid.is_hybrid(m):  # MambaModel's arguments: the fields declared mcore=HYBRID_MODEL
             model = mamba_builder.hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
-            chunks.append(_finish(model, m, layout, vocab_size, padded))
+            chunks.append(_finish(model, layout, vocab_size, padded))
             continue
         block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=plan.packed_documents)
         model = GPTModel(
@@ -236,16 +220,10 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             transformer_layer_spec=block,
             mtp_block_spec=mtp_block_spec(config, block, layout.use_te, vp_stage=stage),
             vocab_size=padded,
-            max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=pre,
             post_process=post,
-            share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-            position_embedding_type=m.position_embedding_type,
-            rotary_percent=m.rotary_percent,
-            rotary_base=_rotary_base(m),
-            rope_scaling=m.rope_scaling,
-            rope_scaling_factor=m.rope_scaling_factor,
             vp_stage=stage,
+            **gpt_model_fields(m),
         )
         if m.rope_scaling and hasattr(model, "rotary_pos_emb"):
             apply_rope_scaling(model, m)
@@ -253,7 +231,7 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             # Megatron creates this torch.nn.Embedding in fp32 (Megatron-LM casts it with Float16Module,
             # which this trainer does not use): in bf16 it would promote the hidden states to fp32.
             model.embedding.position_embeddings.to(dtype=config.params_dtype)
-        chunks.append(_finish(model, m, layout, vocab_size, padded))
+        chunks.append(_finish(model, layout, vocab_size, padded))
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
     if config.softmax_type == "learnable":
@@ -262,13 +240,20 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
     return chunks
 
 
-def _finish(model, m, layout: Any, vocab_size: int, padded: int):
+def _finish(model, layout: Any, vocab_size: int, padded: int):
     """A built chunk on its device, with the vocabulary padding masked in its logits."""
     if layout.on_gpu:
         model.cuda(torch.cuda.current_device())
     if model.post_process and padded > vocab_size:
         mask_padded_logits(model, vocab_size, padded)
     return model
+
+
+def gpt_model_fields(m) -> dict:
+    """`GPTModel`'s own arguments: the fields declared `mcore=GPT`, with the context length defaulted to the
+    training length and RoPE's base typed as Megatron-Core types it."""
+    return {**mcore_kwargs(m, GPT), "max_sequence_length": m.max_position_embeddings or m.seq_length,
+            "rotary_base": _rotary_base(m)}
 
 
 def _rotary_base(m) -> int | float:

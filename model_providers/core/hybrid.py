@@ -14,7 +14,6 @@ from typing import Any
 
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
 SYMBOLS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
-CONV_KERNEL_WIDTHS = (2, 3, 4)  # the causal_conv1d CUDA kernel's widths
 
 
 def is_hybrid(m: Any) -> bool:

@@ -38,20 +38,36 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from model_providers.core import hybrid
+from model_providers.core.knobs import HYBRID, HYBRID_MODEL, MIXER, mcore_kwargs
 from model_providers.core.mamba_mixer import CpuMambaMixer, mamba_kernels_available
 from model_providers.core.specs import SequenceParallelNorm, _local_layer_spec
 
 
-def hybrid_config_kwargs(m: Any) -> dict:
-    """The TransformerConfig fields of a hybrid model (Megatron-Core's names)."""
-    return dict(mamba_state_dim=m.mamba_state_dim, mamba_head_dim=m.mamba_head_dim,
-                mamba_num_groups=m.mamba_num_groups, mamba_num_heads=hybrid.mamba_num_heads(m), is_hybrid_model=True)
+def hybrid_fields(m: Any) -> dict:
+    """The TransformerConfig fields of a hybrid model: those declared `mcore=HYBRID` (`pretrain/sections/model.py`),
+    the Mamba heads defaulted (`hybrid.mamba_num_heads`), and the hybrid flag (the scaled init's layer count)."""
+    return dict(mcore_kwargs(m, HYBRID), mamba_num_heads=hybrid.mamba_num_heads(m), is_hybrid_model=True)
 
 
 def _mixer_params(m: Any) -> dict:
-    """`MambaMixer`'s constructor arguments our model fields set (its other defaults are Nemotron-H's)."""
-    return dict(d_conv=m.mamba_conv_kernel, chunk_size=m.mamba_chunk_size, dt_min=m.mamba_dt_min,
-                dt_max=m.mamba_dt_max, dt_init_floor=m.mamba_dt_init_floor)
+    """`MambaMixer`'s constructor arguments our model fields set (declared `mcore=MIXER`; its other defaults are
+    Nemotron-H's)."""
+    return mcore_kwargs(m, MIXER)
+
+
+def model_fields(m: Any, stage: int | None, rotary_base: int | float) -> dict:
+    """`MambaModel`'s own arguments: the fields declared `mcore=HYBRID_MODEL` under this release's names (the pattern
+    is `hybrid_override_pattern` on 0.16.1-0.18, which take no `vp_stage`), the context length defaulted to the
+    training length and RoPE's base as the builder types it."""
+    kwargs = {release_name(k): v for k, v in mcore_kwargs(m, HYBRID_MODEL).items()}
+    kwargs.update(rotary_base=rotary_base, max_sequence_length=m.max_position_embeddings or m.seq_length)
+    return dict(kwargs, vp_stage=stage) if _new_release() else kwargs
+
+
+def release_name(arg: str) -> str:
+    """A `MambaModel` argument under the installed release's name (0.19's `hybrid_layer_pattern` was
+    `hybrid_override_pattern` before)."""
+    return "hybrid_override_pattern" if arg == "hybrid_layer_pattern" and not _new_release() else arg
 
 
 class LocalMambaStack(MambaStack):
@@ -125,16 +141,8 @@ def hybrid_model(config, plan: Any, layout: Any, stage: int | None, pre: bool, p
     """One `MambaModel` chunk of this rank (`stage`: the virtual pipeline stage, None without interleaving)."""
     m = plan.config
     spec = te_stack_spec(m) if layout.use_te else local_stack_spec(config, m, plan.packed_documents)
-    kwargs = dict(config=config, mamba_stack_spec=spec, vocab_size=layout.padded_vocab,
-                  max_sequence_length=m.max_position_embeddings or m.seq_length, pre_process=pre, post_process=post,
-                  share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-                  position_embedding_type=m.position_embedding_type, rotary_percent=m.rotary_percent,
-                  rotary_base=rotary_base)
-    if _new_release():
-        kwargs.update(hybrid_layer_pattern=m.hybrid_layer_pattern, vp_stage=stage)
-    else:
-        kwargs.update(hybrid_override_pattern=m.hybrid_layer_pattern)
-    return MambaModel(**kwargs)
+    return MambaModel(config=config, mamba_stack_spec=spec, vocab_size=layout.padded_vocab, pre_process=pre,
+                      post_process=post, **model_fields(m, stage, rotary_base))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model_providers.core.knobs import QK_CLIP, mcore_kwargs
 from model_providers.core.sequences import packed_sequences
 
 
@@ -34,9 +35,8 @@ def model_plan(cfg: Any) -> ModelPlan:
     """The `ModelPlan` of a config tree (`pretrain.config.Config`)."""
     o, p = cfg.optimizer, cfg.parallel
     clip = ()
-    if o.name == "muon" and o.muon.qk_clip:
-        clip = (("qk_clip", True), ("qk_clip_threshold", o.muon.qk_clip_threshold),
-                ("qk_clip_alpha", o.muon.qk_clip_alpha))
+    if o.name == "muon" and o.muon.qk_clip:  # optimizer.muon's fields declared mcore=QK_CLIP
+        clip = tuple(mcore_kwargs(o.muon, QK_CLIP).items())
     return ModelPlan(config=cfg.model, seed=cfg.train.seed, packed_documents=packed_sequences(cfg),
                      batch_p2p_comm=p.batch_p2p_comm, cp_comm_type=p.cp_comm_type,
                      tp_comm_overlap=p.tp_comm_overlap, performance=getattr(cfg, "performance", None), qk_clip=clip)

@@ -16,137 +16,47 @@ learning rate, its schedule, betas, eps and weight decay come from this run's co
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import typing
 from pathlib import Path
 from typing import Any
 
+from model_providers.core.knobs import CHANGE, MATCH, UNUSED, leaves, resume_of
 from pretrain.checkpoint.format import CheckpointError, read_saved_config
+from pretrain.config import Config
 
-MATCH, CHANGE, UNUSED = "must match", "changes and takes effect", "not used on resume"
+__all__ = ["CHANGE", "FIELDS", "MATCH", "TOKENIZER_KEYS", "UNUSED", "apply_new_schedule", "check_resume",
+           "config_fields", "hyperparameters", "resume_fields", "resume_table"]
+
 TOKENIZER_KEYS = ("data.tokenizer_type", "data.tokenizer_model", "data.vocab_file", "data.merge_file")
 TOKENIZER_STATE = "tokenizer"  # common-state key: TokenizerIdentity.to_dict(), or None for "no tokenizer"
 
-_MODEL_IDENTITY = (
-    "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "vocab_size", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation",
-    "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor",
-    "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "sliding_window",
-    "window_attn_skip_freq", "softmax_type", "glu_linear_offset", "activation_func_clamp_value",
-    "yarn_correction_range_round_to_int",
-    "apply_residual_connection_post_layernorm", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
-    "moe_router_score_function", "moe_router_pre_softmax",
-    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-    "mscale_all_dim", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "mtp_num_layers",
-    # hybrid Mamba models
-    "hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_heads", "mamba_num_groups",
-    "mamba_conv_kernel", "moe_latent_size",
-)
-_MODEL_TRAINING = (
-    "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout",
-    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-    "bias_activation_fusion", "transformer_impl", "fp8", "fp8_param_gather", "moe_router_dtype",
-    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
-    "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_grouped_gemm",
-    "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "fp8_recipe",
-    "mamba_chunk_size",  # the SSD scan's chunking: the same recurrence, other rounding
-)
-_SCHEDULE = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps", "wsd_decay_steps", "lr_wsd_decay_style")
-_ADAM = ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
-_DDP = ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_fp32")
 
-
-def _group(cls: str, how: str, section: str, names) -> dict[str, tuple[str, str]]:
-    return {f"{section}.{name}": (cls, how) for name in names}
-
-
-# (class, what happens on resume) for every leaf of the config tree; docs/checkpoints.md "Resuming" shows it.
-FIELDS: dict[str, tuple[str, str]] = {
-    **_group(MATCH, "the model's identity: a resumed run trains the same model", "model", _MODEL_IDENTITY),
-    "model.preset": (UNUSED, "its fields are compared one by one"),
-    "model.init_method_std": (UNUSED, "the weights come from the checkpoint"),
-    **_group(UNUSED, "the weights come from the checkpoint", "model",
-             ("mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor")),  # the initial Mamba time steps
-    **_group(CHANGE, "from the resumed step", "model", _MODEL_TRAINING),
-    **_group(CHANGE, "the checkpoint is resharded to the new layout (RNG states restored only for the same "
-             "layout)", "parallel", ("tensor", "pipeline", "virtual_pipeline", "context", "expert",
-                                     "expert_tensor", "sequence_parallel",
-                                     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                                     "pipeline_layout", "account_for_embedding_in_pipeline_split",
-                                     "account_for_loss_in_pipeline_split")),
-    **_group(CHANGE, "from the resumed step", "parallel", ("tp_comm_overlap", "batch_p2p_comm",
-                                                              "cp_comm_type")),
-    **_group(MATCH, "the tokenizer, compared by identity (kind and SHA-256 of its files), not by path",
-             "data", [k.split(".")[1] for k in TOKENIZER_KEYS]),
-    **_group(CHANGE, "training reads the new data from consumed_samples on", "data",
-             ("mock", "blend", "train_blend", "valid_blend", "test_blend", "split")),
-    **_group(CHANGE, "from the resumed step", "data", ("num_workers", "cache_dir", "eod_mask_loss",
-                                                        "reset_position_ids", "reset_attention_mask",
-                                                        "allow_tokenizer_mismatch")),
-    **_group(CHANGE, "the LR schedule is re-derived from this config at the resumed step", "optimizer", _SCHEDULE),
-    **_group(CHANGE, "this config's value replaces the checkpoint's from the resumed step", "optimizer", _ADAM),
-    "optimizer.distributed": (CHANGE, "the optimizer state is converted to this run's optimizer"),
-    "optimizer.name": (CHANGE, "only with checkpoint.load_optimizer=false: the new optimizer starts fresh from the "
-                       "checkpoint's weights (AdamW's moments are not Muon's momentum); refused otherwise"),
-    **_group(CHANGE, "this config's value replaces the checkpoint's from the resumed step", "optimizer.muon",
-             ("momentum", "nesterov", "num_ns_steps", "coefficient_type", "scale_mode", "extra_scale_factor",
-              "split_qkv", "tp_mode", "fp32_matmul_prec", "qk_clip", "qk_clip_threshold", "qk_clip_alpha")),
-    "optimizer.muon.layer_wise": (CHANGE, "Muon's momentum is loaded into this run's optimizer (whole matrices "
-                                  "either way)"),
-    "optimizer.fsdp": (CHANGE, "the checkpoint is loaded across formats (torch_dist ↔ fsdp_dtensor, "
-                       "pretrain/checkpoint/cross_format.py) and saved in this run's from then on"),
-    "optimizer.fsdp_sharding": (CHANGE, "fsdp_dtensor holds the same global tensors for every strategy: the "
-                                "state is resharded to the new one"),
-    **_group(CHANGE, "from the resumed step", "optimizer", _DDP),
-    "train.steps": (CHANGE, "the run ends there; with optimizer.decay_steps null the LR decay is re-derived over it"),
-    "train.global_batch_size": (CHANGE, "consumed_samples continues: the next step reads the samples after it"),
-    "train.micro_batch_size": (CHANGE, "the same global batch in other microbatches"),
-    "train.seed": (CHANGE, "the data order from consumed_samples on and, after a reshard, the RNG"),
-    "train.precision": (MATCH, "16-bit and fp32 runs keep different optimizer state"),
-    **_group(CHANGE, "from the resumed step", "train", ("eval_interval", "eval_iters", "exit_duration_in_mins",
-                                                         "nan_policy", "exit_signal_handler")),
-    "train.skip_steps": (CHANGE, "the listed steps still ahead are consumed, not trained"),
-    **_group(CHANGE, "from the resumed step", "checkpoint", ("interval", "dir", "keep_last", "async_save",
-                                                              "save_optimizer", "load_optimizer", "save_at_end")),
-    "checkpoint.pretrained": (UNUSED, "the run resumes from its own checkpoint"),
-    **_group(CHANGE, "from the resumed step", "logging", ("log_interval", "tensorboard", "timing_interval",
-                                                            "straggler_threshold")),
-    **_group(CHANGE, "from the resumed step", "logging.wandb", ("project", "entity", "name", "mode")),
-    **_group(CHANGE, "from the resumed step", "logging.profile", ("start_step", "end_step", "ranks")),
-    **_group(CHANGE, "from the resumed step", "run", ("dir", "name", "allow_untested_versions")),
-    **_group(CHANGE, "from the resumed step (speed settings: the model's math is the same)", "performance",
-             ("moe_flex_dispatcher_backend", "cuda_graph_impl", "cuda_graph_scope",
-              "fine_grained_activation_offloading", "offload_modules", "overlap_moe_expert_parallel_comm",
-              "moe_shared_expert_overlap")),
-    "performance.fp4_recipe": (CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"),
-    **_group(CHANGE, "from the resumed step (the spike maximum comes from the checkpoint)", "rerun",
-             ("mode", "spike_factor", "spike_window", "on_transient")),
-    **_group(CHANGE, "from the resumed step", "hang", ("enabled", "factor", "floor_s", "long_s",
-                                                        "process_group_timeout_s")),
-    **_group(CHANGE, "from the resumed step (injected faults: tests only)", "testing",
-             ("nan_step", "nan_rank", "nan_times", "spike_step", "spike_rank", "spike_scale", "spike_times",
-              "hang_step", "hang_rank", "hang_how", "slow_rank", "slow_s")),
-}
-
-
-def config_fields(cls: type | None = None, prefix: str = "") -> list[str]:
-    """Dotted names of every leaf field of the config tree (`Config` by default)."""
+def resume_fields(cls: type | None = None) -> dict[str, tuple[str, str]]:
+    """(class, what happens on resume) of every leaf of the config tree (`Config` by default) that declares one: its
+    own `knob(resume=...)`, else its section's `RESUME` (`pretrain/config.py`, `pretrain/sections/`)."""
     if cls is None:
-        from pretrain.config import Config
-
         cls = Config
-    hints = typing.get_type_hints(cls)
-    out: list[str] = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += config_fields(hints[f.name], f"{prefix}{f.name}.")
-        else:
-            out.append(f"{prefix}{f.name}")
-    return out
+    rules = {key: resume_of(section, f) for key, section, f in leaves(cls)}
+    return {key: (rule.cls, rule.how) for key, rule in rules.items() if rule is not None}
+
+
+def resume_table() -> list[tuple[str, str, str, list[str]]]:
+    """docs/checkpoints.md's "Resuming" table: (section, class, what happens, fields), in the config's order."""
+    rows: dict[tuple[str, str, str], list[str]] = {}
+    for key, (cls, how) in FIELDS.items():
+        section, _, name = key.rpartition(".")
+        rows.setdefault((section, cls, how), []).append(name)
+    return [(*row, names) for row, names in rows.items()]
+
+
+# (class, what happens on resume) for every leaf of the config tree, from the fields' declarations; docs/checkpoints.md
+# "Resuming" shows it (`python -m pretrain.checkpoint.contract` prints that table).
+FIELDS: dict[str, tuple[str, str]] = resume_fields()
+
+
+def config_fields(cls: type | None = None) -> list[str]:
+    """Dotted names of every leaf field of the config tree (`Config` by default)."""
+    return [key for key, _, _ in leaves(cls or Config)]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -214,20 +124,6 @@ def _saved_identity(common: dict, saved: dict[str, Any]):
 # --------------------------------------------------------------------------------------------------
 
 
-def _resolved_model(model: dict[str, Any], vocab: int | None) -> dict[str, Any]:
-    """Model fields with their null defaults applied (null ffn_hidden_size = 4 × hidden, …; vocab = tokenizer's)."""
-    from types import SimpleNamespace
-
-    from pretrain.config import ModelConfig
-    from pretrain.layout import model_shape
-
-    values = {f.name: model.get(f.name, f.default) for f in dataclasses.fields(ModelConfig)}
-    shape = model_shape(SimpleNamespace(**values))
-    return {**values, "ffn_hidden_size": shape.ffn_hidden_size, "num_query_groups": shape.num_query_groups,
-            "kv_channels": shape.head_dim, "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
-            "vocab_size": values["vocab_size"] or vocab}
-
-
 def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
     """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg` and its tokenizer
     (`tokenizer`: the run's `TokenizerPlan`; None: resolved here from `cfg`, for callers without a plan).
@@ -235,7 +131,7 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
     Returns the lines to print (`resume: KEY OLD → NEW (what happens)` and notes); raises CheckpointError naming
     every must-match key that differs.
     """
-    from pretrain.config import Config
+    from pretrain.layout import resolved_model_fields
 
     saved_tree = read_saved_config(path)
     defaults = _flatten(Config().to_dict())
@@ -248,9 +144,9 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
     if note:
         lines.append(f"resume: note: {note}")
     new_vocab = new_tok.vocab_size if new_tok else None
-    old_model = _resolved_model({k[6:]: v for k, v in saved.items() if k.startswith("model.")},
+    old_model = resolved_model_fields({k[6:]: v for k, v in saved.items() if k.startswith("model.")},
                                 old_tok.vocab_size if old_tok else new_vocab)
-    new_model = _resolved_model({k[6:]: v for k, v in new.items() if k.startswith("model.")}, new_vocab)
+    new_model = resolved_model_fields({k[6:]: v for k, v in new.items() if k.startswith("model.")}, new_vocab)
     refused: list[str] = []
     for key, (cls, how) in FIELDS.items():
         old, now = saved.get(key), new[key]
@@ -322,3 +218,8 @@ def apply_new_schedule(optimizer, scheduler, fresh_groups: list[dict] | None, nu
             group.update(fresh)
     scheduler.num_steps = 0
     scheduler.step(increment=num_steps)
+
+
+if __name__ == "__main__":  # docs/checkpoints.md's "Resuming" table
+    for _section, _cls, _how, _names in resume_table():
+        print(f"| `{_section or '(top level)'}` | {', '.join(f'`{n}`' for n in _names)} | {_cls} | {_how} |")

@@ -264,6 +264,23 @@ class FsdpAsTorchDist:
 # --------------------------------------------------------------------------------------------------
 
 
+def crossing_refusal(cfg, path: Path, common: dict, into_fsdp: bool) -> CheckpointError | None:
+    """Why the optimizer state of `path` (the other format than this run's, `common` its common state) cannot be
+    loaded into this run's optimizer (Megatron-FSDP: `into_fsdp`), or None (`validate` asks too:
+    `pretrain.checkpoint.resume.preview_start`)."""
+    if not cfg.checkpoint.load_optimizer or "optimizer" not in common:
+        return None
+    source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
+    sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
+    if sharding in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) and (into_fsdp or cfg.optimizer.distributed):
+        return None
+    return CheckpointError(
+        f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
+        f"{source} checkpoint's optimizer state ({sharding or 'not sharded'}) does not fit this run's "
+        f"optimizer. Fix: set optimizer.distributed=true, or checkpoint.load_optimizer=false to start from "
+        "the weights with a fresh optimizer")
+
+
 def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
     """Load `path` (the other format than this run's) on every rank. Returns (step, consumed_samples)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -272,17 +289,7 @@ def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> 
     into_fsdp = fsdp_format.is_fsdp(model)
     source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
     with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-    error = None
-    if with_optimizer:
-        sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
-        sharded_here = into_fsdp or cfg.optimizer.distributed
-        if sharding not in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) or not sharded_here:
-            error = CheckpointError(
-                f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
-                f"{source} checkpoint's optimizer state ({sharding or 'not sharded'}) does not fit this run's "
-                f"optimizer. Fix: set optimizer.distributed=true, or checkpoint.load_optimizer=false to start from "
-                "the weights with a fresh optimizer")
-    agree(error)
+    agree(crossing_refusal(cfg, path, common, into_fsdp) if with_optimizer else None)
     target = "Megatron-FSDP" if into_fsdp else "the distributed optimizer" if cfg.optimizer.distributed else "DDP"
     if dist.get_rank() == 0:
         print(f"[pretrain] {path} is in the {source} format: loading it into {target} (per-rank RNG states are "

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from pretrain import safe_paths
@@ -70,6 +70,33 @@ def latest_iteration(root: Path) -> int | None:
     return step
 
 
+STAGE_MARK = "stage_end.txt"  # in a checkpoint that ends a stage: its name (kept whatever checkpoint.keep_last says)
+STAGE_LINK = "stage_{name}"  # in the checkpoint root: a link to the checkpoint that ends stage NAME
+
+
+def name_checkpoint(root: Path, step: int, name: str) -> Path:
+    """Mark the checkpoint of `step` as the end of stage `name` (never pruned) and link `root/stage_NAME` to it;
+    idempotent (a restart names what a killed run had not)."""
+    import os
+
+    path = iteration_dir(root, step)
+    mark = path / STAGE_MARK
+    if not mark.is_file() or mark.read_text().strip() != name:
+        write_atomic(mark, f"{name}\n")
+    link = root / STAGE_LINK.format(name=name)
+    if not (link.is_symlink() and os.readlink(link) == path.name):
+        tmp = root / f".{link.name}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        os.replace(tmp, link)
+    return link
+
+
+def ends_a_stage(path: Path) -> bool:
+    """True for a checkpoint named for the stage it ends (`name_checkpoint`)."""
+    return (path / STAGE_MARK).is_file()
+
+
 def journal_step(root: Path) -> int | None:
     """The step `COMMIT_JOURNAL` names (a commit that had not finished), None when there is none or it is unreadable."""
     try:
@@ -115,6 +142,8 @@ def commit_files(path: Path, run_config_yaml: str, root: Path | None = None, ste
 def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> None:
     """The non-tensor files of a checkpoint written outside Megatron-Core (the HF import):
     `metadata.json`, `common.pt` and, last, `run_config.yaml`."""
+    import torch
+
     (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
     torch.save(common, path / COMMON_FILE)
     write_atomic(path / RUN_CONFIG_FILE, run_config_yaml)
@@ -156,6 +185,8 @@ class _IndexUnpickler(pickle.Unpickler):
     """Unpickles a torch_dist `.metadata` index, refusing every global outside the index's own classes."""
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if name in _INDEX_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -176,6 +207,8 @@ def read_common(path: Path, index=None) -> dict:
     megatron-core ≤ 0.18 writes it to `common.pt`; 0.19+ stores it as the `common_state` object inside the
     torch_dist files. A pickle of arbitrary objects is refused in both.
     """
+    import torch
+
     f = path / COMMON_FILE
     if f.is_file():
         what, source = f, f
@@ -320,3 +353,38 @@ def read_saved_config(path: Path) -> dict:
         raise CheckpointError(f"{cfg_file}: expected a mapping of config sections, found {type(tree).__name__}")
     return tree
 
+
+
+def root_stamp(root: Path) -> dict[str, Any]:
+    """What choosing a checkpoint of `root` reads, as a fingerprint (`validate`'s verdict cache,
+    `pretrain.rules.start`): the tracker and the commit journal (contents), and per `iter_*` directory the names of
+    its files and the size and mtime of its `run_config.yaml`, `metadata.json`, `common.pt` and `.metadata`. A
+    changed checkpoint is another stamp; a data file rewritten in place at the same name is not (train's own
+    check at start reads the index against the files)."""
+    def text(p: Path) -> str | None:
+        try:
+            return p.read_bytes()[:4096].decode("utf-8", "replace")
+        except OSError:
+            return None
+
+    out: dict[str, Any] = {"root": str(root), TRACKER: text(root / TRACKER),
+                           COMMIT_JOURNAL: text(root / COMMIT_JOURNAL)}
+    for step in iterations(root):
+        out[iteration_dir(root, step).name] = iteration_stamp(iteration_dir(root, step))
+    return out
+
+
+def iteration_stamp(path: Path) -> dict[str, Any]:
+    """The names of the files of one checkpoint directory and the (size, mtime_ns) of its small files (`root_stamp`)."""
+    def stat(p: Path) -> list[int] | None:
+        try:
+            st = p.stat()
+            return [st.st_size, st.st_mtime_ns]
+        except OSError:
+            return None
+
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        names = None
+    return {"files": names, **{f: stat(path / f) for f in (RUN_CONFIG_FILE, FORMAT_FILE, COMMON_FILE, INDEX_FILE)}}

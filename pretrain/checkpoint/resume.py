@@ -12,6 +12,7 @@ from pretrain.checkpoint.format import (
     COMMIT_JOURNAL,
     TRACKER,
     CheckpointError,
+    checkpoint_backend,
     checkpoint_root,
     inspect_checkpoint,
     is_committed,
@@ -24,26 +25,29 @@ from pretrain.checkpoint.format import (
 from pretrain.checkpoint.load import load_checkpoint
 from pretrain.files import write_atomic
 
+PRETRAINED_REFUSED = "checkpoint.pretrained: "  # how `preview_start` begins a refusal of the pretrained weights
+
 
 def _names(root: Path, steps: list[int]) -> str:
     return ", ".join(iteration_dir(root, s).name for s in steps)
 
 
 
-def resume_step(root: Path) -> tuple[int | None, str | None]:
+def resume_step(root: Path, finish_commit: bool = True) -> tuple[int | None, str | None]:
     """(step to resume from or None, a note for the log); raises CheckpointError when it must refuse.
 
     The tracker selects the checkpoint. Without one, the newest committed checkpoint is used if it is
     intact. A committed checkpoint is never given up silently: newer committed ones than the tracker's,
-    or a damaged newest one without a tracker, stop the run with what to do.
+    or a damaged newest one without a tracker, stop the run with what to do. `finish_commit=False` (`validate`):
+    the same decision, but an interrupted commit is only described, not finished (nothing is written).
     """
     tracker = root / TRACKER
     steps = iterations(root)
-    finished = _finish_interrupted_commit(root)
+    finished, finished_step = _finish_interrupted_commit(root, write=finish_commit)
+    if finished:
+        return finished_step, finished
     tracked = latest_iteration(root)
     committed = [s for s in steps if is_committed(iteration_dir(root, s))]
-    if finished:
-        return tracked, finished
     if tracked is not None:
         newer = [s for s in committed if s > tracked]
         if newer:
@@ -67,16 +71,20 @@ def resume_step(root: Path) -> tuple[int | None, str | None]:
                            f"(complete checkpoints found: {_names(root, committed)})")
 
 
-def _finish_interrupted_commit(root: Path) -> str | None:
+def _finish_interrupted_commit(root: Path, write: bool = True) -> tuple[str | None, int | None]:
     """A save killed during its commit left `COMMIT_JOURNAL`: if its checkpoint got its run_config.yaml (it is
-    complete), move the tracker to it as the commit would have. Returns a note when it did; the journal is
-    removed either way (an uncommitted checkpoint is a partial save, replaced by the next save)."""
+    complete), move the tracker to it as the commit would have. Returns (a note, the step) when it did (`write`)
+    or would (`write=False`: nothing is changed); the journal is removed either way when `write` (an uncommitted
+    checkpoint is a partial save, replaced by the next save)."""
     journal = root / COMMIT_JOURNAL
     if not journal.exists():
-        return None
+        return None, None
     step = journal_step(root)
     note = None
     if step is not None and is_committed(iteration_dir(root, step)) and latest_iteration(root) != step:
+        if not write:
+            return (f"the commit of {iteration_dir(root, step)} was interrupted after it was complete: train moves "
+                    f"{TRACKER} to {step}"), step
         try:
             write_atomic(root / TRACKER, f"{step}\n")
         except OSError as exc:
@@ -84,11 +92,12 @@ def _finish_interrupted_commit(root: Path) -> str | None:
                                   f"{iteration_dir(root, step).name} failed ({exc.strerror or exc})") from None
         note = (f"the commit of {iteration_dir(root, step)} was interrupted after it was complete: "
                 f"{TRACKER} moved to {step}")
-    journal.unlink(missing_ok=True)
-    return note
+    if write:
+        journal.unlink(missing_ok=True)
+    return note, (step if note else None)
 
 
-def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | None:
+def _saved_elsewhere(cfg, root: Path, step: int | None, finish_commit: bool = True) -> tuple[Path, int] | None:
     """A complete checkpoint of this run newer than `step` (the newest in `root`) in another checkpoint root this
     run dir saved to (`pretrain.run.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
     from pretrain.run.run_dir import checkpoint_roots
@@ -100,33 +109,82 @@ def _saved_elsewhere(cfg, root: Path, step: int | None) -> tuple[Path, int] | No
         committed = [s for s in iterations(other) if is_committed(iteration_dir(other, s))]
         if not committed or committed[-1] <= max(step or 0, best[1] if best else 0):
             continue
-        found, _note = resume_step(other)  # the same rules there: a rollback or a damaged newest one refuses
+        # the same rules there: a rollback or a damaged newest one refuses
+        found, _note = resume_step(other, finish_commit)
         if found is not None and found > max(step or 0, best[1] if best else 0):
             best = (other, found)
     return best
 
 
-def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
-    """`resume_step` decided and the resume contract checked on rank 0, shared (collective): (checkpoint dir or
-    None, lines to log). The newest complete checkpoint of the run is used wherever this run dir saved it: with
-    checkpoint.dir changed, one in the earlier root that is newer than any in the new one is resumed from (and
-    said so); saves go to the new root. `tokenizer`: the run's `TokenizerPlan` (the contract compares it)."""
+def decide_resume(cfg, tokenizer=None, *, finish_commit: bool = True) -> tuple[Path | None, list[str]]:
+    """In this process: `resume_step` decided and the resume contract checked: (checkpoint dir or None, lines to
+    log); raises CheckpointError where a run must not start. The newest complete checkpoint of the run is used
+    wherever this run dir saved it: with checkpoint.dir changed, one in the earlier root that is newer than any in
+    the new one is resumed from (and said so); saves go to the new root. `tokenizer`: the run's `TokenizerPlan`
+    (the contract compares it). `finish_commit=False`: read only (`preview_start`)."""
+    path, lines, _common = _decide(cfg, tokenizer, finish_commit)
+    return path, lines
+
+
+def _decide(cfg, tokenizer, finish_commit: bool) -> tuple[Path | None, list[str], dict]:
     root = checkpoint_root(cfg)
+    step, note = resume_step(root, finish_commit)
+    lines = [note] if note else []
+    path = iteration_dir(root, step) if step is not None else None
+    elsewhere = _saved_elsewhere(cfg, root, step, finish_commit)
+    if elsewhere is not None:
+        path = iteration_dir(*elsewhere)
+        here = f"its newest there is {iteration_dir(root, step).name}" if step is not None else "none there"
+        lines.append(f"checkpoint.dir is {root} ({here}), but this run dir saved a newer complete checkpoint "
+                     f"at {path}: resuming from it, saving to {root} from now on")
+    common: dict = {}
+    if path is not None:  # the resume contract, before anything loads
+        common = inspect_checkpoint(path)[0]
+        lines += check_resume(cfg, path, common, tokenizer)
+    return path, lines, common
+
+
+def preview_start(cfg, tokenizer=None) -> list[str]:
+    """What `train` will start from, decided as `start_from_checkpoint` decides, reading only (`validate`): the
+    lines to print, the first one `resume from step N of DIR: what changes` or `start from the weights of PATH`;
+    [] for a fresh start. Raises CheckpointError where train would refuse to start (the resume contract, an
+    optimizer state that cannot cross formats, an unusable tracker or checkpoint). The tensors themselves are
+    compared with the model's only when train builds it (`load.py`)."""
+    path, lines, common = _decide(cfg, tokenizer, finish_commit=False)
+    pretrained = cfg.checkpoint.pretrained
+    if path is not None:
+        into_fsdp = bool(cfg.optimizer.fsdp)
+        if (checkpoint_backend(path) == fsdp_format.FORMAT) != into_fsdp:
+            from pretrain.checkpoint.cross_format import crossing_refusal
+
+            error = crossing_refusal(cfg, path, common, into_fsdp)
+            if error is not None:
+                raise error
+        changes = [line.removeprefix("resume: ") for line in lines if line.startswith("resume: ")]
+        notes = [line for line in lines if not line.startswith("resume: ")]
+        step = int(common.get("iteration", path.name.removeprefix("iter_")))
+        unused = [f"checkpoint.pretrained={pretrained} is not used: the run resumes from its own checkpoint"] \
+            if pretrained else []
+        return [f"resume from step {step} of {path.parent}: {'; '.join(changes) or 'no config change'}",
+                *notes, *unused]
+    if pretrained:
+        try:
+            source = resolve_checkpoint(pretrained)
+            inspect_checkpoint(source)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{PRETRAINED_REFUSED}{exc}") from None
+        return [*lines, f"start from the weights of {source} (checkpoint.pretrained: weights only; the optimizer, "
+                        "LR schedule and step start fresh)"]
+    return lines
+
+
+def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
+    """`decide_resume` on rank 0, shared (collective): (checkpoint dir or None, lines to log)."""
     decision: list = [None]
     unexpected = None
     if dist.get_rank() == 0:
         try:
-            step, note = resume_step(root)
-            lines = [note] if note else []
-            path = iteration_dir(root, step) if step is not None else None
-            elsewhere = _saved_elsewhere(cfg, root, step)
-            if elsewhere is not None:
-                path = iteration_dir(*elsewhere)
-                here = f"its newest there is {iteration_dir(root, step).name}" if step is not None else "none there"
-                lines.append(f"checkpoint.dir is {root} ({here}), but this run dir saved a newer complete checkpoint "
-                             f"at {path}: resuming from it, saving to {root} from now on")
-            if path is not None:  # the resume contract, before anything loads
-                lines += check_resume(cfg, path, inspect_checkpoint(path)[0], tokenizer)
+            path, lines = decide_resume(cfg, tokenizer)
             decision[0] = ("ok", str(path) if path is not None else None, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
@@ -140,6 +198,25 @@ def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
     if kind == "error":
         raise CheckpointError(value)
     return (Path(value) if value is not None else None), lines
+
+
+def resume_point(cfg) -> int | None:
+    """The step of the checkpoint this run dir resumes from, None for a fresh start (collective; decided on rank 0 as
+    `find_resume` decides it, before anything is built: a staged run builds the stage that step is in)."""
+    root = checkpoint_root(cfg)
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            step, _note = resume_step(root)
+            elsewhere = _saved_elsewhere(cfg, root, step)
+            decision[0] = ("ok", elsewhere[1] if elsewhere is not None else step)
+        except CheckpointError as exc:
+            decision[0] = ("error", str(exc))
+    dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def start_from_checkpoint(ctx, log) -> tuple[int, int, bool]:

@@ -24,13 +24,21 @@ from typing import Any
 
 from pretrain.compat.mcore import MCORE, _pick, _substituted
 
-# OptimizerConfig field per optimizer.muon key (what differs between releases: nesterov's name, coefficients)
-_FIELDS_0_16 = {"momentum": "muon_momentum", "nesterov": "muon_use_nesterov", "num_ns_steps": "muon_num_ns_steps",
-                "scale_mode": "muon_scale_mode", "extra_scale_factor": "muon_extra_scale_factor",
-                "split_qkv": "muon_split_qkv", "tp_mode": "muon_tp_mode", "fp32_matmul_prec": "muon_fp32_matmul_prec"}
-_FIELDS_0_19 = {**_FIELDS_0_16, "nesterov": "muon_nesterov", "coefficient_type": "muon_coefficient_type"}
-MUON_FIELDS: dict[str, str] = _pick({"0.16.1": _FIELDS_0_16, "0.19.0": _FIELDS_0_19})
-COEFFICIENTS_FIXED = "coefficient_type" not in MUON_FIELDS  # this release always uses "quintic"
+# The optimizer.muon keys feed OptimizerConfig under 0.19's names (`mcore=OPT.named(...)` in pretrain/config.py);
+# 0.16.1 names nesterov otherwise and has no coefficient set (None: the release has no such field).
+MUON_RENAMED: dict[str, str | None] = _pick({"0.16.1": {"muon_nesterov": "muon_use_nesterov",
+                                                        "muon_coefficient_type": None}, "0.19.0": {}})
+COEFFICIENTS_FIXED = MUON_RENAMED.get("muon_coefficient_type", "") is None  # this release always uses "quintic"
+
+
+def muon_fields(declared: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer.muon values under 0.19's OptimizerConfig names, renamed (or dropped) for this release."""
+    out = {}
+    for name, value in declared.items():
+        name = MUON_RENAMED.get(name, name)
+        if name is not None:
+            out[name] = value
+    return out
 # Megatron-Core's LayerWiseDistributedOptimizer in fp32 runs (measured on CPU, DP2, tests/pretrain/test_muon.py)
 LAYER_WISE_FP32: str = _pick({
     "0.16.1": "its checkpoints fail in fp32: LayerWiseDistributedOptimizer.sharded_state_dict reads each chained "
@@ -112,5 +120,5 @@ def build_muon(config, chunks: list, layer_wise: bool):
     return _build(config, chunks, layer_wise)
 
 
-__all__ = ["COEFFICIENTS_FIXED", "LAYER_WISE_FP32", "MCORE", "MUON_FIELDS", "backfill_typing_override", "build_muon",
-           "emerging_optimizers_missing"]
+__all__ = ["COEFFICIENTS_FIXED", "LAYER_WISE_FP32", "MCORE", "MUON_RENAMED", "backfill_typing_override", "build_muon",
+           "emerging_optimizers_missing", "muon_fields"]

@@ -63,6 +63,18 @@ def _weight(x) -> float | None:
     return None
 
 
+def _share(w: float, total: float) -> str:
+    """`w / total` in scientific notation, also where the quotient underflows (1e-300 of 1e300: 1e-600)."""
+    if w / total > 0:
+        return f"{w / total:.3g}"
+    exponent = math.log10(w) - math.log10(total)
+    power = math.floor(exponent)
+    mantissa = round(10 ** (exponent - power), 2)
+    if mantissa >= 10:
+        mantissa, power = mantissa / 10, power + 1
+    return f"{mantissa:.3g}e{power}"
+
+
 def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     """`[prefix, ...]` -> (prefixes, None); `[w, prefix, w, prefix, ...]` -> (prefixes, weights).
 
@@ -95,8 +107,9 @@ def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
                          "e.g. shares that add up to 1")
     for w, raw, p in zip(weights, items[0::2], prefixes):
         if w / total < MIN_WEIGHT_SHARE:
-            raise ValueError(f"weight {raw} of {p} is {w / total:.3g} of the total: that dataset would never be "
-                             "drawn; use weights of comparable size, or remove the entry")
+            raise ValueError(f"weight {raw} of {p} is {_share(w, total)} of the total: that dataset would never be "
+                             f"drawn (a share below {MIN_WEIGHT_SHARE:g}); use weights of comparable size, or remove "
+                             "the entry")
     return list(prefixes), weights
 
 
@@ -289,27 +302,28 @@ def _null_tokenizer(cfg: Config, r: Report):
     return null_identity(m.vocab_size)
 
 
-def _checked(prefix: str, verdict_cache: str | None = None):
+def _checked(prefix: str, verdict_cache: str | None = None, header_only: bool = False):
     """`check_dataset` of one prefix (the metadata check where it can stand for the index, else a current entry
-    of the verdict cache `verdict_cache`, else a full read), or its exception."""
+    of the verdict cache `verdict_cache`, else a full read; `header_only`: the header check instead of the full
+    read), or its exception."""
     from pretrain.dataset_format.check import check_dataset
 
     try:
         return check_dataset(prefix, scan_limit_bytes=SCAN_LIMIT_BYTES, trust_metadata=True,
-                             verdict_cache=verdict_cache)
+                             verdict_cache=verdict_cache, header_only=header_only)
     except (ValueError, OSError) as e:
         return e
 
 
-def check_all(prefixes: list[str], verdict_cache: str | None = None) -> dict:
+def check_all(prefixes: list[str], verdict_cache: str | None = None, header_only: bool = False) -> dict:
     """`_checked` of every prefix, CHECK_THREADS at a time (a parallel file system answers many small reads at
     once; each check is a few opens and 128 KiB)."""
     if len(prefixes) < 2:
-        return {p: _checked(p, verdict_cache) for p in prefixes}
+        return {p: _checked(p, verdict_cache, header_only) for p in prefixes}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(min(CHECK_THREADS, len(prefixes))) as pool:
-        return dict(zip(prefixes, pool.map(lambda p: _checked(p, verdict_cache), prefixes)))
+        return dict(zip(prefixes, pool.map(lambda p: _checked(p, verdict_cache, header_only), prefixes)))
 
 
 def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
@@ -378,10 +392,13 @@ def _full_read_note(full: list[tuple[str, str]]) -> str:
             "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
 
 
-def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: bool | None = None) -> None:
+def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: bool | None = None,
+                     header_only: bool = False) -> None:
     """Tokenizer, every prefix of every blend, and the documents of each split the run reads. `ident`, `null`: the
     run's tokenizer identity and whether it is the null one, when already resolved (`pretrain.run_plan`), else
-    loaded / decided here."""
+    loaded / decided here. `header_only` (`validate`): a dataset whose metadata cannot stand for its index, and
+    that has no verdict of an earlier full read, is checked from its .idx header and sizes (a few reads at any
+    size), not read in full: the trainer's one-rank check reads it in full before training reads it."""
     ident = check_tokenizer(cfg, r, ident, null)
     vocab = resolve_vocab_size(cfg, ident.vocab_size) if ident is not None else cfg.model.vocab_size
     try:
@@ -392,7 +409,8 @@ def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: boo
     seen: dict[str, object] = {}
     started = time.perf_counter()
     cache = data_cache_dir(cfg)
-    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)), cache)
+    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)), cache,
+                        header_only)
     for key, (prefixes, _weights) in blends.items():
         for prefix in prefixes:
             if prefix not in seen:
@@ -423,10 +441,16 @@ def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: boo
         r.notes.append(_full_read_note(full))
     r.data_verdicts += [e for f in checked if (e := verdict_entry(f)) is not None]
     if seen:
-        fast, cached = (sum(f.checked == how for f in checked) for how in ("metadata", "cache"))
+        fast, cached, header = (sum(f.checked == how for f in checked) for how in ("metadata", "cache", "header"))
+        headers = f"{header} from their .idx header and sizes, " if header_only else ""
+        if header:
+            r.notes.append(f"{header} dataset(s) whose metadata cannot stand for their index were checked from the "
+                           ".idx header, the first and last pointers and the file sizes; the trainer's one-rank "
+                           "check reads them in full before training reads them (once: its verdict is cached), "
+                           "`python -m data_tools verify PREFIX` does now")
         r.notes.append(f"dataset files checked: {len(seen)} prefix(es) in {time.perf_counter() - started:.2f} s "
-                       f"({fast} from their metadata and .idx header, {cached} from the verdict cache, "
-                       f"{len(checked) - fast - cached} read in full)")
+                       f"({fast} from their metadata and .idx header, {cached} from the verdict cache, {headers}"
+                       f"{len(checked) - fast - cached - header} read in full)")
 
 
 def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:

@@ -81,8 +81,9 @@ def check_data_files_once(cfg, report, device=None, tokenizer=None) -> None:
     report.data_verdicts += pending
 
 
-def _report_cache(log, cache: str, seconds: float, before, removed: list[str], built: bool = True) -> None:
-    """The removed cache entries and (`built`) what the build wrote or read."""
+def _report_cache(log, cache: str, seconds: float, before, removed: list[str], built: bool = True,
+                  checked_s: float = 0.0) -> None:
+    """The removed cache entries and (`built`) what the build wrote or read (`checked_s`: the entries' checks)."""
     from pretrain.data.cache import CacheState
 
     for name in removed:
@@ -96,7 +97,8 @@ def _report_cache(log, cache: str, seconds: float, before, removed: list[str], b
             "read them")
     else:
         log(f"[pretrain] data: Megatron's dataset indices read from the cache in {cache} in {seconds:.2f} s "
-            "(built by an earlier start; nothing rebuilt)")
+            f"(built by an earlier start, checked against the digests recorded then in {checked_s:.2f} s; nothing "
+            "rebuilt)")
 
 
 def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
@@ -106,6 +108,8 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
     The splits the run does not read are left out of the split matrix, so Megatron-Core never builds them (it
     loops forever on a split that holds no documents)."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    from model_providers.core.knobs import DATASET, mcore_kwargs
 
     d = cfg.data
     mock = uses_mock(d)
@@ -120,9 +124,7 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
         split=None if per_split else d.split,
         path_to_cache=data_cache_dir(cfg),
         tokenizer=tokenizer,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
+        **mcore_kwargs(d, DATASET),  # the data section's fields declared mcore=DATASET (document boundaries)
         create_attention_mask=False,  # documents travel as packed sequences (pack_documents), never a dense mask
         mmap_bin_files=True,
     )
@@ -151,15 +153,22 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     sizes = [num_train_samples, num_eval_samples, 0]
     first = not dist.is_initialized() or dist.get_rank() == 0
     if first:
-        from pretrain.data.cache import CacheState, remove_truncated
+        from pretrain.data.cache import CacheState, check_entries
 
-        removed = remove_truncated(cache)
+        checking = time.perf_counter()
+        removed = check_entries(cache)  # truncated, unreadable, inconsistent, or not matching their digests
+        checked_s = time.perf_counter() - checking
         before = CacheState.read(cache)  # after the removal: a rebuilt entry counts as built
     started = time.perf_counter()
     builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or (lambda: True), ds_config)
     train, valid, _ = builder.build()
+    if first:
+        from pretrain.data.cache import record_digests
+
+        record_digests(cache)  # of the entries this build wrote, checked by every later start before it reads them
     if first and log is not None:
-        _report_cache(log, cache, time.perf_counter() - started, before, removed, built=not uses_mock(cfg.data))
+        _report_cache(log, cache, time.perf_counter() - started, before, removed, built=not uses_mock(cfg.data),
+                      checked_s=checked_s)
     return train, valid
 
 

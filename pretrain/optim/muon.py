@@ -22,10 +22,11 @@ def muon_optimizer_config(cfg: Config, config):
     """Megatron-Core's OptimizerConfig `config` (this run's AdamW settings, for the parameters Muon does not take)
     with the optimizer.muon.* keys under Megatron-Core's `muon_*` names (validation refuses the classic
     distributed optimizer with Muon)."""
-    from pretrain.compat.muon import MUON_FIELDS
+    from model_providers.core.knobs import OPT, mcore_kwargs
+    from pretrain.compat.muon import muon_fields
 
-    for key, field in MUON_FIELDS.items():
-        setattr(config, field, getattr(cfg.optimizer.muon, key))
+    for name, value in muon_fields(mcore_kwargs(cfg.optimizer.muon, OPT)).items():
+        setattr(config, name, value)
     return config
 
 

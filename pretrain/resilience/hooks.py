@@ -62,6 +62,11 @@ class Resilience:
         self.watchdog = Watchdog(cfg.hang, cfg.run.dir, rt.rank, rt.world_size) if cfg.hang.enabled else None
         self.first = True
 
+    def watch_saves(self, async_saves) -> None:
+        """A hang report names the writer of an asynchronous save still in flight (`AsyncSaves.in_flight`)."""
+        if self.watchdog is not None and async_saves is not None:
+            self.watchdog.writers.append(async_saves.in_flight)
+
     def skipped(self, step: int) -> bool:
         """Step `step` (1-based) is one of train.skip_steps: said in one line; the caller advances past it."""
         if step not in self.skips:

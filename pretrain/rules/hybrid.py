@@ -4,9 +4,10 @@
   MoE layers;
 - the Mamba-2 mixer's split (Megatron-Core asserts each): heads and groups divide by TP, heads by groups; under CP
   (its all-to-all) each TP rank's heads divide by CP, and its groups divide by CP or CP by them;
-- what the CUDA kernels take (a config must also run on GPUs): the `causal_conv1d` widths 2-4, a power-of-2 SSD
-  chunk (mamba_ssm's Triton scan), and a convolution of a multiple of 8 channels per rank (the channel-last layout
-  `mamba_split_conv1d_scan_combined` passes it);
+- what the CUDA kernels take (a config must also run on GPUs): a power-of-2 SSD chunk (mamba_ssm's Triton scan)
+  and a convolution of a multiple of 8 channels per rank (the channel-last layout `mamba_split_conv1d_scan_combined`
+  passes it); the convolution's widths 2-4 are the range `model.mamba_conv_kernel` declares;
+- the initial time steps' interval: mamba_dt_min <= mamba_dt_max;
 - what the hybrid model does not wire: virtual pipeline stages and layout strings (0.16.1 splits the stages inside
   its stack, evenly or by first/last stage; 0.19+ takes stage boundaries as `|` in the pattern, not wired here),
   MTP (0.16.1's MambaModel has none; 0.19+'s `/` patterns are not wired), full recompute (the Mamba stack has
@@ -54,10 +55,9 @@ def _mixer_rules(r: Report, cfg: Config) -> None:
     """The Mamba-2 mixer's split over TP and CP, and the CUDA kernels' limits."""
     m, p = cfg.model, cfg.parallel
     tp, cp = max(p.tensor, 1), max(p.context, 1)
-    for key in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size"):
-        if getattr(m, key) < 1:
-            r.error(f"model.{key}", f"model.{key}={getattr(m, key)} must be at least 1", f"set model.{key}")
-            return
+    sizes = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel")
+    if any(getattr(m, key) < 1 for key in sizes) or (m.mamba_num_heads is not None and m.mamba_num_heads < 1):
+        return  # the range rule reported it (`knob(range=...)`, pretrain/rules/bounds.py)
     if m.mamba_num_heads is None and (2 * m.hidden_size) % m.mamba_head_dim:
         r.error(("model.mamba_num_heads", "model.mamba_head_dim"), f"model.mamba_num_heads=null means 2 × "
                 f"hidden_size / mamba_head_dim = {2 * m.hidden_size} / {m.mamba_head_dim}, not a whole number",
@@ -65,7 +65,8 @@ def _mixer_rules(r: Report, cfg: Config) -> None:
         return
     heads, groups = hybrid.mamba_num_heads(m), m.mamba_num_groups
     if heads < 1:
-        r.error("model.mamba_num_heads", f"model.mamba_num_heads={heads} must be at least 1", "set it")
+        r.error("model.mamba_num_heads", f"model.mamba_num_heads=null means 2 × hidden_size / mamba_head_dim = "
+                f"{heads}: no Mamba head", "set model.mamba_num_heads")
         return
     if heads % groups:
         r.error(("model.mamba_num_heads", "model.mamba_num_groups"), f"{heads} Mamba heads do not split into "
@@ -79,9 +80,10 @@ def _mixer_rules(r: Report, cfg: Config) -> None:
                 f"Mamba's context parallelism gives each CP rank heads/(TP·CP) heads and a share of the groups: "
                 f"{heads // tp} heads and {groups // tp} groups per TP rank do not split over parallel.context={cp}",
                 "choose a context-parallel size dividing the heads per TP rank (and the groups, or divided by them)")
-    if m.mamba_conv_kernel not in hybrid.CONV_KERNEL_WIDTHS:
-        r.error("model.mamba_conv_kernel", f"model.mamba_conv_kernel={m.mamba_conv_kernel}: the causal_conv1d CUDA "
-                "kernel takes widths 2 to 4", "set model.mamba_conv_kernel to 2, 3 or 4")
+    if m.mamba_dt_min > m.mamba_dt_max:
+        r.error(("model.mamba_dt_min", "model.mamba_dt_max"), f"model.mamba_dt_min={m.mamba_dt_min} is above "
+                f"model.mamba_dt_max={m.mamba_dt_max}: the initial time steps are drawn between them",
+                "set model.mamba_dt_min <= model.mamba_dt_max")
     if m.mamba_chunk_size & (m.mamba_chunk_size - 1):
         r.error("model.mamba_chunk_size", f"model.mamba_chunk_size={m.mamba_chunk_size}: mamba_ssm's SSD scan "
                 "kernels take a power of 2", "set e.g. model.mamba_chunk_size=128")
@@ -137,9 +139,9 @@ def _latent_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: boo
     m = cfg.model
     if m.moe_latent_size is None:
         return
-    if m.moe_latent_size < 1 or not m.num_moe_experts:
+    if not m.num_moe_experts:  # its width: the range rule's
         r.error(("model.moe_latent_size", "model.num_moe_experts"), f"model.moe_latent_size={m.moe_latent_size} "
-                "needs experts and a width of at least 1", "set model.moe_latent_size=null or a positive width")
+                "needs experts", "set model.moe_latent_size=null or model.num_moe_experts")
     use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
     if not use_te:
         r.error(("model.moe_latent_size", "model.transformer_impl"), "LatentMoE (model.moe_latent_size): Megatron-Core "

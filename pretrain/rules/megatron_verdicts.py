@@ -94,8 +94,8 @@ def verdict_key(kinds: list[str], cfg: Config, lay: Layout | None, world: int, c
     return hashlib.sha256(text.encode()).hexdigest()[:40], json.loads(text)  # as an entry reads back
 
 
-def entry_path(cache_dir: str | os.PathLike, key: str) -> Path:
-    return Path(cache_dir) / VERDICT_DIR / f"{key}.json"
+def entry_path(cache_dir: str | os.PathLike, key: str, directory: str = VERDICT_DIR) -> Path:
+    return Path(cache_dir) / directory / f"{key}.json"
 
 
 def usable() -> bool:
@@ -105,27 +105,36 @@ def usable() -> bool:
 
 def lookup(cache_dir: str | os.PathLike, key: str, facts: dict[str, Any]) -> Path | None:
     """The entry's path when it is present, well-formed and records exactly `facts` as accepted; else None."""
-    path = entry_path(cache_dir, key)
+    return entry_path(cache_dir, key) if read_entry(cache_dir, key, facts) is not None else None
+
+
+def read_entry(cache_dir: str | os.PathLike, key: str, facts: dict[str, Any],
+               directory: str = VERDICT_DIR) -> dict[str, Any] | None:
+    """The entry (`{"verdict", "facts", "result"?}`) when it is present, well-formed and records exactly `facts` as
+    accepted; else None. `directory`: another cache beside this one (`pretrain.rules.start`'s resume verdicts)."""
+    path = entry_path(cache_dir, key, directory)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("verdict") != "accepted" or record.get("facts") != facts:
         return None
-    return path
+    return record
 
 
-def store(cache_dir: str | os.PathLike, verdicts: list[tuple[str, dict[str, Any]]], create: bool) -> int:
-    """Write each (key, facts) as accepted; `create=False`: only into a cache directory that exists. Returns how
-    many were written (a cache that cannot be written is no error: the checks run again next time)."""
+def store(cache_dir: str | os.PathLike, verdicts: list[tuple], create: bool, directory: str = VERDICT_DIR) -> int:
+    """Write each (key, facts) or (key, facts, result) as accepted; `create=False`: only into a cache directory
+    that exists. Returns how many were written (a cache that cannot be written is no error: the checks run again
+    next time)."""
     if not verdicts or (not create and not os.path.isdir(cache_dir)):
         return 0
     written = 0
-    for key, facts in verdicts:
-        path = entry_path(cache_dir, key)
+    for key, facts, *result in verdicts:
+        path = entry_path(cache_dir, key, directory)
+        record = {"verdict": "accepted", "facts": facts, **({"result": result[0]} if result else {})}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"verdict": "accepted", "facts": facts}, sort_keys=True), durable=False)
+            write_atomic(path, json.dumps(record, sort_keys=True), durable=False)
             written += 1
         except OSError:
             continue

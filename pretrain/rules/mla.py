@@ -20,12 +20,6 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     if not m.multi_latent_attention:
         return
     tp = p.tensor
-    for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-        if getattr(m, key) < 1:
-            r.error(f"model.{key}", f"model.{key}={getattr(m, key)} must be at least 1", f"set model.{key}")
-    if m.q_lora_rank is not None and m.q_lora_rank < 1:
-        r.error("model.q_lora_rank", f"model.q_lora_rank={m.q_lora_rank} must be at least 1",
-                "set a rank, or null to project queries directly")
     if m.qk_pos_emb_head_dim % 2:
         r.error("model.qk_pos_emb_head_dim", f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} must be even "
                 "(RoPE rotates pairs)", "use an even RoPE width, e.g. 64")
@@ -58,12 +52,7 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
         r.error(("model.multi_latent_attention", "model.rope_scaling"),
                 "model.rope_scaling (Llama-3 RoPE scaling) does not apply to MLA, whose RoPE is model.rope_type",
                 "set model.rope_scaling=false and model.rope_type=yarn for a scaled context")
-    if m.rope_type == "yarn":
-        if m.rotary_scaling_factor <= 0 or m.original_max_position_embeddings < 1:
-            r.error(("model.rotary_scaling_factor", "model.original_max_position_embeddings"),
-                    "YaRN needs model.rotary_scaling_factor > 0 and model.original_max_position_embeddings >= 1",
-                    "set them from the model's config (e.g. 40 and 4096 for DeepSeek-V3)")
-    elif m.rotary_scaling_factor != 1.0 and m.mscale_all_dim:
+    if m.rope_type != "yarn" and m.rotary_scaling_factor != 1.0 and m.mscale_all_dim:
         r.error(("model.rotary_scaling_factor", "model.mscale_all_dim", "model.rope_type"),
                 f"model.rotary_scaling_factor={m.rotary_scaling_factor} with model.mscale_all_dim={m.mscale_all_dim} "
                 "scales MLA's softmax even with model.rope_type=rope (Megatron-Core), which plain RoPE does not",
@@ -97,14 +86,9 @@ def deepseek_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bo
         elif 1 not in freq:
             r.error("model.moe_layer_freq", "model.moe_layer_freq has no MoE layer (all 0)",
                     "mark MoE layers with 1, or set model.num_moe_experts=null for a dense model")
-    elif freq < 1:
-        r.error("model.moe_layer_freq", f"model.moe_layer_freq={freq} must be at least 1", "use 1 (every layer MoE)")
     shared = m.moe_shared_expert_intermediate_size
-    if shared is not None:
-        if shared < 1:
-            r.error("model.moe_shared_expert_intermediate_size", f"model.moe_shared_expert_intermediate_size={shared} "
-                    "must be positive", "set the shared experts' total FFN size, or null for none")
-        elif shared % p.tensor:
+    if shared is not None and shared >= 1:  # below 1: the range rule's
+        if shared % p.tensor:
             r.error(("model.moe_shared_expert_intermediate_size", "parallel.tensor"),
                     f"model.moe_shared_expert_intermediate_size={shared} is not divisible by parallel.tensor="
                     f"{p.tensor} (shared experts split over TP)", f"choose parallel.tensor from {_divisors(shared)}")
@@ -113,14 +97,6 @@ def deepseek_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bo
         r.error(("model.moe_router_enable_expert_bias", "model.moe_router_score_function"),
                 "the expert bias (aux-loss-free balancing) needs sigmoid scores (Megatron-Core)",
                 "set model.moe_router_score_function=sigmoid or model.moe_router_enable_expert_bias=false")
-    if m.moe_router_bias_update_rate < 0:
-        r.error("model.moe_router_bias_update_rate",
-                f"model.moe_router_bias_update_rate={m.moe_router_bias_update_rate} must be >= 0",
-                "use e.g. 1e-3 (0: the bias stays as loaded)")
-    scale = m.moe_router_topk_scaling_factor
-    if scale is not None and scale <= 0:
-        r.error("model.moe_router_topk_scaling_factor", f"model.moe_router_topk_scaling_factor={scale} must be "
-                "positive", "set it (e.g. 2.5) or null for none")
 
 
 def _group_rules(r: Report, m, experts: int, k: int) -> None:
@@ -134,9 +110,7 @@ def _group_rules(r: Report, m, experts: int, k: int) -> None:
                 f"({missing} is null{'; Megatron-Core would ignore the groups' if group_topk is None else ''})",
                 f"set {missing}, or both to null")
         return
-    if groups < 1 or group_topk < 1:
-        r.error(("model.moe_router_num_groups", "model.moe_router_group_topk"),
-                "model.moe_router_num_groups and model.moe_router_group_topk must be at least 1", "set both >= 1")
+    if groups < 1 or group_topk < 1:  # the range rule's
         return
     if experts % groups:
         r.error(("model.moe_router_num_groups", "model.num_moe_experts"),
@@ -162,13 +136,8 @@ def mtp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     m = cfg.model
     if m.mtp_num_layers is None:
         return
-    if m.mtp_num_layers < 1:
-        r.error("model.mtp_num_layers", f"model.mtp_num_layers={m.mtp_num_layers} must be at least 1",
-                "set the MTP depth (DeepSeek-V3: 1), or null for none")
+    if m.mtp_num_layers < 1:  # the range rule's
         return
-    if m.mtp_loss_scaling_factor < 0:
-        r.error("model.mtp_loss_scaling_factor", f"model.mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} must be "
-                ">= 0", "use e.g. 0.1 (DeepSeek-V3: 0.3, then 0.1)")
     if m.recompute_granularity == "full" and m.recompute_method == "uniform" and (m.recompute_num_layers or 1) != 1:
         r.error(("model.mtp_num_layers", "model.recompute_num_layers"),
                 f"full uniform recompute with MTP needs model.recompute_num_layers=1 (Megatron-Core asserts it for the "

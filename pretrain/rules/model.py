@@ -51,10 +51,6 @@ def model_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> 
     """Model options Megatron-Core asserts on later, and the family fields that combine."""
     m, p = cfg.model, cfg.parallel
     r.errors.extend(length_problems(m))
-    for key in ("max_position_embeddings", "sliding_window"):
-        value = getattr(m, key)
-        if value is not None and value < 1:
-            r.error(f"model.{key}", f"model.{key}={value} must be at least 1", f"set model.{key} or null")
     if m.rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         r.error(("model.rope_scaling_high_freq_factor", "model.rope_scaling_low_freq_factor"),
                 f"RoPE scaling needs model.rope_scaling_high_freq_factor={m.rope_scaling_high_freq_factor} above "

@@ -22,27 +22,19 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def sizes_positive(r: Report, cfg: Config, world_size: int) -> bool:
-    """Sizes must be positive before any arithmetic below."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    positive = {
-        "parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "parallel.context": p.context,
-        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
-        "model.num_attention_heads": m.num_attention_heads, "model.seq_length": m.seq_length,
-        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
-        "train.steps": t.steps, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "parallel.expert": p.expert,
-        "parallel.expert_tensor": 1 if p.expert_tensor is None else p.expert_tensor,
-        "model.num_moe_experts": 1 if m.num_moe_experts is None else m.num_moe_experts,
-        "model.moe_ffn_hidden_size": 1 if m.moe_ffn_hidden_size is None else m.moe_ffn_hidden_size,
-        "model.moe_router_topk": m.moe_router_topk,
-    }  # fmt: skip
-    bad = [k for k, v in positive.items() if v < 1]
-    for key in bad:
-        r.error(key, f"{key}={positive[key]} must be at least 1", f"set {key} to a positive integer")
+def sizes_positive(r: Report, cfg: Config, world_size: int, out_of_range: set[str]) -> bool:
+    """Whether the sizes the layout arithmetic divides by are positive (`out_of_range`: the keys the range rule,
+    `pretrain.rules.bounds.range_rules`, reported); a world size below 1 is reported here."""
+    bad = [k for k in _SIZES if k in out_of_range]
     if world_size < 1 and not any(k.startswith("parallel.") for k in bad):  # else a knock-on of one reported
         r.error("world_size", f"world size {world_size} must be at least 1", "launch at least one process")
     return not (bad or world_size < 1)
+
+
+_SIZES = ("parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.expert", "parallel.expert_tensor",
+          "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.seq_length",
+          "model.make_vocab_size_divisible_by", "model.num_moe_experts", "model.moe_ffn_hidden_size",
+          "model.moe_router_topk", "train.micro_batch_size", "train.global_batch_size", "train.steps")
 
 
 def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
@@ -59,11 +51,8 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                 f"{world_size}")
 
     # Layers across pipeline stages (Megatron-LM silently trains fewer layers otherwise).
-    if vp is not None:
-        if vp < 2:
-            r.error("parallel.virtual_pipeline", f"parallel.virtual_pipeline={vp} must be at least 2",
-                    "set parallel.virtual_pipeline=null for no interleaving")
-        elif p.pipeline < 2:
+    if vp is not None and vp >= 2:  # below 2: the range rule's (null: no interleaving)
+        if p.pipeline < 2:
             r.error(("parallel.virtual_pipeline", "parallel.pipeline"),
                     f"interleaving (parallel.virtual_pipeline={vp}) needs parallel.pipeline > 1",
                     "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
@@ -156,10 +145,11 @@ def uneven_pipeline_rules(r: Report, cfg: Config) -> None:
     for key, value in zip(keys, (p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage)):
         if value is None:
             continue
-        if value < 1 or value % vp:
-            by_vp = f" and divisible by parallel.virtual_pipeline={vp}" if vp > 1 else ""
-            r.error((key, "parallel.virtual_pipeline") if vp > 1 else key, f"{key}={value} must be positive{by_vp}",
-                    f"use a multiple of {vp}" if vp > 1 else "use at least 1")
+        if value < 1:  # the range rule's
+            return
+        if value % vp:
+            r.error((key, "parallel.virtual_pipeline"), f"{key}={value} must be divisible by "
+                    f"parallel.virtual_pipeline={vp}", f"use a multiple of {vp}")
             return
         middle_layers -= value
         middle_stages -= 1
@@ -221,14 +211,7 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     if m.add_bias_linear and etp != 1:
         r.error(("model.add_bias_linear", "parallel.expert_tensor"),
                 "expert biases need expert tensor parallel 1 (Megatron-Core)", "set parallel.expert_tensor=1")
-    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
-        r.error(("model.moe_aux_loss_coeff", "model.moe_z_loss_coeff"), "MoE loss coefficients must be >= 0",
-                "set model.moe_aux_loss_coeff (and model.moe_z_loss_coeff) to 0 or more")
-    cap = m.moe_expert_capacity_factor
-    if cap is not None and cap <= 0:
-        r.error("model.moe_expert_capacity_factor", f"model.moe_expert_capacity_factor={cap} must be positive",
-                "set a positive factor (e.g. 1.25), or null for dropless routing")
-    if m.moe_pad_expert_input_to_capacity and cap is None:
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         r.error(("model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"),
                 "padding expert inputs to capacity needs a capacity factor",
                 "set model.moe_expert_capacity_factor or model.moe_pad_expert_input_to_capacity=false")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.problems import Report
@@ -19,41 +17,46 @@ def optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool)
         r.error(("optimizer.overlap_param_gather", "optimizer.overlap_grad_reduce"),
                 "optimizer.overlap_param_gather needs optimizer.overlap_grad_reduce",
                 "set optimizer.overlap_grad_reduce=true")
-    for key, value in (("optimizer.lr", o.lr), ("optimizer.min_lr", o.min_lr),
-                       ("optimizer.weight_decay", o.weight_decay)):
-        if not math.isfinite(value) or value < 0:
-            r.error(key, f"{key}={value} must be 0 or more", f"set {key} to a number that is 0 or more")
     if o.lr == 0:
         r.notes.append("optimizer.lr=0: the weights never change (an evaluation-only run)")
     if o.min_lr > o.lr:
         r.error(("optimizer.min_lr", "optimizer.lr"), f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}",
                 "set min_lr <= lr")
-    if o.decay_style == "WSD" and not o.wsd_decay_steps:
+    if o.decay_style == "WSD" and o.wsd_decay_steps is None:  # 0: the range rule's
         r.error(("optimizer.decay_style", "optimizer.wsd_decay_steps"), "WSD decay needs optimizer.wsd_decay_steps",
                 "set optimizer.wsd_decay_steps (e.g. 10% of train.steps)")
-    if o.warmup_steps < 0:
-        r.error("optimizer.warmup_steps", f"optimizer.warmup_steps={o.warmup_steps} is negative",
-                "set optimizer.warmup_steps >= 0")
-    elif o.warmup_steps >= (o.decay_steps or t.steps):
+    if 0 <= o.warmup_steps >= (o.decay_steps or t.steps):
         r.notes.append(f"optimizer.warmup_steps={o.warmup_steps} >= decay steps {o.decay_steps or t.steps}: "
                        "the learning rate never reaches its peak")
 
 
 def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Training run: evaluation, time limit, checkpoints."""
-    t, c = cfg.train, cfg.checkpoint
-    if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
-        r.error(("train.eval_interval", "train.eval_iters"), "evaluation needs eval_interval >= 1 and eval_iters >= 1",
-                "set train.eval_interval=null to disable evaluation")
-    if t.exit_duration_in_mins is not None and t.exit_duration_in_mins <= 0:
-        r.error("train.exit_duration_in_mins", "train.exit_duration_in_mins must be positive",
-                "set a positive number of minutes or null")
-    if c.interval is not None and c.interval < 1:
-        r.error("checkpoint.interval", f"checkpoint.interval={c.interval} must be at least 1",
-                "set checkpoint.interval=null to save only at the end")
-    if c.keep_last is not None and c.keep_last < 1:
-        r.error("checkpoint.keep_last", f"checkpoint.keep_last={c.keep_last} must be at least 1",
-                "set checkpoint.keep_last=null to keep every checkpoint")
+    """Training run: the batch-size ramp (evaluation, time limit and checkpoint counts: their declared ranges)."""
+    ramp_rules(r, cfg)
+
+
+def ramp_rules(r: Report, cfg: Config) -> None:
+    """train.rampup_batch_size as Megatron-Core's calculator takes it (whether every batch it passes through divides
+    into the stage's micro batch × DP: `pretrain.stages.plan`, which walks the ramp)."""
+    t = cfg.train
+    ramp = t.rampup_batch_size
+    if ramp is None:
+        return
+    key = "train.rampup_batch_size"
+    if len(ramp) != 3 or min(ramp) < 1:
+        r.error(key, f"{key}={ramp} must be three positive integers [start, increment, ramp_samples]",
+                f"e.g. {key}=[{max(1, t.global_batch_size // 4)}, {max(1, t.global_batch_size // 4)}, 100000], or "
+                "null for no ramp")
+        return
+    start, increment, _ = ramp
+    if start >= t.global_batch_size:
+        r.error((key, "train.global_batch_size"), f"the ramp starts at {start} samples, not below "
+                f"train.global_batch_size={t.global_batch_size}", "start the ramp below the global batch size, or "
+                f"set {key}=null")
+    elif (t.global_batch_size - start) % increment:
+        r.error((key, "train.global_batch_size"), f"the ramp from {start} to train.global_batch_size="
+                f"{t.global_batch_size} samples is not a whole number of increments of {increment}",
+                f"an increment that divides {t.global_batch_size - start}")
 
 
 def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
@@ -62,7 +65,8 @@ def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, toke
     from pretrain.data.check import check_data_config, check_data_files
 
     null, ident = (tokenizer.null, tokenizer.identity) if tokenizer is not None else (None, None)
-    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null)
+    # O(1) per file where the metadata cannot stand for the index: the trainer's one-rank check reads it in full
+    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null, header_only=True)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 

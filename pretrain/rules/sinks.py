@@ -9,7 +9,8 @@ What each combines with (docs/moe.md, "GPT-OSS"):
 - `add_bias_linear` with experts: Megatron-Core asserts expert tensor parallelism 1 ("Bias in Moe is only supported
   when ETP==1");
 - the GLU clamp and offset act only on a gated MLP (Megatron-Core ignores them otherwise);
-- YaRN: a scaling factor of at least 1 over a positive original context; not with MLA (its own `rope_type`).
+- YaRN: a scaling factor of at least 1 (positive context lengths: their declared ranges); not with MLA (its own
+  `rope_type`).
 """
 
 from __future__ import annotations
@@ -56,17 +57,9 @@ def glu_bias_yarn_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
                 r.error((f"model.{key}", "model.gated_linear_unit"),
                         f"model.{key}={getattr(m, key)} acts on a gated MLP, but model.gated_linear_unit is false",
                         f"set model.gated_linear_unit=true or model.{key} to its default")
-    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
-        r.error("model.activation_func_clamp_value", f"model.activation_func_clamp_value="
-                f"{m.activation_func_clamp_value} must be positive (the GLU inputs are clamped to it)",
-                "use e.g. 7.0, or null for no clamp")
     if m.position_embedding_type != "yarn":
         return
-    if m.rotary_scaling_factor < 1:
+    if 0 < m.rotary_scaling_factor < 1:  # not above 0: the range rule's
         r.error(("model.position_embedding_type", "model.rotary_scaling_factor"),
                 f"YaRN needs model.rotary_scaling_factor >= 1, got {m.rotary_scaling_factor}",
                 "set the context extension factor, e.g. 32")
-    if m.original_max_position_embeddings < 1:
-        r.error(("model.position_embedding_type", "model.original_max_position_embeddings"),
-                f"YaRN needs the pre-extension context model.original_max_position_embeddings >= 1, got "
-                f"{m.original_max_position_embeddings}", "set it, e.g. 4096")

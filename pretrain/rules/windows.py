@@ -25,9 +25,6 @@ def window_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
             r.error(("model.window_attn_skip_freq", "model.sliding_window"),
                     "model.window_attn_skip_freq chooses the layers of a sliding window, but model.sliding_window "
                     "is null", "set model.sliding_window or model.window_attn_skip_freq=null")
-        elif isinstance(freq, int) and freq < 1:
-            r.error("model.window_attn_skip_freq", f"model.window_attn_skip_freq={freq} must be at least 1 (every "
-                    "N-th layer full)", "use e.g. 2 (alternating windowed and full layers) or null (all windowed)")
         elif isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
             r.error(("model.window_attn_skip_freq", "model.num_layers"),
                     f"model.window_attn_skip_freq must list 0 (full) or 1 (windowed) for each of the "

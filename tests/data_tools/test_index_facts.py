@@ -93,7 +93,10 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
     assert (got.checked, got.why_full, got.max_token_id) == ("full", "no index facts", 31999)
 
     cfg = load_config("tiny_llama", [f"data.blend=[{old},{new}]"])
-    notes = validate(cfg, 1).notes
+    header = "(1 from their metadata and .idx header, 0 from the verdict cache, 1 from their .idx header and sizes, " \
+             "0 read in full)"
+    assert header in "\n".join(validate(cfg, 1).notes)  # validate: a few reads of each file (the header check)
+    notes = _trainer_check(cfg).notes  # the trainer's one-rank check: the old metadata's pair read in full
     assert [n for n in notes if "whole .idx" in n] == [
         f"1 dataset(s) were checked by reading their whole .idx because their .meta.json has no index facts "
         f"(written by an older data_tools) or facts that do not match: {old} (no index facts); `python -m "
@@ -105,7 +108,21 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
     assert "index facts recorded in old.meta.json" in capsys.readouterr().out
     assert _meta(old)["index"] == _meta(new)["index"]  # the same contents (same seed): the same facts
     assert check_dataset(old, trust_metadata=True).checked == "metadata"
-    assert not any("whole .idx" in n for n in validate(cfg, 1).notes)
+    assert not any("whole .idx" in n for n in _trainer_check(cfg).notes)
+
+
+def _trainer_check(cfg, store: bool = False):
+    """The trainer's one-rank data check (`pretrain.data.datasets.check_data_files_once` without a process group):
+    the full read where the metadata cannot stand for the index; `store`: its verdicts kept, as train keeps them."""
+    from pretrain.data.check import check_data_files, used_blends
+    from pretrain.problems import Report
+    from pretrain.validate import store_verdicts
+
+    r = Report(1)
+    check_data_files(cfg, r, used_blends(cfg, r))
+    if store:
+        store_verdicts(cfg, r)
+    return r
 
 
 def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, tmp_path):
@@ -124,33 +141,49 @@ def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, 
     os.truncate(shuffle, size - 8)  # a start killed while numpy.save wrote the last array
     rebuilt, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
     assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1]
-    assert "(truncated, left by an interrupted start)" in said[-2], said
+    assert f"(truncated, left by an interrupted start: shuffle_index.npy has {size - 8:,} of {size:,} bytes)" \
+        in said[-2], said
     assert shuffle.stat().st_size == size
     (samples,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-sample_index.npy")
     np.save(samples, np.full_like(np.load(samples), 10**9))  # complete, but garbage: rebuilt with one line
     fixed, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
     assert "(corrupt: sample_index points outside the " in said[-2] and "built in" in said[-1], said
     assert [fixed[i]["tokens"].tolist() for i in range(8)] == want
+
+    # Values that look valid (zeros: every sample would be sample 0): caught by the digest recorded at the build.
+    np.save(shuffle, np.zeros_like(np.load(shuffle)))
+    assert shuffle.stat().st_size == size
+    zeros, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1], said
+    assert "(shuffle_index.npy does not match the digest recorded when it was written: CRC-32 " in said[-2], said
+    assert [zeros[i]["tokens"].tolist() for i in range(8)] == want
+    # Random bytes are unreadable, not "truncated" (nothing about their size says so).
+    shuffle.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert "(unreadable: shuffle_index.npy is not a .npy file" in said[-2] and "built in" in said[-1], said
+    back, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    assert "read from the cache" in said[-1] and "checked against the digests recorded then" in said[-1], said
+    assert [back[i]["tokens"].tolist() for i in range(8)] == want
     assert [rebuilt[i]["tokens"].tolist() for i in range(8)] == want == [again[i]["tokens"].tolist() for i in range(8)]
     assert read_index(small_datasets["a"]).num_documents == 40
 
 
-def test_a_dataset_without_metadata_is_read_in_full_once_then_from_the_verdict_cache(small_datasets, tmp_path,
-                                                                                      capsys):
-    """Megatron-LM's datasets have no .meta.json: the first check reads the whole .idx (and scans the .bin) and
-    leaves its verdict beside Megatron's index caches; later starts check the header and sizes against it and
+def test_a_dataset_without_metadata_is_read_in_full_once_then_from_the_verdict_cache(small_datasets, tmp_path):
+    """Megatron-LM's datasets have no .meta.json: the trainer's first check reads the whole .idx (and scans the .bin)
+    and leaves its verdict beside Megatron's index caches; later starts check the header and sizes against it and
     read nothing in full. A touched file or a corrupt entry is checked in full again, never trusted."""
-    from pretrain.__main__ import main as pretrain_main
+    from pretrain.config import load_config
     from pretrain.dataset_format.verdicts import entry_path
 
     ds, cache = tmp_path / "megatron_text_document", tmp_path / "run" / "data_cache"
     for ext in ("bin", "idx"):
         shutil.copy(f"{small_datasets['a']}.{ext}", f"{ds}.{ext}")
-    cache.mkdir(parents=True)
+    cfg = load_config("tiny_llama", [f"data.blend=[{ds}]", f"run.dir={tmp_path / 'run'}"])
 
     def checked() -> str:
-        assert pretrain_main(["validate", "tiny_llama", f"data.blend=[{ds}]", f"run.dir={tmp_path / 'run'}"]) == 0
-        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "dataset files checked" in ln]
+        r = _trainer_check(cfg, store=True)
+        assert r.ok, r.text()
+        (line,) = [ln for ln in r.notes if "dataset files checked" in ln]
         return line.split(" s (")[1]
 
     full = "0 from their metadata and .idx header, 0 from the verdict cache, 1 read in full)"
@@ -162,3 +195,53 @@ def test_a_dataset_without_metadata_is_read_in_full_once_then_from_the_verdict_c
     assert (checked(), checked()) == (full, cached)
     entry_path(cache, str(ds)).write_text('{"format": "megapretrain-dataset-check", "tokens": ')  # corrupt
     assert (checked(), checked()) == (full, cached)
+
+
+def test_validate_checks_a_dataset_without_metadata_in_a_few_reads(small_datasets, tmp_path, monkeypatch):
+    """`validate` (the CLI users run before launching) never reads a whole .idx: without metadata that stands for
+    the index and without a verdict of an earlier full read, it checks the header, the first and last pointers and
+    document indices and the sizes. What only the full read sees (a pointer inside the index) passes `validate`
+    and is refused by `train`'s one-rank check before any batch is read."""
+    import pretrain.dataset_format.check as dataset_check
+    from tests.cli import run_cli
+    from tests.pretrain.ckpt_helpers import command, log_text, run
+
+    ds = tmp_path / "megatron_text_document"
+    for ext in ("bin", "idx"):
+        shutil.copy(f"{small_datasets['a']}.{ext}", f"{ds}.{ext}")
+    base = ["validate", "tiny_llama", f"data.blend=[{ds}]", f"run.dir={tmp_path / 'run'}"]
+
+    def no_full_read(*args, **kwargs):
+        raise AssertionError("validate read a whole .idx")
+
+    monkeypatch.setattr(dataset_check, "check_consistency", no_full_read)
+    ok = run_cli("pretrain", base)
+    assert ok.rc == 0, ok
+    assert "(0 from their metadata and .idx header, 0 from the verdict cache, 1 from their .idx header and sizes, " \
+           "0 read in full)" in ok.stdout, ok
+    info = read_index(ds)
+    n, tokens = info.num_sequences, info.num_tokens
+    header = 34  # magic 9 + version 8 + dtype 1 + two counts 8 + 8
+
+    # What the few reads catch: a .bin one token short, a last pointer that does not end at the .bin's size.
+    with open(f"{ds}.bin", "r+b") as f:
+        f.truncate((tokens - 1) * 2)
+    short = run_cli("pretrain", base)
+    assert short.rc == 2 and f"{ds}.bin: {(tokens - 1) * 2} bytes but the index describes {tokens} tokens of " \
+        f"uint16 = {tokens * 2} bytes (truncated)" in short.stderr, short
+    shutil.copy(f"{small_datasets['a']}.bin", f"{ds}.bin")
+    last = int(info.sequence_pointers[-1])
+    _poke(ds, header + 4 * n + 8 * (n - 1), last + 2)
+    moved = run_cli("pretrain", base)
+    assert moved.rc == 2 and f"{ds}.bin: {tokens * 2} bytes but the index describes {tokens + 1} tokens" \
+        in moved.stderr, moved
+    _poke(ds, header + 4 * n + 8 * (n - 1), last)
+
+    # A pointer inside the index: validate does not read it; train's one-rank check does, before training.
+    _poke(ds, header + 4 * n + 8 * (n // 2), int(info.sequence_pointers[n // 2]) + 2)
+    monkeypatch.undo()
+    inside = run_cli("pretrain", base)
+    assert inside.rc == 0, inside
+    log = tmp_path / "train.log"
+    rc = run(command([f"data.blend=[{ds}]", f"run.dir={tmp_path / 'run'}", "train.steps=1"]), log, timeout=600)
+    assert rc != 0 and f"{ds}.idx: sequence pointer {n // 2} is " in log_text(log), log_text(log)[-3000:]

@@ -94,7 +94,7 @@ def test_integer_fields(capsys):
         "batch size)")
     for override, problem in [
         ("logging.log_interval=0", "[logging.log_interval] logging.log_interval=0 must be at least 1"),
-        ("train.seed=-1", "[train.seed] train.seed=-1 is outside 0..4,294,967,295 (numpy's seed range"),
+        ("train.seed=-1", "[train.seed] train.seed=-1 must be in [0, 4294967295] (numpy's seed range"),
         ("optimizer.decay_steps=0", "[optimizer.decay_steps] optimizer.decay_steps=0 must be at least 1"),
     ]:
         assert _one_problem(capsys, "tiny_llama", override).startswith(problem), override

@@ -185,8 +185,8 @@ EXPECTED = {
     "tokenizer_missing": ["tokenizer: SentencePiece --tokenizer-model not found: /nonexistent/tokenizer.model"],
     "hf_no_eos": ["[data.mock, data.tokenizer_model] mock data ends every document with the tokenizer's EOD token, "
                   "but hf-json tokenizer.json (sha256 "],
-    "lr_negative": ["[optimizer.lr] optimizer.lr=-1.0 must be 0 or more",
-                    "[optimizer.min_lr] optimizer.min_lr=-2.0 must be 0 or more"],
+    "lr_negative": ["[optimizer.lr] optimizer.lr=-1.0 must be a finite number, 0 or more",
+                    "[optimizer.min_lr] optimizer.min_lr=-2.0 must be a finite number, 0 or more"],
     "steps_zero": ["[train.steps] train.steps=0 must be at least 1",
                    "[optimizer.min_lr, optimizer.lr] optimizer.min_lr=1.0 is above optimizer.lr=0.001"],
     "pretrained_missing": ["[checkpoint.pretrained] checkpoint.pretrained: ", "no such checkpoint or run directory"],

@@ -62,21 +62,22 @@ CASES = [
      "[model.moe_ffn_hidden_size, parallel.expert_tensor] model.moe_ffn_hidden_size=130 is not divisible by "
      "expert tensor parallel 4. Fix: choose parallel.expert_tensor from 1, 2, 5, 10, 13, 26, 65, 130"),
     (["model.moe_expert_capacity_factor=0"], 1,
-     "[model.moe_expert_capacity_factor] model.moe_expert_capacity_factor=0 must be positive. Fix: set a "
-     "positive factor (e.g. 1.25), or null for dropless routing"),
+     "[model.moe_expert_capacity_factor] model.moe_expert_capacity_factor=0 must be a finite number above 0. Fix: "
+     "set model.moe_expert_capacity_factor to a finite number above 0, or null"),
     (["model.moe_pad_expert_input_to_capacity=true"], 1,
      "[model.moe_pad_expert_input_to_capacity, model.moe_expert_capacity_factor] padding expert inputs to "
      "capacity needs a capacity factor. Fix: set model.moe_expert_capacity_factor or "
      "model.moe_pad_expert_input_to_capacity=false"),
     (["model.moe_aux_loss_coeff=-0.1"], 1,
-     "[model.moe_aux_loss_coeff, model.moe_z_loss_coeff] MoE loss coefficients must be >= 0. Fix: set "
-     "model.moe_aux_loss_coeff (and model.moe_z_loss_coeff) to 0 or more"),
+     "[model.moe_aux_loss_coeff] model.moe_aux_loss_coeff=-0.1 must be a finite number, 0 or more. Fix: set "
+     "model.moe_aux_loss_coeff to a finite number, 0 or more (default 0.0)"),
     (["model.moe_grouped_gemm=true"], 1,
      "[model.moe_grouped_gemm, model.transformer_impl] model.moe_grouped_gemm=true needs the Transformer Engine "
      "spec (the local spec runs experts one after another). Fix: set model.moe_grouped_gemm=null, or run on a "
      "GPU with transformer-engine"),
     (["parallel.expert=0"], 1,
-     "[parallel.expert] parallel.expert=0 must be at least 1. Fix: set parallel.expert to a positive integer"),
+     "[parallel.expert] parallel.expert=0 must be at least 1. Fix: set parallel.expert to a positive integer "
+     "(default 1)"),
 ]
 
 

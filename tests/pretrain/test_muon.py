@@ -184,7 +184,7 @@ def _problems(overrides: list[str], world: int = 2, config: str = "tiny_llama") 
     (["optimizer.name=muon", "optimizer.fsdp=true"], "does not run with Megatron-FSDP"),
     (["optimizer.name=muon", "optimizer.distributed=true"], "does not run inside the distributed optimizer"),
     (["optimizer.name=muon", "optimizer.muon.qk_clip=true"], "optimizer.muon.qk_clip needs Transformer Engine"),
-    (["optimizer.name=muon", "optimizer.muon.num_ns_steps=0"], "optimizer.muon.num_ns_steps=0 must be 1 or more"),
+    (["optimizer.name=muon", "optimizer.muon.num_ns_steps=0"], "optimizer.muon.num_ns_steps=0 must be in [1, 100]"),
     (["optimizer.name=muon", "optimizer.muon.momentum=1.0"], "optimizer.muon.momentum=1.0 must be in [0, 1)"),
     (["optimizer.name=muon", "optimizer.muon.layer_wise=true"], "optimizer.muon.layer_wise needs a 16-bit run"),
 ])

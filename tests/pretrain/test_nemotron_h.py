@@ -52,6 +52,9 @@ LAYOUTS = {
     "tp2_sp_ep2": (TP2_SP + EP2, None),
 }
 FULL = {"tp2_sp_ep2"}
+# A run in two stages (docs/training.md "Stages"): the second changes the SSD scan's chunk (8 → 16, sequence 32), the
+# same recurrence rounded otherwise; the stage boundary rebuilds the MambaModel and loads the first stage's checkpoint.
+STAGES = ("stages=[{name: first, steps: 2}, {name: chunk16, steps: 2, set: {model.mamba_chunk_size: 16}}]")
 # packed documents (THD) at one and two ranks; under CP the THD order around Mamba's all-to-all is ours (cp_layout)
 DOC_LAYOUTS = {"docs_tp1": [], "docs_tp2_sp": TP2_SP, "docs_cp2": ["parallel.context=2"]}
 
@@ -70,6 +73,7 @@ def nemotron_runs(tmp_path_factory):
                     for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
     singles = {}
     if tiers.everything():
+        by_world[1].append(layout_case(root, CONFIG, BASE, "staged", [STAGES], None))
         packed, seq, singles = documents(root)
         for name, (path, n) in singles.items():
             by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
@@ -107,6 +111,22 @@ def test_nemotron_h_tp2_checkpoint_resumes_at_tp1(nemotron_runs):
         rel = rel_diff(got[s]["loss"], ref[s]["loss"])
         print(f"tiny_nemotron_h TP2 → TP1 step {s}: loss {got[s]['loss']!r} vs {ref[s]['loss']!r} ({rel:.1e})")
         assert got[s]["consumed_samples"] == ref[s]["consumed_samples"] and rel <= TOLERANCE
+
+
+@pytest.mark.full
+def test_nemotron_h_in_stages_equals_one_run(nemotron_runs):
+    """A hybrid run in two stages (the second sets model.mamba_chunk_size): the first stage is the plain run step
+    for step, the second continues from its boundary checkpoint (stage_first) as the plain run does, to rounding."""
+    root, _ = nemotron_runs
+    ref, got = by_step(root / "ref"), by_step(root / "staged")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s]["stage"] for s in got] == ["first", "first", "chunk16", "chunk16"]
+    assert all(got[s]["loss"] == ref[s]["loss"] and got[s]["grad_norm"] == ref[s]["grad_norm"] for s in (1, 2))
+    loss = max(rel_diff(got[s]["loss"], ref[s]["loss"]) for s in (3, 4))
+    norm = max(rel_diff(got[s]["grad_norm"], ref[s]["grad_norm"]) for s in (3, 4))
+    print(f"tiny_nemotron_h in stages (chunk 8 → 16 at step 3): loss {loss:.1e}, grad norm {norm:.1e} vs one run")
+    assert loss <= TOLERANCE and norm <= TOLERANCE
+    assert list((root / "staged").rglob("stage_first")), "the boundary checkpoint named for the first stage"
 
 
 @pytest.mark.full  # kill -9 on a hybrid model; `make test` has test_resume.py's
@@ -152,8 +172,10 @@ REFUSED = {
                     "[model.mamba_num_heads, model.mamba_num_groups, parallel.context] Mamba's context parallelism"),
     "chunk": (["model.mamba_chunk_size=12"], 1, "[model.mamba_chunk_size] model.mamba_chunk_size=12: mamba_ssm's "
               "SSD scan kernels take a power of 2"),
-    "conv width": (["model.mamba_conv_kernel=5"], 1, "[model.mamba_conv_kernel] model.mamba_conv_kernel=5: the "
-                   "causal_conv1d CUDA kernel takes widths 2 to 4"),
+    "conv width": (["model.mamba_conv_kernel=5"], 1, "[model.mamba_conv_kernel] model.mamba_conv_kernel=5 must be "
+                   "in [2, 4] (the widths the causal_conv1d CUDA kernel takes)"),
+    "dt range": (["model.mamba_dt_min=0.2"], 1, "[model.mamba_dt_min, model.mamba_dt_max] model.mamba_dt_min=0.2 is "
+                 "above model.mamba_dt_max=0.1"),
     "state": (["model.mamba_state_dim=3"], 1, "the Mamba convolution has 76 channels per rank (x, B, C); the "
               "causal_conv1d CUDA kernel takes the channel-last layout only for a multiple of 8"),
     "experts without E": (["model.hybrid_layer_pattern=M*M-MM"], 1,

@@ -95,6 +95,13 @@ CASES = [
      "tokenizer's vocabulary of 32,000 (the embedded Mistral-7B SentencePiece, as data.tokenizer_model is null): "
      "token ids 4,096 to 31,999 would have no embedding row. Fix: set model.vocab_size >= 32000 (or null: the "
      "tokenizer's), or name the model's own tokenizer in data.tokenizer_type/data.tokenizer_model"),
+    (["model.sliding_window=0"], 1, "[model.sliding_window] model.sliding_window=0 must be at least 1. Fix: set "
+     "model.sliding_window to 1 or more, or null (no window: full attention)"),
+    # 1e-300 / 1e300 underflows to 0.0: the share is still said, in scientific notation
+    (["data.blend=[1e-300, /d/a, 1e300, /d/b]"], 1, "[data.blend] data.blend weight 1e-300 of /d/a is 1e-600 of the "
+     "total: that dataset would never be drawn (a share below 1e-12); use weights of comparable size, or remove the "
+     "entry. Fix: write [prefix, ...] or [weight, prefix, weight, prefix, ...] with weights > 0, e.g. "
+     "data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]"),
     (["model.vocab_size=0"], 1, "[model.vocab_size] model.vocab_size=0 must be at least 1. Fix: set "
      "model.vocab_size to a positive integer, or null to derive it"),
     (["model.ffn_hidden_size=-1"], 1, "[model.ffn_hidden_size] model.ffn_hidden_size=-1 must be at least 1. Fix: "
