@@ -16,7 +16,10 @@ VP_REASON, LAYOUT_REASON, MTP_REASON = _pick({
     "0.16.1": ("Megatron-Core's MambaStack asserts there is none (0.16.1-0.18)",
                "Megatron-Core's MambaStack ignores pipeline_model_parallel_layout (0.16.1-0.18)",
                "Megatron-Core's MambaModel has none (0.16.1-0.18)"),
-    "0.19": ("Megatron-Core 0.19+ takes virtual stages as '|' boundaries in the hybrid pattern, not wired here",
+    "0.19": ("Megatron-Core 0.19+ takes virtual stages as '|' boundaries in the hybrid pattern, not wired here "
+             "(HybridModel refuses virtual stages without them; parallel.pipeline_layout is not translated into them)",
              "Megatron-Core 0.19+ takes stage boundaries as '|' in the hybrid pattern, not wired here",
-             "Megatron-Core 0.19+ takes MTP layers as a '/' pattern after the hybrid pattern, not wired here"),
+             "Megatron-Core 0.19+ takes MTP layers as a '/' pattern after the hybrid pattern (Nemotron 3 Super's "
+             "'*E'), not wired here (no key for that pattern; the CPU stack spec, the planner and the HF mapping "
+             "have no MTP block)"),
 })

@@ -52,9 +52,11 @@ LAYOUTS = {
     "tp2_sp_ep2": (TP2_SP + EP2, None),
 }
 FULL = {"tp2_sp_ep2"}
-# A run in two stages (docs/training.md "Stages"): the second changes the SSD scan's chunk (8 → 16, sequence 32), the
-# same recurrence rounded otherwise; the stage boundary rebuilds the MambaModel and loads the first stage's checkpoint.
-STAGES = ("stages=[{name: first, steps: 2}, {name: chunk16, steps: 2, set: {model.mamba_chunk_size: 16}}]")
+# A run in two stages (docs/training.md "Stages"): the boundary rebuilds the MambaModel and loads the first stage's
+# checkpoint; the second stage reads its data from its own first sample. `staged` changes the SSD scan's chunk there
+# (8 → 16, sequence 32: the same recurrence, rounded otherwise), `staged_same` keeps it.
+STAGES = {name: f"stages=[{{name: first, steps: 2}}, {{name: second, steps: 2, set: {{{sets}}}}}]"
+          for name, sets in (("staged", "model.mamba_chunk_size: 16"), ("staged_same", "optimizer.lr: 1.0e-3"))}
 # packed documents (THD) at one and two ranks; under CP the THD order around Mamba's all-to-all is ours (cp_layout)
 DOC_LAYOUTS = {"docs_tp1": [], "docs_tp2_sp": TP2_SP, "docs_cp2": ["parallel.context=2"]}
 
@@ -73,7 +75,7 @@ def nemotron_runs(tmp_path_factory):
                     for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
     singles = {}
     if tiers.everything():
-        by_world[1].append(layout_case(root, CONFIG, BASE, "staged", [STAGES], None))
+        by_world[1] += [layout_case(root, CONFIG, BASE, name, [stages], None) for name, stages in STAGES.items()]
         packed, seq, singles = documents(root)
         for name, (path, n) in singles.items():
             by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
@@ -114,18 +116,20 @@ def test_nemotron_h_tp2_checkpoint_resumes_at_tp1(nemotron_runs):
 
 
 @pytest.mark.full
-def test_nemotron_h_in_stages_equals_one_run(nemotron_runs):
-    """A hybrid run in two stages (the second sets model.mamba_chunk_size): the first stage is the plain run step
-    for step, the second continues from its boundary checkpoint (stage_first) as the plain run does, to rounding."""
+def test_nemotron_h_in_stages(nemotron_runs):
+    """A hybrid run in two stages: the first stage is the plain run step for step; the second, started from the
+    boundary checkpoint (stage_first) with another SSD chunk (model.mamba_chunk_size 8 → 16), equals the same stages
+    with chunk 8 to rounding; and the second stage trains (its data from its own first sample: not the plain run's)."""
     root, _ = nemotron_runs
-    ref, got = by_step(root / "ref"), by_step(root / "staged")
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert [got[s]["stage"] for s in got] == ["first", "first", "chunk16", "chunk16"]
+    ref, got, same = by_step(root / "ref"), by_step(root / "staged"), by_step(root / "staged_same")
+    assert sorted(got) == sorted(same) == list(range(1, STEPS + 1))
+    assert [got[s]["stage"] for s in got] == ["first", "first", "second", "second"]
     assert all(got[s]["loss"] == ref[s]["loss"] and got[s]["grad_norm"] == ref[s]["grad_norm"] for s in (1, 2))
-    loss = max(rel_diff(got[s]["loss"], ref[s]["loss"]) for s in (3, 4))
-    norm = max(rel_diff(got[s]["grad_norm"], ref[s]["grad_norm"]) for s in (3, 4))
-    print(f"tiny_nemotron_h in stages (chunk 8 → 16 at step 3): loss {loss:.1e}, grad norm {norm:.1e} vs one run")
+    loss = max(rel_diff(got[s]["loss"], same[s]["loss"]) for s in (3, 4))
+    norm = max(rel_diff(got[s]["grad_norm"], same[s]["grad_norm"]) for s in (3, 4))
+    print(f"tiny_nemotron_h in stages, chunk 16 vs 8 in the second stage: loss {loss:.1e}, grad norm {norm:.1e}")
     assert loss <= TOLERANCE and norm <= TOLERANCE
+    assert same[3]["loss"] != ref[3]["loss"]  # the second stage reads its own data from its first sample
     assert list((root / "staged").rglob("stage_first")), "the boundary checkpoint named for the first stage"
 
 
