@@ -90,7 +90,7 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         variable_seq_lengths=shapes_vary(plan.packed_documents, layout),
         deallocate_pipeline_outputs=True,
         # Fusions need CUDA kernels (or apex); the local spec on CPU runs the plain paths.
-        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
+        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu, use_te),
         masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=plan.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
         # Sliding-window attention (model_providers/core/windows.py: transformers' window W is (W-1, 0)).

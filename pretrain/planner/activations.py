@@ -130,7 +130,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     else:
         sbf = s * b * f // t
         if m.gated_linear_unit:
-            if bias_activation_fusion(m, lay.on_gpu):
+            if bias_activation_fusion(m, lay.on_gpu, lay.use_te):
                 out["mlp"] = int(sbf * (2 * p + fc2_in))  # fused SwiGLU keeps its input; fc2 its own input
             else:
                 out["mlp"] = int(sbf * (4 * p + fc2_in))  # fc1 output, silu(x1), x2 + 0, fc2 input
@@ -174,11 +174,11 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
             router += 4 * tokens * experts + 4 * tokens + 4
     out = {"moe_router": router}
     if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:  # its checkpoint keeps its input
-        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu))
+        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu, lay.use_te))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
-    if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu):
+    if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu, lay.use_te):
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
         # Under FP8 (TE) the two GEMM inputs are kept as their FP8 copies, as in the dense MLP.

@@ -147,7 +147,7 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     copies = rows * (m.moe_router_topk or 0)
     w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
     # the experts' activation on every routed copy (fused SwiGLU, or an unfused GLU: clamped or not SiLU)
-    fused = bias_activation_fusion(m, lay.on_gpu)
+    fused = bias_activation_fusion(m, lay.on_gpu, lay.use_te)
     act_passes = value("moe_act_passes" if fused else "moe_act_passes_unfused")
     w.elementwise_s += w.moe_layers * act_passes * copies * (m.moe_ffn_hidden_size or 0) / lay.etp * p_bytes / hbm
     # what `layernorm` / `moe_act` recompute would run again: the two norms' forward (read and write h each), the
