@@ -50,7 +50,8 @@ def _row_line(p: RowPlan) -> str:
     memory = f"{p.memory_gib:.1f} of {p.capacity_gib:.0f} ({p.margin_gib:+.1f})"
     return (f"| {p.row} | {p.name} | {p.published:,.0f} | {p.predicted_tokens_per_s_per_gpu:,.0f} | {p.ratio:.2f} | "
             f"{'yes' if p.within else 'NO'} | {flops} | {memory} | {'yes' if p.fits else 'NO'} | "
-            f"{'held out' if p.held_out else 'calibration'} | {p.placement or ''} |")
+            f"{'held out' if p.held_out else 'calibration'} | {p.placement or ''}"
+            f"{'; does not fit: ' + p.overflow if p.overflow else ''} |")
 
 
 def row_table(plans: list[RowPlan]) -> str:
