@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        import os
+
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a launch reads the same config: said once
+            print(f"config error: {exc}", file=sys.stderr)
         return 2
 
     if args.command == "validate":

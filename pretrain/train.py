@@ -42,7 +42,18 @@ from pretrain.validate import ValidationFailed
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop)."""
+    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop). `every_rank`:
+    every rank stops with these words (the loss and grad norm are the same on all ranks): rank 0 prints them."""
+
+    def __init__(self, message: str, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def printed_here(exc: BaseException) -> bool:
+    """Whether this rank prints `exc`: a failure every rank meets with the same words (`every_rank`) is printed
+    once, by rank 0, as `validate` prints it; any other by each rank that meets it."""
+    return not getattr(exc, "every_rank", False) or int(os.environ.get("RANK", "0")) == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,7 +179,7 @@ def _microbatch_runner(cfg: Config, run):
                 dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
                 vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None, packing=packing)
         except DataError as exc:
-            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
+            raise TrainingStopped(f"{exc}. The last checkpoint is intact.", every_rank=False) from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=n, seq_length=seq, micro_batch_size=mbs,
@@ -408,20 +419,23 @@ def main(cfg: Config) -> int:
         summary = train(cfg)
         return boundaries.EXIT_NEXT_STAGE if summary["reason"] == "stage" else 0
     except ValidationFailed as exc:
-        print(exc.report(), file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(exc.report(), file=sys.stderr, flush=True)
         return 2
     except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 1
     except TrainingStopped as exc:
-        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
     except resilience.ResultRejected as exc:  # a checkpoint of the last good step was saved
-        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except (CheckpointError, StorageError) as exc:
-        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
+        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None), printed=printed_here(exc))
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:

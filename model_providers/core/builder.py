@@ -122,7 +122,7 @@ def fusion_fields(plan: ModelPlan, layout: Any) -> dict:
     """Fused kernels (they need CUDA kernels or apex; the local spec on CPU runs the plain paths) and the spec."""
     m, on_gpu, use_te = plan.config, layout.on_gpu, layout.use_te
     return dict(
-        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
+        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu, use_te),
         masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=plan.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
         bias_dropout_fusion=on_gpu,
@@ -214,11 +214,11 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             model = mamba_builder.hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
             chunks.append(_finish(model, layout, vocab_size, padded))
             continue
-        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=plan.packed_documents)
+        packed = plan.packed_documents
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block,
-            mtp_block_spec=mtp_block_spec(config, block, layout.use_te, vp_stage=stage),
+            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
+            mtp_block_spec=mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
             vocab_size=padded,
             pre_process=pre,
             post_process=post,

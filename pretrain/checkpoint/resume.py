@@ -196,7 +196,9 @@ def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
         raise unexpected
     kind, value, lines = decision[0]
     if kind == "error":
-        raise CheckpointError(value)
+        error = CheckpointError(value)
+        error.every_rank = True  # rank 0's decision, the same words on every rank: printed once
+        raise error
     return (Path(value) if value is not None else None), lines
 
 

@@ -23,6 +23,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from pretrain.config_parse import shown
 from pretrain.data.cache import data_cache_dir
 from pretrain.data.vocab import vocab_covers_tokenizer
 from pretrain.dataset_format.verdicts import entry as verdict_entry
@@ -50,6 +51,9 @@ _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|infinit
 # A weight whose share of the total is below this would never be drawn (Megatron-Core sizes every dataset of a
 # blend by its share of the samples): refused as a mistake rather than trained as an empty entry.
 MIN_WEIGHT_SHARE = 1e-12
+# Megatron-Core's BlendedDataset holds which dataset each sample comes from as int16 (`dataset_index`, built by its
+# C++ helpers with a cast): a blend of more datasets would draw the wrong ones.
+MAX_BLEND_DATASETS = 2**15
 
 
 def _weight(x) -> float | None:
@@ -85,11 +89,19 @@ def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     """
     if not items:
         raise ValueError("is empty")
+    prefixes, weights = _parse_blend(items)
+    if len(prefixes) > MAX_BLEND_DATASETS:
+        raise ValueError(f"names {len(prefixes):,} datasets: Megatron-Core's blend indexes its datasets as int16, at "
+                         f"most {MAX_BLEND_DATASETS:,} (merge small ones with `python -m data_tools merge`)")
+    return prefixes, weights
+
+
+def _parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     weighted = len(items) % 2 == 0 and all(_weight(w) is not None for w in items[0::2])
     if all(isinstance(x, str) for x in items) and not weighted:
         return [str(x) for x in items], None
     if _weight(items[0]) is None:
-        raise ValueError(f"mixes prefixes and numbers ({items!r}); use [prefix, ...] or [weight, prefix, ...]")
+        raise ValueError(f"mixes prefixes and numbers ({shown(items)}); use [prefix, ...] or [weight, prefix, ...]")
     if len(items) % 2 != 0:
         raise ValueError(f"alternates weight, prefix but has an odd number of items ({len(items)})")
     prefixes, weights = items[1::2], [_weight(w) for w in items[0::2]]
@@ -119,11 +131,11 @@ def split_ranges(split: str) -> list[tuple[float, float] | None]:
     parts = [x.strip() for x in re.split(r"[,/]", str(split))]
     bad = [x for x in parts if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", x)]
     if bad:  # Megatron-Core's own parser keeps the numbers it finds and silently drops the rest
-        raise ValueError(f"data.split={split!r}: {bad[0]!r} is not a share (a non-negative number); write up to "
-                         "three shares separated by commas, e.g. '969,30,1'")
+        raise ValueError(f"data.split={shown(split)}: {shown(bad[0])} is not a share (a non-negative number); "
+                         "write up to three shares separated by commas, e.g. '969,30,1'")
     values = [float(x) for x in parts]
     if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"data.split={split!r} must be up to three non-negative shares, e.g. '969,30,1'")
+        raise ValueError(f"data.split={shown(split)} must be up to three non-negative shares, e.g. '969,30,1'")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     ranges, start = [], 0.0

@@ -18,7 +18,7 @@ from pretrain.observe.observers import Observer, StepResult
 from pretrain.resilience import results
 from pretrain.resilience.faults import Faults
 from pretrain.resilience.results import ResultChecks, ResultRejected
-from pretrain.resilience.skips import parse_skip_steps, ranges
+from pretrain.resilience.skips import parse_skip_steps
 from pretrain.resilience.stragglers import stragglers
 from pretrain.resilience.watchdog import PHASES, Watchdog
 
@@ -56,9 +56,9 @@ class Resilience:
         if resumed:
             self.checks.load(_saved_rerun_state(cfg, step) or {})
         skips, _ = parse_skip_steps(cfg.train.skip_steps)
-        self.skips = {s for s in skips if s > step}
+        self.skips = skips.within(step + 1, cfg.train.steps)
         if self.skips:
-            log(f"[pretrain] train.skip_steps: step(s) {ranges(self.skips)} will be consumed, not trained")
+            log(f"[pretrain] train.skip_steps: step(s) {self.skips} will be consumed, not trained")
         self.watchdog = Watchdog(cfg.hang, cfg.run.dir, rt.rank, rt.world_size) if cfg.hang.enabled else None
         self.first = True
 

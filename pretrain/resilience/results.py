@@ -41,6 +41,7 @@ class ResultRejected(RuntimeError):
     """A rejected result stopped the run: `record` goes to exit_status.json and metrics.jsonl."""
 
     exit_code = RESULT_EXIT
+    every_rank = True  # the verdict is all-gathered: every rank stops with the same line, printed by rank 0
 
     def __init__(self, message: str, record: dict):
         super().__init__(message)
