@@ -28,9 +28,9 @@ from model_providers.core.mapping import (
     Copy,
     GatedQKV,
     GateUp,
-    GDNConv1d,
     GDNInProj,
     ShiftedNorm,
+    SplitRows,
     Vocab,
 )
 from model_providers.core.yarn import refuse as _refuse
@@ -90,7 +90,7 @@ def _gdn(m: Any, grouped: bool) -> tuple:
             GDNInProj(p + "in_proj.weight", hf_in, key_heads=m.linear_num_key_heads,
                       value_heads=m.linear_num_value_heads, key_dim=m.linear_key_head_dim,
                       value_dim=m.linear_value_head_dim, grouped=grouped),
-            GDNConv1d(p + "conv1d.weight", g + "conv1d.weight", key_channels=qk, value_channels=v),
+            SplitRows(p + "conv1d.weight", g + "conv1d.weight", rows=(("query", qk), ("key", qk), ("value", v))),
             Copy(p + "A_log", g + "A_log"),
             Copy(p + "dt_bias", g + "dt_bias"), ShiftedNorm(p + "out_norm.weight", g + "norm.weight"),
             Copy(p + "out_proj.weight", g + "out_proj.weight"))

@@ -4,8 +4,8 @@ All violations are reported at once, each naming the keys involved and a fix (`p
 rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA, DeepSeek routing, MTP), `model`
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
 logging), `context` (CP), `windows` (sliding-window attention), `linear_attention` (Gated DeltaNet layers, gated
-attention), `bounds` (first: every numeric key against the range its declaration gives, `knob(range=...)`; and the
-run's sample count),
+attention), `hybrid` (hybrid Mamba models), `bounds` (first: every numeric key against the range its declaration
+gives, `knob(range=...)`; and the run's sample count),
 and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
 trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
 alone (exit 2 on errors).
@@ -20,6 +20,7 @@ from pretrain.layout import Layout, LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
 from pretrain.rules.bounds import bounds_rules, range_rules
 from pretrain.rules.context import context_rules
+from pretrain.rules.hybrid import hybrid_rules
 from pretrain.rules.linear_attention import linear_attention_rules
 from pretrain.rules.megatron import megatron_config_rules, megatron_data_rules
 from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
@@ -81,7 +82,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
-                 sink_rules, glu_bias_yarn_rules, linear_attention_rules, bounds_rules]
+                 sink_rules, glu_bias_yarn_rules, linear_attention_rules, hybrid_rules, bounds_rules]
     if files:
         rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer))
     for rule in rules:

@@ -1,16 +1,16 @@
-"""The causal depthwise 1-D convolution of the linear-attention and state-space mixers, in plain torch (the CUDA
-kernels of the `causal_conv1d` package and flash-linear-attention do not exist on CPU).
+"""The causal depthwise 1-D convolution of Mamba-2 and Gated DeltaNet layers, in plain PyTorch (CPU and any device).
 
-`causal_conv1d(x, weight, bias, activation, seq_idx)`: x (batch, channels, seq), weight (channels, width), bias
-(channels,) or None. Output position t of channel c is
+    y = causal_conv1d(x, weight, bias, activation="silu", seq_idx=seq_idx)
 
-    act(bias[c] + sum_j weight[c, j] · x[c, t - (width - 1) + j])
+`x`: (batch, channels, seq); `weight`: (channels, width); `bias`: (channels,) or None; `activation`: "silu" /
+"swish" or None; `seq_idx`: (batch, seq) integers, the document of each token (packed documents), or None. Output
+(batch, channels, seq): y[b, d, t] = bias[d] + Σ_k weight[d, k] · x[b, d, t - (width - 1) + k], where a tap
+reaching before the sequence or into another document (`seq_idx` differs) contributes nothing, so a packed batch
+equals its documents convolved separately. This is what the `causal_conv1d` CUDA package computes
+(`causal_conv1d_fn` with `seq_idx`); Megatron-Core's mixers call that package, which has no CPU build.
 
-over the taps j whose input position is at least 0 and, with `seq_idx` (batch, seq: the document index of every token
-of packed documents), in the same document as t: no tap reads across a document boundary, so a packed sequence gives
-each document what it gives alone. This is the `causal_conv1d_fn(x, weight, bias, seq_idx, activation)` of the
-`causal_conv1d` package and transformers' `causal_conv1d_fn` (`padding=width-1`, the first `seq` outputs); the taps are
-summed in one fixed order whether or not `seq_idx` is given, so a document alone and packed are bit-identical.
+The sum is formed tap by tap in the same order with or without `seq_idx`, so a document gives the same bits alone
+and packed.
 """
 
 from __future__ import annotations
@@ -23,28 +23,28 @@ ACTIVATIONS = (None, "silu", "swish")
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   activation: str | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """The causal depthwise convolution of `x` (b, d, s) with `weight` (d, w): (b, d, s), see the module doc."""
+    """The causal depthwise convolution of `x` (see the module docstring)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation {activation!r} is not one of {ACTIVATIONS}")
     batch, channels, seq = x.shape
-    if weight.shape[0] != channels:
-        raise ValueError(f"causal_conv1d: weight has {weight.shape[0]} channels, x has {channels}")
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"causal_conv1d: weight {tuple(weight.shape)} does not match {channels} channels")
+    if seq_idx is not None and tuple(seq_idx.shape) != (batch, seq):
+        raise ValueError(f"causal_conv1d: seq_idx {tuple(seq_idx.shape)} is not (batch, seq) = ({batch}, {seq})")
     width = weight.shape[1]
-    x = x.to(weight.dtype)
+    w = weight.to(x.dtype)
+    padded = F.pad(x, (width - 1, 0))
     out = None
-    for j in range(width):
-        shift = width - 1 - j  # this tap reads x[t - shift]
-        if shift >= seq:
-            continue
-        tap = F.pad(x[..., :seq - shift], (shift, 0)) if shift else x
+    for k in range(width):
+        shift = width - 1 - k  # this tap reads the token `shift` positions back
+        tap = padded[:, :, k:k + seq] * w[:, k:k + 1]
         if seq_idx is not None and shift:
             same = torch.zeros_like(seq_idx, dtype=torch.bool)
             same[:, shift:] = seq_idx[:, shift:] == seq_idx[:, :-shift]
-            tap = tap * same.unsqueeze(1).to(tap.dtype)
-        term = tap * weight[:, j].view(1, channels, 1)
-        out = term if out is None else out + term
+            tap = tap * same[:, None, :].to(x.dtype)
+        out = tap if out is None else out + tap
     if bias is not None:
-        out = out + bias.view(1, channels, 1)
+        out = out + bias.to(x.dtype)[None, :, None]
     if activation is not None:
         out = F.silu(out)
     return out

@@ -35,7 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from model_providers.core.causal_conv1d import causal_conv1d
 from model_providers.core.gated_delta_rule import document_bounds, gated_delta_rule, l2norm, seq_index
-from model_providers.core.linear_layers import is_hybrid, linear_pattern
+from model_providers.core.linear_layers import has_linear_attention, linear_pattern
 from model_providers.core.norms import HeadNorm
 
 
@@ -137,7 +137,7 @@ def use_linear_attention(config, layer: ModuleSpec, use_te: bool) -> ModuleSpec:
 def apply_pattern(config, layers: list[ModuleSpec], offset: int, use_te: bool) -> list[ModuleSpec]:
     """The layer specs of one pipeline stage (global layers offset, offset+1, ...) with Gated DeltaNet on the linear
     layers, unchanged without `experimental_attention_variant`."""
-    if not is_hybrid(config):
+    if not has_linear_attention(config):
         return layers
     pattern = linear_pattern(config.num_layers, config.linear_attention_freq)
     return [use_linear_attention(config, spec, use_te) if pattern[offset + i] else spec
@@ -169,50 +169,36 @@ def stored_parts(model: torch.nn.Module) -> dict[str, tuple[list[tuple[str, int]
 
 
 # --------------------------------------------------------------------------------------------------
-# Layout-invariant initialisation (model_providers/core/builder.py): full tensors split by parts over TP
+# Layout-invariant initialisation (model_providers/core/builder.py): the values, and the parts split over TP
 # --------------------------------------------------------------------------------------------------
 
-_GDN_PARAMS = ("self_attention.in_proj.weight", "self_attention.conv1d.weight", "self_attention.conv1d.bias",
-               "self_attention.A_log", "self_attention.dt_bias", "self_attention.out_norm.weight")
+def _is(gname: str, *names: str) -> bool:
+    return gname.endswith(tuple(f"self_attention.{n}" for n in names))
 
 
-def is_gdn_parameter(gname: str) -> bool:
-    return gname.endswith(_GDN_PARAMS)
-
-
-def _sections(gname: str, m) -> list[int]:
-    """The parts of a parameter's dim 0, each split over TP on its own (Megatron-Core's sharded layout)."""
-    qk, v, heads = m.linear_num_key_heads * m.linear_key_head_dim, \
-        m.linear_num_value_heads * m.linear_value_head_dim, m.linear_num_value_heads
-    if gname.endswith("in_proj.weight"):
-        return [qk, qk, v, v, heads, heads]
-    if ".conv1d." in gname:
+def tp_parts(gname: str, m) -> list[int] | None:
+    """The full sizes of the parts a Gated DeltaNet tensor is split by over TP, part by part (Megatron-Core's sharded
+    layout: in_proj [q; k; v; z; beta; alpha], conv1d [q; k; v]); None for the others."""
+    qk, v = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    if _is(gname, "in_proj.weight"):
+        return [qk, qk, v, v, m.linear_num_value_heads, m.linear_num_value_heads]
+    if _is(gname, "conv1d.weight", "conv1d.bias"):
         return [qk, qk, v]
-    return [heads]
+    return None
 
 
-def init_gdn_parameter(param: torch.Tensor, gname: str, m, gen: torch.Generator, std: float, tp: int,
-                       rank: int) -> None:
-    """Draw one Gated DeltaNet parameter on its full shape from `gen` and keep this TP rank's share of each part:
-    in_proj ~ N(0, std); conv1d ~ U(±1/√width) (torch's Conv1d default, as Megatron-Core leaves it); A_log = log U(1,
-    16) (Megatron-Core's A_init_range); dt_bias 1; the output norm 1 (0 when zero-centred). out_proj is not here (a
-    row-parallel matrix: the generic init, scaled as an output projection)."""
-    if gname.endswith("out_norm.weight"):
-        param.fill_(0.0 if m.layernorm_zero_centered_gamma else 1.0)
-        return
-    sections = _sections(gname, m)
-    shape = [sum(sections), *param.shape[1:]]
-    full = torch.empty(shape, dtype=torch.float32, device=param.device)
-    if gname.endswith("in_proj.weight"):
-        full.normal_(0.0, std, generator=gen)
-    elif gname.endswith("conv1d.weight"):
+def initial_value(gname: str, shape: list[int], gen: torch.Generator, m, device) -> torch.Tensor | None:
+    """The full-shape initial value of a Gated DeltaNet parameter other than its matrices (None for the others, which
+    take the generic N(0, std): in_proj, out_proj as an output projection): conv1d ~ U(±1/√width) (torch's Conv1d
+    default, as Megatron-Core leaves it); A_log = log U(1, 16) (Megatron-Core's A_init_range); dt_bias 1; the output
+    norm 1 (0 when zero-centred)."""
+    if _is(gname, "conv1d.weight"):
         bound = 1.0 / math.sqrt(m.linear_conv_kernel_dim)
-        full.uniform_(-bound, bound, generator=gen)
-    elif gname.endswith("conv1d.bias"):
-        full.zero_()
-    elif gname.endswith("A_log"):
-        full.uniform_(1.0, 16.0, generator=gen).log_()
-    else:  # dt_bias
-        full.fill_(1.0)
-    parts = [part.narrow(0, rank * (n // tp), n // tp) for part, n in zip(full.split(sections), sections)]
-    param.copy_(torch.cat(parts).to(param.dtype))
+        return torch.empty(shape, device=device).uniform_(-bound, bound, generator=gen)
+    if _is(gname, "A_log"):
+        return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=gen).log_()
+    if _is(gname, "dt_bias"):
+        return torch.ones(shape, device=device)
+    if _is(gname, "out_norm.weight"):
+        return torch.full(shape, 0.0 if m.layernorm_zero_centered_gamma else 1.0, device=device)
+    return None

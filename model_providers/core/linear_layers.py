@@ -17,6 +17,6 @@ def linear_pattern(num_layers: int, freq) -> list[int]:
     return [int(x) for x in freq]
 
 
-def is_hybrid(m) -> bool:
+def has_linear_attention(m) -> bool:
     """A model (our ModelConfig or Megatron-Core's TransformerConfig) with Gated DeltaNet layers."""
     return getattr(m, "experimental_attention_variant", None) == VARIANT

@@ -118,10 +118,37 @@ class MappingRule:
                                    hf=tuple(n.replace("{i}", str(hf_layer)) for n in self.hf))
 
     def parts(self) -> tuple[tuple[str, int], ...]:
-        """How Megatron-Core stores this tensor when it splits it (a `ShardedTensorFactory` of parts, each split over
-        TP on its own, e.g. Gated DeltaNet's in_proj): (key suffix, rows along dim 0) per part, in order; () when it
-        is stored whole. The checkpoint then holds `<megatron>.<suffix>` for each part."""
+        """How Megatron-Core stores this tensor when its sharded state splits it (a `ShardedTensorFactory` of row
+        blocks, each split over TP on its own: Gated DeltaNet's in_proj and conv1d, Mamba's in_proj and conv1d):
+        (key suffix, rows along the first dim after the stacked ones) per part, in order; () when it is stored whole.
+        The checkpoint then holds `<megatron>.<suffix>` for each part (`storage_keys`, `split`, `join`)."""
         return ()
+
+    def storage_keys(self) -> list[str]:
+        """The checkpoint keys this rule's Megatron tensor is stored under: its own, or one per part."""
+        return [f"{self.megatron}.{name}" for name, _ in self.parts()] or [self.megatron]
+
+    def join(self, ts: list[Tensor]) -> Tensor:
+        """The Megatron tensor from its stored pieces (`storage_keys` order)."""
+        parts = self.parts()
+        if not parts:
+            return ts[0]
+        import torch
+
+        if [t.shape[0] for t in ts] != [rows for _, rows in parts]:
+            raise ConversionError(f"'{self.megatron}' parts have {[t.shape[0] for t in ts]} rows, expected "
+                                  f"{[rows for _, rows in parts]}")
+        return torch.cat(ts, dim=0)
+
+    def split(self, t: Tensor) -> list[Tensor]:
+        """The stored pieces of the Megatron tensor `t` (`storage_keys` order)."""
+        parts = self.parts()
+        if not parts:
+            return [t]
+        if t.shape[0] != sum(rows for _, rows in parts):
+            raise ConversionError(f"'{self.megatron}': parts of {[rows for _, rows in parts]} rows do not make "
+                                  f"{t.shape[0]}")
+        return list(t.split([rows for _, rows in parts], dim=0))
 
     def to_hf(self, t: Tensor, d: Dims) -> list[Tensor]:
         raise NotImplementedError
@@ -331,9 +358,22 @@ class LayerExpertsGateUp(LayerExperts):
         return t.reshape(experts, rows // 2, 2, *rest).transpose(1, 2).reshape(experts, rows, *rest)
 
 
+@dataclass(frozen=True)
+class SplitRows(Copy):
+    """The same tensor on both sides, stored by Megatron-Core in row blocks (`rows`: (name, rows) in order, each part
+    split over TP on its own; `MappingRule.parts`): Mamba's fused in-projection (z, x, B, C, dt) and convolution
+    (x, B, C), Gated DeltaNet's convolution (query, key, value). The HF side is the whole tensor, rows in order."""
+
+    rows: tuple[tuple[str, int], ...] = ()
+    op: ClassVar[str] = "split_rows"
+
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        return self.rows
+
+
 RULES: dict[str, type[MappingRule]] = {
     cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate,
-                            LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp)
+                            LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp, SplitRows)
 }
 
 
@@ -416,25 +456,6 @@ class GDNInProj(MappingRule):
         return torch.cat([x.reshape(-1, *tail) for x in (q, k, v, z, b, a)], dim=0)
 
 
-@dataclass(frozen=True)
-class GDNConv1d(MappingRule):
-    """Gated DeltaNet's depthwise conv1d weight [q; k; v channels, 1, width]: the same tensor on both sides, stored by
-    Megatron-Core in its query, key and value parts."""
-
-    key_channels: int = 1
-    value_channels: int = 1
-    op: ClassVar[str] = "gdn_conv1d"
-
-    def parts(self) -> tuple[tuple[str, int], ...]:
-        return (("query", self.key_channels), ("key", self.key_channels), ("value", self.value_channels))
-
-    def to_hf(self, t, d):
-        return [t]
-
-    def from_hf(self, ts, d):
-        return ts[0]
-
-
 class ShiftedNorm(MappingRule):
     """A norm weight zero-centred on the Megatron side (scales by 1 + w, `layernorm_zero_centered_gamma`) and plain on
     the HF side (scales by w: Qwen3-Next's gated output norm): HF = Megatron + 1, computed in float64."""
@@ -448,4 +469,4 @@ class ShiftedNorm(MappingRule):
         return (ts[0].double() - 1.0).to(ts[0].dtype)
 
 
-RULES.update({cls.op: cls for cls in (GatedQKV, GDNInProj, GDNConv1d, ShiftedNorm)})
+RULES.update({cls.op: cls for cls in (GatedQKV, GDNInProj, ShiftedNorm)})

@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from model_providers.core import linear_attention
 from model_providers.core.cp_attention import ContextParallelAttention
 from model_providers.core.experts import ExpertRowParallelLinear
+from model_providers.core.linear_layers import has_linear_attention
 from model_providers.core.norms import ZeroCenteredNorm
 
 
@@ -148,7 +149,7 @@ def _layer_specs(config: TransformerConfig, use_te: bool, packed_sequences: bool
                 num_experts=num_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm) and bool(num_experts),
                 qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
 
-        if (all(pattern) or not experts) and not linear_attention.is_hybrid(config):
+        if (all(pattern) or not experts) and not has_linear_attention(config):
             layer = te_layer(experts)
             return {1: layer, 0: layer}, pattern, None  # one spec for every layer; TransformerBlock picks TENorm
         from megatron.core.extensions.transformer_engine import TENorm

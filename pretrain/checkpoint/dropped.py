@@ -45,17 +45,16 @@ def _local_names(model) -> set[str]:
         names = fsdp_format.stored_names(fsdp_format.inner(model)[1])
         return {key for entry in names.values() for key in torch_dist_keys(entry)}
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from pretrain.checkpoint.state import model_state
 
-    def stored(item) -> list[str]:
-        # A factory stores what it builds, under its own keys (Gated DeltaNet's in_proj: `KEY.query`, `KEY.key`, ...).
-        if isinstance(item, ShardedTensorFactory):
-            return [key for part in nested_values(item.build()) for key in stored(part)]
-        return [item.key] if isinstance(item, ShardedTensor) else []
-
-    return {key for item in nested_values(model_state(model, is_loading=True)) for key in stored(item)}
+    # A factory is stored under the keys of the tensors it builds, which may differ from its own: Mamba's and Gated
+    # DeltaNet's fused in_proj / conv1d are stored as one tensor per part (`...in_proj.weight.z`, `.x`, `.B`, `.C`,
+    # `.dt`; `.query`, `.key`, ...).
+    state = model_state(model, is_loading=True)
+    apply_factories(state)  # views of the parameters, as the load itself builds them
+    return {item.key for item in nested_values(state) if isinstance(item, ShardedTensor)}
 
 
 def target_names(model) -> set[str]:

@@ -20,7 +20,7 @@ from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Dims, Index, MappingRule
 from pretrain import safe_paths
 from pretrain.hf.files import DTYPES, Progress, commit_dir, discard_dir, peak_rss_bytes, staging_dir
-from pretrain.hf.readers import CheckpointReader, load_run_config, read_rule_tensor, stored_in_parts
+from pretrain.hf.readers import CheckpointReader, load_run_config
 from pretrain.hf.tokenizer import hf_tokenizer
 from pretrain.hf.writers import ShardedSafetensorsWriter, TensorEntry
 
@@ -50,15 +50,17 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
     used: set[str] = set()
     produced: set[str] = set()
     for rule in rules if rules is not None else get_family(family).mapping:
-        md = tensors.get(rule.megatron)
-        if md is None and rule.parts():  # stored in parts (Gated DeltaNet's in_proj, conv1d)
-            md = stored_in_parts(tensors, rule)
-            if md is not None:
-                used.update(f"{rule.megatron}.{name}" for name, _ in rule.parts())
-        if md is None:
+        keys = rule.storage_keys()  # several for a tensor stored in parts (`MappingRule.parts`: Mamba, Gated DeltaNet)
+        stored = [tensors.get(k) for k in keys]
+        if stored[0] is None:
             continue
-        used.add(rule.megatron)
+        if None in stored:
+            raise ConversionError(f"checkpoint tensor '{keys[stored.index(None)]}' is missing (with '{keys[0]}')")
+        md = stored[0]
+        used.update(keys)
         shape = tuple(md.size)
+        if len(stored) > 1:
+            shape = tuple(rule.join([torch.empty(tuple(x.size), device="meta") for x in stored]).shape)
         layers = rule.indices(num_layers, d.num_experts)
         if rule.stack_dims:
             stack = rule.stack_shape(num_layers, d.num_experts)
@@ -218,7 +220,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, unquantized)
         bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
         for unit in units:
-            source = read_rule_tensor(reader, unit.rule, unit.layer)
+            source = unit.rule.join([reader.read(key, unit.layer) for key in unit.rule.storage_keys()])
             outs = unit.rule.to_hf(source, d)
             for entry, tensor in zip(unit.entries, outs):
                 writer.write(entry.name, tensor.to(entry.dtype))

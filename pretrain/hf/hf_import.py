@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from model_providers import family_for_hf, get_family
+from model_providers.core import hybrid
 from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
 from pretrain.hf import mxfp4
@@ -42,8 +43,8 @@ from pretrain.hf.import_checks import (
 from pretrain.hf.readers import HFReader
 from pretrain.hf.writers import StreamingSavePlanner, writer_class
 
-# Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`, Gated DeltaNet's `in_proj` and
-# `out_proj`) carry an (empty) `_extra_state` that the trainer's sharded state dict expects.
+# Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`, the in- and output projections of
+# Gated DeltaNet and Mamba) carry an (empty) `_extra_state` that the trainer's sharded state dict expects.
 _LINEAR_WEIGHT = (".linear_", ".eh_proj.", ".in_proj.", ".out_proj.")
 
 
@@ -109,17 +110,6 @@ def _run_config_for(hf_cfg, fields: dict, config: str | None, hf_dir: Path, over
     if problems:
         raise ConversionError(str(problems[0]))
     return cfg
-
-
-def _stored_parts(rule: MappingRule, slice_shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
-    """The checkpoint tensors one slice of `rule` is written as: (key, rows of its first dim) per part, or (key, None)
-    for the whole."""
-    parts = rule.parts()
-    if not parts:
-        return [(rule.megatron, None)]
-    if sum(n for _, n in parts) != slice_shape[0]:
-        raise ConversionError(f"'{rule.megatron}': parts of {[n for _, n in parts]} rows do not make {slice_shape[0]}")
-    return [(f"{rule.megatron}.{name}", rows) for name, rows in parts]
 
 
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None = None, dtype: str | None = None,
@@ -195,22 +185,19 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
         tdtype = DTYPES[dtype] if dtype and not rule.keeps_dtype else reader.info[names0[0]][1]
         stack = rule.stack_shape(m.num_layers, d.num_experts)
         props = TensorProperties(dtype=tdtype)
+        pieces = [tuple(p.shape) for p in rule.split(torch.empty(slice_shape, device="meta"))]
         for layer in layers:
             names = _hf_names_in(rule, layer, reader.info)
             if names is None:
                 raise ConversionError(f"HF tensor '{rule.hf_names(layer)[0]}' is missing")
-            # A tensor Megatron-Core stores in parts (`rule.parts()`): one checkpoint tensor per part.
-            start = 0
-            for key, rows in _stored_parts(rule, slice_shape):
-                part = slice_shape if rows is None else (rows, *slice_shape[1:])
-                offsets = (*lead_offsets(layer), *[0] * len(part))
-                sizes = (*[1] * rule.stack_dims, *part)
+            for part, (key, piece) in enumerate(zip(rule.storage_keys(), pieces)):  # one key, or its parts
+                offsets = (*lead_offsets(layer), *[0] * len(piece))
+                sizes = (*[1] * rule.stack_dims, *piece)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                 items.append(WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(
-                                           (*stack, *part)))))
-                sources[(key, tuple(offsets))] = (rule, names, sizes, tdtype, (start, rows))
-                start += rows or 0
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                                   size=torch.Size((*stack, *piece)))))
+                sources[(key, tuple(offsets))] = (rule, names, sizes, tdtype, part)
     extra = io.BytesIO()
     torch.save([None], extra)
     for rule in rules:
@@ -223,6 +210,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel keeps its output layer's extra state (GPTModel drops it)
+        items.append(WriteItem(index=MetadataIndex("output_layer._extra_state/shard_0_1"), type=WriteItemType.BYTE_IO))
     total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()
                       for s in sources.values())
     bar = Progress(len(sources), total_bytes, "from-hf", progress)
@@ -232,10 +221,10 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     def resolve(item):
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(extra.getvalue())
-        rule, names, sizes, tdtype, (start, rows) = sources[(item.index.fqn, tuple(item.index.offset))]
-        if last.get("names") != names:
-            last.update(names=names, tensor=rule.from_hf([reader.read(n) for n in names], d))
-        tensor = last["tensor"] if rows is None else last["tensor"].narrow(0, start, rows)
+        rule, names, sizes, tdtype, part = sources[(item.index.fqn, tuple(item.index.offset))]
+        if last.get("names") != names:  # a tensor stored in parts: its HF tensors read once for all its parts
+            last.update(names=names, pieces=rule.split(rule.from_hf([reader.read(n) for n in names], d)))
+        tensor = last["pieces"][part]
         tensor = tensor.to(tdtype).reshape(sizes).contiguous()
         bar.update(tensor.nbytes)
         return tensor

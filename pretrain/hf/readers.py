@@ -70,29 +70,6 @@ class CheckpointReader:
         return dest.reshape(dest.shape[len(lead):])
 
 
-def stored_in_parts(tensors: dict, rule) -> object | None:
-    """The metadata (`size`, `properties`) of a tensor Megatron-Core stores in parts (`rule.parts()`: one checkpoint
-    tensor `<key>.<part>` each, concatenated along the first dim after the stacked ones), or None when they are not
-    all there."""
-    from types import SimpleNamespace
-
-    parts = rule.parts()
-    mds = [tensors.get(f"{rule.megatron}.{name}") for name, _ in parts]
-    if not parts or any(md is None for md in mds):
-        return None
-    lead = rule.stack_dims
-    size = list(mds[0].size)
-    size[lead] = sum(md.size[lead] for md in mds)
-    return SimpleNamespace(size=torch.Size(size), properties=mds[0].properties)
-
-
-def read_rule_tensor(reader: CheckpointReader, rule, layer: Index) -> torch.Tensor:
-    """The Megatron tensor (or layer slice) of `rule`, concatenated from its parts where it is stored in parts."""
-    if not rule.parts() or rule.megatron in reader.tensors:
-        return reader.read(rule.megatron, layer)
-    return torch.cat([reader.read(f"{rule.megatron}.{name}", layer) for name, _ in rule.parts()], dim=0)
-
-
 def load_run_config(ckpt: Path):
     """The `Config` the checkpoint was saved with (run_config.yaml beside it)."""
     from pretrain.checkpoint.format import read_saved_config

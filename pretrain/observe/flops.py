@@ -33,22 +33,42 @@ Gated DeltaNet (`model.experimental_attention_variant=gated_delta_net`, Qwen3-Ne
 w·(2qk + v) (conv) + 4·n_v·d_v² (the delta rule's KKᵀ, VKᵀ, state update, Sq) + h·v (out_proj)] / (2h²), with
 qk = n_k·d_k, v = n_v·d_v, w the conv width; the output gate of gated attention (`model.attention_output_gate`)
 adds its projection, (a·d/h)/2. The layers are averaged; an MTP layer is like the last.
+
+Hybrid Mamba models (`model.hybrid_layer_pattern`): Megatron-LM's hybrid accounting, per layer kind
+(`model_providers.core.hybrid.flops_per_token`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from model_providers.core import hybrid
 from model_providers.core.windows import mean_attended_keys
 
-# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts). The one table of
-# peaks: the trainer's MFU, the planner and the benchmarks all read it.
+# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts; GB200/GB300: one GPU of an NVL72
+# rack, whose datasheet gives the rack's figures with sparsity: 72 GPUs, halved). The one table of peaks: the
+# trainer's MFU, the planner and the benchmarks all read it. MXFP8 runs at the FP8 rate, NVFP4 at the FP4 rate
+# (Blackwell only: a GPU without the key has no such tensor cores). Sources, per GPU: DGX B200 datasheet (36 / 72 /
+# 144 PFLOPS BF16 / FP8 / FP4 for 8 GPUs, sparse); HGX B300 (36 / 72 / 108 dense FP4); GB200 NVL72 (360 / 720 / 1,440
+# sparse for 72); GB300 NVL72 (360 / 720 sparse, 1,080 dense FP4 for 72).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "h100": {"bf16": 989.0, "fp8": 1979.0},
     "h200": {"bf16": 989.0, "fp8": 1979.0},
-    "b200": {"bf16": 2250.0, "fp8": 4500.0},
+    "b200": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
+    "b300": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 13500.0},
+    "gb200": {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0},
+    "gb300": {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 15000.0},
     "a100": {"bf16": 312.0, "fp8": 312.0},  # no FP8 tensor cores: FP8 runs as bf16 at best
 }
+
+
+def gemm_precision(fp8: str | None, fp4_recipe: str | None) -> str:
+    """The key of PEAK_TFLOPS the GEMMs of a run use: nvfp4, mxfp8, fp8 (any other FP8 recipe) or bf16."""
+    if fp4_recipe:
+        return "nvfp4"
+    if fp8:
+        return "mxfp8" if fp8 == "mxfp8" else "fp8"
+    return "bf16"
 
 
 def _mla_attention(m: Any) -> float:
@@ -63,12 +83,12 @@ def _mla_attention(m: Any) -> float:
 def _linear_attention(m: Any, attention: float) -> tuple[float, float]:
     """(the attention term averaged over the layers, the last layer's) with Gated DeltaNet layers and the output gate;
     (attention, attention) for a model with neither."""
-    from model_providers.core.linear_layers import is_hybrid, linear_pattern
+    from model_providers.core.linear_layers import has_linear_attention, linear_pattern
 
     h = m.hidden_size
     if getattr(m, "attention_output_gate", False):
         attention += 0.5 * m.num_attention_heads * (m.kv_channels or h // m.num_attention_heads) / h
-    if not is_hybrid(m):
+    if not has_linear_attention(m):
         return attention, attention
     qk, nv, dv = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads, m.linear_value_head_dim
     v = nv * dv
@@ -89,6 +109,8 @@ def _moe_pattern(m: Any) -> list[bool]:
 def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     """Training FLOPs per token (forward + backward) for the config's model."""
     m = model_cfg
+    if hybrid.is_hybrid(m):  # Megatron's hybrid-model accounting (model_providers/core/hybrid.py)
+        return hybrid.flops_per_token(m, padded_vocab)
     h, L = m.hidden_size, m.num_layers
     a = m.num_attention_heads
     g = m.num_query_groups or a
@@ -122,12 +144,11 @@ def flops_per_step(model_cfg: Any, padded_vocab: int, global_batch_size: int) ->
 
 
 def gpu_key(device_name: str) -> str | None:
-    """'h100' for 'NVIDIA H100 80GB HBM3' (a key of PEAK_TFLOPS), None when unknown."""
+    """'h100' for 'NVIDIA H100 80GB HBM3' (a key of PEAK_TFLOPS), None when unknown; the longest key that matches
+    ('NVIDIA GB200' is a gb200, not a b200)."""
     name = device_name.lower()
-    for key in PEAK_TFLOPS:
-        if key in name:
-            return key
-    return None
+    found = [key for key in PEAK_TFLOPS if key in name]
+    return max(found, key=len) if found else None
 
 
 def gpu_peak_tflops(device_name: str, fp8: bool) -> float | None:

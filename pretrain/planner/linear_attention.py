@@ -24,14 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from model_providers.core.linear_layers import is_hybrid, linear_pattern
+from model_providers.core.linear_layers import has_linear_attention, linear_pattern
 
 CHUNK = 64  # the chunk length of the delta rule (FLA's and Megatron-Core's torch kernel)
 
 
 def is_linear_layer(m: Any, index: int | None) -> bool:
     """Global decoder layer `index` is Gated DeltaNet (None: not decided here, full attention)."""
-    return index is not None and is_hybrid(m) and bool(linear_pattern(m.num_layers, m.linear_attention_freq)[index])
+    return index is not None and has_linear_attention(m) and \
+        bool(linear_pattern(m.num_layers, m.linear_attention_freq)[index])
 
 
 def _dims(m: Any) -> tuple[int, int, int]:

@@ -44,6 +44,15 @@ REFUSALS = {
     ("model.experimental_attention_variant", "parallel.context"),  # Gated DeltaNet: no context parallelism
     # Gated DeltaNet on GPUs: packed documents need megatron-core 0.19+ (GatedDeltaNet's NotImplementedError before)
     ("model.experimental_attention_variant", "data.reset_attention_mask"),
+    # the hybrid Mamba model (pretrain/rules/hybrid.py): what it does not wire, each with its reason
+    *(("model.hybrid_layer_pattern", key) for key in (
+        "model.mtp_num_layers", "model.recompute_granularity", "model.sliding_window", "model.softmax_type",
+        "parallel.virtual_pipeline", "parallel.pipeline_layout", "parallel.account_for_embedding_in_pipeline_split",
+        "parallel.account_for_loss_in_pipeline_split", "optimizer.fsdp", "model.experimental_attention_variant",
+        "model.attention_output_gate", "model.layernorm_zero_centered_gamma")),
+    # ... and tiny_nemotron_h's 6 layers do not split over 2 × 2 virtual stages, nor fit the 4-layer layout string
+    ("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline"),
+    ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers"),
 }
 
 
@@ -61,6 +70,7 @@ def _pipeline_stage(layout, pp_rank: int):
 def build_megatron_configs(cfg, world: int) -> None:
     """The config objects `pretrain.run.setup.build_training` builds: TransformerConfig (the project's builder), every
     pipeline stage's decoder and MTP block specs, the DDP and optimizer configs."""
+    from model_providers.core import hybrid, mamba_builder
     from model_providers.core.builder import transformer_config
     from model_providers.core.sequences import packed_sequences
     from model_providers.core.specs import decoder_block_spec, mtp_block_spec
@@ -68,7 +78,9 @@ def build_megatron_configs(cfg, world: int) -> None:
 
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(model_plan(cfg), layout)
-    for pp_rank in range(layout.pp):
+    if hybrid.is_hybrid(cfg.model):  # Megatron-Core's MambaStack picks each stage's layers itself
+        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg))
+    for pp_rank in range(layout.pp if not hybrid.is_hybrid(cfg.model) else 0):
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
                 stage = vp if layout.virtual_pipeline else None
