@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         report = plan.problems
         from pretrain.rules.start import start_rules
 
-        start_rules(report, cfg, plan.tokenizer)  # what train will start from: a checkpoint's resume, or fresh
+        start_rules(plan)  # what train will start from: a checkpoint's resume, or fresh
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from pretrain.validate import store_verdicts
 
-        store_verdicts(cfg, report, create=False)  # into an existing cache only: validate creates no run.dir
+        store_verdicts(plan, create=False)  # into an existing cache only: validate creates no run.dir
         if args.check_lock:
             from pretrain.run.output_lock import run_outputs_held
 

@@ -37,17 +37,6 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
     return precision
 
 
-def resolve_vocab_size(cfg: Config, tokenizer_vocab: int | None = None) -> int:
-    """The true (unpadded) vocabulary: model.vocab_size, else the tokenizer's (loaded when not given)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    if tokenizer_vocab is None:
-        from pretrain.tokenizer.load import run_tokenizer
-
-        tokenizer_vocab = run_tokenizer(cfg.data).vocab_size
-    return tokenizer_vocab
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The shape fields whose config value may be null, with Megatron's defaults applied."""

@@ -278,14 +278,14 @@ def train(cfg: Config) -> dict:
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
     rt = init_distributed(resilience.pg_timeout_minutes(cfg))
-    check_data_files_once(cfg, problems, rt.device, plan.tokenizer)
+    check_data_files_once(plan, rt.device)
     if problems.errors:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(cfg, problems)
+        store_verdicts(plan)
 
     # 2. Model, optimizer, schedule.
     setup.build_training(cfg, run, log0)

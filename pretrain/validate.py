@@ -42,11 +42,12 @@ def validate(cfg: Config, world_size: int, **kwargs) -> Report:
 
 def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
           files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
-          vocab_size: int | None = None, tokenizer=None) -> tuple[Report, Layout | None]:
+          vocab_size: int | None = None, tokenizer=None, data=None, model=None) -> tuple[Report, Layout | None]:
     """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
-    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`: the tokenizer's vocabulary and
-    its `pretrain.run_plan.TokenizerPlan`, resolved once by `pretrain.run_plan` (the data rules then decide and load
-    no tokenizer again).
+    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`, `data`, `model`: the tokenizer's
+    vocabulary, its `TokenizerPlan`, the `DataPlan` and the `ModelPlan`, resolved once by `pretrain.run_plan` (the
+    rules decide, parse and load none of them again; they are made here for a caller without them, e.g. the
+    planner).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -65,9 +66,17 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
         cuda_available = cuda_here()
     if gpu_dry_run and not cuda_available:
         return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files,
-                            vocab_size=vocab_size, tokenizer=tokenizer), None
+                            vocab_size=vocab_size, tokenizer=tokenizer, data=data, model=model), None
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
+    if data is None or model is None or tokenizer is None:  # a caller without a run plan (the planner, tools)
+        from model_providers.core.model_plan import model_plan
+        from pretrain.data.plan import data_plan
+        from pretrain.tokenizer.choice import decide
+
+        data, model = data or data_plan(cfg), model or model_plan(cfg)
+        if tokenizer is None and files:
+            tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
     r = Report(world_size)
     out_of_range = range_rules(r, cfg)  # every numeric key against its declared range, first
     lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, performance_rules,
@@ -81,14 +90,14 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
                  sink_rules, glu_bias_yarn_rules, bounds_rules]
     if files:
-        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer))
+        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer, data=data))
     for rule in rules:
         rule(r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
-    megatron_config_rules(r, cfg, lay, te_on_gpu)
+    megatron_config_rules(r, cfg, lay, te_on_gpu, model=model, data=data)
     placement_note(r, cfg, lay)
     if files:  # and GPTDatasetConfig's
-        megatron_data_rules(r, cfg, lay, te_on_gpu)
+        megatron_data_rules(r, cfg, lay, te_on_gpu, data=data)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
     from pretrain.compat import matrix
 
@@ -111,17 +120,17 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     return report
 
 
-def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
-    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
-    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into
-    their caches in the data cache dir (`create=False`:
-    only into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
-    from pretrain.data.cache import data_cache_dir
+def store_verdicts(plan, create: bool = True) -> int:
+    """Once validation passed (`plan.problems`, of the run plan `plan`): the data check's full reads
+    (`pretrain.data.check.store_verdicts`), Megatron-Core's checks that passed (`pretrain.rules.megatron_verdicts`)
+    and the accepted start (`pretrain.rules.start`) into their caches in the data cache dir (`create=False`: only
+    into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
     from pretrain.data.check import store_verdicts as store_data_verdicts
     from pretrain.rules import megatron_verdicts, start
 
+    r, cache_dir = plan.problems, plan.data.cache_dir
     if r.errors:
         return 0
-    megatron_verdicts.store(data_cache_dir(cfg), r.megatron_verdicts, create=create)
-    megatron_verdicts.store(data_cache_dir(cfg), r.start_verdicts, create=create, directory=start.VERDICT_DIR)
-    return store_data_verdicts(cfg, r, create=create)
+    megatron_verdicts.store(cache_dir, r.megatron_verdicts, create=create)
+    megatron_verdicts.store(cache_dir, r.start_verdicts, create=create, directory=start.VERDICT_DIR)
+    return store_data_verdicts(cache_dir, r, create=create)

@@ -128,7 +128,9 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
     import dataclasses
 
     from pretrain.data.check import check_tokenizer
+    from pretrain.data.plan import uses_mock
     from pretrain.problems import Report
+    from pretrain.tokenizer.choice import decide
     from pretrain.validate import check
 
     world = _min_world(cfg)
@@ -139,7 +141,8 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
         if tokenizer == "hf":
             check = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **_relocated(cfg.data, hf_dir)))
         tok_report = Report(world)
-        check_tokenizer(check, tok_report)
+        d = check.data
+        check_tokenizer(decide(d, check.model.vocab_size, uses_mock(d)), d, check.model, tok_report)
         errors += tok_report.errors
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -34,23 +34,24 @@ def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
     """Training run: evaluation, time limit, checkpoints."""
 
 
-def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
+def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None, data=None) -> None:
     """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint.
-    `tokenizer`: the run plan's `TokenizerPlan` (None: decided and loaded here)."""
+    `tokenizer`, `data`: the run plan's `TokenizerPlan` and `DataPlan`."""
     from pretrain.data.check import check_data_config, check_data_files
 
-    null, ident = (tokenizer.null, tokenizer.identity) if tokenizer is not None else (None, None)
+    check_data_config(data, tokenizer, cfg.train, r)
     # O(1) per file where the metadata cannot stand for the index: the trainer's one-rank check reads it in full
-    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null, header_only=True)
+    check_data_files(data, tokenizer, cfg.model, r, header_only=True)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 
 
-def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
+def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None,
+                      data=None) -> None:
     """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data.datasets`)."""
     from pretrain.data.check import check_data_config
 
-    check_data_config(cfg, r, tokenizer.null if tokenizer is not None else None)
+    check_data_config(data, tokenizer, cfg.train, r)
     _check_pretrained(cfg, r)
     _check_cache_dir(cfg, r)
 

@@ -18,6 +18,7 @@ from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.problems import Report
 from pretrain.run.run_dir import StorageError
+from pretrain.tokenizer.choice import load as load_tokenizer
 
 
 @dataclass
@@ -175,12 +176,11 @@ def start_run(plan, rt, log) -> Run:
         unset_num_microbatches_calculator,
     )
 
-    from pretrain.data.datasets import build_tokenizer
     from pretrain.run.run_dir import prepare_run_dir
     from pretrain.run.runtime import any_rank_error, init_model_parallel
 
     cfg, layout, problems = plan.cfg, plan.layout, plan.problems
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, null=plan.tokenizer.null)
+    tokenizer = load_tokenizer(plan.tokenizer, cfg.data, cfg.model.vocab_size)
     if layout.vocab_size != tokenizer.vocab_size and not cfg.model.vocab_size:  # the plan read the same files
         raise RuntimeError(f"tokenizer changed while the run started: {layout.vocab_size} → {tokenizer.vocab_size}")
     init_model_parallel(layout, cfg.train.seed)
@@ -229,7 +229,7 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
     (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
     reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
     changed on resume). `log` (rank 0): how long Megatron's index caches took and where they are."""
-    from pretrain.data.datasets import build_datasets, data_cache_dir
+    from pretrain.data.datasets import build_datasets
     from pretrain.observe.metrics import MetricsWriter
     from pretrain.observe.wandb_logger import wandb_sinks
     from pretrain.run.run_dir import write_failure
@@ -244,14 +244,15 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
         run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
     try:
         needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
-        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer, max(needed, t.steps * t.global_batch_size),
+        run.train_ds, run.valid_ds = build_datasets(run.plan.data, run.tokenizer,
+                                                    max(needed, t.steps * t.global_batch_size),
                                                     eval_steps * t.global_batch_size,
                                                     is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
-        why = write_failure(exc, data_cache_dir(cfg))
+        why = write_failure(exc, run.plan.data.cache_dir)
         if why is None:
             raise
-        raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
+        raise StorageError(f"{run.plan.data.cache_dir}: writing the data cache failed: {why}") from exc
     # Whether there is a validation split to evaluate on, known on the reading ranks: shared with every rank.
     has_valid = torch.tensor([1.0 if run.valid_ds is not None else 0.0], device=run.rt.device)
     torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)
