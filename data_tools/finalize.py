@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from data_tools.shards import MAX_BLEND_LINE, Plan, ShardError, part_prefix, part_problem
+from pretrain.data.check import MAX_BLEND_DATASETS
 
 BLEND_SUFFIX = ".blend"
 
@@ -56,6 +57,9 @@ def finalize(plan: Plan, mode: str, remove_parts: bool = False, log: Callable[[s
         raise ShardError(f"--mode must be merge or blend, got {mode!r}")
     if remove_parts and mode != "merge":
         raise ShardError("--remove-parts needs --mode merge (a blend reads the parts)")
+    if mode == "blend" and len(plan.tasks) > MAX_BLEND_DATASETS:
+        raise ShardError(f"--mode blend of {len(plan.tasks):,} parts: Megatron-Core's blend indexes its datasets as "
+                         f"int16, at most {MAX_BLEND_DATASETS:,}; use --mode merge")
     bad = incomplete_tasks(plan)
     if bad:
         raise ShardError(f"{len(bad)} of {len(plan.tasks)} task(s) have no complete part, so nothing was "

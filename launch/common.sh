@@ -19,7 +19,10 @@
 #      watchdog found a step past its bound, wrote RUN_DIR/hang/ and exited 75: the job resumes from the
 #      last checkpoint, like after a preemption, bounded by MAX_RESTARTS); a failure requeues at
 #      most MAX_FAILED_RESTARTS times in a row without progress, then the job fails. The trainer writes
-#      "running" at start, so a file still saying "running" means the ranks were killed (no final status).
+#      "running" at start, so a file still saying "running" means the ranks were killed (no final status);
+#   6. "stage" (exit 76: a run in stages saved the checkpoint that ends a stage, and the next stage changes the
+#      layout; docs/training.md "Stages"): step 3 again in the same allocation, which continues in the next stage
+#      (requeued instead when a signal came).
 #
 # Environment (all optional; `sbatch --export=ALL`, the default, passes them from the submitting shell):
 #   CONFIG               trainer YAML (relative: to the submit directory, then to the checkout)
@@ -273,6 +276,17 @@ launch_train() {  # launch_train OVERRIDE...: sets LAUNCH_SRUN_RC
     launch_log "srun exited with code $LAUNCH_SRUN_RC${LAUNCH_SIGNAL:+ after SIG$LAUNCH_SIGNAL}"
 }
 
+launch_next_stage() {  # true when the trainer stopped at a stage boundary (exit 76) and no signal came
+    local status_file=$RUN_DIR/exit_status.json reason="" step="?"
+    [[ -f $status_file && -z $LAUNCH_SIGNAL ]] || return 1
+    reason=$(sed -n 's/.*"reason": *"\([a-z_]*\)".*/\1/p' "$status_file")
+    [[ $reason == stage ]] || return 1
+    step=$(sed -n 's/.*"step": *\([0-9]*\).*/\1/p' "$status_file")
+    rm -f "$RUN_DIR/.launch_failures"  # a checkpoint was saved: progress
+    launch_log "a stage ended at step $step and the next one changes the layout: starting it in this allocation"
+    return 0
+}
+
 launch_requeue() {  # launch_requeue WHY
     launch_log "requeueing job $SLURM_JOB_ID ($1); it resumes from the latest checkpoint in $RUN_DIR"
     if scontrol requeue "$SLURM_JOB_ID"; then
@@ -307,6 +321,14 @@ launch_finish() {  # decide from exit_status.json and srun's exit code
             exit 3
         }
         launch_requeue "trainer saved at step $step after ${reason/_/ }"
+    fi
+    if [[ $reason == stage ]]; then  # exit 76 with a signal pending: the next stage in the next attempt
+        rm -f "$failures_file"
+        ((restarts < MAX_RESTARTS)) || {
+            launch_log "stage ended at step $step, but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
+            exit 3
+        }
+        launch_requeue "a stage ended at step $step; the next stage starts in the next attempt"
     fi
     if [[ $reason == hang ]]; then  # the watchdog's exit (75): nothing saved since the last checkpoint
         rm -f "$failures_file"
@@ -358,5 +380,8 @@ launch_pretrain() {
     cd "$PROJECT_DIR"  # `python -m pretrain` from the checkout, whatever the submit directory
     launch_validate "${overrides[@]}"
     launch_train "${overrides[@]}"
+    while launch_next_stage; do  # a run in stages: the next stage's new processes, same allocation
+        launch_train "${overrides[@]}"
+    done
     launch_finish
 }

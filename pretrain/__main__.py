@@ -57,24 +57,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        import os
+
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a launch reads the same config: said once
+            print(f"config error: {exc}", file=sys.stderr)
         return 2
 
     if args.command == "validate":
         import os
 
-        from pretrain.run_plan import resolve
+        from pretrain.stages.plan import resolve_run
 
         p = cfg.parallel
         world = args.world_size
         if world is None:  # the launcher's (pretrain.run.runtime.env_world_size, which imports torch)
             world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else p.tensor * p.pipeline * p.context
+            if cfg.stages and "WORLD_SIZE" not in os.environ:  # the largest model-parallel size of its stages
+                from pretrain.stages.spec import derive
+
+                world = max([world] + [s.cfg.parallel.tensor * s.cfg.parallel.pipeline * s.cfg.parallel.context
+                                       for s in derive(cfg).stages])
         # An explicit --world-size is a dry run of the job: on a machine without CUDA, as on GPUs.
-        plan = resolve(cfg, world, gpu_dry_run=args.world_size is not None)
-        report = plan.problems
+        # Every stage's config (the config itself without `stages`), all problems at once.
+        staged = resolve_run(cfg, world, gpu_dry_run=args.world_size is not None)
+        report = staged.report()
         from pretrain.rules.start import start_rules
 
-        start_rules(plan)  # what train will start from: a checkpoint's resume, or fresh
+        # What train will start from: a checkpoint's resume, or fresh (the stages share the keys that must match).
+        if staged.plans:
+            start_rules(report, staged.plans[0])
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
@@ -82,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from pretrain.validate import store_verdicts
 
-        store_verdicts(plan, create=False)  # into an existing cache only: validate creates no run.dir
+        for plan in staged.plans:  # into an existing cache only: validate creates no run.dir
+            store_verdicts(plan.problems, plan.data.cache_dir, create=False)
         if args.check_lock:
             from pretrain.run.output_lock import run_outputs_held
 

@@ -48,7 +48,8 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a small YAML file; anything bigger is the wrong file
 SCHEDULE = Resume(CHANGE, "the LR schedule is re-derived from this config at the resumed step")
 TOKENIZER = Resume(MATCH, "the tokenizer, compared by identity (kind and SHA-256 of its files), not by path")
-NEW_DATA = Resume(CHANGE, "training reads the new data from consumed_samples on")
+NEW_DATA = Resume(CHANGE, "training reads the new data from consumed_samples on (a new stage: from its own first "
+                            "sample)")
 
 
 @dataclass
@@ -204,6 +205,9 @@ class TrainConfig:
     # steps consumed, not trained: [5, "10-12"] (docs/training.md)
     skip_steps: list = knob(default_factory=list, resume=Resume(CHANGE, "the listed steps still ahead are consumed, "
                                                                         "not trained"))
+    # [start, increment, ramp_samples]: Megatron-Core's batch-size ramp-up (docs/training.md "Batch-size ramp-up").
+    rampup_batch_size: list[int] | None = knob(None, resume=Resume(
+        CHANGE, "the batch size at consumed_samples follows the new ramp"))
 
 
 @dataclass
@@ -221,6 +225,7 @@ class CheckpointConfig:
     save_optimizer: bool = True
     load_optimizer: bool = True
     save_at_end: bool = True
+    allow_dropped_weights: bool = False  # load a checkpoint with tensors this model has no place for (recorded)
 
 
 @dataclass
@@ -344,6 +349,11 @@ class Config:
     rerun: RerunConfig = field(default_factory=RerunConfig)  # result validation (pretrain/resilience/)
     hang: HangConfig = field(default_factory=HangConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)  # fault injection, tests only
+    # The run's stages, in order: [{name, steps | tokens, set: {dotted.key: value}, keep}] (pretrain/stages/,
+    # docs/training.md "Stages"); null: one stage, the config itself.
+    stages: list | None = knob(None, resume=Resume(
+        CHANGE, "the run continues in the stage its step falls in (a stage that has started keeps its start: "
+                "pretrain/stages/)"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -398,6 +408,9 @@ def _shipped_names() -> str:
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Build a `Config` from a nested dict, applying the model preset under explicit model keys."""
     tree = dict(tree)
+    train = tree.get("train") or {}
+    if tree.get("stages") and isinstance(train, dict) and "steps" not in train:  # the length: the stages' sum
+        tree["train"] = {**train, "steps": 0}
     model = dict(tree.get("model") or {})
     preset = model.get("preset")
     if preset is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from typing import Any, Literal
@@ -15,6 +16,19 @@ from typing import Any, Literal
 import yaml
 
 INT64_MAX = 2**63 - 1  # what torch and numpy hold: larger integers fail far from the config
+# YAML aliases (`*name`) repeat a node without repeating its text: nested ones expand exponentially, in every later
+# walk of the value (type checks, messages, the config saved in a run). A config holds far fewer values than this.
+MAX_YAML_VALUES = 1_000_000
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = 8
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut to a message's width (a list or string given as a value may be any length)."""
+    return _SHOWN.repr(value)
 
 
 class ConfigError(ValueError):
@@ -54,7 +68,7 @@ def build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
             if not isinstance(value, dict):
-                raise ConfigError(f"'{dotted}' must be a mapping, got {value!r}")
+                raise ConfigError(f"'{dotted}' must be a mapping, got {shown(value)}")
             kwargs[key] = build(annotation, value, dotted + ".")
             continue
         if annotation is float or (float in typing.get_args(annotation)):
@@ -69,14 +83,14 @@ def build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             item_choices = _list_item_choices(annotation)
             if item_choices is not None:
                 if not isinstance(value, list):
-                    raise ConfigError(f"'{dotted}' must be a list of {item_choices[1]}, got {value!r}")
+                    raise ConfigError(f"'{dotted}' must be a list of {item_choices[1]}, got {shown(value)}")
                 bad = [v for v in value if v not in item_choices[0]]
-                raise ConfigError(f"{dotted}: {bad[0]!r} is not one of {item_choices[1]}")
+                raise ConfigError(f"{dotted}: {shown(bad[0])} is not one of {item_choices[1]}")
             choices = _choices(annotation)
             if choices is not None:
-                raise ConfigError(f"{dotted}={value!r} is not one of {choices}")
+                raise ConfigError(f"{dotted}={shown(value)} is not one of {choices}")
             raise ConfigError(
-                f"'{dotted}' must be of type {_type_name(annotation)}, got {value!r} ({type(value).__name__})"
+                f"'{dotted}' must be of type {_type_name(annotation)}, got {shown(value)} ({type(value).__name__})"
             )
         if isinstance(value, int) and not isinstance(value, bool) and annotation is float:
             value = float(value)
@@ -177,13 +191,44 @@ def _refuse_duplicate_keys(node: yaml.Node, path: str, seen_nodes: set[int]) -> 
             _refuse_duplicate_keys(item, path, seen_nodes)
 
 
+def _expanded_values(node: yaml.Node, memo: dict[int, int | None]) -> int | None:
+    """How many values `node` holds with every alias expanded (counted once per distinct node); None for a node
+    that contains itself."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = None  # seen again below it: a cycle
+    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+        node.value if isinstance(node, yaml.SequenceNode) else []
+    total = 1
+    for child in children:
+        size = _expanded_values(child, memo)
+        if size is None:
+            return None
+        total += size
+    memo[key] = total
+    return total
+
+
 def parse_yaml(text: str, path: str = "") -> Any:
-    """YAML as the config reads it: safe types, and no key given twice in a mapping (`ConfigError` naming the
-    key, dotted from `path`, and both lines)."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    if node is not None:
+    """YAML as the config reads it: safe types, no key given twice in a mapping (`ConfigError` naming the key,
+    dotted from `path`, and both lines), and at most MAX_YAML_VALUES values once aliases are expanded."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
         _refuse_duplicate_keys(node, path, set())
-    return yaml.safe_load(text)
+        size = _expanded_values(node, {})
+        where = f"'{path.rstrip('.')}'" if path else "the YAML"
+        if size is None:
+            raise ConfigError(f"{where} holds a YAML alias that contains itself: write the values out")
+        if size > MAX_YAML_VALUES:
+            raise ConfigError(f"{where} holds {size:,} values once its YAML aliases (*name) are expanded, more than "
+                              f"any config needs (at most {MAX_YAML_VALUES:,}): write the values out")
+        return loader.construct_document(node)  # the composed node, not parsed a second time
+    finally:
+        loader.dispose()
 
 
 def yaml_error_line(exc: yaml.YAMLError) -> str:
@@ -198,15 +243,15 @@ def yaml_error_line(exc: yaml.YAMLError) -> str:
 def parse_override(text: str) -> tuple[str, Any]:
     """Split `a.b=value` and parse the value as YAML."""
     if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
+        raise ConfigError(f"override {shown(text)} must look like section.key=value")
     key, raw = text.split("=", 1)
     key = key.strip().lstrip("-")
     if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"override '{text}' has an empty key")
+        raise ConfigError(f"override {shown(text)} has an empty key")
     try:
         value = parse_yaml(raw, f"{key}.") if raw != "" else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({yaml_error_line(exc)})") from None
+        raise ConfigError(f"override {shown(text)}: value is not valid YAML ({yaml_error_line(exc)})") from None
     except ConfigError as exc:
-        raise ConfigError(f"override '{text}': {exc}") from None
+        raise ConfigError(f"override {shown(text)}: {exc}") from None
     return key, value

@@ -49,7 +49,9 @@ class Report:
 
 
 class ValidationFailed(ValueError):
-    """Raised by the trainer when the config fails pre-flight validation."""
+    """Raised by the trainer when the config fails pre-flight validation (on every rank alike: printed by rank 0)."""
+
+    every_rank = True
 
     def __init__(self, report: Report):
         super().__init__(report.text())

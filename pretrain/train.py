@@ -3,9 +3,10 @@
     python -m pretrain train CONFIG [overrides]              # one process
     torchrun --nproc-per-node N -m pretrain train CONFIG ... # several
 
-validate → process groups → tokenizer → model chunks (layout-invariant init) → DDP → optimizer and LR
-schedule → resume or pretrained weights → datasets → steps (forward/backward schedule, optimizer step,
-metrics, checkpoints, signals, time limit, NaN policy) → final checkpoint → exit status.
+validate (every stage) → process groups → for each stage from the checkpoint's: tokenizer → model chunks
+(layout-invariant init) → DDP → optimizer and LR schedule → resume or pretrained weights → datasets → steps
+(forward/backward schedule, the batch of Megatron's calculator, optimizer step, metrics, checkpoints, signals,
+time limit, NaN policy) → the stage's last checkpoint (named for it: the next stage here, or exit 76) → exit status.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 from functools import partial
@@ -28,18 +28,32 @@ from pretrain.checkpoint import save as checkpoint_save
 from pretrain.checkpoint.context import CheckpointContext
 from pretrain.compat import mcore
 from pretrain.config import Config
-from pretrain.observe.observers import Observers, StepResult, build_observers
+from pretrain.observe.observers import StepResult, build_observers
 from pretrain.optim import muon
 from pretrain.resilience import hooks as resilience
 from pretrain.resilience.results import first_step_cause
+from pretrain.resilience.stops import RunSaves, StopRequests
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
-from pretrain.run_plan import resolve
+from pretrain.stages import boundaries
+from pretrain.stages.plan import StagedRun, resolve_run
+from pretrain.stages.spec import Stage
 from pretrain.validate import ValidationFailed
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop)."""
+    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop). `every_rank`:
+    every rank stops with these words (the loss and grad norm are the same on all ranks): rank 0 prints them."""
+
+    def __init__(self, message: str, every_rank: bool = True):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def printed_here(exc: BaseException) -> bool:
+    """Whether this rank prints `exc`: a failure every rank meets with the same words (`every_rank`) is printed
+    once, by rank 0, as `validate` prints it; any other by each rank that meets it."""
+    return not getattr(exc, "every_rank", False) or int(os.environ.get("RANK", "0")) == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,38 +116,6 @@ def grads_are_finite(model) -> bool:
     return flag.item() == 0.0
 
 
-class StopRequests:
-    """SIGTERM/SIGUSR1 (Slurm's warning before preemption or the time limit) and the wall-clock limit.
-
-    Ranks agree every step with one MAX all-reduce, so all of them save and exit together.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, enabled: bool, exit_duration_in_mins: float | None):
-        self.received: int | None = None
-        self.start = time.monotonic()
-        self.limit_s = exit_duration_in_mins * 60.0 if exit_duration_in_mins else None
-        if enabled:
-            for sig in self.SIGNALS:
-                signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.received = signum
-
-    def agreed_reason(self, device: torch.device) -> tuple[str | None, str | None]:
-        """("signal", name) / ("time_limit", None) / (None, None), the same on every rank."""
-        local_signal = self.received or 0
-        timed_out = 1 if (self.limit_s is not None and time.monotonic() - self.start >= self.limit_s) else 0
-        flags = torch.tensor([float(local_signal), float(timed_out)], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0].item() > 0:
-            return "signal", signal.Signals(int(flags[0].item())).name
-        if flags[1].item() > 0:
-            return "time_limit", None
-        return None, None
-
-
 def checkpoint_context(run) -> CheckpointContext:
     """What save, load and resume act on: the run's model chunks, optimizer, schedule and plan."""
     return CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
@@ -172,75 +154,32 @@ def broadcast_from_last_stage(value: float, device: torch.device) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-class _Saves:
-    """Checkpoints during the loop: periodic and final saves (a step is saved once), asynchronous commits, and
-    the stop decision all ranks agree on (signal or time limit), with the reason the run ends."""
-
-    def __init__(self, cfg: Config, run, stops: StopRequests, last_saved: int | None, observers: Observers):
-        self.cfg, self.run, self.stops, self.last_saved, self.observers = cfg, run, stops, last_saved, observers
-        self.async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
-        self.reason, self.signal_name = "completed", None
-
-    def save(self, step: int, consumed: int) -> None:
-        if self.last_saved == step:
-            return
-        t0 = time.perf_counter()
-        run = self.run
-        path = checkpoint_save.save_checkpoint(checkpoint_context(run), step=step,
-                                               consumed_samples=consumed, async_saves=self.async_saves)
-        self.last_saved = step
-        how = "started async save of" if self.async_saves is not None else "saved"
-        log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
-        self.observers.checkpoint(step, path)
-
-    def save_or_stop(self, step: int, consumed: int) -> bool:
-        """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
-        if self.async_saves is not None:
-            self.async_saves.finalize(blocking=False)
-        if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0:
-            self.save(step, consumed)
-        why, self.signal_name = self.stops.agreed_reason(self.run.rt.device)
-        if why is not None:
-            self.reason = why
-            log0(f"[pretrain] {why}{f' ({self.signal_name})' if self.signal_name else ''} at step {step}: "
-                 "saving and exiting")
-        return why is not None
-
-    def finalize(self) -> None:
-        """Commit the save in flight (all ranks together)."""
-        if self.async_saves is not None:
-            self.async_saves.finalize(blocking=True)
-
-    def abort(self) -> None:
-        """After an error: a save in flight stays uncommitted; the previous one is used."""
-        if self.async_saves is not None:
-            self.async_saves.abort()
-
-
 def _microbatch_runner(cfg: Config, run):
-    """`run_microbatches(start_sample, forward_only, dataset) -> losses`: one global batch through Megatron's
-    forward/backward schedule (every batch checked when some dataset's ids could not be checked up front)."""
+    """`run_microbatches(start_sample, forward_only, dataset, n=None) -> losses`: one global batch (`n` microbatches,
+    else the step's: `run.num_microbatches`) through Megatron's forward/backward schedule (every batch checked when
+    some dataset's ids could not be checked up front)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from pretrain.data.datasets import DataError, checked_microbatches
 
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
-    t, n, model = cfg.train, run.num_microbatches, run.model
+    t, model = cfg.train, run.model
     packing = document_packing(cfg, run)
     # Packed documents are one sequence of micro_batch_size × seq_length tokens (padded under CP: then
     # pipeline stages exchange shapes, `variable_seq_lengths`).
     seq, mbs = (cfg.model.seq_length * t.micro_batch_size, 1) if packing else (cfg.model.seq_length,
                                                                                t.micro_batch_size)
 
-    def run_microbatches(start_sample: int, forward_only: bool, dataset) -> list:
+    def run_microbatches(start_sample: int, forward_only: bool, dataset, n: int | None = None) -> list:
+        n = n or run.num_microbatches
         try:
             batches = load_microbatches(
                 dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
                 dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
                 vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None, packing=packing)
         except DataError as exc:
-            raise TrainingStopped(f"{exc}. The last checkpoint is intact.") from None
+            raise TrainingStopped(f"{exc}. The last checkpoint is intact.", every_rank=False) from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
         return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                 num_microbatches=n, seq_length=seq, micro_batch_size=mbs,
@@ -263,29 +202,65 @@ def document_packing(cfg: Config, run):
 
 
 def train(cfg: Config) -> dict:
-    """Run (or resume) training as configured. Returns a summary on every rank."""
+    """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
+    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76)."""
     from pretrain.data.datasets import check_data_files_once
-    from pretrain.run.run_dir import write_config
-    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
-    from pretrain.validate import store_verdicts
+    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed, reset_for_next_stage
 
-    # 1. Pre-flight: every layout rule on every rank, before any model-parallel group exists; the dataset files
-    # on rank 0 only, its verdict shared (all problems are reported together, by every rank).
-    plan = resolve(cfg, env_world_size(), data_files=False)  # the config resolved once: layout, tokenizer, data
-    problems = plan.problems
+    # 1. Pre-flight: every layout rule of every stage on every rank, before any model-parallel group exists; the
+    # dataset files of every stage on rank 0 only, its verdict shared (all problems are reported together).
+    staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
+    first = staged.plans[0].cfg if staged.plans else cfg
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
-    stops = StopRequests(cfg.train.exit_signal_handler, cfg.train.exit_duration_in_mins)
+    stops = StopRequests(first.train.exit_signal_handler, first.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
-    rt = init_distributed(resilience.pg_timeout_minutes(cfg))
-    check_data_files_once(plan, rt.device)
+    rt = init_distributed(resilience.pg_timeout_minutes(first))
+    for plan in staged.plans:
+        check_data_files_once(plan, rt.device)
+    problems = staged.report()
     if problems.errors:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
-    outputs = output_lock.hold_run_outputs(cfg, rt.rank, any_rank_error, log0)
+    outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
+    try:
+        stage = boundaries.resumed_stage(staged)  # the stage of the run's checkpoint, before anything is built
+        while True:
+            summary = _train_stage(staged, stage, rt, stops, problems)
+            if summary["reason"] != "stage_end":
+                break
+            following = staged.at(summary["step"])
+            why = boundaries.new_process(staged, stage, following)
+            if why is not None:  # its checkpoint is saved: the same command continues in the next stage
+                summary["reason"] = "stage"
+                message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
+                           f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
+                if rt.rank == 0:
+                    write_exit_status(first, "stage", summary["step"], None, message)
+                log0(f"[pretrain] {message}")
+                dist.barrier()
+                break
+            log0(f"[pretrain] stage '{stage.name}' ended at step {summary['step']}: stage '{following.name}' "
+                 "continues in this process, from that checkpoint")
+            reset_for_next_stage()  # model, optimizer, data and Megatron's groups built again, as a restart would
+            stage = following
+    finally:
+        boundaries.leave()
+    outputs.release()
+    return summary
+
+
+def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, problems) -> dict:
+    """One stage (the whole run without stages): set-up, resume, steps, its last checkpoint. Reason "stage_end": it
+    ended at its boundary checkpoint and another stage follows."""
+    from pretrain.run.run_dir import write_config
+    from pretrain.validate import store_verdicts
+
+    plan = staged.plan(stage)
+    cfg = plan.cfg
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(plan)
+        store_verdicts(problems, plan.data.cache_dir)
 
     # 2. Model, optimizer, schedule.
     setup.build_training(cfg, run, log0)
@@ -304,15 +279,20 @@ def train(cfg: Config) -> dict:
         done_note = (f"nothing to train: the checkpoint resumed from is at step {step} and train.steps="
                      f"{cfg.train.steps}; raise train.steps to train further")
         log0(f"[pretrain] {done_note}")
+    # The stage's data starts at its own first sample: the loop reads sample `consumed - first_sample` of it.
+    first_sample = boundaries.enter(staged, stage, step, consumed, log0)
+    run.stage = stage if staged.staged else None
 
     # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed, log=log0)
+    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
+                     first_step=stage.start_step, log=log0)
     run_microbatches = _microbatch_runner(cfg, run)
     step_optimizer = profiler.wrap("optimizer", optimizer.step)
     res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
     # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
     observers = build_observers(cfg, run, res.observer())
-    saves = _Saves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
+    saves = RunSaves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
+    res.watch_saves(saves.async_saves)  # a hang report names a stalled checkpoint writer
     t = cfg.train
 
     def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
@@ -320,16 +300,17 @@ def train(cfg: Config) -> dict:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         res.mark(resilience.FORWARD_BACKWARD)
-        losses = run_microbatches(consumed, False, run.train_ds)
+        losses = run_microbatches(consumed - first_sample, False, run.train_ds)
         res.mark(resilience.LOSS)
         return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
-    # 5. Steps.
-    first_step = step  # a non-finite result before this run's first update points at the config, not the LR
+    # 5. Steps: to the stage's end (the run's without stages). The global batch of each step is Megatron's
+    # calculator's at the samples consumed (train.rampup_batch_size: a ramp).
     try:
-        while step < t.steps:
+        while step < stage.end_step:
+            batch = setup.advance_batch(run, consumed)
             if res.skipped(step + 1):  # consumed, not trained: the data order and LR schedule go on as if trained
-                step, consumed = step + 1, consumed + t.global_batch_size
+                step, consumed = step + 1, consumed + batch
                 scheduler.step(increment=1)
                 if saves.save_or_stop(step, consumed):
                     break
@@ -340,13 +321,13 @@ def train(cfg: Config) -> dict:
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
-                    advice = (f"{first_step_cause(cfg)}." if step == first_step else
+                    advice = (f"{first_step_cause(cfg)}." if step == 0 else
                               "lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
                     raise TrainingStopped(f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last "
                                           f"checkpoint is intact; {advice}")
                 log0(f"[pretrain] step {step + 1}: {what}; batch skipped (train.nan_policy=skip)")
                 observers.step_skipped(step + 1)
-                consumed += t.global_batch_size
+                consumed += batch
                 step += 1
                 if saves.save_or_stop(step, consumed):
                     break
@@ -358,20 +339,25 @@ def train(cfg: Config) -> dict:
                 muon.after_step(cfg, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
-                cause = f" Note: {first_step_cause(cfg)}." if step == first_step else ""
+                cause = f" Note: {first_step_cause(cfg)}." if step == 0 else ""
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
                                       f"(train.nan_policy=stop). The last checkpoint is intact.{cause}")
             step += 1
-            consumed += t.global_batch_size
+            consumed += batch
             observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,
                                                 extra=dict(rerun_record)))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
-                evaluate(cfg, run_microbatches, run.valid_ds, step, run.writer, rt.device)
+                evaluate(cfg, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
+                         run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
                 break
-        if cfg.checkpoint.save_at_end or saves.reason != "completed":
+        # A stage's last step: its checkpoint, named for it (kept), from which the next stage starts.
+        ends = saves.reason == "completed" and step == stage.end_step < staged.spec.total_steps
+        if ends or cfg.checkpoint.save_at_end or saves.reason != "completed":
             saves.save(step, consumed)
         saves.finalize()
+        if ends:
+            boundaries.name_boundaries(staged, step)
     except resilience.ResultRejected as exc:  # the model is still that of `step`, the last good one: saved
         saves.save(step, consumed)
         saves.finalize()
@@ -389,10 +375,11 @@ def train(cfg: Config) -> dict:
         raise
     finally:
         observers.close(step)  # the resilience watch among them (watchdog off)
+    if ends:
+        return {"reason": "stage_end", "step": step, "consumed_samples": consumed}
     if rt.rank == 0:
         write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
-    outputs.release()
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
 
@@ -420,7 +407,8 @@ def main(cfg: Config) -> int:
     """CLI entry: train, turning expected failures into one clear message and a non-zero exit.
 
     Exit status: 2 invalid config, 3 stopped on purpose (NaN, a rejected result), 75 a hang (the watchdog's,
-    pretrain/resilience/watchdog.py), 1 unusable checkpoint or run directory (or one
+    pretrain/resilience/watchdog.py), 76 a stage ended and the next one needs a new process (run the same command
+    again: pretrain/stages/boundaries.py), 1 unusable checkpoint or run directory (or one
     another trainer holds), or a full / read-only / forbidden file system (the message names the path).
     """
     from pretrain.checkpoint.format import CheckpointError
@@ -428,23 +416,26 @@ def main(cfg: Config) -> int:
     from pretrain.run.runtime import shutdown
 
     try:
-        train(cfg)
-        return 0
+        summary = train(cfg)
+        return boundaries.EXIT_NEXT_STAGE if summary["reason"] == "stage" else 0
     except ValidationFailed as exc:
-        print(exc.report(), file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(exc.report(), file=sys.stderr, flush=True)
         return 2
     except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 1
     except TrainingStopped as exc:
-        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 3
     except resilience.ResultRejected as exc:  # a checkpoint of the last good step was saved
-        print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
+        if printed_here(exc):
+            print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except (CheckpointError, StorageError) as exc:
-        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None))
+        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None), printed=printed_here(exc))
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:

@@ -120,15 +120,14 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     return report
 
 
-def store_verdicts(plan, create: bool = True) -> int:
-    """Once validation passed (`plan.problems`, of the run plan `plan`): the data check's full reads
-    (`pretrain.data.check.store_verdicts`), Megatron-Core's checks that passed (`pretrain.rules.megatron_verdicts`)
-    and the accepted start (`pretrain.rules.start`) into their caches in the data cache dir (`create=False`: only
-    into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
+def store_verdicts(r: Report, cache_dir: str, create: bool = True) -> int:
+    """Once validation passed (`r`): the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
+    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into their
+    caches in the data cache dir `cache_dir` (the run plan's; `create=False`: only into one that exists, as `validate`
+    does). Returns how many dataset verdicts were written."""
     from pretrain.data.check import store_verdicts as store_data_verdicts
     from pretrain.rules import megatron_verdicts, start
 
-    r, cache_dir = plan.problems, plan.data.cache_dir
     if r.errors:
         return 0
     megatron_verdicts.store(cache_dir, r.megatron_verdicts, create=create)

@@ -19,15 +19,22 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`make test` leaves the `full` tests out (deselected, not skipped); `make test-all` keeps them."""
-    from tests.tiers import everything
+    """`make test` leaves the `full` tests out (deselected, not skipped); `make test-all` keeps them. Tests marked
+    `second_release` run only where `-m` selects them for their `mcore` mark (`make test-mcore`)."""
+    from tests.tiers import everything, second_release_pass
 
-    if everything():
-        return
-    kept = [item for item in items if item.get_closest_marker("full") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full")])
-        items[:] = kept
+    markexpr = config.getoption("markexpr") or ""
+
+    def left_out(item) -> bool:
+        if item.get_closest_marker("full") is not None and not everything():
+            return True
+        marks = {m.name for m in item.iter_markers()}
+        return "second_release" in marks and not second_release_pass(markexpr, marks)
+
+    dropped = [item for item in items if left_out(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not left_out(item)]
 
 
 def pytest_unconfigure(config):

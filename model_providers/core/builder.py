@@ -202,11 +202,11 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
-        block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=plan.packed_documents)
+        packed = plan.packed_documents
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block,
-            mtp_block_spec=mtp_block_spec(config, block, layout.use_te, vp_stage=stage),
+            transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
+            mtp_block_spec=mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
             vocab_size=padded,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

@@ -8,7 +8,8 @@ between CPU and GPU.
 
 Multi-Latent Attention (`config.multi_latent_attention`) is Megatron-Core's `MLASelfAttention` from the same two
 specs; dense-first models (`moe_layer_freq`) mix dense and MoE layer specs as Megatron-Core's block spec does;
-Multi-Token Prediction is Megatron-Core's MTP block (`mtp_block_spec`) on the last pipeline stage.
+Multi-Token Prediction is Megatron-Core's MTP block (`mtp_block_spec`, its layer the model's last decoder layer
+spec) on the last pipeline rank, in the stage that holds it (the last, or the layout's `m` stage).
 
 Context parallelism (CP > 1) or packed sequences (THD) with the local spec: core attention is
 `model_providers.core.cp_attention.ContextParallelAttention` (Megatron-Core's `DotProductAttention` refuses both);
@@ -132,10 +133,8 @@ def moe_layer_pattern(config: TransformerConfig) -> list[int]:
     return list(freq)
 
 
-def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None,
-                       packed_sequences: bool = False) -> ModuleSpec:
-    """The decoder block spec for this rank's pipeline stage (and virtual stage). `packed_sequences`: attention
-    receives THD `PackedSeqParams` (documents packed in a sample)."""
+def _layer_specs(config: TransformerConfig, use_te: bool, packed_sequences: bool) -> tuple[dict, list[int], type]:
+    """The layer spec of each layer kind (1: MoE, 0: dense), the kind of every layer of the model, and the norm."""
     experts = config.num_moe_experts
     pattern = moe_layer_pattern(config)
     mla = bool(getattr(config, "multi_latent_attention", False))
@@ -146,16 +145,24 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
                 qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
 
         if all(pattern) or not experts:
-            return te_layer(experts)  # TransformerBlock picks TENorm itself
+            layer = te_layer(experts)
+            return {1: layer, 0: layer}, pattern, None  # one spec for every layer; TransformerBlock picks TENorm
         from megatron.core.extensions.transformer_engine import TENorm
 
-        kinds = {1: te_layer(experts), 0: te_layer(None)}
-        norm = TENorm
-    else:
-        kinds = {1: _local_layer_spec(config, experts, packed_sequences)} if experts else {}
-        if not all(pattern):
-            kinds[0] = _local_layer_spec(config, None, packed_sequences)
-        norm = SequenceParallelNorm
+        return {1: te_layer(experts), 0: te_layer(None)}, pattern, TENorm
+    kinds = {1: _local_layer_spec(config, experts, packed_sequences)} if experts else {}
+    if not all(pattern):
+        kinds[0] = _local_layer_spec(config, None, packed_sequences)
+    return kinds, pattern, SequenceParallelNorm
+
+
+def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None,
+                       packed_sequences: bool = False) -> ModuleSpec:
+    """The decoder block spec for this rank's pipeline stage (and virtual stage). `packed_sequences`: attention
+    receives THD `PackedSeqParams` (documents packed in a sample)."""
+    kinds, pattern, norm = _layer_specs(config, use_te, packed_sequences)
+    if norm is None:
+        return kinds[1]  # one layer spec for every layer (TE): TransformerBlock builds this stage's layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layers = [kinds[pattern[i]] for i in range(offset, offset + num_layers)]
@@ -163,14 +170,17 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
     return ModuleSpec(module=TransformerBlock, submodules=submodules)
 
 
-def mtp_block_spec(config: TransformerConfig, decoder: ModuleSpec, use_te: bool, vp_stage: int | None = None):
-    """Megatron-Core's Multi-Token Prediction block for this stage (None where it has none: every stage but the
-    last, or a model without MTP). Its transformer layer is the decoder's last layer spec; on the local spec its
-    three norms (enorm, hnorm, final) support sequence parallelism."""
+def mtp_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | None = None,
+                   packed_sequences: bool = False):
+    """Megatron-Core's Multi-Token Prediction block for this stage (None where it has none: a stage without the
+    `m` layers, or a model without MTP). Its transformer layer is the spec of the model's last decoder layer (as
+    Megatron-LM builds it from the whole decoder's layer specs), not this stage's: a stage may hold the MTP layers
+    and no decoder layer (`...|mL`). On the local spec its three norms (enorm, hnorm, final) support sequence
+    parallelism."""
     if not config.mtp_num_layers:
         return None
-    spec = decoder.submodules if decoder.module is TransformerBlock else decoder
-    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    kinds, pattern, _ = _layer_specs(config, use_te, packed_sequences)
+    block = get_gpt_mtp_block_spec(config, kinds[pattern[-1]], use_transformer_engine=use_te, vp_stage=vp_stage)
     if block is not None and not use_te:
         for layer in block.layer_specs:
             layer.submodules.enorm = SequenceParallelNorm

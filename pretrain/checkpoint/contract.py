@@ -43,7 +43,7 @@ def resume_table() -> list[tuple[str, str, str, list[str]]]:
     """docs/checkpoints.md's "Resuming" table: (section, class, what happens, fields), in the config's order."""
     rows: dict[tuple[str, str, str], list[str]] = {}
     for key, (cls, how) in FIELDS.items():
-        section, name = key.rsplit(".", 1)
+        section, _, name = key.rpartition(".")
         rows.setdefault((section, cls, how), []).append(name)
     return [(*row, names) for row, names in rows.items()]
 
@@ -206,4 +206,4 @@ def apply_new_schedule(optimizer, scheduler, fresh_groups: list[dict] | None, nu
 
 if __name__ == "__main__":  # docs/checkpoints.md's "Resuming" table
     for _section, _cls, _how, _names in resume_table():
-        print(f"| `{_section}` | {', '.join(f'`{n}`' for n in _names)} | {_cls} | {_how} |")
+        print(f"| `{_section or '(top level)'}` | {', '.join(f'`{n}`' for n in _names)} | {_cls} | {_how} |")

@@ -70,6 +70,33 @@ def latest_iteration(root: Path) -> int | None:
     return step
 
 
+STAGE_MARK = "stage_end.txt"  # in a checkpoint that ends a stage: its name (kept whatever checkpoint.keep_last says)
+STAGE_LINK = "stage_{name}"  # in the checkpoint root: a link to the checkpoint that ends stage NAME
+
+
+def name_checkpoint(root: Path, step: int, name: str) -> Path:
+    """Mark the checkpoint of `step` as the end of stage `name` (never pruned) and link `root/stage_NAME` to it;
+    idempotent (a restart names what a killed run had not)."""
+    import os
+
+    path = iteration_dir(root, step)
+    mark = path / STAGE_MARK
+    if not mark.is_file() or mark.read_text().strip() != name:
+        write_atomic(mark, f"{name}\n")
+    link = root / STAGE_LINK.format(name=name)
+    if not (link.is_symlink() and os.readlink(link) == path.name):
+        tmp = root / f".{link.name}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        os.replace(tmp, link)
+    return link
+
+
+def ends_a_stage(path: Path) -> bool:
+    """True for a checkpoint named for the stage it ends (`name_checkpoint`)."""
+    return (path / STAGE_MARK).is_file()
+
+
 def journal_step(root: Path) -> int | None:
     """The step `COMMIT_JOURNAL` names (a commit that had not finished), None when there is none or it is unreadable."""
     try:

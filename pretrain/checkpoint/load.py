@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint import fsdp_format, optimizer_forms
+from pretrain.checkpoint.dropped import check_dropped, model_config_diff
 from pretrain.checkpoint.format import (
     CheckpointError,
     agree,
@@ -20,13 +21,6 @@ from pretrain.checkpoint.format import (
 from pretrain.checkpoint.state import VOCAB_PADDED_KEYS
 from pretrain.checkpoint.stateful import Io, run_level
 from pretrain.compat import mcore
-
-
-def _model_config_diff(cfg, common: dict) -> str:
-    saved = (common.get("config") or {}).get("model") or {}
-    ours = cfg.to_dict()["model"]
-    diffs = [f"{k} {saved[k]!r} → {ours[k]!r}" for k in ours if k in saved and saved[k] != ours[k]]
-    return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 
 
 def _optimizer_config_diff(cfg, common: dict) -> str:
@@ -53,7 +47,7 @@ def _check_requested(ctx, op: Io, index, state: dict) -> None:
             if found is None:
                 why = _optimizer_config_diff(cfg, common) if what == "optimizer state" else ""
                 raise CheckpointError(f"{path}: {what} '{item.key}' is not in the checkpoint{why}"
-                                      f"{_model_config_diff(cfg, common)}")
+                                      f"{model_config_diff(cfg, common)}")
             if not isinstance(found, TensorStorageMetadata):
                 raise CheckpointError(f"{path}: '{item.key}' is a pickled object in the checkpoint, "
                                       "expected a tensor")
@@ -62,11 +56,11 @@ def _check_requested(ctx, op: Io, index, state: dict) -> None:
                     raise CheckpointError(
                         f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
                         f"{list(item.global_shape)} in this model (rows may differ by TP vocabulary padding, down to "
-                        f"{vocab}; other dimensions must match){_model_config_diff(cfg, common)}")
+                        f"{vocab}; other dimensions must match){model_config_diff(cfg, common)}")
             elif tuple(found.size) != tuple(item.global_shape) and not item.allow_shape_mismatch:
                 raise CheckpointError(
                     f"{path}: {what} '{item.key}' has shape {list(found.size)} in the checkpoint but "
-                    f"{list(item.global_shape)} in this model{_model_config_diff(cfg, common)}")
+                    f"{list(item.global_shape)} in this model{model_config_diff(cfg, common)}")
         elif isinstance(item, ShardedObject):
             found = meta.get(item.unique_key)
             if found is None:
@@ -128,6 +122,7 @@ def load_checkpoint(ctx, path: Path, *, weights_only: bool = False) -> tuple[int
     except CheckpointError as exc:
         error = exc
     agree(error)
+    check_dropped(ctx, path, op.common, index, weights_only=weights_only)  # same verdict on every rank
 
     try:
         loaded = mcore.load_sharded(state, str(path), get_default_load_sharded_strategy(str(path)), read_common)
@@ -154,6 +149,7 @@ def _load_fsdp_or_across(ctx, path: Path, *, weights_only: bool) -> tuple[int, i
     except CheckpointError as exc:
         error = exc
     agree(error)
+    check_dropped(ctx, path, common, index, weights_only=weights_only)
     fsdp_model = fsdp_format.is_fsdp(ctx.model)
     op = Io(is_loading=True, weights_only=weights_only, path=path, common=common)
     pieces = run_level(ctx, op)  # the schedule (this config's) and the record; the tensors: the format's own

@@ -196,8 +196,29 @@ def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
         raise unexpected
     kind, value, lines = decision[0]
     if kind == "error":
-        raise CheckpointError(value)
+        error = CheckpointError(value)
+        error.every_rank = True  # rank 0's decision, the same words on every rank: printed once
+        raise error
     return (Path(value) if value is not None else None), lines
+
+
+def resume_point(cfg) -> int | None:
+    """The step of the checkpoint this run dir resumes from, None for a fresh start (collective; decided on rank 0 as
+    `find_resume` decides it, before anything is built: a staged run builds the stage that step is in)."""
+    root = checkpoint_root(cfg)
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            step, _note = resume_step(root)
+            elsewhere = _saved_elsewhere(cfg, root, step)
+            decision[0] = ("ok", elsewhere[1] if elsewhere is not None else step)
+        except CheckpointError as exc:
+            decision[0] = ("error", str(exc))
+    dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def start_from_checkpoint(ctx, log) -> tuple[int, int, bool]:

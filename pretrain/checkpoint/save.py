@@ -22,6 +22,7 @@ from pretrain.checkpoint.format import (
     agree,
     checkpoint_root,
     commit_files,
+    ends_a_stage,
     is_committed,
     iteration_dir,
     iterations,
@@ -98,14 +99,15 @@ def _commit(cfg, root: Path, path: Path, step: int) -> None:
 def _prune(root: Path, keep_last: int | None, current: int) -> None:
     """Delete checkpoints beyond the newest `keep_last` and partial saves other than `current`.
 
-    A committed checkpoint newer than `current` is kept: only uncommitted leftovers of a crashed save are stale.
-    Each deletion removes `run_config.yaml` first, so a kill in the middle leaves a partial save, never a
-    "complete" checkpoint with files missing.
+    A committed checkpoint newer than `current` is kept (only uncommitted leftovers of a crashed save are stale), and
+    so is one that ends a stage (`format.ends_a_stage`, docs/training.md "Stages"). Each deletion removes
+    `run_config.yaml` first, so a kill in the middle leaves a partial save, never a "complete" checkpoint with files
+    missing.
     """
     iters = iterations(root)
     committed = {it for it in iters if is_committed(iteration_dir(root, it))}
     stale = [it for it in iters if it != current and it not in committed]
-    kept = [it for it in iters if it <= current and it in committed]
+    kept = [it for it in iters if it <= current and it in committed and not ends_a_stage(iteration_dir(root, it))]
     old = kept[:-keep_last] if keep_last else []
     for it in stale + old:
         path = iteration_dir(root, it)
@@ -131,6 +133,17 @@ class AsyncSaves:
         self.queue.schedule_async_request(request)
         calls = getattr(self.queue, "async_calls", None)  # megatron-core 0.16-0.19: the caller holds its process
         self.writer = getattr(calls[-1].async_caller, "process", None) if calls else None
+
+    def in_flight(self) -> dict | None:
+        """The save not yet committed whose writer has not finished: its iteration, directory and the writer's
+        processes with their states (`pretrain.run.child_processes.process_tree`); None otherwise. Read by the hang
+        watchdog's thread while the main thread may wait on the writer."""
+        from pretrain.run.child_processes import process_tree
+
+        writer, step, path = self.writer, self.pending, self.pending_path
+        if step is None or writer is None or writer.pid is None or writer.exitcode is not None:
+            return None
+        return {"iteration": step, "checkpoint": str(path), "processes": process_tree(writer.pid)}
 
     def finalize(self, blocking: bool = False) -> list[int]:
         """Commit the saves whose writes finished on every rank (collective; call on all ranks)."""

@@ -183,6 +183,77 @@ _FSDP_LIMITS = {
 
 
 # --------------------------------------------------------------------------------------------------
+# Batch-size ramp-up: `megatron.core.num_microbatches_calculator`
+#   0.16:  `rampup_batch_size=[start, increment, ramp_samples]` builds RampupBatchsizeNumMicroBatchesCalculator:
+#          the batch size is start + int(consumed / (ramp_samples / increments)) × increment, the target once
+#          consumed > ramp_samples.
+#   0.19:  that argument is ignored (deprecated) and the class is gone; a step schedule "SAMPLES:BATCH ..."
+#          (StepBatchsizeNumMicroBatchesCalculator: the batch of the last threshold <= consumed) replaces it. The
+#          ramp is handed over as that schedule (`ramp_schedule`): each batch size it takes, from the first
+#          consumed-sample count at which 0.16's arithmetic gives it. Chosen by which class the release has.
+# --------------------------------------------------------------------------------------------------
+
+
+def _has_rampup_class() -> bool:
+    from megatron.core import num_microbatches_calculator as calc
+
+    return hasattr(calc, "RampupBatchsizeNumMicroBatchesCalculator")
+
+
+def ramp_schedule(ramp: list[int], global_batch_size: int) -> list[tuple[int, int]]:
+    """[(first consumed sample, batch size)] of a ramp, as 0.16's calculator computes it (float division and all)."""
+    start, increment, samples = (int(v) for v in ramp)
+    increments = (global_batch_size - start) // increment
+    per_increment = samples / increments
+
+    def reached(consumed: int) -> int:  # how many increments 0.16 adds at `consumed`
+        return increments if consumed > samples else int(consumed / per_increment)
+
+    out = [(0, start)]
+    for k in range(1, increments + 1):
+        lo, hi = out[-1][0], samples + 1  # the smallest count that reaches k increments (monotone: bisect)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if reached(mid) >= k else (mid + 1, hi)
+        if lo == out[-1][0]:  # several increments at one count (ramp_samples < increments): the last wins
+            out[-1] = (lo, start + k * increment)
+        else:
+            out.append((lo, start + k * increment))
+    return out
+
+
+def microbatch_calculator(ramp: list[int] | None, global_batch_size: int, micro_batch_size: int,
+                          data_parallel_size: int):
+    """A Megatron-Core microbatch calculator (`update(consumed, consistency_check)`, `get()`,
+    `get_current_global_batch_size()`) of its own, outside the global one (validation, the planner)."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    quiet = -1  # not rank 0: Megatron logs nothing
+    if ramp is None:
+        return calc.ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
+                                                      False, quiet)
+    if _has_rampup_class():
+        return calc.RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
+                                                             False, quiet, *[int(v) for v in ramp])
+    schedule = " ".join(f"{at}:{size}" for at, size in ramp_schedule(ramp, global_batch_size))
+    return calc.StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, data_parallel_size, False, quiet, schedule)
+
+
+def init_microbatch_calculator(rank: int, ramp: list[int] | None, global_batch_size: int, micro_batch_size: int,
+                               data_parallel_size: int) -> None:
+    """Megatron-Core's global microbatch calculator of the run (the one its schedules read), with the ramp."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    calc.unset_num_microbatches_calculator()
+    if ramp is None or _has_rampup_class():
+        calc.init_num_microbatches_calculator(rank, ramp, global_batch_size, micro_batch_size, data_parallel_size)
+        return
+    schedule = " ".join(f"{at}:{size}" for at, size in ramp_schedule(ramp, global_batch_size))
+    calc.init_num_microbatches_calculator(rank, None, global_batch_size, micro_batch_size, data_parallel_size,
+                                          step_batch_size_schedule=schedule)
+
+
+# --------------------------------------------------------------------------------------------------
 # The selection
 # --------------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from pretrain.config_parse import shown
 from pretrain.data.plan import DataPlan, eval_is_on, parse_blend, uses_mock  # noqa: F401 (also imported from here)
 from pretrain.data.vocab import vocab_covers_tokenizer
 from pretrain.dataset_format.verdicts import entry as verdict_entry
@@ -41,11 +42,11 @@ def split_ranges(split: str) -> list[tuple[float, float] | None]:
     parts = [x.strip() for x in re.split(r"[,/]", str(split))]
     bad = [x for x in parts if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", x)]
     if bad:  # Megatron-Core's own parser keeps the numbers it finds and silently drops the rest
-        raise ValueError(f"data.split={split!r}: {bad[0]!r} is not a share (a non-negative number); write up to "
-                         "three shares separated by commas, e.g. '969,30,1'")
+        raise ValueError(f"data.split={shown(split)}: {shown(bad[0])} is not a share (a non-negative number); "
+                         "write up to three shares separated by commas, e.g. '969,30,1'")
     values = [float(x) for x in parts]
     if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"data.split={split!r} must be up to three non-negative shares, e.g. '969,30,1'")
+        raise ValueError(f"data.split={shown(split)} must be up to three non-negative shares, e.g. '969,30,1'")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     ranges, start = [], 0.0

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pretrain.config_parse import shown
+
 BLEND_KEYS = ("data.blend", "data.train_blend", "data.valid_blend", "data.test_blend")
 BLEND_FIX = ("write [prefix, ...] or [weight, prefix, weight, prefix, ...] with weights > 0, e.g. "
              "data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]")
@@ -33,6 +35,9 @@ _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|infinit
 # A weight whose share of the total is below this would never be drawn (Megatron-Core sizes every dataset of a
 # blend by its share of the samples): refused as a mistake rather than trained as an empty entry.
 MIN_WEIGHT_SHARE = 1e-12
+# Megatron-Core's BlendedDataset holds which dataset each sample comes from as int16 (`dataset_index`, built by its
+# C++ helpers with a cast): a blend of more datasets would draw the wrong ones.
+MAX_BLEND_DATASETS = 2**15
 
 
 def _weight(x) -> float | None:
@@ -68,11 +73,19 @@ def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     """
     if not items:
         raise ValueError("is empty")
+    prefixes, weights = _parse_blend(items)
+    if len(prefixes) > MAX_BLEND_DATASETS:
+        raise ValueError(f"names {len(prefixes):,} datasets: Megatron-Core's blend indexes its datasets as int16, at "
+                         f"most {MAX_BLEND_DATASETS:,} (merge small ones with `python -m data_tools merge`)")
+    return prefixes, weights
+
+
+def _parse_blend(items: list) -> tuple[list[str], list[float] | None]:
     weighted = len(items) % 2 == 0 and all(_weight(w) is not None for w in items[0::2])
     if all(isinstance(x, str) for x in items) and not weighted:
         return [str(x) for x in items], None
     if _weight(items[0]) is None:
-        raise ValueError(f"mixes prefixes and numbers ({items!r}); use [prefix, ...] or [weight, prefix, ...]")
+        raise ValueError(f"mixes prefixes and numbers ({shown(items)}); use [prefix, ...] or [weight, prefix, ...]")
     if len(items) % 2 != 0:
         raise ValueError(f"alternates weight, prefix but has an odd number of items ({len(items)})")
     prefixes, weights = items[1::2], [_weight(w) for w in items[0::2]]

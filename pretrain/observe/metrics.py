@@ -13,6 +13,7 @@ from pretrain.files import write_atomic
 
 # One line per step, these keys first (external tools read them).
 METRICS_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "consumed_samples")
+STAGE_KEY = "stage"  # a run in stages: the stage's name on every step's line (its number: `stage_index`)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -32,6 +33,7 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
+        self._stage = None  # the stage named last in TensorBoard's text
         self._tb = None
         if tensorboard:
             try:
@@ -60,11 +62,15 @@ class MetricsWriter:
         ordered.update({k: v for k, v in record.items() if k not in ordered})
         self._file.write(json.dumps(ordered) + "\n")
         values = scalars(ordered)
+        stage = record.get(STAGE_KEY)
         if self._tb is not None:
             for name, value in values.items():
                 self._tb.add_scalar(name, value, record["step"])
+            if stage is not None and stage != self._stage:  # the name where it starts (the number on every step)
+                self._tb.add_text(f"train/{STAGE_KEY}", stage, record["step"])
+        self._stage = stage
         for sink in self.sinks:
-            sink.log(record["step"], values)
+            sink.log(record["step"], values if stage is None else {**values, f"train/{STAGE_KEY}": stage})
 
     def close(self) -> None:
         self._file.close()
@@ -88,4 +94,6 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         parts.append(f"MFU {record['mfu'] * 100:.1f}%")
     if "mem_gib" in record:
         parts.append(f"mem {record['mem_gib']:.1f} GiB")
+    if STAGE_KEY in record:
+        parts.append(f"stage {record[STAGE_KEY]}")
     return " | ".join(parts)

@@ -105,14 +105,14 @@ class Timing(Observer):
 class MoERouting(Observer):
     """Expert load, aux losses, expert bias and MTP losses (`moe_metrics.MoEMetrics`), read and reset each step."""
 
-    def __init__(self, moe, num_microbatches: int):
-        self.moe, self.n = moe, num_microbatches
+    def __init__(self, moe, run):
+        self.moe, self.run = moe, run  # the step's microbatches: run.num_microbatches (a ramp changes them)
 
     def step_end(self, step: int, result: StepResult) -> None:
-        result.extra.update(self.moe.step(self.n))
+        result.extra.update(self.moe.step(self.run.num_microbatches))
 
     def step_skipped(self, step: int) -> None:
-        self.moe.step(self.n)  # the skipped step's counts and trackers are dropped
+        self.moe.step(self.run.num_microbatches)  # the skipped step's counts and trackers are dropped
 
 
 class StepRecord(Observer):
@@ -124,9 +124,14 @@ class StepRecord(Observer):
         from pretrain.observe.flops import flops_per_token, gpu_peak_tflops
 
         self.cfg, self.run = cfg, run
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_tok = flops_per_token(cfg.model, run.layout.padded_vocab)
         self.peak = gpu_peak_tflops(torch.cuda.get_device_name(), bool(cfg.model.fp8)) if run.rt.on_gpu else None
+        self.lr: float | None = None
+
+    def step_start(self, step: int) -> None:
+        """The rate this step applies, read before it runs: the loop's `scheduler.step()` after the optimizer step
+        sets the next step's (Megatron-Core's schedule at `step - 1` optimizer steps: 0 at step 1 under warmup)."""
+        self.lr = self.run.optimizer.param_groups[0]["lr"]
 
     def step_end(self, step: int, result: StepResult) -> None:
         from pretrain.observe.metrics import format_step_line
@@ -134,15 +139,20 @@ class StepRecord(Observer):
         run, total = self.run, self.cfg.train.steps
         if run.writer is None:
             return
+        batch = run.global_batch_size or self.cfg.train.global_batch_size
         record: dict[str, Any] = {
             "step": step,
             "loss": result.loss,
-            "lr": run.optimizer.param_groups[0]["lr"],
+            "lr": self.lr,  # the rate the step applied (step_start)
             "grad_norm": result.grad_norm,
-            "tokens_per_s": self.tokens_per_step / result.step_time_s,
+            "tokens_per_s": batch * self.cfg.model.seq_length / result.step_time_s,
             "step_time_s": result.step_time_s,
             "consumed_samples": result.consumed_samples,
         }
+        if run.stage is not None:  # a run in stages: the stage's name (and number: a TensorBoard / W&B scalar)
+            record.update(stage=run.stage.name, stage_index=run.stage.index)
+        if run.stage is not None or self.cfg.train.rampup_batch_size is not None:  # the batch may change
+            record["global_batch_size"] = batch
         record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / run.rt.world_size
         record["tflops_per_gpu"] = self.flops_tok * record["tokens_per_s_per_gpu"] / 1e12
         if self.peak:
@@ -163,7 +173,7 @@ class StepRecord(Observer):
 INSTRUMENTS: list[Callable[[Any, Any], Observer | None]] = [
     lambda cfg, run: Profiling(run.profiler),
     lambda cfg, run: Timing(run.timing),
-    lambda cfg, run: MoERouting(run.moe, run.num_microbatches) if run.moe is not None else None,
+    lambda cfg, run: MoERouting(run.moe, run) if run.moe is not None else None,
     StepRecord,  # last: it writes what the others added
 ]
 

@@ -3,7 +3,9 @@
     python -m pretrain report RUN_DIR [RUN_DIR ...] [--out report.png]
 
 One PNG with loss (validation loss dashed), learning rate, gradient norm and tokens/s/GPU against step,
-one line per run (compare layouts, or a resumed run with its original), and a short text summary.
+one line per run (compare layouts, or a resumed run with its original), and a short text summary. A run in stages
+(a `stage` field on its lines) has its stage boundaries marked: a dotted vertical line where a stage begins, named
+on the loss panel, and its stages listed in the summary.
 """
 
 from __future__ import annotations
@@ -55,6 +57,20 @@ def _finite(values: list[Any]) -> list[float]:
     return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
+def stage_spans(train: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    """(stage, first step, last step) of each stage in a run's records, in order ([] without stages)."""
+    spans: list[list] = []
+    for rec in train:
+        stage = rec.get("stage")
+        if stage is None:
+            continue
+        if spans and spans[-1][0] == stage:
+            spans[-1][2] = rec["step"]
+        else:
+            spans.append([stage, rec["step"], rec["step"]])
+    return [tuple(s) for s in spans]
+
+
 def summarize(name: str, train: list[dict[str, Any]], valid: list[dict[str, Any]]) -> str:
     """A few lines for one run. Throughput averages skip the first step (compilation, allocator warm-up)."""
     first, last = train[0], train[-1]
@@ -76,6 +92,9 @@ def summarize(name: str, train: list[dict[str, Any]], valid: list[dict[str, Any]
     gn = _finite([r.get("grad_norm") for r in train])
     if gn:
         parts.append(f"grad norm last {gn[-1]:.3f} (max {max(gn):.3f})")
+    spans = stage_spans(train)
+    if spans:
+        parts.append("stages " + ", ".join(f"{stage} {a}-{b}" for stage, a, b in spans))
     return "; ".join(parts)
 
 
@@ -97,6 +116,13 @@ def plot(runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], out
                 if key == "loss" and valid:
                     ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "--", marker="o",
                             markersize=3, color=line.get_color(), label=f"{name} (valid)")
+        for _name, train, _valid in runs:  # stage boundaries: where each stage after the first begins
+            for i, (stage, first, _last) in enumerate(stage_spans(train)):
+                if i:
+                    ax.axvline(first - 0.5, color="gray", linestyle=":", linewidth=1)
+                if key == "loss":
+                    ax.annotate(stage, (first - 0.5, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                                rotation=90, va="top", ha="right", color="gray")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if key == "lr":

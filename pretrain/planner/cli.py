@@ -27,7 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--search", action="store_true", help="rank every valid layout that fits")
     p.add_argument("--top", type=int, default=5, help="layouts --search prints")
+    p.add_argument("--stage", default=None, help="a run in stages: plan this stage's config (default: the stage "
+                   "table)")
     return p
+
+
+def _stage_config(cfg, name: str | None):
+    """The config to plan: `cfg`, or with `--stage NAME` that stage's (`PlanError` naming the stages there are)."""
+    if name is None:
+        return cfg
+    from pretrain.stages.spec import derive
+
+    if not cfg.stages:
+        raise PlanError(f"--stage {name}: this config has no stages")
+    spec = derive(cfg)
+    for stage in spec.stages:
+        if stage.name == name:
+            return stage.cfg
+    if spec.problems:
+        raise PlanError(f"{spec.problems[0].message} ({spec.problems[0].fix})")
+    raise PlanError(f"--stage {name}: no such stage (stages: {', '.join(s.name for s in spec.stages)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan error: --mfu {args.mfu} must be in (0, 1]", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = _stage_config(load_config(args.config, args.overrides), args.stage)
+        if cfg.stages and not args.search:  # a run in stages: the stage table
+            from pretrain.planner.stage_table import format_stage_table, stage_table
+
+            table = stage_table(cfg, args.nodes, args.gpus_per_node, args.gpu, args.mfu, name=str(args.config))
+            print(json.dumps(table, indent=1) if args.json else format_stage_table(table))
+            return 0
+        if cfg.stages:
+            raise PlanError("--search plans one config: give --stage NAME to search a stage's layouts")
         if args.search:
             everything = search(cfg, args.nodes, args.gpus_per_node, args.gpu, top=0)
             best = everything[: args.top]
@@ -56,5 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError) as exc:
         print(f"plan error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    from pretrain.planner.stage_table import format_ramp, ramp_summary
+
+    ramp = ramp_summary(cfg)  # a batch-size ramp: the batches it passes through (None without one)
+    if ramp is not None:
+        plan["rampup"] = ramp
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan) + (f"\n{format_ramp(ramp)}" if ramp else ""))
     return 0

@@ -18,7 +18,7 @@ from pretrain.observe.observers import Observer, StepResult
 from pretrain.resilience import results
 from pretrain.resilience.faults import Faults
 from pretrain.resilience.results import ResultChecks, ResultRejected
-from pretrain.resilience.skips import parse_skip_steps, ranges
+from pretrain.resilience.skips import parse_skip_steps
 from pretrain.resilience.stragglers import stragglers
 from pretrain.resilience.watchdog import PHASES, Watchdog
 
@@ -56,11 +56,16 @@ class Resilience:
         if resumed:
             self.checks.load(_saved_rerun_state(cfg, step) or {})
         skips, _ = parse_skip_steps(cfg.train.skip_steps)
-        self.skips = {s for s in skips if s > step}
+        self.skips = skips.within(step + 1, cfg.train.steps)
         if self.skips:
-            log(f"[pretrain] train.skip_steps: step(s) {ranges(self.skips)} will be consumed, not trained")
+            log(f"[pretrain] train.skip_steps: step(s) {self.skips} will be consumed, not trained")
         self.watchdog = Watchdog(cfg.hang, cfg.run.dir, rt.rank, rt.world_size) if cfg.hang.enabled else None
         self.first = True
+
+    def watch_saves(self, async_saves) -> None:
+        """A hang report names the writer of an asynchronous save still in flight (`AsyncSaves.in_flight`)."""
+        if self.watchdog is not None and async_saves is not None:
+            self.watchdog.writers.append(async_saves.in_flight)
 
     def skipped(self, step: int) -> bool:
         """Step `step` (1-based) is one of train.skip_steps: said in one line; the caller advances past it."""

@@ -41,6 +41,7 @@ class ResultRejected(RuntimeError):
     """A rejected result stopped the run: `record` goes to exit_status.json and metrics.jsonl."""
 
     exit_code = RESULT_EXIT
+    every_rank = True  # the verdict is all-gathered: every rank stops with the same line, printed by rank 0
 
     def __init__(self, message: str, record: dict):
         super().__init__(message)
@@ -75,30 +76,42 @@ def first_step_cause(cfg) -> str:
 
 @dataclass
 class Verdict:
-    """What the re-run established about a step: the ranks that rejected it, why, and both results."""
+    """What the re-run established about a step: the ranks that rejected it, why, the value that failed the check
+    and its re-run, and the step's loss in both runs (of the first rank that rejected it)."""
 
     step: int
     verdict: str  # "transient" | "persistent"
     ranks: list[int]
     check: str
-    first: float
-    rerun: float
+    first: float  # the value the check rejected: the loss, or a gradient bucket's local norm
+    rerun: float  # the same value in the re-run
+    first_loss: float
+    rerun_loss: float
     action: str = ""
+
+    @property
+    def on_grad_norm(self) -> bool:
+        return self.check.startswith("gradient norm")
 
     def record(self, action: str) -> dict:
         def num(x: float) -> float | str:  # JSON has no NaN: "nan", "inf"
             return x if math.isfinite(x) else str(x)
 
-        return {"rerun_step": self.step, "rerun_verdict": self.verdict, "rerun_ranks": self.ranks,
-                "rerun_check": self.check, "rerun_first_loss": num(self.first), "rerun_loss": num(self.rerun),
-                "rerun_action": action}
+        record = {"rerun_step": self.step, "rerun_verdict": self.verdict, "rerun_ranks": self.ranks,
+                  "rerun_check": self.check}
+        if self.on_grad_norm:  # Megatron-Core's check of one DDP bucket's norm, before the data-parallel reduction
+            record.update(rerun_first_grad_norm=num(self.first), rerun_grad_norm=num(self.rerun))
+        record.update(rerun_first_loss=num(self.first_loss), rerun_loss=num(self.rerun_loss), rerun_action=action)
+        return record
 
     def line(self, action: str) -> str:
         ranks = ", ".join(map(str, self.ranks))
+        what = "gradient norm " if self.on_grad_norm else ""
         again = ("the re-run of the same data reproduced it" if self.verdict == "persistent" else
-                 f"the re-run of the same data did not: loss {self.rerun}")
-        return (f"step {self.step}: {self.check} on rank {ranks} ({self.first} first; {again}): {self.verdict} "
-                f"fault; {action}")
+                 f"the re-run of the same data did not: {what or 'loss '}{self.rerun}")
+        loss = f", loss {self.first_loss}" if self.on_grad_norm else ""
+        return (f"step {self.step}: {self.check} on rank {ranks} ({what}{self.first} first{loss}; {again}): "
+                f"{self.verdict} fault; {action}")
 
 
 class _StepState:
@@ -156,6 +169,20 @@ class ResultChecks:
                                          state_restore_func=self.step_state.restore)
         self.rsm = m.get_rerun_state_machine()
         self.validating = rr.mode != "disabled"
+        self.rerun_values: dict[str, torch.Tensor] = {}  # check message -> its value in the re-run
+        self.rsm.validate_result = self._recording(self.rsm.validate_result)
+
+    def _recording(self, validate: Callable) -> Callable:
+        """Megatron's `validate_result` (ours and DDP's gradient checks), keeping each value of a re-run: the
+        re-run's value of the check that failed goes into the verdict."""
+        from megatron.core.rerun_state_machine import RerunState
+
+        def validate_result(result, rejection_func, message="unexpected result", *args, **kwargs):
+            if self.rsm.state == RerunState.RERUNNING_IN_PLACE and isinstance(result, torch.Tensor):
+                self.rerun_values[message] = result.detach()
+            return validate(result, rejection_func, message, *args, **kwargs)
+
+        return validate_result
 
     def _validate(self, value: torch.Tensor) -> None:
         rsm = self.rsm
@@ -173,10 +200,12 @@ class ResultChecks:
         `rerun.on_transient=stop`): the model and optimizer are then still those of step `step - 1`."""
         from megatron.core.rerun_state_machine import EXIT_CODE_RESUME_TO_DISAMBIGUATE, RerunState
 
-        rsm, loss, after = self.rsm, float("nan"), None
+        rsm, loss, first_loss, after = self.rsm, float("nan"), None, None
         window = self.state()  # the spike window as of step - 1: what the checkpoint of a stop holds
+        self.rerun_values.clear()
         while rsm.should_run_forward_backward(None):
             loss = self.faults.loss(step, forward_backward())
+            first_loss = loss if first_loss is None else first_loss
             if self.validating:
                 self._validate(torch.tensor(loss, dtype=torch.float64))
             if rsm.state != RerunState.INITIAL_RUN:  # a re-run: the state to go on from, if it goes on
@@ -185,8 +214,9 @@ class ResultChecks:
         if not stop:
             return loss, None
         verdict = self._verdict(step, "persistent" if code == EXIT_CODE_RESUME_TO_DISAMBIGUATE else "transient",
-                                loss)
+                                math.nan if first_loss is None else first_loss, loss)
         rsm.failed_validation_call, rsm.initial_result = None, None
+        self.agree_window()  # the rank that rejected the step did not count it in the spike window; the others did
         nan = verdict.check != _CHECKS[2]
         if verdict.verdict == "transient" and self.rr.on_transient == "continue":
             verdict.action = "continuing with the re-run's result (rerun.on_transient=continue)"
@@ -204,24 +234,44 @@ class ResultChecks:
         self.step_state.back_to(after)
         return loss, verdict
 
-    def _verdict(self, step: int, verdict: str, loss: float) -> Verdict:
-        """Every rank learns which ranks rejected the step, with which check and results (one all-gather)."""
+    def _verdict(self, step: int, verdict: str, first_loss: float, loss: float) -> Verdict:
+        """Every rank learns which ranks rejected the step, with which check, the value that failed it and its
+        re-run, and the step's loss in both runs (one all-gather)."""
         rsm = self.rsm
         call = rsm.failed_validation_call
         check = _check_index(call.caller.message) if call is not None else 0
         first = float(rsm.initial_result.item()) if call is not None else math.nan
-        mine = torch.tensor([check, first, loss], dtype=torch.float64, device=self.device)
+        again = self.rerun_values.get(call.caller.message) if call is not None else None
+        again = float(again.item()) if again is not None else math.nan
+        mine = torch.tensor([check, first, again, first_loss, loss], dtype=torch.float64, device=self.device)
         rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
         rows = [r.tolist() for r in rows]
         ranks = [i for i, r in enumerate(rows) if r[0] > 0]
-        row = rows[ranks[0]] if ranks else [1, math.nan, loss]
-        return Verdict(step, verdict, ranks, _CHECKS[int(row[0]) - 1], row[1], row[2])
+        row = rows[ranks[0]] if ranks else [0, math.nan, math.nan, first_loss, loss]
+        name = _CHECKS[int(row[0]) - 1] if row[0] > 0 else "no check failed on any rank"
+        return Verdict(step, verdict, ranks, name, *row[1:])
 
     def state(self) -> dict:
         """What a checkpoint keeps: the spike check's window and maximum (read at any layout)."""
         return {"large_value_counts": dict(self.rsm.large_value_counts), "max_values": dict(self.rsm.max_values),
                 "current_iteration": int(self.rsm.current_iteration)}
+
+    def agree_window(self) -> None:
+        """Every rank's spike window becomes what the ranks counted together (the most values counted, the largest
+        maximum, per context; collective): a checkpoint's common state is then the same on every rank, and a
+        resume restores what every rank counted."""
+        mine = (dict(self.rsm.large_value_counts), dict(self.rsm.max_values))
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        counts: dict = {}
+        maxima: dict = {}
+        for rank_counts, rank_maxima in every:
+            for context, n in rank_counts.items():
+                counts[context] = max(counts.get(context, 0), n)
+            for context, value in rank_maxima.items():
+                maxima[context] = max(maxima.get(context, 0.0), value)
+        self.rsm.large_value_counts, self.rsm.max_values = counts, maxima
 
     def load(self, state: dict) -> None:
         """On resume: the checkpoint's spike window; the first step is validated too (a checkpoint exists)."""

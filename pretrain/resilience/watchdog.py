@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from pretrain.config import HangConfig
@@ -41,6 +42,9 @@ class Watchdog:
         self.started = self.armed_at = time.time()  # records of an earlier attempt in run.dir/hang/: older
         if os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "").startswith(str(self.dir)):  # launch/common.sh
             self.dir.mkdir(parents=True, exist_ok=True)  # NCCL's flight-recorder dumps land there
+        # What else a rank may wait on, each a callable returning a record or None: the checkpoint writer of an
+        # asynchronous save (`pretrain.checkpoint.save.AsyncSaves.in_flight`), named in the hang report.
+        self.writers: list[Callable[[], dict | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pretrain-hang-watchdog", daemon=True)
         self._thread.start()
@@ -80,9 +84,13 @@ class Watchdog:
         mine = {"rank": self.rank, "step": self.step, "phase": self.phase, "bound_s": round(self.bound, 3),
                 "waited_s": round(time.time() - self.armed_at, 3),
                 "pid": os.getpid(), "host": os.uname()[1], "time": time.time()}
+        writer = self._writer()
+        if writer is not None:
+            mine["checkpoint_writer"] = writer
         (self.dir / f"rank{self.rank}.json").write_text(json.dumps(mine) + "\n")
+        also = f"; {_writer_line(self.rank, writer)}" if writer is not None else ""
         print(f"[pretrain] hang: rank {self.rank} in step {self.step} ({self.phase}) for more than "
-              f"{self.bound:.1f} s; stacks in {self.dir}", flush=True)
+              f"{self.bound:.1f} s{also}; stacks in {self.dir}", flush=True)
         time.sleep(GRACE_S)
         records = {}
         for r in range(self.world):
@@ -97,23 +105,50 @@ class Watchdog:
             self._write_status(records)
         os._exit(HANG_EXIT)
 
+    def _writer(self) -> dict | None:
+        for probe in self.writers:
+            try:
+                found = probe()
+            except Exception:  # noqa: BLE001 - the report goes on without it
+                found = None
+            if found is not None:
+                return found
+        return None
+
     def _write_status(self, records: dict[int, dict]) -> None:
         from pretrain.files import write_atomic
         from pretrain.run.run_dir import EXIT_STATUS_FILE
 
         # The ranks furthest on wait in a collective for the others: those behind them, or without a record (the
-        # process is stopped or gone), stopped answering.
+        # process is stopped or gone), stopped answering; a rank whose checkpoint writer has not finished holds
+        # the others at the commit.
         def where(r: dict) -> tuple[int, int]:
             return r["step"], PHASES.index(r["phase"]) if r["phase"] in PHASES else -1
 
         front = max(where(r) for r in records.values())
         silent = sorted(r for r in range(self.world) if r not in records or where(records[r]) < front)
-        step = min(r["step"] for r in records.values())
+        writers = {r: rec["checkpoint_writer"] for r, rec in sorted(records.items()) if rec.get("checkpoint_writer")}
+        behind = min(records.values(), key=where)
+        step, after = behind["step"], behind["phase"] == PHASES[-1]
         last = {str(r): (f"{records[r]['phase']} (step {records[r]['step']})" if r in records else "no record")
                 for r in range(self.world)}
-        message = (f"hang in step {step}: rank(s) {', '.join(map(str, silent)) or '?'} stopped answering; "
+        who = [f"rank(s) {', '.join(map(str, silent))} stopped answering"] if silent else []
+        who += [_writer_line(r, w) for r, w in writers.items()]
+        message = (f"hang {'after' if after else 'in'} step {step}: "
+                   f"{'; '.join(who) or 'every rank waits at the same point (none is behind the others)'}; "
                    f"stacks in {self.dir}; resume from the last checkpoint")
-        status = {"reason": "hang", "step": step - 1, "signal": None, "message": message, "hang_step": step,
-                  "hang_ranks": silent, "last_collective": last, "hang_dir": str(self.dir)}
+        status = {"reason": "hang", "step": step if after else step - 1, "signal": None, "message": message,
+                  "hang_step": step, "hang_ranks": silent or list(writers), "last_collective": last,
+                  "hang_dir": str(self.dir)}
+        if writers:
+            status["hang_checkpoint_writers"] = {str(r): w for r, w in writers.items()}
         write_atomic(self.dir.parent / EXIT_STATUS_FILE, json.dumps(status) + "\n")
         print(f"[pretrain] {message}", flush=True)
+
+
+def _writer_line(rank: int, writer: dict) -> str:
+    """'the checkpoint writer of rank 1 (pid 41, sleeping; pid 57, stopped (SIGSTOP)) has not finished writing
+    DIR (step 4)'."""
+    processes = "; ".join(f"pid {pid}, {state}" for pid, state in writer["processes"])
+    return (f"the checkpoint writer of rank {rank} ({processes}) has not finished writing {writer['checkpoint']} "
+            f"(step {writer['iteration']})")

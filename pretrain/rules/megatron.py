@@ -46,6 +46,11 @@ def _why(exc: BaseException, cfg: Config) -> str:
     return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
 
 
+def _words(exc: BaseException, cfg: Config) -> str:
+    """Megatron-Core's own words, after our reason: `(Megatron-Core: "...")`."""
+    return f'(Megatron-Core: "{_why(exc, cfg)}")'
+
+
 def _this_machine(lay: Layout) -> bool:
     """The layout is for this machine (a GPU or Transformer Engine layout checked elsewhere, e.g. by the planner
     on a login node, is left to the rules: Megatron-Core's checks would test this machine's libraries)."""
@@ -103,14 +108,14 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
             warnings.simplefilter("ignore")
             transformer_config(model, lay)
     except _REFUSALS as exc:
-        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout: {_why(exc, cfg)}",
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
     from pretrain.run.setup import optimizer_config
 
     try:
         optimizer_config(cfg, lay)
     except _REFUSALS as exc:
-        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings: {_why(exc, cfg)}",
+        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings {_words(exc, cfg)}",
                 "change the optimizer.* keys it names")
     if not r.errors:
         r.megatron_verdicts.append(cached)
@@ -132,7 +137,7 @@ def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     try:
         megatron_dataset_config(data, SimpleNamespace(vocab_size=None), num_eval_samples=1)
     except _REFUSALS as exc:
-        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings: {_why(exc, cfg)}",
+        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings {_words(exc, cfg)}",
                 "change the data.* keys it names")
         return
     r.megatron_verdicts.append(cached)

@@ -65,16 +65,7 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
 def deepseek_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
     """Dense-first layers, shared experts, group-limited routing, the expert bias and its update."""
     m, p = cfg.model, cfg.parallel
-    if m.num_moe_experts is None:
-        set_keys = [k for k, v in (("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
-                                   ("moe_router_num_groups", m.moe_router_num_groups),
-                                   ("moe_router_group_topk", m.moe_router_group_topk),
-                                   ("moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor))
-                    if v is not None] + (["moe_router_enable_expert_bias"] if m.moe_router_enable_expert_bias else []) \
-            + (["moe_layer_freq"] if m.moe_layer_freq != 1 else [])
-        for key in set_keys:
-            r.error((f"model.{key}", "model.num_moe_experts"), f"model.{key} is set but the model has no experts "
-                    "(model.num_moe_experts is null)", f"set model.num_moe_experts or remove model.{key}")
+    if m.num_moe_experts is None:  # its MoE keys on a dense model: one rule, rules/parallel.py (moe_rules)
         return
     experts, k = m.num_moe_experts, m.moe_router_topk
     freq = m.moe_layer_freq

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pretrain.config import Config
+from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 from pretrain.rules.recompute import recompute_problems
@@ -127,6 +128,9 @@ def logging_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
                     f"profile window ends at step {end}, after the last step (train.steps={steps})",
                     f"end the window by step {steps}")
         bad = [x for x in p.ranks if not 0 <= x < r.world_size]
-        if not p.ranks or bad:
-            r.error("logging.profile.ranks", f"logging.profile.ranks={p.ranks} must name ranks of the job "
+        if len(p.ranks) > len(set(p.ranks)):
+            r.error("logging.profile.ranks", f"logging.profile.ranks lists {len(p.ranks):,} ranks, "
+                    f"{len(p.ranks) - len(set(p.ranks)):,} of them more than once", "list each rank once")
+        elif not p.ranks or bad:
+            r.error("logging.profile.ranks", f"logging.profile.ranks={shown(p.ranks)} must name ranks of the job "
                     f"(0..{r.world_size - 1})", "e.g. logging.profile.ranks=[0]")

@@ -208,9 +208,7 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
         r.error(("parallel.sequence_parallel", "parallel.tensor", "model.num_moe_experts"),
                 "MoE with parallel.tensor > 1 needs sequence parallelism (Megatron-Core refuses to train "
                 "without it)", "set parallel.sequence_parallel=true")
-    if m.add_bias_linear and etp != 1:
-        r.error(("model.add_bias_linear", "parallel.expert_tensor"),
-                "expert biases need expert tensor parallel 1 (Megatron-Core)", "set parallel.expert_tensor=1")
+    # biased experts need expert TP 1: one rule, pretrain/rules/sinks.py (glu_bias_yarn_rules)
     if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
         r.error(("model.moe_pad_expert_input_to_capacity", "model.moe_expert_capacity_factor"),
                 "padding expert inputs to capacity needs a capacity factor",

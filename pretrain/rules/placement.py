@@ -44,7 +44,7 @@ def placement_rules(r: Report, cfg: Config) -> None:
 
 def _layout_rules(r: Report, cfg: Config) -> None:
     """Megatron-Core's PipelineParallelLayerLayout checks, and parallel.virtual_pipeline against the stage count."""
-    from pretrain.placement import PlacementError, check_layout
+    from pretrain.placement import PlacementError, check_layout, shown
 
     m, p = cfg.model, cfg.parallel
     try:
@@ -52,7 +52,7 @@ def _layout_rules(r: Report, cfg: Config) -> None:
     except PlacementError as e:
         r.error((LAYOUT, "parallel.pipeline", "model.num_layers") + (("model.mtp_num_layers",) if m.mtp_num_layers
                                                                      else ()),
-                f"{LAYOUT}={p.pipeline_layout!r} is refused by Megatron-Core on parallel.pipeline={p.pipeline}: {e}",
+                f"{LAYOUT}={shown(p.pipeline_layout)} {e}",
                 "one `|`-separated stage per pipeline rank × virtual stage, E first, L last, "
                 f"{m.num_layers} `t` and {m.mtp_num_layers or 0} `m` (after the last `t`, in a last virtual stage)")
         return

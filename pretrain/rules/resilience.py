@@ -9,7 +9,7 @@ import os
 from pretrain.config import TESTING_ENV, Config, TestingConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
-from pretrain.resilience.skips import parse_skip_steps
+from pretrain.resilience.skips import beyond, listed, parse_skip_steps
 
 _TEST_DEFAULTS = TestingConfig()
 
@@ -23,11 +23,26 @@ def resilience_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool
         r.error("rerun.mode", f"rerun.mode=report_stats: megatron-core {mcore.MCORE}'s determinism report reads "
                 "Caller.filename, which its Caller does not have (AttributeError at the second step)",
                 "use rerun.mode=validate_results, or a megatron-core whose report works (0.19.2 does)")
-    _, bad = parse_skip_steps(cfg.train.skip_steps)
-    if bad is not None:
-        r.error("train.skip_steps", f"train.skip_steps entry {bad} is not a step (1 or more) or a range \"a-b\"",
-                "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    _skip_rules(r, cfg)
     _testing_rules(r, cfg, lay)
+
+
+def _skip_rules(r: Report, cfg: Config) -> None:
+    """Every entry of train.skip_steps that is not a step or range, at once; a warning for those beyond train.steps
+    (kept: they apply if a resumed run is given more steps)."""
+    _, bad = parse_skip_steps(cfg.train.skip_steps)
+    if len(bad) == 1:
+        r.error("train.skip_steps", f"train.skip_steps entry {bad[0]} is not a step (1 or more) or a range \"a-b\"",
+                "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    elif bad:
+        r.error("train.skip_steps", f"train.skip_steps entries {listed(bad)} are not steps (1 or more) or ranges "
+                "\"a-b\" (1 <= a <= b)", "list steps and ranges, e.g. train.skip_steps=[5,\"10-12\"]")
+    late = beyond(cfg.train.skip_steps, cfg.train.steps)
+    if late:
+        steps = cfg.train.steps
+        r.warnings.append(f"train.skip_steps names steps after train.steps={steps} ({listed(late)}): this run ends "
+                          f"at step {steps}, so they are never skipped here (they apply if a resumed run is given "
+                          "more train.steps)")
 
 
 def report_stats_broken() -> bool:

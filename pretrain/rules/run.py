@@ -31,7 +31,32 @@ def optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool)
 
 
 def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Training run: evaluation, time limit, checkpoints."""
+    """Training run: the batch-size ramp (evaluation, time limit and checkpoint counts: their declared ranges)."""
+    ramp_rules(r, cfg)
+
+
+def ramp_rules(r: Report, cfg: Config) -> None:
+    """train.rampup_batch_size as Megatron-Core's calculator takes it (whether every batch it passes through divides
+    into the stage's micro batch × DP: `pretrain.stages.plan`, which walks the ramp)."""
+    t = cfg.train
+    ramp = t.rampup_batch_size
+    if ramp is None:
+        return
+    key = "train.rampup_batch_size"
+    if len(ramp) != 3 or min(ramp) < 1:
+        r.error(key, f"{key}={ramp} must be three positive integers [start, increment, ramp_samples]",
+                f"e.g. {key}=[{max(1, t.global_batch_size // 4)}, {max(1, t.global_batch_size // 4)}, 100000], or "
+                "null for no ramp")
+        return
+    start, increment, _ = ramp
+    if start >= t.global_batch_size:
+        r.error((key, "train.global_batch_size"), f"the ramp starts at {start} samples, not below "
+                f"train.global_batch_size={t.global_batch_size}", "start the ramp below the global batch size, or "
+                f"set {key}=null")
+    elif (t.global_batch_size - start) % increment:
+        r.error((key, "train.global_batch_size"), f"the ramp from {start} to train.global_batch_size="
+                f"{t.global_batch_size} samples is not a whole number of increments of {increment}",
+                f"an increment that divides {t.global_batch_size - start}")
 
 
 def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None, data=None) -> None:

@@ -64,11 +64,11 @@ def start_facts(cfg, tokenizer) -> dict[str, Any] | None:
             "code": megatron_verdicts._code_digest()}
 
 
-def start_rules(plan, cache: bool = True) -> None:
-    """`validate` (the CLI): what train will start from, as notes in `plan.problems` (of the run plan `plan`: its
-    config, tokenizer and data cache dir), or the refusal train would stop with (an error). `cache`: answer from a
-    current verdict when there is one."""
-    r, cfg, tokenizer = plan.problems, plan.cfg, plan.tokenizer
+def start_rules(r: Report, plan, cache: bool = True) -> None:
+    """`validate` (the CLI): what train will start from, as notes in `r`, or the refusal train would stop with (an
+    error), for the run plan `plan` (its config, tokenizer and data cache dir). `cache`: answer from a current
+    verdict when there is one."""
+    cfg, tokenizer = plan.cfg, plan.tokenizer
     facts = start_facts(cfg, tokenizer)
     if facts is None:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from model_providers.core.windows import window_size
 from pretrain.config import Config
+from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
@@ -28,7 +29,8 @@ def window_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
         elif isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
             r.error(("model.window_attn_skip_freq", "model.num_layers"),
                     f"model.window_attn_skip_freq must list 0 (full) or 1 (windowed) for each of the "
-                    f"model.num_layers={m.num_layers} layers; got {freq}", "give one 0/1 per layer, or an integer")
+                    f"model.num_layers={m.num_layers} layers; got {shown(freq)} ({len(freq)} values)",
+                    "give one 0/1 per layer, or an integer")
         elif isinstance(freq, list) and m.mtp_num_layers:
             r.error(("model.window_attn_skip_freq", "model.mtp_num_layers"),
                     "a per-layer model.window_attn_skip_freq list has no entry for the Multi-Token Prediction "

@@ -66,3 +66,41 @@ def die_with_this_process() -> None:
         return
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     _hook_installed = True
+
+
+# /proc/<pid>/stat states, in words (a hang report names what the writer of a checkpoint is doing).
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
+           "t": "stopped by a debugger", "Z": "exited, not reaped", "X": "dead", "I": "idle"}
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of `pid` from /proc (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_tree(pid: int) -> list[tuple[int, str]]:
+    """`pid` and its descendants with their states in words ("stopped (SIGSTOP)", "sleeping", ...): one scan of
+    /proc. [(pid, "unknown")] where /proc cannot tell (not Linux, or the process is gone)."""
+    own = _stat(pid)
+    if own is None:
+        return [(pid, "unknown")]
+    parents: dict[int, list[tuple[int, str]]] = {}
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        entries = []
+    for child in entries:
+        found = _stat(child)
+        if found is not None:
+            parents.setdefault(found[1], []).append((child, found[0]))
+    tree, todo = [(pid, own[0])], [pid]
+    while todo:
+        for child, state in parents.get(todo.pop(), []):
+            tree.append((child, state))
+            todo.append(child)
+    return [(p, _STATES.get(state, state)) for p, state in tree]

@@ -103,10 +103,11 @@ def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
     return list({str(p): p for p in roots}.values())
 
 
-def report_failure(cfg, message: str, step: int | None = None) -> int:
-    """An expected failure: one line on stderr, recorded in exit_status.json with the last step reached (rank 0,
-    if this run had marked itself running; best effort). Returns the exit status, 1."""
-    print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
+def report_failure(cfg, message: str, step: int | None = None, printed: bool = True) -> int:
+    """An expected failure: one line on stderr (`printed`: by this rank), recorded in exit_status.json with the last
+    step reached (rank 0, if this run had marked itself running; best effort). Returns the exit status, 1."""
+    if printed:
+        print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
     record_failure(cfg, message, step)
     return 1
 

@@ -101,6 +101,38 @@ def any_rank_error(message: str | None) -> str | None:
     return next(m for m in messages if m is not None)
 
 
+def reset_for_next_stage() -> None:
+    """What a stage's training leaves in this process, gone before the next stage is built in it (as in a new
+    process): Megatron's model-parallel groups (and their process groups, but the default one), global memory buffer,
+    rerun state machine, microbatch calculator and RNG tracker, the MoE loss trackers; the old model is collected."""
+    import contextlib
+    import gc
+
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
+    from torch.distributed import distributed_c10d as c10d
+
+    from pretrain.observe import moe_metrics
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):  # Megatron's destroy only forgets its groups
+        if group is not default:
+            dist.destroy_process_group(group)
+    parallel_state.destroy_global_memory_buffer()
+    with contextlib.suppress(ImportError):
+        from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+        destroy_rerun_state_machine()
+    unset_num_microbatches_calculator()
+    tensor_parallel.random.get_cuda_rng_tracker().reset()
+    moe_metrics._forget_earlier_runs()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def shutdown() -> None:
     """Tear down Megatron's groups and the default process group."""
     from megatron.core import parallel_state

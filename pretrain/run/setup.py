@@ -44,6 +44,8 @@ class Run:
     writer: Any = None  # pretrain.observe.metrics.MetricsWriter on the rank that holds the loss, else None
     tp_source: tuple | None = None  # TP > 1: (TP group, its reading rank); the other ranks have no datasets
     evaluates: bool = False  # there is a validation split (valid_ds is None on the ranks that do not read data)
+    global_batch_size: int = 0  # this step's (`advance_batch`: Megatron's calculator, ramp-up included)
+    stage: Any = None  # pretrain.stages.spec.Stage of a run in stages, else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,12 +172,9 @@ def start_run(plan, rt, log) -> Run:
     """Tokenizer (as `plan` decided it), model-parallel groups of `plan.layout`, microbatch calculator, and the run
     dir marked running."""
     from megatron.core import parallel_state as ps
-    from megatron.core.num_microbatches_calculator import (
-        get_num_microbatches,
-        init_num_microbatches_calculator,
-        unset_num_microbatches_calculator,
-    )
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+    from pretrain.compat.mcore import init_microbatch_calculator
     from pretrain.run.run_dir import prepare_run_dir
     from pretrain.run.runtime import any_rank_error, init_model_parallel
 
@@ -185,8 +184,7 @@ def start_run(plan, rt, log) -> Run:
         raise RuntimeError(f"tokenizer changed while the run started: {layout.vocab_size} → {tokenizer.vocab_size}")
     init_model_parallel(layout, cfg.train.seed)
     t = cfg.train
-    unset_num_microbatches_calculator()
-    init_num_microbatches_calculator(rt.rank, None, t.global_batch_size, t.micro_batch_size, layout.dp)
+    init_microbatch_calculator(rt.rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, layout.dp)
     run = Run(rt=rt, plan=plan, problems=problems, tokenizer=tokenizer, layout=layout,
               num_microbatches=get_num_microbatches(), dp_rank=ps.get_data_parallel_rank())
     run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
@@ -194,9 +192,22 @@ def start_run(plan, rt, log) -> Run:
         raise StorageError(run_dir_error)
     for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
         log(f"[pretrain] {line}")
-    log(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {run.num_microbatches} "
-        f"microbatches of {t.micro_batch_size}; precision {layout.precision}")
+    ramp = f" (ramp-up {t.rampup_batch_size}: from {run.num_microbatches})" if t.rampup_batch_size else ""
+    log(f"[pretrain] world {rt.world_size} ({rt.backend}) = {layout.describe()}; {layout.num_microbatches} "
+        f"microbatches of {t.micro_batch_size}{ramp}; precision {layout.precision}")
     return run
+
+
+def advance_batch(run: Run, consumed: int) -> int:
+    """The global batch of the step that starts after `consumed` samples, by Megatron-Core's calculator (its
+    batch-size ramp-up, consistency-checked against micro batch × DP): sets `run.num_microbatches` and
+    `run.global_batch_size`, returns the batch."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    calc.update_num_microbatches(consumed, consistency_check=True)
+    run.num_microbatches = calc.get_num_microbatches()
+    run.global_batch_size = calc.get_current_global_batch_size()
+    return run.global_batch_size
 
 
 def build_training(cfg: Config, run: Run, log) -> None:
@@ -224,11 +235,13 @@ def build_training(cfg: Config, run: Run, log) -> None:
 
 
 def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None,
-               log=None) -> None:
+               first_step: int = 0, log=None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
     (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
     reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
-    changed on resume). `log` (rank 0): how long Megatron's index caches took and where they are."""
+    changed on resume); at least the samples of steps `first_step` + 1 … train.steps are built (a stage's data,
+    read from its own first sample: the same dataset at every resume in the stage, and for the first stage a plain
+    run's). `log` (rank 0): how long Megatron's index caches took and where they are."""
     from pretrain.data.datasets import build_datasets
     from pretrain.observe.metrics import MetricsWriter
     from pretrain.observe.wandb_logger import wandb_sinks
@@ -245,7 +258,7 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
     try:
         needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
         run.train_ds, run.valid_ds = build_datasets(run.plan.data, run.tokenizer,
-                                                    max(needed, t.steps * t.global_batch_size),
+                                                    max(needed, (t.steps - first_step) * t.global_batch_size),
                                                     eval_steps * t.global_batch_size,
                                                     is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions

@@ -12,11 +12,30 @@ from dataclasses import dataclass
 from typing import Literal
 
 from model_providers import DEFAULT_FAMILY
-from model_providers.core.knobs import FP8, GPT, IDENTITY, MLA, MOE, MTP, NEXT_STEP, TC, UNUSED, YARN, Resume, knob
+from model_providers.core.knobs import (
+    CHANGE,
+    FP8,
+    GPT,
+    IDENTITY,
+    MLA,
+    MOE,
+    MTP,
+    NEXT_STEP,
+    TC,
+    UNUSED,
+    YARN,
+    Resume,
+    knob,
+)
 
 SIZE = "set {key} to a positive integer, or null to derive it"  # the fix of a size that null derives
 RecomputeModule = Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "mla_up_proj", "shared_experts"]
 Fp8Recipe = Literal["tensorwise", "delayed", "mxfp8", "blockwise"]
+
+# RoPE's frequencies (base, Llama-3 scaling, YaRN): no weight depends on them, so a context extension (a stage,
+# docs/training.md "Stages") changes them on resume.
+ROPE = Resume(CHANGE, "the positions' frequencies from the resumed step (a context extension; no weight depends on "
+                      "them)")
 
 
 @dataclass
@@ -52,14 +71,14 @@ class ModelConfig:
     # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*.
     position_embedding_type: Literal["rope", "learned_absolute", "yarn"] = knob("rope", mcore=GPT)
     # YaRN's correction range rounded (GPT-OSS: false, "truncate")
-    yarn_correction_range_round_to_int: bool = knob(True, mcore=YARN)
-    rotary_base: float = knob(10000.0, mcore=(MLA, GPT), range="> 0")
+    yarn_correction_range_round_to_int: bool = knob(True, resume=ROPE, mcore=YARN)
+    rotary_base: float = knob(10000.0, resume=ROPE, mcore=(MLA, GPT), range="> 0")
     rotary_percent: float = knob(1.0, mcore=(MLA, GPT), range="(0, 1]", why="the share of each head RoPE rotates")
-    rope_scaling: bool = knob(False, mcore=GPT)  # Llama-3 ("llama3") RoPE frequency scaling
-    rope_scaling_factor: float = knob(8.0, mcore=GPT, range="> 0")
-    rope_scaling_low_freq_factor: float = knob(1.0, range="> 0")
-    rope_scaling_high_freq_factor: float = knob(4.0, range="> 0")
-    rope_scaling_original_max_position_embeddings: int = knob(8192, range=">= 1")
+    rope_scaling: bool = knob(False, resume=ROPE, mcore=GPT)  # Llama-3 ("llama3") RoPE frequency scaling
+    rope_scaling_factor: float = knob(8.0, resume=ROPE, mcore=GPT, range="> 0")
+    rope_scaling_low_freq_factor: float = knob(1.0, resume=ROPE, range="> 0")
+    rope_scaling_high_freq_factor: float = knob(4.0, resume=ROPE, range="> 0")
+    rope_scaling_original_max_position_embeddings: int = knob(8192, resume=ROPE, range=">= 1")
     share_embeddings_and_output_weights: bool = knob(False, mcore=GPT)
     add_bias_linear: bool = knob(False, mcore=TC)
     add_qkv_bias: bool = knob(False, mcore=TC)
@@ -123,15 +142,17 @@ class ModelConfig:
     # per-head RoPE width, shared by all heads for keys (HF qk_rope_head_dim)
     qk_pos_emb_head_dim: int = knob(64, mcore=MLA, range=">= 1")
     v_head_dim: int = knob(128, mcore=MLA, range=">= 1")
-    rope_type: Literal["rope", "yarn"] = knob("rope", mcore=MLA)  # MLA's RoPE; yarn: YaRN with the fields below
+    # MLA's RoPE; yarn: YaRN with the fields below
+    rope_type: Literal["rope", "yarn"] = knob("rope", resume=ROPE, mcore=MLA)
     # YaRN (MLA's rope_type=yarn, or position_embedding_type=yarn: Megatron-Core's yarn_* attributes)
-    rotary_scaling_factor: float = knob(1.0, mcore=(MLA, YARN.named("yarn_rotary_scaling_factor")), range="> 0")
-    original_max_position_embeddings: int = knob(4096, range=">= 1", mcore=(
+    rotary_scaling_factor: float = knob(1.0, resume=ROPE, mcore=(MLA, YARN.named("yarn_rotary_scaling_factor")),
+                                        range="> 0")
+    original_max_position_embeddings: int = knob(4096, resume=ROPE, range=">= 1", mcore=(
         MLA, YARN.named("yarn_original_max_position_embeddings")))  # YaRN: the pre-extension context
-    beta_fast: float = knob(32.0, mcore=(MLA, YARN.named("yarn_beta_fast")), range="> 0")
-    beta_slow: float = knob(1.0, mcore=(MLA, YARN.named("yarn_beta_slow")), range="> 0")
-    mscale: float = knob(1.0, mcore=(MLA, YARN.named("yarn_mscale")), range=">= 0")
-    mscale_all_dim: float = knob(0.0, mcore=(MLA, YARN.named("yarn_mscale_all_dim")), range=">= 0")
+    beta_fast: float = knob(32.0, resume=ROPE, mcore=(MLA, YARN.named("yarn_beta_fast")), range="> 0")
+    beta_slow: float = knob(1.0, resume=ROPE, mcore=(MLA, YARN.named("yarn_beta_slow")), range="> 0")
+    mscale: float = knob(1.0, resume=ROPE, mcore=(MLA, YARN.named("yarn_mscale")), range=">= 0")
+    mscale_all_dim: float = knob(0.0, resume=ROPE, mcore=(MLA, YARN.named("yarn_mscale_all_dim")), range=">= 0")
     # 1: every layer MoE; a list of 0 (dense) / 1 (MoE) per layer
     moe_layer_freq: int | list[int] = knob(1, mcore=MOE, range=">= 1")
     # shared experts' total FFN size (None: none)

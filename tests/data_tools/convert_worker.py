@@ -43,6 +43,8 @@ def megatron_logits(*jobs: str) -> None:
             rows = CheckpointReader(path).tensors["embedding.word_embeddings.weight"].size[0]
             tree["model"]["make_vocab_size_divisible_by"] = rows  # the stored padding, whatever TP wrote it
             tree["model"]["mtp_num_layers"] = None  # MTP layers do not change the logits (and need labels)
+            tree["checkpoint"]["allow_dropped_weights"] = True  # ... so the checkpoint's MTP weights are left out
+            tree["run"]["dir"] = str(Path(out_file).parent / "logits_run")  # their record: not in the checkpoint's
             cfg = config_from_dict(tree)
             plan = for_weights(cfg, 1)
             vocab = plan.layout.vocab_size

@@ -114,8 +114,6 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
 def _trainer_check(cfg, store: bool = False):
     """The trainer's one-rank data check (`pretrain.data.datasets.check_data_files_once` without a process group):
     the full read where the metadata cannot stand for the index; `store`: its verdicts kept, as train keeps them."""
-    from types import SimpleNamespace
-
     from pretrain.data.check import check_data_files
     from pretrain.data.plan import data_plan
     from pretrain.problems import Report
@@ -125,7 +123,7 @@ def _trainer_check(cfg, store: bool = False):
     r, data = Report(1), data_plan(cfg)
     check_data_files(data, decide(cfg.data, cfg.model.vocab_size, data.mock), cfg.model, r)
     if store:
-        store_verdicts(SimpleNamespace(problems=r, data=data))
+        store_verdicts(r, data.cache_dir)
     return r
 
 

@@ -168,3 +168,18 @@ def test_a_part_made_with_other_options_is_redone_and_refused_by_finalize(tmp_pa
     assert main(["finalize", no_eod, "--mode", "merge"]) == 0
     merged = json.loads((tmp_path / "out" / "web_text_document.meta.json").read_text())
     assert merged["append_eod"] is False and merged["tokenizer"]["kind"] == "sentencepiece"
+
+
+def test_a_blend_of_more_parts_than_megatron_indexes_is_refused_first(tmp_path, capsys):
+    """Megatron-Core's BlendedDataset keeps each sample's dataset as int16: `finalize --mode blend` of 32,769 parts
+    is refused with that reason before any part is looked at (merge is the way)."""
+    from data_tools.shards import Plan
+
+    n = 2**15 + 1
+    plan = Plan(str(tmp_path / "web"), [{"path": f"/x/{i}.jsonl", "bytes": 1} for i in range(n)],
+                [(i, i + 1) for i in range(n)], {})
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    assert main(["finalize", str(tmp_path / "plan.json"), "--mode", "blend"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --mode blend of 32,769 parts: Megatron-Core's blend indexes its datasets as int16, at most "
+                   "32,768; use --mode merge"], err

@@ -19,7 +19,9 @@ Then context parallelism (tests/gpu/cp_check.py, its own CP_BUDGET_S): Transform
 CP1, against the CPU CP attention's losses on the same weights and data, without and with packed documents (THD);
 `--only cp` runs just that part. Each run is its own process. The throughput part keeps to BUDGET_S (under 8
 minutes with start-up); cases that would not fit are reported as skipped. `--dry-run` prints the cases with their
-planned memory and runs nothing (no GPU needed). Exit status: 0 when every case that ran succeeded, 1 otherwise.
+planned memory and runs nothing (no GPU needed). First, `preflight.check`: torch, the project and megatron-core must
+import (else the error, exit 1); without a CUDA GPU it says so and exits 0 (NVIDIA devices torch cannot use: exit 1).
+Exit status: 0 when every case that ran succeeded, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import cp_check  # noqa: E402  (tests/gpu/cp_check.py: the context-parallel agreement runs)
+import preflight  # noqa: E402  (tests/gpu/preflight.py: torch, the project, megatron-core and a GPU, first)
 
 BUDGET_S = 450.0  # leaves margin under 8 minutes for start-up and the table
 CP_BUDGET_S = 240.0  # the context-parallel agreement runs (tests/gpu/cp_check.py)
@@ -209,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=("all", "throughput", "cp"), default="all",
                         help="cp: only the context-parallel agreement runs; throughput: only the rest")
     args = parser.parse_args(argv)
+    status, line = preflight.check(dry_run=args.dry_run)
+    if status is not None:  # 0: no GPU here; 1: what failed (an import, a GPU torch cannot use)
+        print(line, file=sys.stdout if status == 0 else sys.stderr, flush=True)
+        return status
     if args.dry_run:
         todo = cases(te=True, fp8="tensorwise") if args.only != "cp" else []
         print(f"GPU check (dry run): {len(todo)} case(s); planned on a GPU:")

@@ -1,5 +1,5 @@
-"""The GPU check's wiring, on any machine: run.sh's answer without a GPU, the dry run's cases and plans, and
-the Megatron-Core baseline loop's calls (on CPU, tiny shapes)."""
+"""The GPU check's wiring, on any machine: run.sh's answer without a GPU and with a broken torch or megatron-core,
+the dry run's cases and plans, and the Megatron-Core baseline loop's calls (on CPU, tiny shapes)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,44 @@ def test_run_sh_without_a_gpu_says_so_and_exits_0():
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU here" in done.stdout and "nothing to check" in done.stdout
+
+
+BROKEN = {  # a package that shadows the real one on PYTHONPATH and fails as a broken install does
+    "torch": ("torch/__init__.py", "import torch failed: ImportError: libcudart.so.12: cannot open shared object"),
+    "megatron": ("megatron/core/__init__.py", "import megatron.core failed: ImportError: libcudart.so.12: cannot open"),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_run_sh_with_a_broken_install_says_what_failed_and_exits_1(tmp_path, broken):
+    """A torch or megatron-core that fails to import is not "no GPU": run.sh shows the error and fails."""
+    path, shown = BROKEN[broken]
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / broken / "__init__.py").touch()
+    (tmp_path / path).write_text('raise ImportError("libcudart.so.12: cannot open shared object file")\n')
+    done = subprocess.run(["bash", str(REPO / "tests/gpu/run.sh")], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no CUDA GPU" not in done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tests/gpu/run.sh: the GPU check cannot run with "), done.stderr
+    assert shown in lines[0] and f"{tmp_path / path}:1" in lines[0], lines[0]
+
+
+def test_gpus_torch_cannot_use_are_a_failure():
+    """NVIDIA devices present but torch.cuda.is_available() False (a CPU build of torch, a refused driver): exit 1
+    with the reason; no device at all: the "no CUDA GPU here" answer, exit 0; a usable GPU: the check goes on."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import preflight
+
+    status, line = preflight.cuda_verdict(False, "2.13.0+cpu", None, ["nvidia0", "nvidia1"], [])
+    assert status == 1 and "NVIDIA devices (nvidia0, nvidia1) but torch 2.13.0+cpu (a CPU-only build" in line
+    status, line = preflight.cuda_verdict(False, "2.13.0", "12.8", ["nvidia0"],
+                                          ["CUDA initialization: The NVIDIA driver on your system is too old"])
+    assert status == 1 and "(CUDA 12.8 build)" in line and "driver on your system is too old" in line
+    assert preflight.cuda_verdict(False, "2.13.0", "12.8", [], [])[0] == 0
+    assert preflight.cuda_verdict(True, "2.13.0", "12.8", ["nvidia0"], []) == (None, "")
+    assert preflight.nvidia_devices(REPO) == []
 
 
 def test_dry_run_lists_every_case_with_its_plan():

@@ -229,3 +229,27 @@ def test_finish_requeues_after_a_hang(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "requeueing job 42 (a rank hung after step 2 (stacks in" in done.stdout, done.stdout
     assert "scontrol requeue 42" in done.stdout and not (tmp_path / "run" / ".launch_failures").exists()
+
+
+def test_a_stage_boundary_starts_the_next_stage_in_the_same_allocation(tmp_path):
+    """exit_status.json `stage` (exit 76: the next stage changes the layout): the trainer is started again in the
+    same job, no requeue; with a signal pending it is requeued instead, no failure counted."""
+    env, calls = _fake_cluster(tmp_path)
+    python = Path(env["PYTHON"])
+    python.write_text(python.read_text().replace(
+        '  echo \'{"reason": "completed", "step": 3}\' > "$rd/exit_status.json"; fi\n',
+        f'  n=$(ls {calls} | grep -c start); touch {calls}/start$n\n'
+        '  if ((n == 0)); then echo \'{"reason": "stage", "step": 2}\' > "$rd/exit_status.json"; exit 76; fi\n'
+        '  echo \'{"reason": "completed", "step": 3}\' > "$rd/exit_status.json"; fi\n'))
+    done = subprocess.run(["bash", str(REPO / "launch" / "pretrain_tiny.sh")], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a stage ended at step 2 and the next one changes the layout: starting it in this allocation" in done.stdout
+    assert "training completed at step 3" in done.stdout and "requeue" not in done.stdout, done.stdout
+    assert sorted(p.name for p in calls.glob("start*")) == ["start0", "start1"]
+
+    stage = {"reason": "stage", "step": 2, "signal": None, "message": "stage 'a' ended at step 2; ..."}
+    done = _finish(tmp_path / "signal", stage, signal_name="USR1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "requeueing job 42 (a stage ended at step 2; the next stage starts in the next attempt)" in done.stdout
+    assert not (tmp_path / "signal" / "run" / ".launch_failures").exists()

@@ -9,6 +9,8 @@ PLAN.json: {"results": path, "cases": [case, ...]}. A case:
     crash_in_save  step: kill this process with SIGKILL while the checkpoint of that step is being written
     stall_in_save  step: the writer processes of that step's checkpoint hang (for a test to kill the trainer)
     writer_dies_in_save  step: the asynchronous writer of that step's checkpoint is killed (SIGKILL) mid-write
+    stop_writer_in_save  [step, rank, pid file]: on that rank, each process writing that step's checkpoint appends
+                 its pid to the file and stops itself (SIGSTOP) after its first item
     die_at       [point, step]: stop train() dead (a BaseException nothing handles, like a kill: no later write
                  happens) in the commit of that step's save, right after `journal` (commit_in_progress.txt),
                  `run_config` (run_config.yaml) or `tracker` is written, or at `prune` (run_config.yaml of the
@@ -197,6 +199,18 @@ def _install_writer_death(step: int) -> list:
     return _arm_writers(step, "CKPT_WRITER_DIES", die)
 
 
+def _install_writer_stop(step: int, rank: int, pid_file: str) -> list:
+    """SIGSTOP each process that writes `step`'s checkpoint on `rank` (its pid appended to `pid_file` first)."""
+
+    def stop():
+        if os.environ.get("RANK", "0") == str(rank) and str(os.getpid()) != os.environ["CKPT_TRAINER_PID"]:
+            with open(pid_file, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return _arm_writers(step, "CKPT_WRITER_STOPS", stop)
+
+
 class SimulatedKill(BaseException):
     """Raised where a kill would stop the trainer: nothing catches it, so nothing more is written."""
 
@@ -281,6 +295,8 @@ def run_case(case: dict, results: dict) -> None:
         undo += _install_stall(int(case["stall_in_save"]))
     if case.get("writer_dies_in_save"):
         undo += _install_writer_death(int(case["writer_dies_in_save"]))
+    if case.get("stop_writer_in_save"):
+        undo += _install_writer_stop(*case["stop_writer_in_save"])
     undo += _install_die_at(*case["die_at"]) if case.get("die_at") else []
     started = time.perf_counter()
     try:

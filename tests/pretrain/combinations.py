@@ -1,7 +1,8 @@
 """Pairs and triples of parallelism and training features, as config overrides on the tiny configs: the class of
 layouts `validate` must either accept (then they train) or refuse with a reason. Shared by the cheap in-process
 check (`test_feature_combinations.py`: validate, then build every Megatron-Core config object training builds) and
-the training matrix of `make test-all` (`test_feature_matrix.py`)."""
+the training matrix of `make test-all` (`test_feature_matrix.py`). And the kinds of pipeline stage a layout string
+can place (PLACEMENTS), each trained against one rank (`test_pipeline_layout.py`)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,15 @@ FEATURES = {
     "layout": ["parallel.pipeline=2", "parallel.pipeline_layout=Et|tttL"],
     "account": ["parallel.pipeline=2", "parallel.account_for_embedding_in_pipeline_split=true",
                 "parallel.account_for_loss_in_pipeline_split=true"],
+    # the edge placements on PP2 × VP2: the embedding alone, then every layer, an empty stage, the loss alone (with
+    # "mtp": the MTP layer and the loss alone, `...||mL`)
+    "layout_edges": ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.pipeline_layout=E|tttt||L"],
     "muon": ["optimizer.name=muon"],
 }
-EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, {"pp", "vp", "layout", "account"}]
-PAIRS_ONLY = {"layout", "account", "muon"}  # in pairs with every other feature, not in triples (test time)
+PIPELINE = {"pp", "vp", "layout", "account", "layout_edges"}
+LAYOUTS = {"layout", "layout_edges"}  # a layout string places every layer: with "mtp", the `m` goes before the `L`
+EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, PIPELINE]
+PAIRS_ONLY = {"layout", "layout_edges", "account", "muon"}  # in pairs with every other feature, not triples (time)
 DATA_PARALLEL = {"ep", "fsdp", "distopt"}  # need two data-parallel ranks
 
 
@@ -57,15 +63,42 @@ def config_name(names) -> str:
 def world_size(names) -> int:
     """TP × PP × CP × DP of the combination (DP 2 when a feature needs data-parallel ranks)."""
     tp = 2 if "tp_sp" in names else 1
-    pp = 2 if {"pp", "vp", "layout", "account"} & set(names) else 1
+    pp = 2 if PIPELINE & set(names) else 1
     cp = 2 if any(n.startswith("cp_") for n in names) else 1
     dp = 2 if DATA_PARALLEL & set(names) else 1
     return tp * pp * cp * dp
 
 
 def overrides(names) -> list[str]:
-    return [o for n in names for o in FEATURES[n]]
+    out = [o for n in names for o in FEATURES[n]]
+    if "mtp" in names and LAYOUTS & set(names):
+        out = [o[:-1] + "mL" if o.startswith("parallel.pipeline_layout=") else o for o in out]
+    return out
 
 
 def case_name(names) -> str:
     return "+".join(names)
+
+
+# The kinds of pipeline stage a layout string can place, each on its own (4 decoder layers; PP = world size): every
+# one `validate` accepts trains to the one-rank loss and grad norm (`test_pipeline_layout.py`) and builds every
+# stage's Megatron-Core specs (`test_feature_combinations.py`). name: (config, overrides)
+PLACEMENTS = {
+    "embedding_alone": ("tiny_llama", ["parallel.pipeline=2", "parallel.pipeline_layout=E|ttttL"]),
+    "loss_alone": ("tiny_llama", ["parallel.pipeline=2", "parallel.pipeline_layout=Etttt|L"]),
+    "embedding_and_loss": ("tiny_llama", ["parallel.pipeline_layout=EttttL"]),  # one stage holds both (PP1)
+    "empty_stage_vp2": ("tiny_llama", ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                       "parallel.pipeline_layout=Ett||t|tL"]),
+    "edges_alone_vp2": ("tiny_llama", FEATURES["layout_edges"]),
+    "empty_stages_pp4": ("tiny_llama", ["parallel.pipeline=4", "parallel.pipeline_layout=Ett|||ttL"]),
+    "mtp_alone": ("tiny_deepseek", ["parallel.pipeline=2", "parallel.pipeline_layout=Etttt|mL"]),
+    "mtp_alone_vp2": ("tiny_deepseek", ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                        "parallel.pipeline_layout=Ett|t|t|mL"]),
+    "mtp_and_edges_vp2": ("tiny_deepseek", ["parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                            "parallel.pipeline_layout=E|tt|tt|mL"]),
+}
+
+
+def placement_world(overrides: list[str]) -> int:
+    """The pipeline size of a PLACEMENTS entry (its world size)."""
+    return next((int(o.split("=")[1]) for o in overrides if o.startswith("parallel.pipeline=")), 1)

@@ -277,9 +277,17 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
         == [(p.name, p.numel) for p in plan.chunk_parameters(cfg, lay, padded, pp_rank, v)]
         for v, chunk in enumerate(chunks)
     )
+    # What the rank holds parameters of (Megatron marks expert parameters allreduce=False) and the run's settings:
+    # the test's hand count of bytes per parameter starts from these, not from the planner.
+    params = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
+    held = {"dense": sum(p.numel() for p in params if getattr(p, "allreduce", True)),
+            "expert": sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+            "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+            "edp": ps.get_expert_data_parallel_world_size(), "precision": layout.precision,
+            "distributed": cfg.optimizer.distributed, "grad_reduce_in_fp32": cfg.optimizer.grad_reduce_in_fp32}
     record = {"layout": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "dp_rank": dp_rank,
               "tp_rank": ps.get_tensor_model_parallel_rank(), "measured": measured, "predicted": predicted,
-              "names_match": names_ok}  # fmt: skip
+              "names_match": names_ok, "held": held}  # fmt: skip
     del model, optimizer, chunks
     gc.collect()
     return record

@@ -173,6 +173,9 @@ def single_process_cases(tmp_path_factory):
         {"name": "lr_changed", "overrides": base + ["train.steps=3", "optimizer.lr=5e-4", "optimizer.min_lr=5e-5",
                                                     "checkpoint.save_at_end=false", f"run.dir={root}/lr_changed"],
          "copy_from": [f"{root}/good", 2]},
+        # Step 1 consumed, not trained: the weights at step 2 are the initial ones (the lr test).
+        {"name": "skip_first", "overrides": base + ["train.skip_steps=[1]", "checkpoint.interval=null",
+                                                    "checkpoint.save_at_end=false", f"run.dir={root}/skip_first"]},
         {"name": "no_tracker", "overrides": six + ["checkpoint.interval=3", f"run.dir={root}/no_tracker"],
          "copy_from": [f"{root}/six", [2, 4]],
          "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
@@ -185,6 +188,18 @@ def single_process_cases(tmp_path_factory):
          "copy_from": [f"{root}/six", [2, 4]],
          "mutate": [["delete", "checkpoints/latest_checkpointed_iteration.txt"], *keep,
                     ["truncate_common", "checkpoints/iter_0000004"]]},
+    ]
+    # Learned attention sinks (tiny_gpt_oss) into a model without them, and back (weights dropped / missing).
+    oss = ["train.steps=1", "train.global_batch_size=2", "train.micro_batch_size=1", "logging.tensorboard=false"]
+    cases += [
+        {"name": "sinks", "config": "tiny_gpt_oss", "overrides": oss + [f"run.dir={root}/sinks"]},
+        {"name": "sinks_dropped", "config": "tiny_gpt_oss", "overrides": oss + [
+            "model.softmax_type=vanilla", f"checkpoint.pretrained={root}/sinks", f"run.dir={root}/sinks_dropped"]},
+        {"name": "sinks_dropped_allowed", "config": "tiny_gpt_oss", "overrides": oss + [
+            "model.softmax_type=vanilla", f"checkpoint.pretrained={root}/sinks",
+            "checkpoint.allow_dropped_weights=true", f"run.dir={root}/sinks_dropped_allowed"]},
+        {"name": "sinks_missing", "config": "tiny_gpt_oss", "overrides": oss + [
+            f"checkpoint.pretrained={root}/sinks_dropped_allowed", f"run.dir={root}/sinks_missing"]},
     ]
     for name, ops, _ in BAD:
         ops = [[op, rel, *(marker if a == "MARKER" else a for a in args)] for op, rel, *args in ops]
@@ -256,13 +271,63 @@ def test_distributed_optimizer_toggled_on_resume(single_process_cases):
 
 
 @pytest.mark.slow
+def test_logged_lr_is_the_rate_each_step_applied(single_process_cases):
+    """tiny_llama: lr 1e-3, linear warmup from 0 over 5 steps. Megatron-Core's OptimizerParamScheduler gives the
+    rate lr × n / 5 after n optimizer steps, so step t applies lr × (t - 1) / 5: 0 at step 1, whose update then
+    leaves the weights as they were. Step 2's loss and gradient norm equal those of a run that never trained step 1
+    (train.skip_steps=[1], the same batch at step 2)."""
+    root, results, _, _ = single_process_cases
+    assert results["skip_first"]["ok"], results["skip_first"].get("traceback") or results["skip_first"]["error"]
+    good, skipped = by_step(root / "good"), by_step(root / "skip_first")
+    assert [good[s]["lr"] for s in (1, 2)] == pytest.approx([1e-3 * 0 / 5, 1e-3 * 1 / 5], rel=1e-12, abs=0)
+    assert sorted(skipped) == [2] and skipped[2]["lr"] == pytest.approx(1e-3 * 1 / 5, rel=1e-12)
+    assert (good[2]["loss"], good[2]["grad_norm"]) == (skipped[2]["loss"], skipped[2]["grad_norm"])
+
+
+@pytest.mark.slow
 def test_changed_lr_applies_after_resume(single_process_cases):
     """On this release too: after a resume with another optimizer.lr, the lr logged is the new schedule's
-    (tiny_llama: 5 warmup steps, so 3/5 of the new lr at step 3; the checkpoint's would be 6e-4)."""
+    (tiny_llama: 5 warmup steps; step 3 applies the schedule after 2 steps, 2/5 of the new lr; the checkpoint's
+    would be 4e-4)."""
     root, results, _, log = single_process_cases
     assert results["lr_changed"]["ok"], results["lr_changed"].get("traceback") or results["lr_changed"]["error"]
-    assert [m["lr"] for m in metrics(root / "lr_changed")] == pytest.approx([2e-4, 4e-4, 3e-4], rel=1e-12)
+    assert [m["lr"] for m in metrics(root / "lr_changed")] == pytest.approx([0.0, 2e-4, 2e-4], rel=1e-12, abs=0)
     assert "resume: optimizer.lr 0.001 → 0.0005 (the LR schedule is re-derived" in log
+
+
+def _model_tensors(checkpoint: Path) -> set[str]:
+    """The model tensors of a torch_dist checkpoint, from torch's own metadata reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {k for k, v in meta.items() if isinstance(v, TensorStorageMetadata) and "optimizer." not in k}
+
+
+@pytest.mark.slow
+def test_weights_the_model_has_no_place_for_are_refused_or_recorded(single_process_cases):
+    """Pretrained weights with learned attention sinks into model.softmax_type=vanilla: refused, naming the
+    tensors the two models' checkpoints differ by; with checkpoint.allow_dropped_weights=true one line and
+    run.dir/dropped_weights.json. The other way (a tensor this model needs, missing) is refused."""
+    root, results, _, log = single_process_cases
+    assert results["sinks"]["ok"], results["sinks"]
+    assert results["sinks_dropped_allowed"]["ok"], results["sinks_dropped_allowed"]
+    source = root / "sinks/checkpoints/iter_0000001"
+    dropped = sorted(_model_tensors(source) - _model_tensors(root / "sinks_dropped_allowed/checkpoints/iter_0000001"))
+    assert dropped and all("softmax_offset" in name for name in dropped), dropped
+    err = results["sinks_dropped"]["error"]
+    assert err == (f"CheckpointError: {source}: {len(dropped)} tensor of the checkpoint has no place in this model "
+                   f"and would be dropped: {', '.join(dropped)}; model config differs from the checkpoint's: "
+                   "softmax_type 'learnable' → 'vanilla'; set checkpoint.allow_dropped_weights=true to load without "
+                   "them"), err
+    assert (f"[pretrain] {source}: {len(dropped)} tensor of the checkpoint left out, this model has no place for it "
+            f"(checkpoint.allow_dropped_weights=true; listed in run.dir/dropped_weights.json): {dropped[0]}") in log
+    record = json.loads((root / "sinks_dropped_allowed/dropped_weights.json").read_text())["loads"]
+    assert [(r["checkpoint"], r["load"], r["dropped"]) for r in record] == [(str(source), "pretrained weights",
+                                                                              dropped)], record
+    err = results["sinks_missing"]["error"]
+    assert err.startswith(f"CheckpointError: {root}/sinks_dropped_allowed/checkpoints/iter_0000001: tensor "
+                          f"'{dropped[0]}' is not in the checkpoint"), err
 
 
 @pytest.mark.slow
@@ -274,6 +339,12 @@ def test_nan_policy_and_time_limit(single_process_cases):
                     r"stopped with the checkpoint of step 1 \(train.nan_policy=stop\)", err), err
     status = json.loads((root / "nan_stop" / "exit_status.json").read_text())
     assert status["reason"] == "failed" and status["step"] == 1
+    # lr 1e30: after step 1 the gradients overflow while the loss stays finite; the value that failed the check
+    # (a gradient bucket's norm, Megatron-Core's DDP check) is recorded under its own name, the loss under its own.
+    assert (status["rerun_check"], status["rerun_first_grad_norm"], status["rerun_grad_norm"]) == (
+        "gradient norm is NaN", "nan", "nan"), status
+    assert isinstance(status["rerun_first_loss"], float) and status["rerun_first_loss"] == status["rerun_loss"]
+    assert f"(gradient norm nan first, loss {status['rerun_first_loss']}; the re-run" in err, err
     # The checkpoint of the last good step is intact and selected.
     assert (root / "nan_stop/checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == "1"
 

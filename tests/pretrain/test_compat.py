@@ -37,30 +37,22 @@ def test_validate_reports_installed_versions():
     assert line in done.stdout, done.stdout
 
 
-# Which CPU shims and Megatron fixes start-up applies, per release CI runs (CPU: torch's Adam in the optimizer).
-_CPU = ["cpu:current_device_and_synchronize", "cpu:deferred_optional_imports", "cpu:eager_jit_fusions",
-        "cpu:cuda_factories", "cpu:cuda_type_strings", "cpu:cuda_rng", "cpu:cuda_streams_and_events",
-        "cpu:moe_dispatch_on_gloo", "cpu:pin_memory_without_cuda", "cpu:fp64_grad_norm", "cpu:fsdp_cpu_device",
-        "cpu:fsdp_cpu_device_mesh"]
-_FIXES = ["distopt_fresh_state_dict", "distopt_load_missing_step", "distopt_shared_step", "load_bytes_weights_only",
-          "recompute_norms_without_te", "moe_router_without_te", "fsdp_tp_without_te", "mla_local_core_attention",
-          "mla_without_te"]
-# moe_router_without_te: fixed upstream in 0.17.0 (moe_utils.py defines the TE names as None without TE);
-# fsdp_tp_without_te: in 0.18.0 (the Megatron-FSDP adapter compares class names, not TELinear);
-# mla_without_te: in 0.17.0 (multi_latent_attention.py imports the extension's own HAVE_TE).
-# mla_q_norm_without_q_lora: 0.19.0+ only (QKNormConfigResolver).
-_FIXED_BY_0_19 = ("moe_router_without_te", "fsdp_tp_without_te", "mla_without_te")
-APPLIED = {"0.16.1": _CPU + _FIXES,
-           "0.19.2": [f for f in _CPU + _FIXES if f not in _FIXED_BY_0_19] + ["mla_q_norm_without_q_lora"]}
-
-
 def test_startup_applies_what_the_release_needs():
-    version = metadata.version("megatron-core")
-    if version not in APPLIED:
-        pytest.skip(f"megatron-core {version} is not a release CI runs")
-    done = _run("-c", "import json; from pretrain import compat; print(json.dumps(compat.apply()))")
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == APPLIED[version]
+    """Start-up applies a Megatron fix exactly where the installed Megatron-Core shows its need before anything is
+    patched (`compat_probe.py`: a name defined only with TE, a TE placeholder class, a signature without
+    k_channels, torch's Adam inside the distributed optimizer, ...), and on CPU every CPU shim."""
+    from pretrain.compat.cpu_shims import SHIMS
+    from pretrain.compat.fsdp_cpu import FSDP_SHIMS
+    from pretrain.compat.megatron_fixes import FIXES
+
+    done = _run("tests/pretrain/compat_probe.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    need, applied = got["need"], got["applied"]
+    assert sorted(need) == sorted(f.name for f in FIXES), "every Megatron fix needs a probe in compat_probe.py"
+    print(f"megatron-core {metadata.version('megatron-core')}: needed {[n for n in need if need[n]]}")
+    assert [n for n in applied if not n.startswith("cpu:")] == [f.name for f in FIXES if need[f.name]]
+    assert [n for n in applied if n.startswith("cpu:")] == [f"cpu:{s.name}" for s in (*SHIMS, *FSDP_SHIMS)]
 
 
 def test_grad_norm_does_not_depend_on_how_the_gradients_are_split():

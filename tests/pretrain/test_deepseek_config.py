@@ -104,8 +104,7 @@ CASES = [
     (["model.num_moe_experts=null", "model.moe_shared_expert_intermediate_size=null",
       "model.moe_router_num_groups=null", "model.moe_router_group_topk=null",
       "model.moe_router_topk_scaling_factor=null"], 1,
-     "[model.moe_router_enable_expert_bias, model.num_moe_experts] model.moe_router_enable_expert_bias is set but the "
-     "model has no experts"),
+     "model.moe_router_enable_expert_bias=True set but the model has no experts (model.num_moe_experts is null)"),
 ]
 
 

@@ -116,6 +116,31 @@ def test_results_validated_and_bad_steps_skipped_at_dp2(tmp_path):
     assert sorted(skipped) == [1, 4, 5]
     assert all(skipped[s][1] == full[s][1] and skipped[s][4] == full[s][4] for s in (1, 4, 5))
     assert len({full[s][1] for s in full}) == 5  # and the batches do differ from step to step
+    # Rank 1 did not count step 3 in its spike window (it rejected it), rank 0 did: the saves after it agree.
+    assert "common state dict differs" not in log_text(root / "world2.log")
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_spike_window_of_every_rank_is_kept_after_a_rejected_step(tmp_path):
+    """A transient NaN on rank 0 at step 3: rank 0 counts steps 2 and 4 in the spike window (Megatron validates
+    from the second step; a rejected value is not counted), rank 1 steps 2, 3 and 4. The checkpoint of step 4 keeps
+    what the ranks counted together (3 values, the largest loss of steps 2-4), Megatron's common-state check finds
+    no rank that differs, and the resume goes on from there (step 5: 4 values)."""
+    from pretrain.checkpoint.format import read_common
+
+    root = tmp_path
+    res = _cases(root, [("nan0", ["testing.nan_step=3", "testing.nan_rank=0"]),
+                        ("nan0_resumed", ["train.steps=5"], {"copy_from": [f"{root}/nan0", 4]})])
+    assert res["nan0"]["ok"] and res["nan0_resumed"]["ok"], res
+    loss = {s: r["loss"] for s, r in by_step(root / "nan0_resumed").items()}
+    assert by_step(root / "nan0")[3]["rerun_ranks"] == [0] and sorted(loss) == [1, 2, 3, 4, 5]
+    for step, counted in ((4, [2, 3, 4]), (5, [2, 3, 4, 5])):
+        name = "nan0" if step == 4 else "nan0_resumed"
+        saved = read_common(root / f"{name}/checkpoints/iter_{step:07d}")["rerun_state"]
+        assert saved["large_value_counts"] == {"loss": len(counted)}, (step, saved)
+        assert saved["max_values"] == {"loss": max(abs(loss[s]) for s in counted)}, (step, saved)
+    assert "common state dict differs" not in log_text(root / "world2.log")
 
 
 def _hang_run(root: Path, name: str, how: str, monkeypatch) -> tuple[float, dict, str]:
@@ -167,6 +192,38 @@ def test_a_stopped_rank_is_named(tmp_path, monkeypatch):
     waited, status, _ = _hang_run(tmp_path, "stop", "sigstop", monkeypatch)
     assert (status["hang_step"], status["hang_ranks"]) == (3, [1]), status
     assert status["last_collective"]["1"] == "no record" and not (tmp_path / "stop/hang/stacks.rank1.txt").exists()
+
+
+@pytest.mark.slow
+def test_a_stopped_checkpoint_writer_is_named(tmp_path):
+    """The asynchronous save of the final step: rank 1's writing processes stop (SIGSTOP) after their first item.
+    The watchdog (hang.long_s, between steps) names rank 1's writer, its stopped processes (the pids they wrote
+    down themselves) and the checkpoint it was writing; step 4 was trained, so the status says step 4."""
+    pids = tmp_path / "stopped_pids.txt"
+    run_dir = tmp_path / "writer"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"results": str(tmp_path / "results.json"), "cases": [
+        {"name": "writer", "overrides": TINY + ["checkpoint.async_save=true", "hang.long_s=10", f"run.dir={run_dir}"],
+         "stop_writer_in_save": [4, 1, str(pids)]}]}))
+    proc = start(command([], nproc=2, module="tests.pretrain.ckpt_worker", args=[str(plan)]), tmp_path / "log")
+    try:
+        wait_until(lambda: (run_dir / "exit_status.json").exists() and _status(run_dir)["reason"] == "hang",
+                   proc, timeout=600)
+        proc.wait(timeout=120)
+    finally:
+        kill_group(proc)
+        proc.wait()
+    status, log = _status(run_dir), log_text(tmp_path / "log")
+    stopped = [int(line) for line in pids.read_text().split()]
+    checkpoint = str(run_dir / "checkpoints" / "iter_0000004")
+    assert (status["hang_step"], status["step"], status["hang_ranks"]) == (4, 4, [1]), status
+    writer = status["hang_checkpoint_writers"]["1"]
+    assert (writer["iteration"], writer["checkpoint"]) == (4, checkpoint), writer
+    assert {pid for pid, state in writer["processes"] if state == "stopped (SIGSTOP)"} == set(stopped), writer
+    assert list(status["hang_checkpoint_writers"]) == ["1"], status  # rank 0's writer finished
+    assert status["message"].startswith("hang after step 4: the checkpoint writer of rank 1 (pid "), status
+    assert f"has not finished writing {checkpoint} (step 4)" in status["message"], status
+    assert f"[pretrain] {status['message']}" in log and "exitcode: 75" in log
 
 
 @pytest.mark.full

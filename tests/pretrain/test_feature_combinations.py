@@ -21,7 +21,15 @@ from pretrain.__main__ import main
 from pretrain.config import load_config
 from pretrain.layout import derive_layout
 from pretrain.validate import validate
-from tests.pretrain.combinations import case_name, combinations, config_name, overrides, world_size
+from tests.pretrain.combinations import (
+    PLACEMENTS,
+    case_name,
+    combinations,
+    config_name,
+    overrides,
+    placement_world,
+    world_size,
+)
 
 # The reasons validate gives for the combinations it refuses (their keys), each for a stated limitation.
 REFUSALS = {
@@ -32,8 +40,6 @@ REFUSALS = {
     ("model.softmax_type", "parallel.cp_comm_type"),  # sinks: not in the CPU ring (p2p); TE under CP: a2a only
     ("optimizer.name", "optimizer.fsdp"),  # Muon needs whole matrices: Megatron-Core builds it over Megatron DDP only
     ("optimizer.name", "optimizer.distributed"),  # ... and refuses it inside the distributed optimizer
-    # a layout string places every layer: one without the MTP layer ('m') is Megatron-Core's refusal
-    ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers", "model.mtp_num_layers"),
 }
 
 
@@ -63,8 +69,8 @@ def build_megatron_configs(cfg, world: int) -> None:
             for vp in range(layout.vp):
                 stage = vp if layout.virtual_pipeline else None
                 packed = packed_sequences(cfg)
-                block = decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
-                mtp_block_spec(config, block, layout.use_te, vp_stage=stage)
+                decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
+                mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
     ddp_config(cfg, gloo=not layout.on_gpu)
     optimizer_config(cfg, layout)
 
@@ -92,6 +98,17 @@ def test_every_accepted_pair_and_triple_builds_megatron_configs():
     assert not failed, failed
     assert set(refused) <= REFUSALS, set(refused) - REFUSALS
     assert len(accepted) >= 200  # the matrix is not refused wholesale
+
+
+def test_every_placement_kind_builds_megatron_configs():
+    """Every kind of pipeline stage a layout string places (the embedding alone, the loss alone, both, an empty
+    stage, the MTP layer and the loss alone, ...) is accepted and builds every stage's specs: the MTP block's layer is
+    the model's last decoder layer, not the stage's (a stage holding `mL` has no decoder layer)."""
+    for name, (config, extra) in PLACEMENTS.items():
+        cfg = load_config(config, ["data.mock=true", *extra])
+        report = validate(cfg, placement_world(extra), files=False)
+        assert report.ok, (name, report.text())
+        build_megatron_configs(cfg, placement_world(extra))
 
 
 def test_every_pair_and_triple_accepted_for_gpus_builds_its_transformer_config():

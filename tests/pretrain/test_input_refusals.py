@@ -95,8 +95,8 @@ def test_blend_weights(results):
 def test_megatron_checks_in_validate_and_unexpected_errors_recorded(results):
     root, r = results
     line = _refused(r["tc_assert"])
-    assert ("Megatron-Core's TransformerConfig refuses this model and layout: Please use --moe-router-pre-softmax "
-            "(model.moe_router_pre_softmax) when topk is 1. Fix: ") in line, line
+    assert ("Megatron-Core's TransformerConfig refuses this model and layout (Megatron-Core: \"Please use "
+            "--moe-router-pre-softmax (model.moe_router_pre_softmax) when topk is 1\"). Fix: ") in line, line
     assert "Traceback" in (r["unexpected"]["escaped"] or ""), r["unexpected"]  # truly unexpected: the traceback
     status = json.loads((root / "unexpected" / "exit_status.json").read_text())
     assert status["reason"] == "failed", status

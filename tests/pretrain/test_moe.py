@@ -8,7 +8,8 @@ exports to transformers with Megatron's logits.
 One launch per world size (start-up dominates on CPU): world 2 runs the EP layouts, the resharding sources and
 targets; world 4 the pipelined ones; world 1 the references. TP2 + SP × EP2, PP2 × EP2, EP2 → one rank and kill -9 +
 resume at EP2 are the same behaviours in tests/pretrain/test_deepseek.py (MoE with the expert bias and MTP on top)
-and run there only; tests/pretrain/test_moe_quick.py runs TP2 + SP × EP2 on tiny_moe on the second release.
+and run there only; tests/pretrain/test_moe_quick.py runs TP2 + SP × EP2 on tiny_moe in the second release's pass
+(`make test-mcore`; every other run deselects it).
 """
 
 from __future__ import annotations

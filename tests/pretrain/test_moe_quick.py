@@ -15,14 +15,13 @@ import pytest
 from tests.pretrain.ckpt_helpers import by_step, rel_diff, run_worker_cases
 from tests.pretrain.test_moe import DIST, EP2, SOURCE, STEPS, TOLERANCE, TP2_EP2, _case
 
-pytestmark = [pytest.mark.slow, pytest.mark.mcore]
+# Deselected (not skipped) in every run but `-m mcore` (tests/conftest.py): in `make test` and `make test-all`
+# tests/pretrain/test_moe.py runs these layouts (and more) on the default release.
+pytestmark = [pytest.mark.slow, pytest.mark.mcore, pytest.mark.second_release]
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    if "mcore" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("in the whole suite tests/pretrain/test_moe.py runs these cases (and more); this subset is for "
-                    "the second megatron-core release (make test-mcore)")
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_quick")
     plans = {1: [_case(root, "ref", [], None)],
              2: [_case(root, "dp2_distopt_ep2", DIST + EP2 + SOURCE, None),

@@ -5,6 +5,7 @@ refusals name the installed megatron-core release and its source lines (run on 0
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -25,11 +26,35 @@ ROPE_POSITIONS = ("[data.reset_position_ids, model.position_embedding_type] data
                   "effect with RoPE: Megatron-Core's GPTModel rotates by the sequence index, not by position_ids. "
                   "Fix: also set data.reset_attention_mask=true (then each document sees only its own tokens and "
                   "RoPE's relative positions are the restarted ones), or set data.reset_position_ids=false")
-# Per release CI runs: the Megatron-FSDP source lines the refusals quote.
 MCORE = metadata.version("megatron-core")
-FSDP_LINES = {"0.16.1": ("mcore_fsdp_adapter.py:371", "megatron_fsdp.py:662, :1174", "megatron_fsdp.py:276, :279"),
-              "0.19.2": ("mcore_fsdp_adapter.py:563", "megatron_fsdp.py:761, :1334", "megatron_fsdp.py:330, :333")}
-MESH, OPTIM, OVERLAP = FSDP_LINES.get(MCORE, FSDP_LINES["0.16.1"])
+
+
+def line_of(path: str, text: str, after: str | None = None) -> int:
+    """The number of the first line of the installed megatron-core's `path` (under megatron/core/distributed/fsdp)
+    that contains `text` (the line after the first one containing `after`, when given)."""
+    import importlib.util
+
+    core = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])  # read, not imported
+    lines = (core / "distributed" / "fsdp" / path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if (after or text) in line:
+            if after is not None:
+                assert text in lines[i + 1], (path, after, lines[i + 1])
+            return i + 1 + (after is not None)
+    raise AssertionError(f"{text!r} not in {path} of megatron-core {MCORE}")
+
+
+# The Megatron-FSDP source lines the refusals quote, found in the installed release: the adapter's device mesh
+# (the world rearranged as (dp_cp ep tp)); the optim strategy's reduce in the backward hook and again in
+# finish_grad_sync; where it turns the overlaps on itself; the gradient buffer left unsharded at DP1.
+FSDP = "src/megatron_fsdp/megatron_fsdp.py"
+MESH = f"mcore_fsdp_adapter.py:{line_of('mcore_fsdp_adapter.py', '(dp_cp ep tp) -> ep dp_cp tp')}"
+OPTIM = (f"megatron_fsdp.py:{line_of(FSDP, 'if grad_reduce_every_bprop or is_last_microbatch')}, "
+         f":{line_of(FSDP, 'self.start_grad_sync()', after='Synchronous gradient all-reduce when sharding optimizer')}")
+OVERLAP = (f"megatron_fsdp.py:{line_of(FSDP, 'self.ddp_config.overlap_param_gather = True')}, "
+           f":{line_of(FSDP, 'self.ddp_config.overlap_grad_reduce = True')}")
+GRAD_BUFFER = "param_and_grad_buffer.py:" + str(line_of(
+    "src/megatron_fsdp/param_and_grad_buffer.py", "is_data_distributed=is_grad_buffer_distributed and main_buf_dp"))
 FSDP_PP = (f"[optimizer.fsdp, parallel.pipeline] Megatron-FSDP does not support pipeline parallelism in megatron-core "
            f"{MCORE}: its device mesh is the world rearranged as (DP×CP, EP, TP), with no pipeline dimension ({MESH}), "
            "so parallel.pipeline=2 fails at start-up. Fix: set parallel.pipeline=1 (shard over more DP ranks instead), "
@@ -186,7 +211,7 @@ def test_fsdp_on_one_data_parallel_rank():
     else:
         assert got == [
             "[optimizer.fsdp] Megatron-FSDP with one data-parallel rank gives wrong gradients in megatron-core "
-            f"{MCORE}: its gradient buffer is then not sharded (param_and_grad_buffer.py:2029) and the gradients come "
+            f"{MCORE}: its gradient buffer is then not sharded ({GRAD_BUFFER}) and the gradients come "
             "out too large — measured on gloo (0.16.1) 2× with one microbatch (grad norm 3.82 where DDP has 1.91) "
             "and 8.8× with four; megatron-core 0.19.2 is right. Fix: run Megatron-FSDP on at least two data-parallel "
             "ranks (it has nothing to shard on one), use optimizer.fsdp=false, or megatron-core 0.19"]

@@ -1,11 +1,14 @@
 """Flexible pipeline placement on CPU: `parallel.pipeline_layout` (Megatron-Core's pipeline_model_parallel_layout)
-and `parallel.account_for_{embedding,loss}_in_pipeline_split` train to the one-rank losses (fp32, 4 steps,
-≤ 1e-5 relative), and a checkpoint saved at one placement loads at another.
+and `parallel.account_for_{embedding,loss}_in_pipeline_split` train to the one-rank losses and grad norms (fp32,
+4 steps, ≤ 1e-6 relative), and a checkpoint saved at one placement loads at another.
 
-Tier 1: tiny_llama (6 layers) at PP2 × VP2 with the uneven layout `Ett|t|tt|tL`, saving at step 2.
+Tier 1: tiny_llama (6 layers) at PP2 × VP2 with the uneven layout `Ett|t|tt|tL`, saving at step 2; tiny_deepseek
+with a last stage holding only the MTP layer and the loss (`Etttt|mL`).
 Tier 2: that checkpoint loaded at the even PP2 split (and both runs' step-4 checkpoints exported to HF agree);
 tiny_llama at PP4 `Et|ttt|t|tL`; tiny_llama at PP2 × VP2 with the embedding and loss counted in the split;
-tiny_deepseek with its MTP layer placed by the layout (`Et|t|t|tmL`).
+tiny_deepseek with its MTP layer placed by the layout (`Et|t|t|tmL`); every other kind of stage a layout string
+places (`tests/pretrain/combinations.py` PLACEMENTS: the embedding alone, the loss alone, both on one stage, empty
+stages, the MTP layer and the loss alone at VP2).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from tests import tiers
 from tests.pool import run_case
 from tests.pool.reference import reference_run
 from tests.pretrain.ckpt_helpers import SMALL, by_step, log_text
+from tests.pretrain.combinations import PLACEMENTS, placement_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.mcore]
 
 STEPS = 4
-TOLERANCE = 1e-5
+TOLERANCE = 1e-6
 BASE = [*SMALL, f"train.steps={STEPS}", "checkpoint.save_at_end=false"]
 NO_CKPT = ["checkpoint.interval=null"]
 LLAMA6 = ["model.num_layers=6", "model.vocab_size=32000"]  # the embedded tokenizer's: the HF export writes it
@@ -40,13 +44,16 @@ CASES = {
                                                  "parallel.pipeline_layout=Et|t|t|tmL"], None),
     "llama_pp4_layout": (4, "tiny_llama", [*LLAMA6, *NO_CKPT, "parallel.pipeline=4",
                                            "parallel.pipeline_layout=Et|ttt|t|tL"], None),
+    **{name: (placement_world(extra), config, [*NO_CKPT, *extra], None)
+       for name, (config, extra) in PLACEMENTS.items()},
 }
-FULL = {"llama_layout_to_even", "llama_split_vp2", "deepseek_mtp_layout", "llama_pp4_layout"}
+FULL = {"llama_layout_to_even", "llama_split_vp2", "deepseek_mtp_layout", "llama_pp4_layout"} | \
+    (set(PLACEMENTS) - {"mtp_alone"})
 
 
-def _reference(config: str):
-    extra = LLAMA6 if config == "tiny_llama" else []
-    return reference_run(config, [*BASE, *NO_CKPT, *extra])
+def _reference(config: str, overrides: list[str]):
+    """The one-rank run of `config` with the case's model overrides."""
+    return reference_run(config, [*BASE, *NO_CKPT, *(o for o in overrides if o.startswith("model."))])
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +82,14 @@ def placement_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", tiers.params(list(CASES), FULL))
 def test_placement_matches_single_rank(placement_runs, name):
-    """Per-step losses equal one rank's; a resharded load continues steps 3-4 as the uninterrupted run."""
+    """Per-step losses and grad norms equal one rank's; a resharded load continues steps 3-4 as the uninterrupted
+    run."""
     world, config, overrides, source = CASES[name]
-    ref, got = by_step(_reference(config)), by_step(placement_runs / name)
+    ref, got = by_step(_reference(config, overrides)), by_step(placement_runs / name)
     assert sorted(got) == list(range(1, STEPS + 1)), got
-    rel = {s: abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in got}
+    rel = {(s, k): abs(got[s][k] - ref[s][k]) / abs(ref[s][k]) for s in got for k in ("loss", "grad_norm")}
     print(f"{name}: losses {[got[s]['loss'] for s in sorted(got)]} vs one rank "
-          f"{[ref[s]['loss'] for s in sorted(ref)]}; max relative diff {max(rel.values()):.2e}")
+          f"{[ref[s]['loss'] for s in sorted(ref)]}; max relative diff (loss, grad norm) {max(rel.values()):.2e}")
     assert max(rel.values()) <= TOLERANCE, (name, rel)
     if source is not None:  # steps 1-2 are the source's metrics, copied with its checkpoint
         assert [got[s]["consumed_samples"] for s in (3, 4)] == [ref[s]["consumed_samples"] for s in (3, 4)]

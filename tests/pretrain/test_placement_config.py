@@ -109,13 +109,20 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("script,env,world,last", PUBLISHED)
 def test_published_layouts_validate_on_mock_data(script, env, world, last):
-    """What the launch script runs, checked as `validate --world-size N` checks it (a GPU dry run), on mock data."""
+    """What the launch script runs, checked as `validate --world-size N` checks it (a GPU dry run), on mock data;
+    then every pipeline stage's decoder and MTP block specs are built (on the local spec: FP8 and the performance
+    settings need Transformer Engine), as each rank builds them (DeepSeek-V3's H100 layout ends in a stage holding
+    only the MTP layer and the loss)."""
+    from tests.pretrain.test_feature_combinations import build_megatron_configs
+
     config, overrides = _launch_overrides(script, env)
     cfg = load_config(config, [*overrides, "data.mock=true"])
     report = validate(cfg, world, gpu_dry_run=True, cuda_available=False)
     assert report.ok, report.text()
     note = next(n for n in report.notes if n.startswith("pipeline placement"))
     assert note.splitlines()[-1].split()[-1] == last, note
+    on_cpu = [o for o in overrides if not o.startswith(("model.fp8", "performance."))]
+    build_megatron_configs(load_config(config, [*on_cpu, "data.mock=true"]), world)
 
 
 def test_planner_sizes_every_stage_of_a_layout():

@@ -58,16 +58,35 @@ def test_peak_table_has_the_anchor_figures():
 # --------------------------------------------------------------------------------------------------
 
 
+def bytes_per_parameter(precision: str, grad_reduce_in_fp32: bool, shards: int) -> dict[str, float]:
+    """Mixed-precision Adam counted by hand, per parameter: the weight in the training precision; its gradient in
+    DDP's buffer (fp32 with grad_reduce_in_fp32); Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy
+    when the weights are half precision; the optimizer's part spread over `shards` data-parallel ranks (the
+    distributed optimizer; 1 without it)."""
+    import torch
+
+    value = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision].itemsize
+    fp32 = torch.float32.itemsize
+    grad = fp32 if grad_reduce_in_fp32 else value
+    adam = 2 * fp32 + (fp32 if value < fp32 else 0)
+    return {"weights": value, "gradients": grad, "optimizer": adam / shards}
+
+
 def test_bytes_per_parameter_follow_the_textbook_rule():
-    """bf16 + fp32 grads + Adam: 18 bytes/param replicated, 6 + 12/DP with the distributed optimizer."""
+    """bf16 + fp32 grads + Adam: 18 bytes/param replicated, 6 + 12/DP with the distributed optimizer (Megatron-LM's
+    distributed-optimizer table), each part as counted by hand; real ranks hold the same count
+    (`test_predicted_bytes_equal_what_ranks_hold`)."""
     cfg = load_config("llama3_8b", ["parallel.context=1"])
     vocab = plan.padded_vocab_for(cfg)
+    assert cfg.optimizer.grad_reduce_in_fp32
     for distributed, dp in ((False, 8), (True, 8)):
         lay = replace(plan.layout_of(cfg, dp), distributed=distributed)
         assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.precision, lay.use_te) == (1, 1, 1, dp, "bf16", True)
         st = plan.static_memory(cfg, lay, vocab, 0)
-        per_param = (st.weights + st.gradients + st.optimizer) / st.params
-        assert per_param == pytest.approx(6 + 12 / dp if distributed else 18, rel=1e-4)
+        hand = bytes_per_parameter("bf16", True, dp if distributed else 1)
+        got = {"weights": st.weights, "gradients": st.gradients, "optimizer": st.optimizer}
+        assert {k: v / st.params for k, v in got.items()} == pytest.approx(hand, rel=1e-4)
+        assert sum(hand.values()) == (2 + 4 + 12 / dp if distributed else 18)
 
 
 def test_interleaving_keeps_more_microbatches_in_flight():
@@ -259,6 +278,12 @@ def test_predicted_bytes_equal_what_ranks_hold(ranks):
     lines = [f"{'layout':<38}{'rank':>5} {'kind':<10}{'predicted':>14}{'actual':>14}{'diff':>8}"]
     for r in records:
         assert r["names_match"], f"{r['layout']} rank {r['rank']}: parameter list differs from the model's"
+        held = r["held"]  # the hand count of bytes per parameter, dense and expert parameters apart
+        dense, expert = (bytes_per_parameter(held["precision"], held["grad_reduce_in_fp32"],
+                                             held[group] if held["distributed"] else 1) for group in ("dp", "edp"))
+        for kind in ("weights", "gradients", "optimizer"):
+            hand = held["dense"] * dense[kind] + held["expert"] * expert[kind]
+            assert abs(r["measured"][kind] - hand) <= 0.01 * hand, (r["layout"], r["rank"], kind, r["measured"], hand)
         for kind in ("weights", "gradients", "optimizer"):
             pred, actual = r["predicted"][kind], r["measured"][kind]
             diff = (pred - actual) / actual

@@ -29,8 +29,9 @@ SCHEDULE = ["train.steps=5", "optimizer.min_lr=5e-4", "optimizer.warmup_steps=2"
 
 
 def closed_form_lr(step: int, *, lr=1e-3, min_lr=1e-4, warmup=1, steps: int, decay_steps=None, style="cosine"):
-    """The learning rate after `step` optimizer steps (what metrics.jsonl logs at that step): linear warmup from 0,
-    then decay to min_lr over max(decay_steps or train.steps, warmup + 1) steps."""
+    """The learning rate after `step` optimizer steps (Megatron-Core's OptimizerParamScheduler; metrics.jsonl logs it
+    at step + 1, the step that applies it): linear warmup from 0, then decay to min_lr over
+    max(decay_steps or train.steps, warmup + 1) steps."""
     decay = max(decay_steps or steps, warmup + 1)
     if warmup and step <= warmup:
         return lr * step / warmup
@@ -78,7 +79,8 @@ def test_docs_table_lists_every_field():
                 re.findall(r"`([^`]+)`", cells[1]))
     declared = {}
     for key, (cls, how) in FIELDS.items():
-        section, name = key.rsplit(".", 1)
+        section, _, name = key.rpartition(".")
+        section = section or "(top level)"  # `stages`
         assert name in rows.get((section, cls, how), set()), f"{key} ({cls}: {how}) is not in its docs row"
         declared.setdefault((section, cls, how), set()).add(name)
     assert rows == declared, "docs/checkpoints.md's Resuming table names fields or rows the declarations do not"
@@ -160,7 +162,7 @@ def _tracker(run_dir: Path) -> str:
 def test_new_schedule_applies_from_the_resumed_step(chain):
     root, results, log = chain
     _ok(results, "base")
-    assert _lrs(root / "base") == {s: closed_form_lr(s, steps=2) for s in (1, 2)}
+    assert _lrs(root / "base") == {s: closed_form_lr(s - 1, steps=2) for s in (1, 2)}
     # (run dir, its config, the resume lines): steps after 2 follow the new config's closed form, which the
     # checkpoint's schedule (ended at step 2: min_lr from there) would not.
     expected = {
@@ -174,7 +176,7 @@ def test_new_schedule_applies_from_the_resumed_step(chain):
         lrs = _lrs(root / name)
         assert sorted(lrs) == list(range(1, schedule["steps"] + 1)), name
         for s in range(3, schedule["steps"] + 1):
-            assert lrs[s] == pytest.approx(closed_form_lr(s, **schedule), rel=1e-12), (name, s, lrs)
+            assert lrs[s] == pytest.approx(closed_form_lr(s - 1, **schedule), rel=1e-12), (name, s, lrs)
         assert lrs[3] != pytest.approx(1e-4), name  # the checkpoint's schedule: min_lr after step 2
         for line in lines:
             assert line in log, (name, line)

@@ -59,8 +59,8 @@ def test_warm_validate_uses_the_verdict_and_only_for_the_same_input(tmp_path):
     # Another config: Megatron-Core's TransformerConfig refuses it (a stale verdict would have said OK).
     moe = _validate(cache, *MOE_TOP1)
     assert moe.returncode == 2 and CACHED not in moe.stdout + moe.stderr, moe.stdout + moe.stderr
-    assert "Megatron-Core's TransformerConfig refuses this model and layout: Please use --moe-router-pre-softmax" \
-        in moe.stderr, moe.stderr
+    assert "Megatron-Core's TransformerConfig refuses this model and layout (Megatron-Core: \"Please use " \
+        "--moe-router-pre-softmax" in moe.stderr, moe.stderr
 
     # The same code imported from elsewhere: the same verdict; one source file changed: the checks run again.
     copy = tmp_path / "copy"

@@ -1,0 +1,119 @@
+"""What the trainer does at a stage's start and end (`pretrain.train`).
+
+- Start: the stage is the one the checkpoint's step is in (`resumed_stage`, before anything is built); its data
+  begins at the first sample of its own blend: the loop reads sample `consumed - first_sample` of the stage's
+  dataset. `first_sample` is the consumed-sample count where the stage began: the checkpoint's at the stage's first
+  step, else the one the checkpoint records (`stage` in its common state: name, start step, first sample), so a
+  resume mid-stage continues the stage's order exactly.
+- End: the checkpoint of the stage's last step is saved and named for it (`stage_NAME` in the checkpoint root,
+  kept whatever checkpoint.keep_last says); the next stage then runs in this process, rebuilt from that checkpoint
+  as a restart would, or, where it changes the process groups (`new_process`), the trainer exits with
+  `EXIT_NEXT_STAGE` (76) and the same command (or the Slurm requeue) continues in it.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pretrain.checkpoint.state import RUN_STATE
+from pretrain.stages.plan import StagedRun
+from pretrain.stages.spec import Stage
+
+EXIT_NEXT_STAGE = 76  # the next stage needs a new process: run the same command again (launch/common.sh requeues)
+STAGE_STATE = "stage"  # the key of the checkpoint's common state
+_RUNNING: dict = {}  # the record of the stage this process trains: saved with every checkpoint
+RUN_STATE[STAGE_STATE] = lambda: dict(_RUNNING) or None
+
+
+def resumed_stage(staged: StagedRun) -> Stage:
+    """The stage the run continues in: that of its checkpoint's step (collective; the first without one)."""
+    if not staged.staged:
+        return staged.stages[0]
+    from pretrain.checkpoint.resume import resume_point
+
+    return staged.at(resume_point(staged.plans[0].cfg) or 0)
+
+
+def _recorded(cfg, step: int) -> dict | None:
+    from pretrain.checkpoint.format import checkpoint_root, iteration_dir, read_common
+
+    try:
+        return read_common(iteration_dir(checkpoint_root(cfg), step)).get(STAGE_STATE)
+    except Exception:  # noqa: BLE001 - a checkpoint without common state here (written elsewhere): the plan's count
+        return None
+
+
+def enter(staged: StagedRun, stage: Stage, step: int, consumed: int, log) -> int:
+    """Start training `stage` at `step` with `consumed` samples behind: name the boundary checkpoints up to `step`
+    (those a killed run had not), keep the stage's record for the checkpoints, and return its first sample."""
+    from pretrain.checkpoint.format import CheckpointError
+
+    _RUNNING.clear()
+    if not staged.staged:
+        return 0
+    cfg = staged.plan(stage).cfg
+    name_boundaries(staged, step)
+    if step == stage.start_step:
+        first = consumed
+    else:
+        record = _recorded(cfg, step)
+        if record is None:
+            first = stage.first_sample
+            log(f"[pretrain] stage '{stage.name}': the checkpoint of step {step} records no stage; its data began at "
+                f"sample {first:,} (the stages' count)")
+        elif record.get("name") == stage.name and record.get("start_step") == stage.start_step:
+            first = int(record["first_sample"])
+        else:
+            raise CheckpointError(
+                f"the checkpoint of step {step} was written in stage '{record.get('name')}' (from step "
+                f"{record.get('start_step')}), but this config puts step {step + 1} in stage '{stage.name}' (from step "
+                f"{stage.start_step}): a stage that has started cannot move (change only stages still ahead)")
+    _RUNNING.update(name=stage.name, index=stage.index, start_step=stage.start_step, first_sample=first)
+    log(f"[pretrain] stage '{stage.name}' ({stage.index + 1} of {len(staged.stages)}): steps {stage.start_step + 1}-"
+        f"{stage.end_step}, its data from sample {consumed - first:,} of its own"
+        + (f"; set {', '.join(f'{k}={v}' for k, v in stage.sets.items())}" if stage.sets else ""))
+    return first
+
+
+def leave() -> None:
+    """The process trains no stage any more (no record in later checkpoints, e.g. of the next run in a pool)."""
+    _RUNNING.clear()
+
+
+def name_boundaries(staged: StagedRun, step: int) -> None:
+    """Rank 0 names every stage-ending checkpoint up to `step` for its stage (collective: all ranks agree)."""
+    from pretrain.checkpoint.format import (
+        CheckpointError,
+        agree,
+        checkpoint_root,
+        is_committed,
+        iteration_dir,
+        name_checkpoint,
+    )
+
+    error = None
+    if dist.get_rank() == 0:
+        root = checkpoint_root(staged.plans[0].cfg)
+        for stage in staged.stages[:-1]:
+            path = iteration_dir(root, stage.end_step)
+            if stage.end_step <= step and is_committed(path):
+                try:
+                    name_checkpoint(root, stage.end_step, stage.name)
+                except OSError as exc:
+                    error = CheckpointError(f"{path}: naming it for stage '{stage.name}' failed "
+                                            f"({exc.strerror or exc})")
+    agree(error)
+
+
+def new_process(staged: StagedRun, stage: Stage, following: Stage) -> str | None:
+    """Why `following` cannot start in this process after `stage` (None: it can): its process groups differ (the
+    layout), or Transformer Engine's TP-overlap buffers, sized once per process, would."""
+    a, b = staged.plan(stage), staged.plan(following)
+    if a.layout_key() != b.layout_key():
+        return f"changes the layout ({a.layout.describe()} → {b.layout.describe()})"
+    pa, pb, ma, mb = a.cfg.parallel, b.cfg.parallel, a.cfg, b.cfg
+    if (pa.tp_comm_overlap or pb.tp_comm_overlap) and (
+            pa.tp_comm_overlap != pb.tp_comm_overlap or ma.model.seq_length != mb.model.seq_length
+            or ma.train.micro_batch_size != mb.train.micro_batch_size):
+        return "changes Transformer Engine's TP-overlap buffers (parallel.tp_comm_overlap)"
+    return None

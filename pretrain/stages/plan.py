@@ -1,0 +1,105 @@
+"""Every stage of a run resolved as a run of its own, and their problems in one report naming the stage.
+
+    staged = resolve_run(cfg, world_size, data_files=False)   # train(); `validate` and `plan` the same way
+    staged.report()                                           # every stage's problems at once
+    staged.plans[stage.index]                                 # a stage's `pretrain.run_plan.RunPlan`
+
+A config without `stages` is one unnamed stage: its plan and report are `resolve`'s own (one layout and one
+tokenizer resolution, as before). With a ramp (`train.rampup_batch_size`), every global batch it passes through
+in a stage must divide into that stage's micro batch × DP (the stage's layout: checked here, where both are
+known).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.config import Config
+from pretrain.problems import Problem, Report
+from pretrain.run_plan import RunPlan, resolve
+from pretrain.stages.spec import Stage, StagedConfig, derive
+
+
+@dataclass(frozen=True)
+class StagedRun:
+    """The run's stages (`spec`), each one's `RunPlan` (in stage order) and the problems of the stages."""
+
+    spec: StagedConfig
+    plans: tuple[RunPlan, ...]
+    world_size: int
+
+    @property
+    def staged(self) -> bool:
+        return self.spec.staged
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return self.spec.stages
+
+    def at(self, step: int) -> Stage:
+        """The stage step `step` + 1 runs in."""
+        return self.spec.at(step)
+
+    def plan(self, stage: Stage) -> RunPlan:
+        return self.plans[self.stages.index(stage)]
+
+    def report(self) -> Report:
+        """Every problem, note and warning of every stage (now: after the trainer's file checks too)."""
+        if not self.staged:
+            return self.plans[0].problems
+        merged = Report(self.world_size, errors=list(self.spec.problems))
+        named = [(stage.name, plan.problems) for stage, plan in zip(self.stages, self.plans)]
+        everyone = len(named)
+        groups: dict[tuple, tuple] = {}  # (kind, text) -> (the item, the stages that have it)
+        for name, report in named:
+            for kind, items in (("error", report.errors), ("warning", report.warnings), ("note", report.notes)):
+                for item in items:
+                    groups.setdefault((kind, str(item)), (item, []))[1].append(name)
+            merged.ids_unchecked = merged.ids_unchecked or report.ids_unchecked
+            merged.data_verdicts += report.data_verdicts
+            merged.megatron_verdicts += report.megatron_verdicts
+        for (kind, _), (item, names) in groups.items():
+            label = _label(names, everyone)
+            if kind == "error":
+                merged.errors.append(Problem(item.keys, f"{label}: {item.message}", item.fix))
+            else:
+                (merged.warnings if kind == "warning" else merged.notes).append(f"{label}: {item}")
+        return merged
+
+
+def _label(names: list[str], everyone: int) -> str:
+    if len(names) == everyone and everyone > 1:
+        return "every stage"
+    return f"stage '{names[0]}'" if len(names) == 1 else "stages " + ", ".join(f"'{n}'" for n in names)
+
+
+def ramp_fits(report: Report, stage: Stage, dp: int | None) -> None:
+    """Each global batch the ramp takes in `stage` divides into its micro batch × `dp` (Megatron's consistency
+    check, before the step that would fail it)."""
+    t = stage.cfg.train
+    if t.rampup_batch_size is None or dp is None:
+        return
+    unit = t.micro_batch_size * dp
+    bad = [b for b in stage.batch_sizes if b % unit]
+    if bad:
+        report.error("train.rampup_batch_size", f"the ramp's global batch of {bad[0]} samples (of "
+                     f"{', '.join(map(str, stage.batch_sizes))} in steps {stage.start_step + 1}-{stage.end_step}) "
+                     f"does not divide into micro batch {t.micro_batch_size} × DP {dp}",
+                     f"a ramp whose start and increment are multiples of {unit}")
+
+
+def resolve_run(cfg: Config, world_size: int, **kwargs) -> StagedRun:
+    """Resolve every stage of `cfg` for `world_size` ranks (`kwargs`: `pretrain.run_plan.resolve`'s). Never raises for
+    config problems: `report()` holds them."""
+    spec = derive(cfg)
+    plans = []
+    for stage in spec.stages:
+        plan = resolve(stage.cfg, world_size, **kwargs)
+        p = stage.cfg.parallel
+        model_parallel = p.tensor * p.pipeline * p.context
+        dp = plan.layout.dp if plan.layout is not None else (  # a GPU dry run derives none: the sizes tell it
+            world_size // model_parallel if model_parallel > 0 and world_size % model_parallel == 0 else None)
+        ramp_fits(plan.problems, stage, dp)
+        plans.append(plan)
+    return StagedRun(spec, tuple(plans), world_size)
+

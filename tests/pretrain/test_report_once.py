@@ -1,0 +1,49 @@
+"""Each problem is said once: one rule owns each concept (no two problem lines for one mistake), and a failure
+every rank of a launch meets with the same words (a config refused by validation, a config that does not parse) is
+printed by rank 0 only, as `validate` prints it (before: once per rank, 4 times at CP2 × PP2 × VP2)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.cli import run_cli
+from tests.pretrain.ckpt_helpers import REPO, TORCHRUN, _env, free_port
+
+# (config, overrides, world, a word every line about the concept has): one problem line each
+ONE_OWNER = {
+    "biased experts at expert TP 2": ("tiny_gpt_oss", ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                       "parallel.expert=2", "parallel.expert_tensor=2"], 4,
+                                      "model.add_bias_linear"),
+    "MoE keys on a dense model": ("tiny_llama", ["model.moe_layer_freq=[0,1,1,1]", "model.moe_router_num_groups=2",
+                                                 "model.moe_router_enable_expert_bias=true"], 1, "has no experts"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_OWNER))
+def test_one_line_per_concept(name):
+    config, overrides, world, word = ONE_OWNER[name]
+    result = run_cli("pretrain", ["validate", config, "--world-size", str(world), "data.mock=true", *overrides])
+    assert result.rc == 2, result
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()[:1].isdigit() and word in ln]
+    print(f"{name}: {lines}")
+    assert len(lines) == 1, result
+
+
+@pytest.mark.slow
+def test_a_launch_prints_a_refused_config_once():
+    """`torchrun --nproc-per-node 2 -m pretrain train` of a config validation refuses, and of one that does not
+    parse: exit status 2 on both ranks, the problem block and the config error line once."""
+    def launch(*overrides: str) -> tuple[str, str]:
+        cmd = [TORCHRUN, "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "pretrain", "train",
+               "tiny_llama", "data.mock=true", "parallel.pipeline=2", *overrides]
+        done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        return done.stdout, done.stderr
+
+    out, err = launch("parallel.pipeline_layout=Ettt|L")
+    assert (out + err).count("config check failed: 1 problem(s) (world size 2)") == 1, out + err
+    assert (out + err).count("places 3 decoder layer(s) `t`, but model.num_layers=4") == 1, out + err
+    assert "exitcode: 2" in err and "pretrain/train.py" not in err, err  # torchrun's own traceback only
+    out, err = launch("parallel.tensr=2")
+    assert (out + err).count("config error: unknown config key 'parallel.tensr'") == 1, out + err
