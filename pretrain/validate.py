@@ -5,13 +5,15 @@ rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA
 (precision, shapes), `run` (optimizer, run, checkpoint, data), `operations` (documents, recompute, FSDP,
 logging), `context` (CP), `windows` (sliding-window attention), `bounds` (first: every numeric key against the range
 its declaration gives, `knob(range=...)`; and the run's sample count),
-and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
-trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
+and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). A rule takes
+the config sections it reads, by name (`def window_rules(r, *, model, parallel, lay, te_on_gpu)`: `run_rule` passes
+them). The trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
 alone (exit 2 on errors).
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from pretrain.config import Config
@@ -81,7 +83,7 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
     out_of_range = range_rules(r, cfg)  # every numeric key against its declared range, first
     lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, performance_rules,
                         resilience_rules]
-    if sizes_positive(r, cfg, world_size, out_of_range):  # else only the rules that do no arithmetic on the sizes
+    if sizes_positive(r, world_size, out_of_range):  # else only the rules that do no arithmetic on the sizes
         try:
             lay = derive_layout(cfg, world_size, vocab_size=vocab_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
@@ -90,12 +92,12 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
                  sink_rules, glu_bias_yarn_rules, bounds_rules]
     if files:
-        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer, data=data))
+        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer, data_plan=data))
     for rule in rules:
-        rule(r, cfg, lay, te_on_gpu)
+        run_rule(rule, r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
     megatron_config_rules(r, cfg, lay, te_on_gpu, model=model, data=data)
-    placement_note(r, cfg, lay)
+    placement_note(r, cfg.model, lay)
     if files:  # and GPTDatasetConfig's
         megatron_data_rules(r, cfg, lay, te_on_gpu, data=data)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
@@ -103,6 +105,16 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
 
     matrix.check(r, versions, allow_untested=cfg.run.allow_untested_versions)
     return r, lay
+
+
+def run_rule(rule, r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Call `rule(r, ...)` with what its keyword-only parameters name (those without a default): config sections by
+    their name (`model`, `parallel`, ...), `lay` (the derived layout or None) and `te_on_gpu`. A rule's signature
+    is the list of what it reads."""
+    given = {"lay": lay, "te_on_gpu": te_on_gpu}
+    wanted = [p.name for p in inspect.signature(rule).parameters.values()
+              if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    rule(r, **{name: given[name] if name in given else getattr(cfg, name) for name in wanted})
 
 
 def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:

@@ -113,7 +113,7 @@ def _min_world(cfg) -> int:
 
     p = cfg.parallel
     dense = max(1, p.tensor * p.pipeline * p.context)
-    experts = max(1, expert_tensor_size(cfg) * p.expert * p.pipeline)
+    experts = max(1, expert_tensor_size(p) * p.expert * p.pipeline)
     return math.lcm(dense, experts)
 
 

@@ -168,7 +168,7 @@ def _whole_model(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> l
     """The whole model's parameters: as on one rank of `lay` (the plan's layout; None: derived here) unsharded."""
     if lay is None:
         par = cfg.parallel
-        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
+        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(par)
         lay = layout_of(cfg, world)
     lay = replace(lay, tp=1, pp=1, vp=1, ep=1, etp=1, use_te=False)
     return chunk_parameters(cfg, lay, padded_vocab, 0, 0)

@@ -9,8 +9,7 @@ import functools
 import typing
 
 from model_providers.core.knobs import Range, knob_of, leaves, number_types
-from pretrain.config import Config
-from pretrain.layout import Layout
+from pretrain.config import Config, TrainConfig
 from pretrain.problems import Report
 
 FINITE = Range.parse("finite")  # a float field that declares no range
@@ -62,10 +61,10 @@ def _default(cfg: Config, key: str):
     return _value(type(cfg)(), key)
 
 
-def bounds_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def bounds_rules(r: Report, *, train: TrainConfig) -> None:
     """The run's sample count within what Megatron-Core's dataset index can hold (the single-key ranges:
     `range_rules`, run first by `pretrain.validate.check`)."""
-    t = cfg.train
+    t = train
     samples = t.steps * t.global_batch_size
     if t.steps >= 1 and t.global_batch_size >= 1 and samples * INDEX_BYTES_PER_SAMPLE > MAX_INDEX_BYTES:
         most = MAX_INDEX_BYTES // INDEX_BYTES_PER_SAMPLE

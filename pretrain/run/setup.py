@@ -59,7 +59,7 @@ def ddp_config(cfg: Config, gloo: bool):
 
     from pretrain.layout import fsdp_sharding
 
-    sharding = fsdp_sharding(cfg)  # None: Megatron DDP
+    sharding = fsdp_sharding(cfg.optimizer)  # None: Megatron DDP
     return DistributedDataParallelConfig(
         **mcore_kwargs(cfg.optimizer, DDP),  # the optimizer section's fields declared mcore=DDP
         use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,

@@ -68,7 +68,7 @@ def build_megatron_configs(cfg, world: int) -> None:
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
                 stage = vp if layout.virtual_pipeline else None
-                packed = packed_sequences(cfg)
+                packed = packed_sequences(cfg.data)
                 decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
                 mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
     ddp_config(cfg, gloo=not layout.on_gpu)
