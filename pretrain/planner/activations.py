@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from model_providers.core.fusions import bias_activation_fusion
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.planner.census import is_moe_layer
 from pretrain.planner.context import (
@@ -44,7 +44,7 @@ def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
     return mixed + (a if g < a else 0)  # GQA: reshaping Q out of the grouped layout copies it
 
 
-def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_fp8: bool) -> int:
+def _norm_terms(m: ModelConfig, lay: Layout, hs: int, rows: int, gemm_fp8: bool) -> int:
     """One norm and the column-parallel GEMM it feeds: what both keep.
 
     Fused norms (Transformer Engine's LayerNormLinear, torch's CUDA RMSNorm/LayerNorm kernels) keep their
@@ -54,7 +54,7 @@ def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_fp8: bool) ->
     its input and mean/rstd in the input's dtype.
     """
     p = lay.bytes_per_value
-    layer_norm = cfg.model.normalization == "LayerNorm"
+    layer_norm = m.normalization == "LayerNorm"
     gemm_in = hs * (FP8_BYTES if gemm_fp8 else p)
     if lay.on_gpu:
         return hs * p + rows * 4 * (2 if layer_norm else 1) + gemm_in
@@ -63,9 +63,8 @@ def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_fp8: bool) ->
     return 8 * hs + 4 * rows + gemm_in
 
 
-def recomputed_modules(cfg: Config) -> frozenset[str]:
+def recomputed_modules(m: ModelConfig) -> frozenset[str]:
     """What selective recompute recomputes: `model.recompute_modules` (Megatron-Core's default: core_attn)."""
-    m = cfg.model
     if m.recompute_granularity != "selective":
         return frozenset()
     return frozenset(m.recompute_modules if m.recompute_modules is not None else ("core_attn",))
@@ -92,10 +91,10 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     rope = m.position_embedding_type in ("rope", "yarn")  # YaRN is RoPE with other frequencies
     fp8 = bool(m.fp8) and lay.use_te
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
-    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, fp8)}
+    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(m, lay, hs, rows, fp8)}
     moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
     if m.multi_latent_attention:
-        out.update(mla_terms(cfg, lay, lambda n, r: _norm_terms(cfg, lay, n, r, fp8), recompute_core_attention,
+        out.update(mla_terms(m, lay, lambda n, r: _norm_terms(m, lay, n, r, fp8), recompute_core_attention,
                              up_proj="mla_up_proj" in modules))
         sbd = s * b * m.v_head_dim // t  # the attention output's head width is the value's
     elif recompute_core_attention:
@@ -127,7 +126,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     out["attention_output"] = a * sbd * kept
     fc2_in = FP8_BYTES if fp8 else p
     if moe:
-        out.update(moe_terms(cfg, lay, rows, modules))
+        out.update(moe_terms(m, lay, rows, modules))
     else:
         sbf = s * b * f // t
         if m.gated_linear_unit:
@@ -144,7 +143,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     return out
 
 
-def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
+def moe_terms(m: ModelConfig, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
     """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank.
 
     Measured on CPU ranks (local spec, `SequentialMLP`, dropless, fp32 and bf16, varying h, f_e, E, k): the
@@ -161,12 +160,11 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     """
     if "moe" in modules:
         return {"moe_router": 0, "moe_experts": 0}
-    m = cfg.model
     p = lay.bytes_per_value
     experts, k = m.num_moe_experts, m.moe_router_topk
     sigmoid = m.moe_router_score_function == "sigmoid"
     if sigmoid:  # DeepSeek routing (pretrain.planner.mla)
-        router = sigmoid_router_terms(cfg, lay, tokens)
+        router = sigmoid_router_terms(m, lay, tokens)
     else:
         router = 5 * tokens * experts + 24 * tokens * k
         if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
@@ -175,7 +173,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
             router += 4 * tokens * experts + 4 * tokens + 4
     out = {"moe_router": router}
     if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:  # its checkpoint keeps its input
-        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu))
+        out["moe_shared_experts"] = shared_expert_terms(m, lay, bias_activation_fusion(m, lay.on_gpu))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
@@ -207,25 +205,23 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     return out
 
 
-def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
+def microbatch_extras(m: ModelConfig, lay: Layout, padded_vocab: int) -> tuple[int, int]:
     """(first stage, last stage) bytes outside the decoder layers, per microbatch.
 
     First: the token ids (and position ids) the embedding keeps (int64). Last: the final norm and output
     layer inputs, the vocab-parallel cross entropy's fp32 softmax over V/t plus its target mask (bool) and
     masked targets (int64), and the loss mask the loss function multiplies by (fp32).
     """
-    m = cfg.model
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (t if lay.sp else 1)
     first = 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)
-    last = _norm_terms(cfg, lay, hs, hs // m.hidden_size, gemm_fp8=False)  # the output layer is not FP8
+    last = _norm_terms(m, lay, hs, hs // m.hidden_size, gemm_fp8=False)  # the output layer is not FP8
     last += 4 * s * b * (padded_vocab // t) + 9 * s * b + 4 * s * b
     return first, last
 
 
-def _full_recompute(cfg: Config, per_chunk: int, layer: int, hs_bytes: int) -> tuple[int, int, int]:
+def _full_recompute(m: ModelConfig, per_chunk: int, layer: int, hs_bytes: int) -> tuple[int, int, int]:
     """(bytes kept per chunk-microbatch, recompute working set, layers freed before it) for full recompute."""
-    m = cfg.model
     n = max(1, m.recompute_num_layers or 1)
     if m.recompute_method == "block":
         k = min(n, per_chunk)
@@ -318,7 +314,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     selective = m.recompute_granularity == "selective"
-    modules = recomputed_modules(cfg)
+    modules = recomputed_modules(m)
     chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
@@ -328,7 +324,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
-            stored, chunk_work, freed_first = _full_recompute(cfg, decoder, layer, hs * p)
+            stored, chunk_work, freed_first = _full_recompute(m, decoder, layer, hs * p)
             per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
             work.append(chunk_work)
         working = max(work)
@@ -336,8 +332,8 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)
-    first, last = microbatch_extras(cfg, lay, padded_vocab)
-    last += mtp_extras(cfg, lay, padded_vocab, lambda n, r: _norm_terms(cfg, lay, n, r, gemm_fp8=False))
+    first, last = microbatch_extras(m, lay, padded_vocab)
+    last += mtp_extras(m, lay, padded_vocab, lambda n, r: _norm_terms(m, lay, n, r, gemm_fp8=False))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
     if pp_rank == 0:
         per_mb[0] += first

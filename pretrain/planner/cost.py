@@ -54,8 +54,8 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     mb = lay.num_microbatches
     works = [rank_work(cfg, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
     work = max(works, key=lambda w: w.busy_s)
-    again = recompute_factor(cfg)
-    modules = recomputed_modules(cfg)
+    again = recompute_factor(cfg.model)
+    modules = recomputed_modules(cfg.model)
     compute = mb * work.busy_s * again
     nv = NVLINK_GBPS[gpu] * 1e9 * value("nvlink_collective_efficiency")
     net = NETWORK_GBPS[gpu] * 1e9 * value("network_efficiency")

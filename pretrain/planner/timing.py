@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from model_providers.core.windows import mean_attended_keys
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner.activations import recomputed_modules
@@ -89,7 +89,7 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w = RankWork()
     params: list[Param] = []
     for v in range(lay.vp):
-        params += chunk_parameters(cfg, lay, vocab, pp_rank, v)
+        params += chunk_parameters(cfg.model, lay, vocab, pp_rank, v)
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
@@ -138,14 +138,13 @@ def _cuda_graphs(cfg: Config) -> bool:
     return cfg.performance.cuda_graph_impl != "none"
 
 
-def recompute_factor(cfg: Config) -> float:
+def recompute_factor(m: ModelConfig) -> float:
     """Extra compute of recomputation, as a factor on a microbatch (full: the forward again, ~1/3)."""
-    m = cfg.model
     if m.recompute_granularity == "full":
         return 4 / 3
-    modules = recomputed_modules(cfg)
-    extra = recompute_shares(cfg, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
-    if "moe" in modules or ("mlp" in modules and not cfg.model.num_moe_experts):
+    modules = recomputed_modules(m)
+    extra = recompute_shares(m, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
+    if "moe" in modules or ("mlp" in modules and not m.num_moe_experts):
         extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
         extra += value("recompute_core_attn_extra")

@@ -209,9 +209,9 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
         "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
         "measured": measured,
         "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
-                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg)),
+                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg.model)),
                       "layers": [x for c in range(lay.vp)  # per layer: dense-first models, MTP layers
-                                 for x in stage_layers(cfg, lay, pp_rank, c, recomputed_modules(cfg))]},
+                                 for x in stage_layers(cfg, lay, pp_rank, c, recomputed_modules(cfg.model))]},
         "recompute": cfg.model.recompute_granularity,
     }  # fmt: skip
 
@@ -274,7 +274,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     predicted = {"weights": st.weights, "gradients": st.gradients, "optimizer": st.optimizer}
     names_ok = all(
         [(n, p.numel()) for n, p in chunk.named_parameters()]
-        == [(p.name, p.numel) for p in plan.chunk_parameters(cfg, lay, padded, pp_rank, v)]
+        == [(p.name, p.numel) for p in plan.chunk_parameters(cfg.model, lay, padded, pp_rank, v)]
         for v, chunk in enumerate(chunks)
     )
     # What the rank holds parameters of (Megatron marks expert parameters allreduce=False) and the run's settings:
