@@ -103,7 +103,7 @@ def _saved_elsewhere(cfg, root: Path, step: int | None, finish_commit: bool = Tr
     from pretrain.run.run_dir import checkpoint_roots
 
     best = None
-    for other in checkpoint_roots(cfg):
+    for other in checkpoint_roots(cfg.run.dir):
         if other.resolve() == root.resolve() or not other.is_dir():
             continue
         committed = [s for s in iterations(other) if is_committed(iteration_dir(other, s))]

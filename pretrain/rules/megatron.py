@@ -113,7 +113,7 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     from pretrain.run.setup import optimizer_config
 
     try:
-        optimizer_config(cfg, lay)
+        optimizer_config(cfg.optimizer, lay)
     except _REFUSALS as exc:
         r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings {_words(exc, cfg)}",
                 "change the optimizer.* keys it names")

@@ -46,7 +46,7 @@ def start_facts(cfg, tokenizer) -> dict[str, Any] | None:
     from pretrain.compat import matrix
     from pretrain.run.run_dir import CHECKPOINT_DIRS, checkpoint_root, checkpoint_roots
 
-    roots = [root_stamp(p) for p in dict.fromkeys([checkpoint_root(cfg), *checkpoint_roots(cfg)])]
+    roots = [root_stamp(p) for p in dict.fromkeys([checkpoint_root(cfg), *checkpoint_roots(cfg.run.dir)])]
     pretrained = cfg.checkpoint.pretrained
     if not pretrained and not any(len(s) > 3 or s[TRACKER] is not None or s[COMMIT_JOURNAL] is not None
                                   for s in roots):

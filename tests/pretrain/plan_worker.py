@@ -258,8 +258,8 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
     chunks = build_model(model_plan(cfg), layout)
-    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
-    optimizer = build_optimizer(cfg, model, layout)
+    model = wrap_with_ddp(cfg.optimizer, cfg.rerun, chunks, chunks[0].config)
+    optimizer = build_optimizer(cfg.optimizer, model, layout)
     for c in model:
         c.zero_grad_buffer()
     optimizer.zero_grad()

@@ -71,8 +71,8 @@ def build_megatron_configs(cfg, world: int) -> None:
                 packed = packed_sequences(cfg.data)
                 decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
                 mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
-    ddp_config(cfg, gloo=not layout.on_gpu)
-    optimizer_config(cfg, layout)
+    ddp_config(cfg.optimizer, cfg.rerun, gloo=not layout.on_gpu)
+    optimizer_config(cfg.optimizer, layout)
 
 
 def test_every_accepted_pair_and_triple_builds_megatron_configs():
