@@ -107,11 +107,10 @@ def tokenizer_fields(hf_dir: Path, assets: Path) -> dict | None:
     return None
 
 
-def _min_world(cfg) -> int:
-    """The smallest world size the config's layout allows (TP×PP×CP and expert TP×EP×PP both divide it)."""
+def _min_world(p) -> int:
+    """The smallest world size the parallel section `p` allows (TP×PP×CP and expert TP×EP×PP both divide it)."""
     from pretrain.layout import expert_tensor_size
 
-    p = cfg.parallel
     dense = max(1, p.tensor * p.pipeline * p.context)
     experts = max(1, expert_tensor_size(p) * p.expert * p.pipeline)
     return math.lcm(dense, experts)
@@ -133,7 +132,7 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
     from pretrain.tokenizer.choice import decide
     from pretrain.validate import check
 
-    world = _min_world(cfg)
+    world = _min_world(cfg.parallel)
     report, layout = check(cfg, world, files=False)
     errors = [p for p in report.errors if _VERSIONS_KEY not in p.keys]
     if tokenizer != "none" and not errors:

@@ -107,7 +107,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
         # and the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
         out["qkv"] = (a + 2 * g) * sbd * p
         out["softmax_stats"] = 4 * b * (a // t) * s
-    elif uses_cpu_cp_attention(cfg, lay):
+    elif uses_cpu_cp_attention(cfg.data, lay):
         # The local spec's context-parallel / packed-sequence attention (pretrain.planner.context).
         out.update(cpu_attention_terms(cfg, lay, sbd, _qkv_saved_units(a, g, rope, expanded=False),
                                        _qkv_saved_units(a, g, rope, expanded=True)))
@@ -257,7 +257,7 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     head = (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value
     if lay.use_te:
         return g * head + full["softmax_stats"], freed
-    if uses_cpu_cp_attention(cfg, lay):
+    if uses_cpu_cp_attention(cfg.data, lay):
         return cpu_recompute_working_set(cfg, lay, full, head), freed
     expanded = 2 * a * head if g < a else 0
     return expanded + full["causal_mask"] + full["scores"], freed
@@ -356,7 +356,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             current -= per_mb[chunk]
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
-    if uses_cpu_cp_attention(cfg, lay):
+    if uses_cpu_cp_attention(cfg.data, lay):
         gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer

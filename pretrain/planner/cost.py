@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig
 from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
@@ -75,7 +75,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
         pp = mb * lay.vp * 2 * hs * p / (net if lay.world > gpus_per_node else nv)
         if lay.vp > 1:
             pp *= value("p2p_exposed")
-    dp = _dp_exposed(cfg, lay, params_on_rank, expert_params_on_rank, gpus_per_node, gpu, work.busy_s * again)
+    dp = _dp_exposed(cfg.optimizer, lay, params_on_rank, expert_params_on_rank, gpus_per_node, gpu, work.busy_s * again)
     ep_s, ep_bytes_mb = ep_seconds(cfg, lay, gpu, gpus_per_node, work.moe_layers)
     moe_again = 1.5 if "moe" in modules else recompute_fwd
     ep_total = mb * ep_s * moe_again
@@ -97,7 +97,7 @@ def _owned_elements(lay: Layout, params: int, expert: int) -> float:
     return float(params)
 
 
-def _dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, gpus_per_node: int, gpu: str,
+def _dp_exposed(o: OptimizerConfig, lay: Layout, params: int, expert: int, gpus_per_node: int, gpu: str,
                 microbatch_s: float) -> float:
     """Data-parallel gradient reduce-scatter and parameter all-gather (or all-reduce), what overlap leaves.
 
@@ -105,8 +105,8 @@ def _dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, gpus_per_nod
     parameters, (n−1)/n of the rank's parameters each, over NVLink when the group is inside a node, else the
     network; expert weights over expert data parallel. With overlap_grad_reduce the reduce-scatter runs during the
     last microbatch's backward (2/3 of it), with overlap_param_gather the all-gather during the first forward (1/3).
-    Megatron-FSDP gathers and reduces every microbatch (`planner.fsdp`), overlapped with that microbatch."""
-    o = cfg.optimizer
+    Megatron-FSDP gathers and reduces every microbatch (`planner.fsdp`), overlapped with that microbatch. `o`: the
+    optimizer section."""
     p = lay.bytes_per_value
     g = 4 if o.grad_reduce_in_fp32 else p
     inside = lay.tp * lay.cp * lay.dp <= gpus_per_node
@@ -115,7 +115,7 @@ def _dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, gpus_per_nod
     if lay.fsdp_sharding:
         from pretrain.planner.fsdp import fsdp_comm_bytes
 
-        per_microbatch = sum(fsdp_comm_bytes(cfg, lay, params, expert)) / bw / lay.num_microbatches
+        per_microbatch = sum(fsdp_comm_bytes(o, lay, params, expert)) / bw / lay.num_microbatches
         return lay.num_microbatches * max(0.0, per_microbatch - microbatch_s)
 
     def share(n: int) -> float:

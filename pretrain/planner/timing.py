@@ -127,15 +127,16 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w.elementwise_s += w.layers * value("elementwise_passes") * rows * h * p_bytes / hbm
     copies = rows * (m.moe_router_topk or 0)
     w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
-    launch = value("launch_us_cuda_graphs" if _cuda_graphs(cfg) else "launch_us") * 1e-6
+    launch = value("launch_us_cuda_graphs" if _cuda_graphs(cfg.performance) else "launch_us") * 1e-6
     dense_layers = w.layers - w.moe_layers
     kernels = dense_layers * value("kernels_per_dense_layer") + w.moe_layers * value("kernels_per_moe_layer")
     w.host_s = launch * kernels
     return w
 
 
-def _cuda_graphs(cfg: Config) -> bool:
-    return cfg.performance.cuda_graph_impl != "none"
+def _cuda_graphs(perf) -> bool:
+    """CUDA graphs are on (the performance section `perf`)."""
+    return perf.cuda_graph_impl != "none"
 
 
 def recompute_factor(m: ModelConfig) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pretrain.config import Config
+    from pretrain.config import Config, ModelConfig
     from pretrain.layout import Layout
     from pretrain.problems import Report
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _REFUSALS = (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError)
 
 
-def _why(exc: BaseException, cfg: Config) -> str:
+def _why(exc: BaseException, m: ModelConfig) -> str:
     """The refusal in one line: its message (Megatron-LM's `--flag-names` that are `model.*` keys here named as
     such), else the assert's source line."""
     import re
@@ -36,7 +36,7 @@ def _why(exc: BaseException, cfg: Config) -> str:
 
         def key(match: re.Match) -> str:
             name = match.group(1).replace("-", "_")
-            return f"{match.group(0)} (model.{name})" if hasattr(cfg.model, name) else match.group(0)
+            return f"{match.group(0)} (model.{name})" if hasattr(m, name) else match.group(0)
 
         return re.sub(r"--([a-z0-9][a-z0-9-]*)", key, text)
     frames = traceback.extract_tb(exc.__traceback__)
@@ -46,9 +46,9 @@ def _why(exc: BaseException, cfg: Config) -> str:
     return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
 
 
-def _words(exc: BaseException, cfg: Config) -> str:
+def _words(exc: BaseException, m: ModelConfig) -> str:
     """Megatron-Core's own words, after our reason: `(Megatron-Core: "...")`."""
-    return f'(Megatron-Core: "{_why(exc, cfg)}")'
+    return f'(Megatron-Core: "{_why(exc, m)}")'
 
 
 def _this_machine(lay: Layout) -> bool:
@@ -108,15 +108,15 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
             warnings.simplefilter("ignore")
             transformer_config(model, lay)
     except _REFUSALS as exc:
-        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg)}",
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg.model)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
     from pretrain.run.setup import optimizer_config
 
     try:
         optimizer_config(cfg.optimizer, lay)
     except _REFUSALS as exc:
-        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings {_words(exc, cfg)}",
-                "change the optimizer.* keys it names")
+        r.error("optimizer", "Megatron-Core's OptimizerConfig refuses these optimizer settings "
+                f"{_words(exc, cfg.model)}", "change the optimizer.* keys it names")
     if not r.errors:
         r.megatron_verdicts.append(cached)
 
@@ -137,7 +137,7 @@ def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     try:
         megatron_dataset_config(data, SimpleNamespace(vocab_size=None), num_eval_samples=1)
     except _REFUSALS as exc:
-        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings {_words(exc, cfg)}",
+        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings {_words(exc, cfg.model)}",
                 "change the data.* keys it names")
         return
     r.megatron_verdicts.append(cached)
