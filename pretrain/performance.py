@@ -32,6 +32,9 @@ class PerformanceConfig:
     # CUDA graphs: "local" (Megatron-Core's) or "transformer_engine" capture of the scopes below ([] = the layer).
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     cuda_graph_scope: list[CudaGraphScope] | None = None
+    # Megatron-Core's layer-wise activation offloading (cpu_offloading): the activations of this many layers (of the
+    # first ones) go to host memory in forward and come back for backward; weights stay. No pipeline, no recompute.
+    cpu_offloading_num_layers: int | None = knob(None, range=">= 1")
     # Fine-grained activation offloading: the inputs of these submodules go to host memory in forward.
     fine_grained_activation_offloading: bool = False
     offload_modules: list[OffloadModule] | None = None
@@ -39,6 +42,9 @@ class PerformanceConfig:
     overlap_moe_expert_parallel_comm: bool = False
     # Run the shared experts on a side stream, overlapped with the routed experts' dispatch.
     moe_shared_expert_overlap: bool = False
+    # The fused cross entropy's implementation (on GPU the loss is fused): Megatron-Core's "native" one keeps an fp32
+    # softmax over the vocabulary for backward; Transformer Engine's ("te") writes the gradient into the logits.
+    cross_entropy_fusion_impl: Literal["native", "te"] | None = None
     # NVFP4 GEMMs (Transformer Engine on Blackwell); instead of model.fp8.
     fp4_recipe: Literal["nvfp4"] | None = knob(None, resume=Resume(
         CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"))

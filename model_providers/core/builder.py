@@ -120,7 +120,7 @@ def fusion_fields(plan: ModelPlan, layout: Any) -> dict:
     """Fused kernels (they need CUDA kernels or apex; the local spec on CPU runs the plain paths) and the spec."""
     m, on_gpu, use_te = plan.config, layout.on_gpu, layout.use_te
     return dict(
-        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu),
+        bias_activation_fusion=fusions.bias_activation_fusion(m, on_gpu, use_te),
         masked_softmax_fusion=fusions.masked_softmax_fusion(on_gpu, per_document_mask=plan.packed_documents,
                                                             windowed=windows.window_size(m) is not None),
         bias_dropout_fusion=on_gpu,

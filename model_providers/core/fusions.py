@@ -7,16 +7,30 @@ import importlib.util
 from typing import Any
 
 
-def bias_activation_fusion(model: Any, on_gpu: bool) -> bool:
+def bias_activation_fusion(model: Any, on_gpu: bool, te: bool | None = None) -> bool:
     """Megatron's fused bias+activation: SwiGLU for gated SiLU (`bias_swiglu_impl`, keeps only the fc1
-    output for backward), bias-GELU for ungated GELU with biases. GPU only by default (the kernels are
-    `torch.compile`d); `model.bias_activation_fusion` true/false forces it."""
+    output for backward), bias-GELU for ungated GELU with biases, and the experts' weighted quick-GeGLU (with
+    GPT-OSS's clamp and linear offset: `weighted_bias_quick_geglu_impl`, Transformer Engine's grouped experts only:
+    every MLP an expert, no shared experts; `te`: the run uses Transformer Engine's spec, None: unless
+    model.transformer_impl is local). GPU only by default (the kernels are `torch.compile`d);
+    `model.bias_activation_fusion` true/false forces it."""
     forced = getattr(model, "bias_activation_fusion", None)
     supported = (model.gated_linear_unit and model.activation == "silu") or (
-        not model.gated_linear_unit and model.activation == "gelu" and model.add_bias_linear is True)
+        not model.gated_linear_unit and model.activation == "gelu" and model.add_bias_linear is True) or (
+        _quick_geglu_experts(model, te))
     if forced is not None:
         return bool(forced) and supported
     return on_gpu and supported
+
+
+def _quick_geglu_experts(model: Any, te: bool | None) -> bool:
+    """Gated quick-GELU whose every MLP is a grouped Transformer Engine expert (TEGroupedMLP fuses it; Megatron-Core's
+    dense MLP does not)."""
+    experts = bool(getattr(model, "num_moe_experts", None)) and getattr(model, "moe_layer_freq", 1) == 1
+    return bool(model.gated_linear_unit and model.activation == "quick_gelu" and experts
+                and not getattr(model, "moe_shared_expert_intermediate_size", None)
+                and getattr(model, "moe_grouped_gemm", None) is not False
+                and (te if te is not None else getattr(model, "transformer_impl", "auto") != "local"))
 
 
 def masked_softmax_fusion(on_gpu: bool, per_document_mask: bool = False, windowed: bool = False) -> bool:

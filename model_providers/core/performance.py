@@ -15,12 +15,17 @@ def performance_kwargs(perf: Any, moe: bool, mcore_fields: set[str]) -> dict[str
         if perf.cuda_graph_scope:
             name = "cuda_graph_modules" if "cuda_graph_modules" in mcore_fields else "cuda_graph_scope"
             out[name] = list(perf.cuda_graph_scope)
+    if perf.cpu_offloading_num_layers:
+        out.update(cpu_offloading=True, cpu_offloading_num_layers=perf.cpu_offloading_num_layers,
+                   cpu_offloading_activations=True, cpu_offloading_weights=False)
     if perf.fine_grained_activation_offloading:
         out.update(fine_grained_activation_offloading=True, offload_modules=list(perf.offload_modules or []))
     if perf.overlap_moe_expert_parallel_comm:
         out["overlap_moe_expert_parallel_comm"] = True
     if perf.moe_shared_expert_overlap:
         out["moe_shared_expert_overlap"] = True
+    if perf.cross_entropy_fusion_impl:
+        out["cross_entropy_fusion_impl"] = perf.cross_entropy_fusion_impl
     if perf.fp4_recipe:
         out.update(fp4="e2m1", fp4_recipe=perf.fp4_recipe)
     return out

@@ -35,14 +35,30 @@ from typing import Any
 
 from model_providers.core.windows import mean_attended_keys
 
-# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts). The one table of
-# peaks: the trainer's MFU, the planner and the benchmarks all read it.
+# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts; GB200/GB300: one GPU of an NVL72
+# rack, whose datasheet gives the rack's figures with sparsity: 72 GPUs, halved). The one table of peaks: the
+# trainer's MFU, the planner and the benchmarks all read it. MXFP8 runs at the FP8 rate, NVFP4 at the FP4 rate
+# (Blackwell only: a GPU without the key has no such tensor cores). Sources, per GPU: DGX B200 datasheet (36 / 72 /
+# 144 PFLOPS BF16 / FP8 / FP4 for 8 GPUs, sparse); HGX B300 (36 / 72 / 108 dense FP4); GB200 NVL72 (360 / 720 / 1,440
+# sparse for 72); GB300 NVL72 (360 / 720 sparse, 1,080 dense FP4 for 72).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "h100": {"bf16": 989.0, "fp8": 1979.0},
     "h200": {"bf16": 989.0, "fp8": 1979.0},
-    "b200": {"bf16": 2250.0, "fp8": 4500.0},
+    "b200": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 9000.0},
+    "b300": {"bf16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "nvfp4": 13500.0},
+    "gb200": {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0},
+    "gb300": {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 15000.0},
     "a100": {"bf16": 312.0, "fp8": 312.0},  # no FP8 tensor cores: FP8 runs as bf16 at best
 }
+
+
+def gemm_precision(fp8: str | None, fp4_recipe: str | None) -> str:
+    """The key of PEAK_TFLOPS the GEMMs of a run use: nvfp4, mxfp8, fp8 (any other FP8 recipe) or bf16."""
+    if fp4_recipe:
+        return "nvfp4"
+    if fp8:
+        return "mxfp8" if fp8 == "mxfp8" else "fp8"
+    return "bf16"
 
 
 def _mla_attention(m: Any) -> float:
@@ -96,12 +112,11 @@ def flops_per_step(model_cfg: Any, padded_vocab: int, global_batch_size: int) ->
 
 
 def gpu_key(device_name: str) -> str | None:
-    """'h100' for 'NVIDIA H100 80GB HBM3' (a key of PEAK_TFLOPS), None when unknown."""
+    """'h100' for 'NVIDIA H100 80GB HBM3' (a key of PEAK_TFLOPS), None when unknown; the longest key that matches
+    ('NVIDIA GB200' is a gb200, not a b200)."""
     name = device_name.lower()
-    for key in PEAK_TFLOPS:
-        if key in name:
-            return key
-    return None
+    found = [key for key in PEAK_TFLOPS if key in name]
+    return max(found, key=len) if found else None
 
 
 def gpu_peak_tflops(device_name: str, fp8: bool) -> float | None:

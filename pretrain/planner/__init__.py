@@ -20,7 +20,7 @@ Memory per rank is computed from the shapes Megatron-Core allocates, not from ru
   accumulated into the fp32 buffer, one recomputed group).
 
 Not modelled: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation (the planner keeps
-`HEADROOM` of the GPU free for them).
+`fit_limit_gib`: a reserve and a fragmentation share of the GPU free for them).
 
 The package, by concern: `common` (GPU table, `Layout`, padded vocabulary, validator verdict), `census`
 (parameters), `static` (DDP buffers, optimizer state), `activations`, `memory` (one rank's peak), `cost`
@@ -49,6 +49,7 @@ from pretrain.planner.common import (
     NVLINK_GBPS,
     PlanError,
     check_layout,
+    fit_limit_gib,
     layout_of,
     padded_vocab_for,
 )
@@ -61,7 +62,7 @@ from pretrain.planner.static import Buffer, StaticMemory, ddp_buffer, optimizer_
 
 __all__ = [
     "DEFAULT_MFU", "FORMULA", "GEMM_EFFICIENCY", "GIB", "GPU_MEMORY_GIB", "HEADROOM", "NETWORK_GBPS",
-    "NVLINK_GBPS", "ActivationMemory", "Buffer", "Cost", "Layout", "Param", "PlanError", "RankMemory",
+    "NVLINK_GBPS", "ActivationMemory", "fit_limit_gib", "Buffer", "Cost", "Layout", "Param", "PlanError", "RankMemory",
     "StaticMemory", "activation_memory", "check_layout", "chunk_parameters", "cost_model", "count_parameters",
     "count_active_parameters", "count_checkpoint_elements", "count_mtp_parameters",
     "ddp_buffer", "format_plan", "format_search", "in_flight", "layer_activation_bytes", "layer_parameters",

@@ -25,8 +25,7 @@ from pretrain.planner.context import (
     uses_cpu_cp_attention,
 )
 from pretrain.planner.mla import mla_terms, mtp_extras, shared_expert_terms, sigmoid_router_terms
-
-FP8_BYTES = 1  # a Transformer Engine FP8 copy keeps one byte per value (scales are negligible)
+from pretrain.planner.precision import gemm_input_bytes
 
 
 def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
@@ -44,18 +43,18 @@ def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
     return mixed + (a if g < a else 0)  # GQA: reshaping Q out of the grouped layout copies it
 
 
-def _norm_terms(m: ModelConfig, lay: Layout, hs: int, rows: int, gemm_fp8: bool) -> int:
+def _norm_terms(m: ModelConfig, lay: Layout, hs: int, rows: int, gemm_bytes: float | None) -> int:
     """One norm and the column-parallel GEMM it feeds: what both keep.
 
     Fused norms (Transformer Engine's LayerNormLinear, torch's CUDA RMSNorm/LayerNorm kernels) keep their
     input and fp32 statistics (rstd; LayerNorm also the mean); the GEMM keeps the norm output (an FP8 copy
     under FP8). On CPU, torch's RMSNorm is composite: an fp32 copy of the input, rstd, and the fp32
     normalised value (and the weight-scaled output, in the input's dtype, is the GEMM input); LayerNorm keeps
-    its input and mean/rstd in the input's dtype.
+    its input and mean/rstd in the input's dtype. `gemm_bytes`: the GEMM's low-precision copy (`gemm_input_bytes`).
     """
     p = lay.bytes_per_value
     layer_norm = m.normalization == "LayerNorm"
-    gemm_in = hs * (FP8_BYTES if gemm_fp8 else p)
+    gemm_in = int(hs * (gemm_bytes or p))
     if lay.on_gpu:
         return hs * p + rows * 4 * (2 if layer_norm else 1) + gemm_in
     if layer_norm:
@@ -89,12 +88,12 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     hs = s * b * h // (t if lay.sp else 1)
     rows = hs // h
     rope = m.position_embedding_type in ("rope", "yarn")  # YaRN is RoPE with other frequencies
-    fp8 = bool(m.fp8) and lay.use_te
+    low = gemm_input_bytes(cfg, lay)
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
-    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(m, lay, hs, rows, fp8)}
+    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg.model, lay, hs, rows, low)}
     moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
     if m.multi_latent_attention:
-        out.update(mla_terms(m, lay, lambda n, r: _norm_terms(m, lay, n, r, fp8), recompute_core_attention,
+        out.update(mla_terms(m, lay, lambda n, r: _norm_terms(m, lay, n, r, low), recompute_core_attention,
                              up_proj="mla_up_proj" in modules))
         sbd = s * b * m.v_head_dim // t  # the attention output's head width is the value's
     elif recompute_core_attention:
@@ -107,7 +106,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
         # and the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
         out["qkv"] = (a + 2 * g) * sbd * p
         out["softmax_stats"] = 4 * b * (a // t) * s
-    elif uses_cpu_cp_attention(cfg.data, lay):
+    elif uses_cpu_cp_attention(cfg, lay):
         # The local spec's context-parallel / packed-sequence attention (pretrain.planner.context).
         out.update(cpu_attention_terms(cfg, lay, sbd, _qkv_saved_units(a, g, rope, expanded=False),
                                        _qkv_saved_units(a, g, rope, expanded=True)))
@@ -122,20 +121,20 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
         out["scores"] = (4 + (p if p != 4 else 0)) * b * (a // t) * s * s
     # The attention output: kept by attention (TE) and the output projection (an FP8 copy under FP8; with
     # core attention recomputed, only the projection's copy remains).
-    kept = (FP8_BYTES if recompute_core_attention else p + FP8_BYTES) if fp8 else p
-    out["attention_output"] = a * sbd * kept
-    fc2_in = FP8_BYTES if fp8 else p
+    kept = (low if recompute_core_attention else p + low) if low else p
+    out["attention_output"] = int(a * sbd * kept)
+    fc2_in = low or p
     if moe:
-        out.update(moe_terms(m, lay, rows, modules))
+        out.update(moe_terms(cfg, lay, rows, modules))
     else:
         sbf = s * b * f // t
         if m.gated_linear_unit:
-            if bias_activation_fusion(m, lay.on_gpu):
-                out["mlp"] = sbf * (2 * p + fc2_in)  # fused SwiGLU keeps its input; fc2 its own input
+            if bias_activation_fusion(m, lay.on_gpu, lay.use_te):
+                out["mlp"] = int(sbf * (2 * p + fc2_in))  # fused SwiGLU keeps its input; fc2 its own input
             else:
-                out["mlp"] = sbf * (4 * p + fc2_in)  # fc1 output, silu(x1), x2 + 0, fc2 input
+                out["mlp"] = int(sbf * (4 * p + fc2_in))  # fc1 output, silu(x1), x2 + 0, fc2 input
         else:
-            out["mlp"] = sbf * (p + fc2_in)  # GELU input (fc1 output + bias), fc2 input
+            out["mlp"] = int(sbf * (p + fc2_in))  # GELU input (fc1 output + bias), fc2 input
         if "mlp" in modules:
             out["mlp"] = 0
     if "layernorm" in modules and not lay.use_te:
@@ -143,7 +142,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     return out
 
 
-def moe_terms(m: ModelConfig, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
+def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
     """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank.
 
     Measured on CPU ranks (local spec, `SequentialMLP`, dropless, fp32 and bf16, varying h, f_e, E, k): the
@@ -160,11 +159,12 @@ def moe_terms(m: ModelConfig, lay: Layout, tokens: int, modules: Collection[str]
     """
     if "moe" in modules:
         return {"moe_router": 0, "moe_experts": 0}
+    m = cfg.model
     p = lay.bytes_per_value
     experts, k = m.num_moe_experts, m.moe_router_topk
     sigmoid = m.moe_router_score_function == "sigmoid"
     if sigmoid:  # DeepSeek routing (pretrain.planner.mla)
-        router = sigmoid_router_terms(m, lay, tokens)
+        router = sigmoid_router_terms(cfg.model, lay, tokens)
     else:
         router = 5 * tokens * experts + 24 * tokens * k
         if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
@@ -173,18 +173,21 @@ def moe_terms(m: ModelConfig, lay: Layout, tokens: int, modules: Collection[str]
             router += 4 * tokens * experts + 4 * tokens + 4
     out = {"moe_router": router}
     if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:  # its checkpoint keeps its input
-        out["moe_shared_experts"] = shared_expert_terms(m, lay, bias_activation_fusion(m, lay.on_gpu))
+        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu, lay.use_te))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
-    if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu):
+    if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu, lay.use_te):
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
         # Under FP8 (TE) the two GEMM inputs are kept as their FP8 copies, as in the dense MLP.
-        gemm_in = FP8_BYTES if (m.fp8 and lay.use_te) else p
+        gemm_in = gemm_input_bytes(cfg, lay) or p
         per_copy = (m.hidden_size + (0 if "moe_act" in modules else width)) * gemm_in + 2 * width * p
-        return {**out, "moe_experts": tokens * k * lay.etp * (per_copy + 4)}
-    per_copy = m.hidden_size + (6 if m.gated_linear_unit else 3) * width - (width if "moe_act" in modules else 0)
+        return {**out, "moe_experts": int(tokens * k * lay.etp * (per_copy + 4))}
+    # Unfused: fc1's input and output, the activation's intermediates, fc2's input (6·f_e gated, 3·f_e not); with the
+    # activation recomputed (moe_act) only its input, fc1's output, stays (2·f_e gated, f_e not).
+    act = (2 if m.gated_linear_unit else 1) if "moe_act" in modules else (6 if m.gated_linear_unit else 3)
+    per_copy = m.hidden_size + act * width
     return {**out, "moe_experts": tokens * k * lay.etp * per_copy * p + probs * lay.etp}
 
 
@@ -205,18 +208,21 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     return out
 
 
-def microbatch_extras(m: ModelConfig, lay: Layout, padded_vocab: int) -> tuple[int, int]:
+def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
     """(first stage, last stage) bytes outside the decoder layers, per microbatch.
 
     First: the token ids (and position ids) the embedding keeps (int64). Last: the final norm and output
-    layer inputs, the vocab-parallel cross entropy's fp32 softmax over V/t plus its target mask (bool) and
-    masked targets (int64), and the loss mask the loss function multiplies by (fp32).
+    layer inputs, the vocab-parallel cross entropy's fp32 softmax over V/t (not with Transformer Engine's fused
+    cross entropy, `performance.cross_entropy_fusion_impl=te`: it writes the gradient into the logits) plus its
+    target mask (bool) and masked targets (int64), and the loss mask the loss function multiplies by (fp32).
     """
+    m = cfg.model
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (t if lay.sp else 1)
     first = 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)
-    last = _norm_terms(m, lay, hs, hs // m.hidden_size, gemm_fp8=False)  # the output layer is not FP8
-    last += 4 * s * b * (padded_vocab // t) + 9 * s * b + 4 * s * b
+    last = _norm_terms(cfg.model, lay, hs, hs // m.hidden_size, gemm_bytes=None)  # the output layer is not FP8
+    te_loss = lay.on_gpu and lay.use_te and cfg.performance.cross_entropy_fusion_impl == "te"
+    last += (0 if te_loss else 4 * s * b * (padded_vocab // t)) + 9 * s * b + 4 * s * b
     return first, last
 
 
@@ -257,7 +263,7 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     head = (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value
     if lay.use_te:
         return g * head + full["softmax_stats"], freed
-    if uses_cpu_cp_attention(cfg.data, lay):
+    if uses_cpu_cp_attention(cfg, lay):
         return cpu_recompute_working_set(cfg, lay, full, head), freed
     expanded = 2 * a * head if g < a else 0
     return expanded + full["causal_mask"] + full["scores"], freed
@@ -314,7 +320,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     selective = m.recompute_granularity == "selective"
-    modules = recomputed_modules(m)
+    modules = recomputed_modules(cfg.model)
     chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
@@ -324,7 +330,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
-            stored, chunk_work, freed_first = _full_recompute(m, decoder, layer, hs * p)
+            stored, chunk_work, freed_first = _full_recompute(cfg.model, decoder, layer, hs * p)
             per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
             work.append(chunk_work)
         working = max(work)
@@ -332,8 +338,14 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)
-    first, last = microbatch_extras(m, lay, padded_vocab)
-    last += mtp_extras(m, lay, padded_vocab, lambda n, r: _norm_terms(m, lay, n, r, gemm_fp8=False))
+    offloaded = cfg.performance.cpu_offloading_num_layers
+    if offloaded and lay.pp == 1 and m.recompute_granularity is None:
+        # Megatron-Core's layer-wise offloading: the first layers' activations live in host memory between their
+        # forward and backward, but for the one layer in transit (offloaded or reloaded while the next computes)
+        moved = chunk_layers[0][:offloaded]
+        per_mb[0] -= sum(moved) - max(moved, default=0)
+    first, last = microbatch_extras(cfg, lay, padded_vocab)
+    last += mtp_extras(cfg.model, lay, padded_vocab, lambda n, r: _norm_terms(cfg.model, lay, n, r, gemm_bytes=None))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
     if pp_rank == 0:
         per_mb[0] += first
@@ -356,7 +368,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             current -= per_mb[chunk]
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
-    if uses_cpu_cp_attention(cfg.data, lay):
+    if uses_cpu_cp_attention(cfg, lay):
         gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer

@@ -9,14 +9,25 @@ from dataclasses import replace
 
 from pretrain.config import Config
 from pretrain.layout import Layout, LayoutError, derive_layout, padded_vocab_size
+from pretrain.planner.hardware import GPUS
 
 GIB = 2**30
 
-# Usable device memory as torch reports it (GiB), and per-GPU link bandwidths (GB/s, one direction).
-GPU_MEMORY_GIB = {"h100": 79.6, "h200": 140.4, "b200": 178.4, "a100": 79.2}
-NVLINK_GBPS = {"h100": 450.0, "h200": 450.0, "b200": 900.0, "a100": 300.0}
-NETWORK_GBPS = {"h100": 50.0, "h200": 50.0, "b200": 100.0, "a100": 25.0}  # one 400/800 Gb/s NIC per GPU
-HEADROOM = 0.90  # a layout fits when its planned peak is below this fraction of GPU memory
+# Usable device memory (GiB) and per-GPU link bandwidths (GB/s, one direction): views of `planner.hardware.GPUS`.
+GPU_MEMORY_GIB = {name: round(g.memory_gib, 1) for name, g in GPUS.items()}
+NVLINK_GBPS = {name: g.nvlink_gbps for name, g in GPUS.items()}
+NETWORK_GBPS = {name: g.network_gbps for name, g in GPUS.items()}
+# A layout fits when its planned peak leaves what the plan does not count free: the CUDA context, NCCL's and
+# cuBLAS's workspaces (RESERVE_GIB) and the allocator's fragmentation (FRAGMENTATION of the GPU's memory). On an 80 GB
+# H100 that is 90% of it (71.6 GiB), as before; on larger GPUs a larger share.
+RESERVE_GIB = 4.0
+FRAGMENTATION = 0.05
+HEADROOM = 0.90  # the share of an 80 GB H100 that fits (docs and tests quote it); `fit_limit_gib` is the rule
+
+
+def fit_limit_gib(capacity_gib: float) -> float:
+    """The planned peak (GiB) a GPU of `capacity_gib` holds: all of it but the reserve and the fragmentation."""
+    return capacity_gib * (1 - FRAGMENTATION) - RESERVE_GIB
 DEFAULT_MFU = 0.40
 GEMM_EFFICIENCY = 0.60  # cost model: fraction of peak the model's GEMMs reach without bubbles/communication
 

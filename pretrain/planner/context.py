@@ -22,13 +22,13 @@ a b·s sequence (b times a bshd microbatch's). Transformer Engine's THD attentio
 
 from __future__ import annotations
 
-from pretrain.config import Config, DataConfig
+from pretrain.config import Config
 from pretrain.layout import Layout
 
 
-def uses_cpu_cp_attention(d: DataConfig, lay: Layout) -> bool:
-    """The local spec's core attention is `ContextParallelAttention` (CP > 1 or packed documents: data section `d`)."""
-    return not lay.use_te and (lay.cp > 1 or bool(d.reset_attention_mask))
+def uses_cpu_cp_attention(cfg: Config, lay: Layout) -> bool:
+    """The local spec's core attention is `ContextParallelAttention` (CP > 1 or packed documents)."""
+    return not lay.use_te and (lay.cp > 1 or bool(cfg.data.reset_attention_mask))
 
 
 def attention_shape(cfg: Config, lay: Layout) -> tuple[int, int, int]:
@@ -79,7 +79,7 @@ def cpu_recompute_working_set(cfg: Config, lay: Layout, terms: dict[str, int], h
 def cpu_attention_working_set(cfg: Config, lay: Layout) -> int:
     """CPU only: the s²/CP score bytes the CPU attention materialises per layer while it runs (scores, fp32
     softmax, its copy; the p2p ring one K/V block at a time)."""
-    if not uses_cpu_cp_attention(cfg.data, lay):
+    if not uses_cpu_cp_attention(cfg, lay):
         return 0
     p = lay.bytes_per_value
     b, sq, sk = attention_shape(cfg, lay)

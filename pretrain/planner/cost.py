@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config, OptimizerConfig
+from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
-from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
+from pretrain.planner.comm import bandwidth, dp_exposed, ep_all_to_all, ep_exposed
 from pretrain.planner.constants import HBM_TBPS, value
 from pretrain.planner.context import cp_comm_bytes
-from pretrain.planner.timing import ep_seconds, rank_work, recompute_factor
+from pretrain.planner.hardware import nvlink_domain
+from pretrain.planner.timing import rank_work, recompute_factor
 
 FORMULA = ("F/token = 12·L·h²·[(1 + g/a + s/(2h))·(a·d/h) + (f/h)·(3/2 if gated else 1) + V/(2·L·h)] "
            "(Megatron's accounting: fwd+bwd = 3 GEMMs, causal attention halved; recompute not counted)")
@@ -39,55 +40,69 @@ class Cost:
     attention_s: float = 0.0
     elementwise_s: float = 0.0
     host_s: float = 0.0
+    offload_s: float = 0.0  # activation offloading's host transfers beyond the compute they overlap
 
     @property
     def step_s(self) -> float:
-        per_microbatch = self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_exposed_s
+        per_microbatch = self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_exposed_s + self.offload_s
         return per_microbatch * (1 + self.bubble_fraction) + self.pp_comm_s + self.dp_comm_s + self.optimizer_s
 
 
 def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_node: int,
                params_on_rank: int, expert_params_on_rank: int = 0) -> Cost:
-    """Step time of `cfg` on `lay` (`pretrain.planner.timing`; constants: `pretrain.planner.constants`)."""
+    """Step time of `cfg` on `lay` (`pretrain.planner.timing`, `pretrain.planner.comm`; constants:
+    `pretrain.planner.constants`). A group's traffic runs on NVLink inside one NVLink domain, else on the network."""
     m = cfg.model
     p = lay.bytes_per_value
     mb = lay.num_microbatches
+    domain = nvlink_domain(gpu, gpus_per_node)
     works = [rank_work(cfg, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
     work = max(works, key=lambda w: w.busy_s)
-    again = recompute_factor(cfg.model)
+    again = recompute_factor(cfg.model, work)
     modules = recomputed_modules(cfg.model)
     compute = mb * work.busy_s * again
-    nv = NVLINK_GBPS[gpu] * 1e9 * value("nvlink_collective_efficiency")
-    net = NETWORK_GBPS[gpu] * 1e9 * value("network_efficiency")
     s, b, h = m.seq_length // lay.cp, lay.mbs, m.hidden_size
     recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0
-    # TP: with SP an all-gather + reduce-scatter per GEMM pair, 4 each way per layer, over NVLink.
-    tp = mb * work.layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / nv
+    # TP: with SP an all-gather + reduce-scatter per GEMM pair, 4 each way per layer.
+    tp = mb * work.layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / bandwidth(gpu, lay.tp, domain)
     if cfg.parallel.tp_comm_overlap:
         tp *= value("tp_overlap_exposed")
-    cp_bw = nv if lay.tp * lay.cp <= gpus_per_node else net
-    cp = mb * work.layers * cp_comm_bytes(cfg, lay) / cp_bw
+    cp = mb * work.layers * cp_comm_bytes(cfg, lay) / bandwidth(gpu, lay.tp * lay.cp, domain)
     if lay.cp > 1 and cfg.parallel.cp_comm_type == "p2p":  # the ring overlaps each step with attention
         cp = max(0.0, cp - mb * work.attention_s * again)
     hs = s * b * h // (lay.tp if lay.sp else 1)
     pp = 0.0
-    if lay.pp > 1:
-        pp = mb * lay.vp * 2 * hs * p / (net if lay.world > gpus_per_node else nv)
+    if lay.pp > 1:  # a hop jumps world / PP ranks: inside one domain only when the whole world is
+        pp = mb * lay.vp * 2 * hs * p / bandwidth(gpu, lay.world, domain)
         if lay.vp > 1:
             pp *= value("p2p_exposed")
-    dp = _dp_exposed(cfg.optimizer, lay, params_on_rank, expert_params_on_rank, gpus_per_node, gpu, work.busy_s * again)
-    ep_s, ep_bytes_mb = ep_seconds(cfg, lay, gpu, gpus_per_node, work.moe_layers)
+    dp = dp_exposed(cfg, lay, params_on_rank, expert_params_on_rank, domain, gpu, work.busy_s * again)
+    ep_s, ep_bytes_mb = ep_all_to_all(cfg, lay, gpu, domain, work.moe_layers)
     moe_again = 1.5 if "moe" in modules else recompute_fwd
     ep_total = mb * ep_s * moe_again
-    ep_exposed = ep_total
-    if cfg.performance.overlap_moe_expert_parallel_comm:  # a2a hidden behind another microbatch
-        ep_exposed = max(0.0, ep_total - compute)
+    ep_hidden_behind = ep_exposed(cfg, lay, gpu, ep_total, compute)
     bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
     owned = _owned_elements(lay, params_on_rank, expert_params_on_rank)
     optimizer = owned * value("optimizer_bytes_per_element") / (HBM_TBPS[gpu].value * 1e12)
-    return Cost(compute, bubble, tp, cp, pp, dp, ep_total, int(ep_bytes_mb * mb * moe_again), ep_exposed,
+    return Cost(compute, bubble, tp, cp, pp, dp, ep_total, int(ep_bytes_mb * mb * moe_again), ep_hidden_behind,
                 optimizer, mb * work.gemm_s * again, mb * work.attention_s * again,
-                mb * work.elementwise_s * again, mb * work.host_s * again)
+                mb * work.elementwise_s * again, mb * work.host_s * again,
+                mb * _offload_exposed(cfg, lay, gpu, work.busy_s * again, work.layers))
+
+
+def _offload_exposed(cfg: Config, lay: Layout, gpu: str, microbatch_s: float, layers: int) -> float:
+    """Per microbatch, what layer-wise activation offloading's copies to and from host memory leave exposed: the
+    offloaded layers' activations cross the host link once each way, the copy out beside those layers' forward (1/3
+    of their time), the copy back beside their backward (2/3)."""
+    n = cfg.performance.cpu_offloading_num_layers
+    if not n or lay.pp > 1 or cfg.model.recompute_granularity is not None:
+        return 0.0
+    from pretrain.planner.activations import stage_layers
+    from pretrain.planner.hardware import GPUS
+
+    moved = sum(stage_layers(cfg, lay, 0, 0)[:n]) / (GPUS[gpu].host_link_gbps * 1e9)
+    window = microbatch_s * n / max(layers, 1)
+    return max(0.0, moved - window / 3) + max(0.0, moved - 2 * window / 3)
 
 
 def _owned_elements(lay: Layout, params: int, expert: int) -> float:
@@ -95,41 +110,3 @@ def _owned_elements(lay: Layout, params: int, expert: int) -> float:
     if lay.distributed or lay.fsdp_sharding:
         return (params - expert) / (lay.dp * lay.cp) + expert / lay.edp
     return float(params)
-
-
-def _dp_exposed(o: OptimizerConfig, lay: Layout, params: int, expert: int, gpus_per_node: int, gpu: str,
-                microbatch_s: float) -> float:
-    """Data-parallel gradient reduce-scatter and parameter all-gather (or all-reduce), what overlap leaves.
-
-    The distributed optimizer reduce-scatters fp32 (grad_reduce_in_fp32) or bf16 gradients and all-gathers
-    parameters, (n−1)/n of the rank's parameters each, over NVLink when the group is inside a node, else the
-    network; expert weights over expert data parallel. With overlap_grad_reduce the reduce-scatter runs during the
-    last microbatch's backward (2/3 of it), with overlap_param_gather the all-gather during the first forward (1/3).
-    Megatron-FSDP gathers and reduces every microbatch (`planner.fsdp`), overlapped with that microbatch. `o`: the
-    optimizer section."""
-    p = lay.bytes_per_value
-    g = 4 if o.grad_reduce_in_fp32 else p
-    inside = lay.tp * lay.cp * lay.dp <= gpus_per_node
-    bw = NVLINK_GBPS[gpu] * 1e9 * value("nvlink_collective_efficiency") if inside else \
-        NETWORK_GBPS[gpu] * 1e9 * value("network_efficiency")
-    if lay.fsdp_sharding:
-        from pretrain.planner.fsdp import fsdp_comm_bytes
-
-        per_microbatch = sum(fsdp_comm_bytes(o, lay, params, expert)) / bw / lay.num_microbatches
-        return lay.num_microbatches * max(0.0, per_microbatch - microbatch_s)
-
-    def share(n: int) -> float:
-        return (n - 1) / n if n > 1 else 0.0
-
-    dense, experts = params - expert, expert
-    if lay.distributed:
-        rs = (share(lay.dp * lay.cp) * dense + share(lay.edp) * experts) * g / bw
-        ag = (share(lay.dp * lay.cp) * dense + share(lay.edp) * experts) * p / bw
-    else:
-        rs = 2 * (share(lay.dp * lay.cp) * dense + share(lay.edp) * experts) * g / bw
-        ag = 0.0
-    if o.overlap_grad_reduce:
-        rs = max(0.0, rs - 2 / 3 * microbatch_s)
-    if o.overlap_param_gather:
-        ag = max(0.0, ag - 1 / 3 * microbatch_s)
-    return rs + ag

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config, OptimizerConfig
+from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import chunk_parameters
 from pretrain.planner.static import StaticMemory
@@ -86,11 +86,10 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> Fs
                       unsharded_grads=2 * unit * gbytes, largest_unit=unit)
 
 
-def fsdp_comm_bytes(o: OptimizerConfig, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
-    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters (`o`: the
-    optimizer section)."""
+def fsdp_comm_bytes(cfg: Config, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
+    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters."""
     pbytes = lay.bytes_per_value
-    gbytes = 4 if o.grad_reduce_in_fp32 else pbytes
+    gbytes = 4 if cfg.optimizer.grad_reduce_in_fp32 else pbytes
     m = lay.num_microbatches
 
     def volume(p: int, n: int) -> float:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pretrain.config import ModelConfig
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
+from pretrain.planner.precision import gemm_input_bytes
 
 NormTerms = Callable[[int, int], int]  # (values, rows) -> bytes a norm and the GEMM it feeds keep
 
@@ -84,15 +85,16 @@ def sigmoid_router_terms(m: ModelConfig, lay: Layout, tokens: int) -> int:
     return out
 
 
-def shared_expert_terms(m: ModelConfig, lay: Layout, fused_swiglu: bool) -> int:
+def shared_expert_terms(cfg: Config, lay: Layout, fused_swiglu: bool) -> int:
     """The shared experts, a dense MLP of width f_s split over TP (its input is the pre-MLP norm's output)."""
+    m = cfg.model
     p = lay.bytes_per_value
     fs = m.moe_shared_expert_intermediate_size or 0
     sbf = (m.seq_length // lay.cp) * lay.mbs * fs // lay.tp
-    fc2_in = 1 if (m.fp8 and lay.use_te) else p
+    fc2_in = gemm_input_bytes(cfg, lay) or p
     if not m.gated_linear_unit:
-        return sbf * (p + fc2_in)
-    return sbf * ((2 if fused_swiglu else 4) * p + fc2_in)
+        return int(sbf * (p + fc2_in))
+    return int(sbf * ((2 if fused_swiglu else 4) * p + fc2_in))
 
 
 def mtp_extras(m: ModelConfig, lay: Layout, padded_vocab: int, norm: NormTerms) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pretrain.config import Config, ModelConfig
+from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import Param, chunk_parameters
 
@@ -32,9 +32,9 @@ def is_muon_param(p: Param) -> bool:
     return "norm" not in module  # input_layernorm, q_layernorm, final_layernorm, enorm, hnorm: 1-D
 
 
-def _inner_dim(p: Param, m: ModelConfig) -> int:
-    """The input width of a Muon matrix (its columns): the hidden size but for MLA's up-projections (`m`: the model
-    section)."""
+def _inner_dim(p: Param, cfg: Config) -> int:
+    """The input width of a Muon matrix (its columns): the hidden size but for MLA's up-projections."""
+    m = cfg.model
     if p.name.endswith("linear_kv_up_proj.weight"):
         return m.kv_lora_rank
     if p.name.endswith("linear_q_up_proj.weight"):
@@ -52,7 +52,7 @@ def _ns_flops(rows: int, cols: int, steps: int) -> int:
 def ns_flops(p: Param, cfg: Config, lay: Layout) -> int:
     """Newton-Schulz FLOPs of one optimizer step on this rank's shard `p` (as optimizer.muon.tp_mode runs it)."""
     mu = cfg.optimizer.muon
-    cols = _inner_dim(p, cfg.model)
+    cols = _inner_dim(p, cfg)
     rows = p.numel // cols
     tp = lay.etp if p.expert else lay.tp
     parts = [rows]

@@ -18,15 +18,16 @@ from pretrain.planner.common import (
     DEFAULT_MFU,
     GIB,
     GPU_MEMORY_GIB,
-    HEADROOM,
     PlanError,
     cluster_plan,
+    fit_limit_gib,
 )
 from pretrain.planner.context import context_summary
 from pretrain.planner.cost import FORMULA, MLA_FORMULA, MOE_FORMULA, cost_model
 from pretrain.planner.memory import most_loaded, rank_memory
 from pretrain.planner.muon import muon_section
 from pretrain.planner.stages import memory_candidates, stage_flops
+from pretrain.planner.timing import run_precision
 
 
 def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mfu: float = DEFAULT_MFU,
@@ -43,7 +44,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in memory_candidates(lay)]
     f_tok = flops_per_token(m, vocab)
     f_step = f_tok * lay.gbs * m.seq_length
-    peak = PEAK_TFLOPS[gpu]["fp8" if m.fp8 else "bf16"]
+    peak = PEAK_TFLOPS[gpu][run_precision(cfg, lay, gpu)]  # the GEMMs' precision: bf16, FP8, MXFP8 or NVFP4
     tok_gpu = peak * 1e12 * mfu / f_tok
     cost = cost_model(cfg, lay, vocab, gpu, gpus_per_node, rm.params, rm.expert_params)
     capacity = GPU_MEMORY_GIB[gpu]
@@ -64,6 +65,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "optimizer": cfg.optimizer.name,
                    "fsdp": lay.fsdp_sharding,
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
+                   "gemm_precision": run_precision(cfg, lay, gpu),
                    "transformer_engine": use_te},
         "num_parameters": count_parameters(cfg, vocab, lay=lay),
         "num_active_parameters": count_active_parameters(cfg, vocab, lay=lay),
@@ -89,7 +91,10 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                              "microbatches_in_flight": sum(rm.in_flight.values())},
         "stages": [{"pipeline_stage": s.pp_rank, **s.gib()} for s in stages],
         "gpu_memory_gib": capacity,
-        "fits": rm.total / GIB <= HEADROOM * capacity,
+        "fits": rm.total / GIB <= fit_limit_gib(capacity),
+        "overflow": _overflow(rm, capacity),
+        "fit_limit_gib": round(fit_limit_gib(capacity), 1),
+        "margin_gib": round(fit_limit_gib(capacity) - rm.total / GIB, 2),
         "throughput": {"mfu": mfu, "peak_tflops": peak, "tflops_per_gpu": peak * mfu,
                        "tokens_per_s_per_gpu": tok_gpu,
                        "step_time_s": lay.gbs * m.seq_length / (tok_gpu * world)},
@@ -99,6 +104,20 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     }
 
 
+def _overflow(rm, capacity: float) -> str | None:
+    """Where a plan that does not fit overflows: by how much, on which stage, and its largest term."""
+    excess = rm.total / GIB - fit_limit_gib(capacity)
+    if excess <= 0:
+        return None
+    terms = {k: v for k, v in rm.gib().items() if k != "total"}
+    largest = max(terms, key=terms.get)
+    what = f"{largest} {terms[largest]:.1f} GiB"
+    if largest == "activations":
+        what += f" ({sum(rm.in_flight.values())} microbatch-chunks in flight)"
+    return (f"{excess:.1f} GiB over the {fit_limit_gib(capacity):.1f} GiB limit on pipeline stage {rm.pp_rank}; "
+            f"the largest term: {what}")
+
+
 def _fsdp_section(cfg: Config, lay, vocab: int, rm) -> dict[str, Any] | None:
     """Megatron-FSDP's part of the plan (`pretrain.planner.fsdp`), None without it."""
     if not lay.fsdp_sharding:
@@ -106,7 +125,7 @@ def _fsdp_section(cfg: Config, lay, vocab: int, rm) -> dict[str, Any] | None:
     from pretrain.planner.fsdp import fsdp_comm_bytes, fsdp_memory
 
     fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank)
-    dense, expert = fsdp_comm_bytes(cfg.optimizer, lay, rm.params, rm.expert_params)
+    dense, expert = fsdp_comm_bytes(cfg, lay, rm.params, rm.expert_params)
     return {"sharding": lay.fsdp_sharding, "shard_group": lay.dp * lay.cp,
             "largest_unit_parameters": fm.largest_unit,
             "gathered_params_gib": round(fm.gathered_params / GIB, 3),

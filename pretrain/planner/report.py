@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pretrain.planner.common import HEADROOM
+from pretrain.planner.common import FRAGMENTATION, RESERVE_GIB
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -61,8 +61,12 @@ def format_plan(plan: dict[str, Any]) -> str:
     for st in plan["stages"]:
         lines.append("    " + f"{st['pipeline_stage']:>12}" + "".join(f"{st[k]:>12.2f}" for k in header[1:]))
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    kept = 100 * (1 - plan["fit_limit_gib"] / plan["gpu_memory_gib"])
     lines.append(f"    peak {mem['total']:.2f} GiB of {plan['gpu_memory_gib']} GiB: {verdict} "
-                 f"(keeping {100 - HEADROOM * 100:.0f}% headroom)")
+                 f"(keeping {kept:.0f}% headroom: {RESERVE_GIB:g} GiB + {FRAGMENTATION:.0%}; limit "
+                 f"{plan['fit_limit_gib']} GiB, margin {plan['margin_gib']:+.2f} GiB)")
+    if plan.get("overflow"):
+        lines.append(f"    overflow: {plan['overflow']}")
     lines.append(f"  at MFU {thr['mfu']:.0%} of {thr['peak_tflops']:.0f} TFLOP/s: "
                  f"{thr['tflops_per_gpu']:.0f} TFLOP/s/GPU, {thr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                  f"step {thr['step_time_s']:.2f} s")

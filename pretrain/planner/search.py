@@ -8,7 +8,7 @@ from typing import Any
 
 from pretrain.config import Config
 from pretrain.observe.flops import PEAK_TFLOPS
-from pretrain.planner.common import GIB, GPU_MEMORY_GIB, HEADROOM, PlanError, checked_layout
+from pretrain.planner.common import GIB, GPU_MEMORY_GIB, PlanError, checked_layout, fit_limit_gib
 from pretrain.planner.cost import cost_model
 from pretrain.planner.memory import most_loaded
 from pretrain.planner.placements import Placement, placements
@@ -110,7 +110,7 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                     if lay.padded_vocab is None:
                         raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
                     rm = most_loaded(c, lay, lay.padded_vocab, fused_adam)
-                    if rm.total / GIB > HEADROOM * GPU_MEMORY_GIB[gpu]:
+                    if rm.total / GIB > fit_limit_gib(GPU_MEMORY_GIB[gpu]):
                         continue
                     cost = cost_model(c, lay, lay.padded_vocab, gpu, gpus_per_node, rm.params,
                                       rm.expert_params)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import Param, chunk_parameters
+from pretrain.planner.precision import NVFP4_BYTES
 
 
 @dataclass
@@ -161,6 +162,8 @@ def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
         if m.fp8 and lay.use_te:
             linear = sum(p.numel for p in chunk if p.linear)
             fp8 += linear * (1 if fp8_params else 2)  # transposed copy (+ the FP8 copy of bf16 weights)
+        elif cfg.performance.fp4_recipe and lay.use_te:  # NVFP4: row-wise and column-wise copies of bf16 weights
+            fp8 += int(sum(p.numel for p in chunk if p.linear) * 2 * NVFP4_BYTES)
     opt = max(opt_per_rank[False]) if dp_rank is None else opt_per_rank[False][dp_rank]
     opt += max(opt_per_rank[True]) if edp_rank is None else opt_per_rank[True][edp_rank]
     main = opt * 4 if lay.precision in ("bf16", "fp16") else 0

@@ -24,15 +24,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from model_providers.core.windows import mean_attended_keys
+from model_providers.core.fusions import bias_activation_fusion
+from model_providers.core.windows import window_size, windowed_layers
 from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
-from pretrain.observe.flops import PEAK_TFLOPS
+from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
-from pretrain.planner.common import NETWORK_GBPS, NVLINK_GBPS
-from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, value
+from pretrain.planner.common import PlanError
+from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, SUSTAINED, value
 from pretrain.planner.mla import recompute_shares
+
+# Bytes per GEMM input element, and the casts Transformer Engine adds around a low-precision GEMM (constants).
+_ELEMENT_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
+_CAST = {"fp8": "fp8_cast_bytes_per_element", "mxfp8": "fp8_cast_bytes_per_element",
+         "nvfp4": "fp4_cast_bytes_per_element"}
 
 
 @dataclass
@@ -43,6 +49,8 @@ class RankWork:
     attention_s: float = 0.0
     elementwise_s: float = 0.0
     host_s: float = 0.0  # what the kernel launches cost the host
+    norm_s: float = 0.0  # of elementwise_s: the norms' forward (what `layernorm` recompute runs again)
+    moe_act_s: float = 0.0  # the experts' activation forward (what `moe_act` recompute runs again)
     layers: int = 0
     moe_layers: int = 0
 
@@ -55,34 +63,42 @@ class RankWork:
         return max(self.gpu_s, self.host_s)
 
 
-def _gemm_s(m_rows: float, numel: int, gpu: str, fp8: str | None, grouped: bool = False,
+def _gemm_s(m_rows: float, numel: int, gpu: str, precision: str, grouped: bool = False,
             narrow_dim: float | None = None) -> float:
-    """Forward + both backward GEMMs of a weight of `numel` elements over `m_rows` rows (roofline);
-    the efficiency falls with the GEMM's narrowest dimension d as d / (d + gemm_half_efficiency_dim)."""
+    """Forward + both backward GEMMs of a weight of `numel` elements over `m_rows` rows (roofline) at `precision`
+    (bf16, fp8, mxfp8, nvfp4: its peak and efficiency); the efficiency falls with the GEMM's narrowest dimension d as
+    d / (d + gemm_half_efficiency_dim)."""
     if m_rows <= 0 or numel <= 0:
         return 0.0
-    key = "bf16" if not fp8 else ("mxfp8" if fp8 == "mxfp8" else "fp8")
-    eff = value(f"gemm_efficiency_{key}") * (value("grouped_gemm_efficiency") if grouped else 1.0)
-    peak = PEAK_TFLOPS[gpu]["fp8" if fp8 else "bf16"] * 1e12
+    eff = value(f"gemm_efficiency_{precision}") * (value("grouped_gemm_efficiency") if grouped else 1.0)
+    peak = PEAK_TFLOPS[gpu][precision] * 1e12 * SUSTAINED[gpu].value
     hbm = HBM_TBPS[gpu].value * 1e12
     width = 2 * math.sqrt(numel)  # K + N of a K×N weight, taken square
     narrow = min(m_rows, narrow_dim or width / 2)
     eff *= narrow / (narrow + value("gemm_half_efficiency_dim"))
-    elem = 1 if fp8 else 2
+    elem = _ELEMENT_BYTES[precision]
     flops = 2 * m_rows * numel
     moved = (m_rows * width + numel) * elem
     per = max(flops / (peak * eff), moved / hbm)
-    # FP8: the input (M·K), the output gradient (M·N) and the weight cast once each per microbatch
-    cast = value("fp8_cast_bytes_per_element") * (m_rows * width + numel) / hbm if fp8 else 0.0
+    # low precision: the input (M·K), the output gradient (M·N) and the weight cast once each per microbatch
+    cast = value(_CAST[precision]) * (m_rows * width + numel) / hbm if precision in _CAST else 0.0
     return 3 * per + cast
+
+
+def run_precision(cfg: Config, lay: Layout, gpu: str) -> str:
+    """The GEMM precision of the run on `gpu` (`flops.gemm_precision`; FP8 and FP4 need Transformer Engine);
+    PlanError when the GPU has no tensor cores for it (MXFP8 and NVFP4 are Blackwell's)."""
+    precision = gemm_precision(cfg.model.fp8, cfg.performance.fp4_recipe) if lay.use_te else "bf16"
+    if precision not in PEAK_TFLOPS[gpu]:
+        raise PlanError(f"{gpu} has no {precision.upper()} tensor cores (known on: "
+                        f"{', '.join(g for g, p in PEAK_TFLOPS.items() if precision in p)})")
+    return precision
 
 
 def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> RankWork:
     """One microbatch of pipeline rank `pp_rank` (all its model chunks)."""
     m = cfg.model
-    fp8 = m.fp8 if (m.fp8 and lay.use_te) else None
-    if cfg.performance.fp4_recipe and lay.use_te:
-        fp8 = "fp8"  # NVFP4 GEMMs counted at the FP8 rate (no FP4 peak in the table: conservative)
+    precision = run_precision(cfg, lay, gpu)
     tokens = m.seq_length * lay.mbs / lay.cp  # rows of every TP-sharded GEMM (SP gathers them first)
     hbm = HBM_TBPS[gpu].value * 1e12
     h, a = m.hidden_size, m.num_attention_heads
@@ -104,42 +120,81 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     for p in params:
         narrow = min(h, p.numel / h)  # one side of every decoder GEMM is the hidden size (MLA's LoRA: close)
         if p.expert and p.name.endswith(".weight"):
-            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, fp8, grouped=True, narrow_dim=narrow)
+            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, precision, grouped=True, narrow_dim=narrow)
         elif p.linear:
-            w.gemm_s += _gemm_s(tokens, p.numel, gpu, fp8, narrow_dim=narrow)
+            w.gemm_s += _gemm_s(tokens, p.numel, gpu, precision, narrow_dim=narrow)
         elif p.name == "output_layer.weight":
-            w.gemm_s += _gemm_s(tokens, p.numel, gpu, None)  # the logits stay bf16
+            w.gemm_s += _gemm_s(tokens, p.numel, gpu, "bf16")  # the logits stay bf16
             w.elementwise_s += 3 * tokens * vocab / lay.tp * 4 / hbm  # fp32 softmax cross-entropy fwd+bwd
         elif p.name.endswith(".router.weight"):
-            w.gemm_s += _gemm_s(tokens / (lay.tp if lay.sp else 1), p.numel, gpu, None)
-    # Attention core (bf16), causal.
+            w.gemm_s += _gemm_s(tokens / (lay.tp if lay.sp else 1), p.numel, gpu, "bf16")
+    # Attention core (bf16), causal: QK^T and PV over the keys each query's tiles compute (`computed_keys`)
     if m.multi_latent_attention:
         qk, v_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     else:
         qk = v_dim = lay.head_dim
-    # QK^T and PV over the keys each query attends to (s/2 causal; less with a sliding window)
-    fwd = 2 * tokens * mean_attended_keys(m) * (a / lay.tp) * (qk + v_dim)
+    fwd = 2 * tokens * computed_keys(m) * (a / lay.tp) * (qk + v_dim)
     att = fwd * (1 + value("attention_backward_ratio"))
-    w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * ATTENTION_EFFICIENCY[gpu].value)
+    d_half = value("attention_half_efficiency_head_dim")
+    head = (qk / (qk + d_half)) / (128 / (128 + d_half))  # 1 at head dim 128
+    sinks = value("attention_sinks_efficiency") if m.softmax_type not in (None, "vanilla") else 1.0
+    w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * SUSTAINED[gpu].value
+                                      * ATTENTION_EFFICIENCY[gpu].value * min(head, 1.25) * sinks)
     # Memory-bound work: per token per layer, on this rank's (SP-sharded) activations.
     rows = tokens / (lay.tp if lay.sp else 1)
     p_bytes = lay.bytes_per_value
     w.elementwise_s += w.layers * value("elementwise_passes") * rows * h * p_bytes / hbm
     copies = rows * (m.moe_router_topk or 0)
     w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
-    launch = value("launch_us_cuda_graphs" if _cuda_graphs(cfg.performance) else "launch_us") * 1e-6
-    dense_layers = w.layers - w.moe_layers
-    kernels = dense_layers * value("kernels_per_dense_layer") + w.moe_layers * value("kernels_per_moe_layer")
-    w.host_s = launch * kernels
+    # the experts' activation on every routed copy (fused SwiGLU, or an unfused GLU: clamped or not SiLU)
+    fused = bias_activation_fusion(m, lay.on_gpu, lay.use_te)
+    act_passes = value("moe_act_passes" if fused else "moe_act_passes_unfused")
+    w.elementwise_s += w.moe_layers * act_passes * copies * (m.moe_ffn_hidden_size or 0) / lay.etp * p_bytes / hbm
+    # what `layernorm` / `moe_act` recompute would run again: the two norms' forward (read and write h each), the
+    # experts' activation forward (read 2·f_e, write f_e per routed copy)
+    w.norm_s = w.layers * 4 * rows * h * p_bytes / hbm
+    w.moe_act_s = w.moe_layers * 3 * copies * (m.moe_ffn_hidden_size or 0) * p_bytes / hbm
+    local_experts = (m.num_moe_experts or 0) // lay.ep
+    w.host_s = host_seconds(cfg, w.layers - w.moe_layers, w.moe_layers, local_experts)
     return w
 
 
-def _cuda_graphs(perf) -> bool:
-    """CUDA graphs are on (the performance section `perf`)."""
-    return perf.cuda_graph_impl != "none"
+def computed_keys(m) -> float:
+    """Keys per query fused attention computes, averaged over the layers: whole tiles of `attention_tile` keys — a
+    causal layer s/2 + T/2 (its diagonal tiles whole), a window of W keys W + T (the tiles it overlaps)."""
+    s, tile = m.seq_length, value("attention_tile")
+    full = s / 2 + tile / 2
+    size = window_size(m)
+    if size is None:
+        return full
+    windowed = sum(windowed_layers(m))
+    return (windowed * min(full, size[0] + 1 + tile) + (m.num_layers - windowed) * full) / m.num_layers
 
 
-def recompute_factor(m: ModelConfig) -> float:
+def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts: int = 0) -> float:
+    """The host's kernel launches of one microbatch: eager kernels at `launch_us`, those a CUDA graph captures at
+    `launch_us_cuda_graphs`. Without a scope a graph captures every layer (Megatron-Bridge's full-iteration graph
+    likewise); a scope captures its modules' kernels only (attn: the attention block of every
+    layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every MoE layer)."""
+    perf = cfg.performance
+    dense_k, attn_k = value("kernels_per_dense_layer"), value("kernels_attention")
+    moe_k = value("kernels_per_moe_layer") + local_experts * value("kernels_per_local_expert")
+    total = dense_layers * dense_k + moe_layers * moe_k
+    captured = 0.0
+    if perf.cuda_graph_impl != "none" and not perf.cuda_graph_scope:
+        captured = total
+    elif perf.cuda_graph_impl != "none":
+        scope = set(perf.cuda_graph_scope or ())
+        captured += (dense_layers + moe_layers) * attn_k if "attn" in scope else 0.0
+        captured += dense_layers * (dense_k - attn_k) if "mlp" in scope else 0.0
+        if "moe" in scope:
+            captured += moe_layers * (moe_k - attn_k)
+        else:
+            captured += moe_layers * sum(value(f"kernels_{s}") for s in ("moe_router", "moe_preprocess") if s in scope)
+    return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
+
+
+def recompute_factor(m: ModelConfig, work: RankWork | None = None) -> float:
     """Extra compute of recomputation, as a factor on a microbatch (full: the forward again, ~1/3)."""
     if m.recompute_granularity == "full":
         return 4 / 3
@@ -149,31 +204,6 @@ def recompute_factor(m: ModelConfig) -> float:
         extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
         extra += value("recompute_core_attn_extra")
+    if work is not None and work.busy_s > 0:  # memory-bound forwards again: the norms, the experts' activation
+        extra += (work.norm_s * ("layernorm" in modules) + work.moe_act_s * ("moe_act" in modules)) / work.busy_s
     return 1 + extra
-
-
-def ep_seconds(cfg: Config, lay: Layout, gpu: str, gpus_per_node: int, moe_layers: int) -> tuple[float, int]:
-    """(seconds, bytes sent) of one microbatch's token all-to-alls on this rank: dispatch and combine, forward and
-    backward; the copies for other nodes over the network (one per destination node with DeepEP / HybridEP), the
-    rest over NVLink."""
-    m = cfg.model
-    if not m.num_moe_experts or lay.ep == 1 and lay.etp == 1:
-        return 0.0, 0
-    p = lay.bytes_per_value
-    rows = m.seq_length * lay.mbs / lay.cp / (lay.tp if lay.sp else 1)
-    k, h = m.moe_router_topk, m.hidden_size
-    total = 4 * rows * k * h * p * ((lay.ep - 1) / lay.ep + (lay.etp - 1))  # every copy sent, as before
-    nodes = max(1, lay.ep * lay.etp // gpus_per_node)
-    off_node = 0.0
-    if nodes > 1:
-        share = (nodes - 1) / nodes  # of a token's copies, those to experts on other nodes
-        copies = k * share
-        if cfg.performance.moe_flex_dispatcher_backend:
-            # one copy per destination node: the expected number of other nodes among the k experts
-            copies = (nodes - 1) * (1 - (1 - 1 / nodes) ** k)
-        off_node = 4 * rows * copies * h * p
-    on_node = max(total - 4 * rows * k * share * h * p, 0.0) if nodes > 1 else total
-    nv = NVLINK_GBPS[gpu] * 1e9 * value("nvlink_a2a_efficiency")
-    net = NETWORK_GBPS[gpu] * 1e9 * value("network_efficiency")
-    seconds = moe_layers * max(on_node / nv, off_node / net)
-    return seconds, int(moe_layers * total)

@@ -15,10 +15,12 @@ _NEEDS = {
     "performance.moe_flex_dispatcher_backend": "a GPU and DeepEP (the deep_ep package; HybridEP: its hybrid-ep build)",
     "performance.cuda_graph_impl": "a GPU (CUDA graphs)",
     "performance.cuda_graph_scope": "a GPU (CUDA graphs)",
+    "performance.cpu_offloading_num_layers": "a GPU (offloads activations to pinned host memory on CUDA streams)",
     "performance.fine_grained_activation_offloading": "a GPU (offloads to pinned host memory on CUDA streams)",
     "performance.offload_modules": "a GPU (offloads to pinned host memory on CUDA streams)",
     "performance.overlap_moe_expert_parallel_comm": "a GPU (overlaps on CUDA streams)",
     "performance.moe_shared_expert_overlap": "a GPU (overlaps on CUDA streams)",
+    "performance.cross_entropy_fusion_impl": "a GPU (the fused cross entropy; te: Transformer Engine's)",
     "performance.fp4_recipe": "Transformer Engine on a Blackwell GPU (NVFP4 GEMMs)",
 }
 
@@ -63,6 +65,14 @@ def performance_rules(r: Report, *, model: ModelConfig, performance: Performance
     if perf.moe_shared_expert_overlap and "shared_experts" in (m.recompute_modules or ()):
         r.error(("performance.moe_shared_expert_overlap", "model.recompute_modules"), "Megatron-Core cannot recompute "
                 "the shared experts while overlapping them (recompute_modules shared_experts)", "drop one of them")
+    n = perf.cpu_offloading_num_layers
+    if n is not None and n >= max(1, m.num_layers):  # below 1: its declared range
+        r.error("performance.cpu_offloading_num_layers", f"performance.cpu_offloading_num_layers={n} must be less "
+                f"than the model's {m.num_layers} layers", "set it in that range, or to null")
+    if n and perf.fine_grained_activation_offloading:
+        r.error(("performance.cpu_offloading_num_layers", "performance.fine_grained_activation_offloading"),
+                "Megatron-Core offloads activations one way at a time: layer-wise (cpu_offloading_num_layers) or "
+                "fine-grained", "set one of them")
     if perf.fp4_recipe and m.fp8:
         r.error(("performance.fp4_recipe", "model.fp8"), "performance.fp4_recipe and model.fp8 both choose the GEMM "
                 "precision", "set one of them")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 ALL = ["performance.moe_flex_dispatcher_backend=deepep", "performance.cuda_graph_impl=transformer_engine",
        "performance.cuda_graph_scope=[attn,moe_router]", "performance.fine_grained_activation_offloading=true",
        "performance.offload_modules=[core_attn,expert_fc1]", "performance.overlap_moe_expert_parallel_comm=true",
-       "performance.fp4_recipe=nvfp4"]
+       "performance.fp4_recipe=nvfp4", "performance.cross_entropy_fusion_impl=te"]
 MOE = ["tiny_moe", "data.mock=true", "parallel.expert=2", "train.precision=bf16", "train.global_batch_size=16"]
 
 
@@ -55,7 +55,7 @@ def test_passed_to_megatron_core_transformer_config():
     from model_providers.core.builder import transformer_config
     from model_providers.core.model_plan import model_plan
 
-    cfg = load_config("tiny_moe", ["data.mock=true", "parallel.expert=2", *ALL[:5], ALL[6]])
+    cfg = load_config("tiny_moe", ["data.mock=true", "parallel.expert=2", *ALL[:5], *ALL[6:]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tc = transformer_config(model_plan(cfg), derive_layout(cfg, 2, on_gpu=False, te=False))
@@ -63,11 +63,21 @@ def test_passed_to_megatron_core_transformer_config():
     assert tc.cuda_graph_impl == "transformer_engine"
     assert tc.fine_grained_activation_offloading and list(tc.offload_modules) == ["core_attn", "expert_fc1"]
     assert (tc.fp4, tc.fp4_recipe) == ("e2m1", "nvfp4")
+    assert tc.cross_entropy_fusion_impl == "te"
+    offload = load_config("tiny_moe", ["data.mock=true", "performance.cpu_offloading_num_layers=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tc = transformer_config(model_plan(offload), derive_layout(offload, 1, on_gpu=False, te=False))
+    assert (tc.cpu_offloading, tc.cpu_offloading_num_layers, tc.cpu_offloading_weights) == (True, 1, False)
 
 
 def test_the_planner_counts_them():
-    """Qwen3-30B-A3B, EP16 over 2 nodes of H100: DeepEP sends one copy per destination node (fewer bytes on the
-    network), the A2A overlap hides the all-to-all behind compute, CUDA graphs shrink the host's launch time."""
+    """Qwen3-30B-A3B, EP16 over 2 nodes of H100 (micro batch 1, 64 microbatches): DeepEP sends one copy per destination
+    node over the network (and every copy over NVLink), the A2A overlap hides the all-to-all behind another
+    microbatch's compute but for the first forward and last backward and slows that compute by the SMs the
+    communication holds, CUDA graphs shrink the host's launch time."""
+    from pretrain.planner.constants import value
+
     base = ["model.fp8=tensorwise", "parallel.pipeline=1", "parallel.expert=16", "train.global_batch_size=1024"]
 
     def cost(*extra: str) -> dict:
@@ -77,9 +87,19 @@ def test_the_planner_counts_them():
     deepep = cost("performance.moe_flex_dispatcher_backend=deepep")
     overlap = cost("performance.overlap_moe_expert_parallel_comm=true")
     graphs = cost("performance.cuda_graph_impl=transformer_engine")
-    # 8 of 16 experts on the other node: 4 of 8 copies leave it, DeepEP sends 1 − (1/2)^8 of one per token instead.
-    assert deepep["ep_comm_s"] == pytest.approx(plain["ep_comm_s"] * (1 - 0.5 ** 8) / 4, rel=1e-6)
-    assert overlap["ep_exposed_s"] == pytest.approx(max(0.0, plain["ep_comm_s"] - plain["compute_s"]))
-    assert graphs["host_s"] == pytest.approx(plain["host_s"] * 1.5 / 12)
+    # Per MoE layer and microbatch: 4096 tokens, top-8, hidden 2048, bf16, dispatch + combine forward and backward.
+    per_copy, layers, microbatches = 4 * 4096 * 2048 * 2, 48, 64
+    nv, net = 450e9 * value("nvlink_a2a_efficiency"), 50e9 * value("network_efficiency")
+    # 8 of 16 experts on the other node: 4 of 8 copies leave it (the other 4 and 3.5 of the rest over NVLink)...
+    plain_s = max(per_copy * 8 * (15 / 16 - 0.5) / nv, per_copy * 4 / net)
+    assert plain["ep_comm_s"] == pytest.approx(layers * microbatches * plain_s, rel=1e-6)
+    # ... DeepEP sends 1 − (1/2)^8 of one per token there, every copy crossing NVLink once.
+    deepep_s = max(per_copy * 8 * 15 / 16 / nv, per_copy * (1 - 0.5 ** 8) / net)
+    assert deepep["ep_comm_s"] == pytest.approx(layers * microbatches * deepep_s, rel=1e-6)
+    comm, comp = plain["ep_comm_s"] * (1 - 1 / 64), plain["compute_s"] * (1 - 1 / 64)
+    f = 32 / 132  # NCCL's all-to-all thread blocks of the H100's 132 SMs
+    expected = plain["ep_comm_s"] / 64 + max(0.0, comm - comp) + min(comm, comp) * f / (1 - f)
+    assert overlap["ep_exposed_s"] == pytest.approx(expected, rel=1e-6)
+    assert graphs["host_s"] == pytest.approx(plain["host_s"] * value("launch_us_cuda_graphs") / value("launch_us"))
     print(f"step s: plain {plain['step_s']:.1f}, DeepEP {deepep['step_s']:.1f}, A2A overlap {overlap['step_s']:.1f}, "
           f"CUDA graphs {graphs['step_s']:.1f}")

@@ -1,0 +1,143 @@
+"""The planner on 2026 hardware and Megatron-Bridge's published table (`benchmarks/planner_vs_published.py --table`):
+the GPU table (datasheet peaks per precision, the NVLink domain), a collective's link by whether its group stays inside
+one NVLink domain, the harness on rows of the published table (an NVL72 row, a placement the planner picks, a model we
+do not support), its `--json` format, and the shipped DeepSeek-V3 B200 launch script against its published run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import load_config
+from pretrain.observe.flops import PEAK_TFLOPS, gpu_key
+from pretrain.planner.hardware import GPUS, nvlink_domain
+from pretrain.planner.plan import make_plan
+from pretrain.planner.published_table import TABLE, Harness, plan_row, read_table
+from tests.cli import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("planner_vs_published", ROOT / "benchmarks/planner_vs_published.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_table_knows_the_2026_gpus():
+    """Dense peaks per precision from the datasheets (a rack's or node's sparse / dense figures per GPU), the NVLink
+    domain of an NVL72 rack whatever the node, and `plan --gpu gb300` on a 4-GPU compute tray."""
+    # GB200 NVL72: 360 / 720 / 1,440 PFLOPS BF16 / FP8 / FP4 with sparsity for 72 GPUs; GB300 NVL72 1,080 PF dense FP4;
+    # HGX B300: 108 PF dense FP4 for 8 GPUs; DGX B200: 144 PF sparse FP4 for 8.
+    assert PEAK_TFLOPS["gb200"] == {"bf16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "nvfp4": 10000.0}
+    assert PEAK_TFLOPS["gb300"]["nvfp4"] == 1_080_000 / 72 and PEAK_TFLOPS["b300"]["nvfp4"] == 108_000 / 8
+    assert PEAK_TFLOPS["b200"]["nvfp4"] == 144_000 / 8 / 2
+    assert "mxfp8" not in PEAK_TFLOPS["h100"]  # Hopper has no MX tensor cores
+    assert [gpu_key(f"NVIDIA {n}") for n in ("GB200", "B200", "GB300")] == ["gb200", "b200", "gb300"]
+    assert nvlink_domain("gb200", 4) == 72 and nvlink_domain("b200", 8) == 8 and nvlink_domain("h100", 4) == 4
+    assert GPUS["gb200"].memory_gib == pytest.approx(189471 / 1024 - 0.66, abs=0.05)  # nvidia-smi's 189,471 MiB
+    out = run_cli("pretrain", ["plan", "qwen3_30b_a3b", "data.mock=true", "model.fp8=mxfp8", "parallel.pipeline=1",
+                               "parallel.expert=8", "train.micro_batch_size=4", "train.global_batch_size=512",
+                               "--nodes", "2", "--gpus-per-node", "4", "--gpu", "gb300", "--json"], cwd=ROOT)
+    assert out.rc == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["gpu"] == "gb300" and plan["layout"]["gemm_precision"] == "mxfp8" and plan["fits"]
+    assert plan["throughput"]["peak_tflops"] == 5000.0
+
+
+def test_a_group_inside_the_nvlink_domain_talks_over_nvlink():
+    """GPT-OSS-120B at EP64 on 64 GPUs: on GB200 (16 trays of 4, one NVL72 rack) the token all-to-all stays on
+    NVLink; on B200 (8 nodes of 8) 7 of 8 of each token's copies leave the node over the network. The same bytes:
+    per MoE layer and microbatch 4 · (4 × 4096 tokens) · top-4 · hidden 2880 · 2 bytes, 63/64 of them sent."""
+    from pretrain.planner.constants import value
+
+    overrides = ["data.mock=true", "parallel.pipeline=1", "parallel.expert=64", "train.micro_batch_size=4",
+                 "train.global_batch_size=1280", "model.recompute_granularity=null", "model.recompute_modules=null"]
+    cfg = load_config("gpt_oss_120b", overrides)
+    nvl72 = make_plan(cfg, 16, 4, "gb200")["cost_model"]
+    dgx = make_plan(cfg, 8, 8, "b200")["cost_model"]
+    per_copy, layers, microbatches = 4 * (4 * 4096) * 2880 * 2, 36, 5
+    nv = 900e9 * value("nvlink_a2a_efficiency")
+    assert nvl72["ep_comm_s"] == pytest.approx(layers * microbatches * per_copy * 4 * 63 / 64 / nv, rel=1e-6)
+    net = 50e9 * value("network_efficiency")
+    off, on = per_copy * 4 * 7 / 8, per_copy * 4 * (63 / 64 - 7 / 8)
+    assert dgx["ep_comm_s"] == pytest.approx(layers * microbatches * max(on / nv, off / net), rel=1e-6)
+
+
+# Rows of the published table (benchmarks/megatron_bridge_pretraining.tsv, 0-based among its data rows).
+LLAMA8B_GB300 = 160  # 25.11, 8 GPUs of a GB300 NVL72 rack: two 4-GPU trays, one NVLink domain
+LLAMA405B_GB300 = 7  # 26.04.01: 126 layers on PP8 x VP4: the planner places them (embedding and loss in the split)
+NEMOTRON_NANO = 34  # a family this branch does not ship yet
+DSV3_H100_MXFP8 = 217  # 25.09 lists MXFP8 on H100, which has no MX tensor cores
+
+
+def test_harness_plans_rows_of_the_published_table():
+    rows = read_table(TABLE)
+    assert len(rows) == 220
+    harness = Harness.load()
+    nvl72 = plan_row(rows[LLAMA8B_GB300], harness)
+    assert nvl72.refused is None and nvl72.fits and abs(nvl72.ratio - 1) <= 0.15, nvl72
+    assert abs(nvl72.flops_per_token / nvl72.published_flops_per_token - 1) <= 0.03
+    placed = plan_row(rows[LLAMA405B_GB300], harness)
+    assert placed.placement == "embedding and loss in the split" and placed.fits and abs(placed.ratio - 1) <= 0.15
+    refused = plan_row(rows[NEMOTRON_NANO], harness)
+    assert refused.refused == "model not supported yet: no shipped config pretrain/configs/nemotron3_nano.yaml"
+    assert refused.json() == {"row": NEMOTRON_NANO, "predicted_tokens_per_s_per_gpu": None, "fits": None,
+                              "flops_per_token": None, "refused": refused.refused}
+    hopper = plan_row(rows[DSV3_H100_MXFP8], harness)
+    assert hopper.refused.startswith("h100 has no MXFP8 tensor cores")
+
+
+TSV = """# a table in the published format: comment lines first, then the header
+container\tmodel\tvariant\tpreset\tsystem\tgpus\tprecision\tgbs\tmbs\tseq\tfsdp\ttp\tpp\tcp\tvp\tep\ttokens_per_s_per_gpu\tmodel_tflops_per_gpu
+25.11\tLLAMA3_8B\t-\tllama3_8b\tgb300\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t37556\t1933
+26.04\tNemotron_3_Nano\t-\tnemotron3_nano\tgb300\t8\tmxfp8\t512\t4\t8192\t0\t1\t1\t1\t-\t8\t38102\t849
+26.04\tGPT OSS 120B\t-\tgpt_oss_120b\th100\t64\tbf16\t1280\t1\t4096\t0\t1\t4\t1\t-\t8\t5810\t158
+"""
+
+
+def test_json_prints_one_object_per_data_row(tmp_path, capsys):
+    """`--table FILE --json`: one object per data row, exactly row / predicted_tokens_per_s_per_gpu / fits /
+    flops_per_token / refused; FLOPs per token as Megatron-Bridge publishes them (its TFLOP/s over tokens/s)."""
+    table = tmp_path / "runs.tsv"
+    table.write_text(TSV)
+    assert _benchmark().main(["--table", str(table), "--json"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    objs = [json.loads(line) for line in lines]
+    assert [o["row"] for o in objs] == [0, 1, 2]
+    assert all(set(o) == {"row", "predicted_tokens_per_s_per_gpu", "fits", "flops_per_token", "refused"} for o in objs)
+    llama, nemotron, gpt_oss = objs
+    assert llama["refused"] is None and llama["fits"] is True
+    assert llama["flops_per_token"] == pytest.approx(1933e12 / 37556, rel=0.03)
+    assert gpt_oss["flops_per_token"] == pytest.approx(158e12 / 5810, rel=0.03)  # Megatron-Bridge's GPT-OSS count
+    assert nemotron["refused"].startswith("model not supported yet")
+    assert nemotron["predicted_tokens_per_s_per_gpu"] is None
+    table.write_text("container\tmodel\n26.04\tLLAMA3_8B\n")
+    assert _benchmark().main(["--table", str(table)]) == 2
+    assert "the header lacks" in capsys.readouterr().err
+
+
+def _launch_overrides(script: str, **env: str) -> list[str]:
+    done = subprocess.run(["bash", str(ROOT / "launch" / script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "LAUNCH_PRINT_OVERRIDES": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_shipped_deepseek_v3_b200_launch_script_against_its_published_run():
+    """`launch/pretrain_deepseek_v3.sh` (B200: PP8 VP2 `Et*4|(t*4|)*14tmL` EP32, MXFP8, recompute of MLA's
+    up-projections and the dense MLPs, DeepEP, the EP all-to-all overlap, CUDA graphs), every setting it ships,
+    planned on 32 nodes of 8 B200: within ±15% of Megatron-Bridge's published 3,328 tokens/s/GPU, and fitting."""
+    config, *overrides = _launch_overrides("pretrain_deepseek_v3.sh")
+    assert "performance.overlap_moe_expert_parallel_comm=true" in overrides
+    plan = make_plan(load_config(config, [*overrides, "data.mock=true"]), 32, 8, "b200")
+    predicted = plan["cost_model"]["tokens_per_s_per_gpu"]
+    print(f"DeepSeek-V3 B200 launch script: {predicted:,.0f} tokens/s/GPU (published 3,328), "
+          f"{plan['memory_gib']['total']:.1f} GiB, margin {plan['margin_gib']:+.1f}")
+    assert abs(predicted / 3328 - 1) <= 0.15 and plan["fits"]
