@@ -53,14 +53,14 @@ def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate
     """Resolve `cfg` for `world_size` ranks once: the data plan (blends parsed), the tokenizer, the model plan, then
     validation (which derives the layout with the tokenizer's vocabulary and checks the three). Never raises for
     config problems: they are in `plan.problems`."""
-    from pretrain.validate import check
+    from pretrain.validate import check_planned
 
     data = data_plan(cfg)
     RESOLUTIONS["tokenizer"] += 1
     tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
     model = model_plan(cfg)
-    problems, layout = check(cfg, world_size, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, data=data,
-                             model=model, data_files=data_files, **validate_kwargs)
+    problems, layout = check_planned(cfg, world_size, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, data=data,
+                                     model=model, data_files=data_files, **validate_kwargs)
     return RunPlan(cfg=cfg, world_size=world_size, layout=layout, tokenizer=tokenizer, data=data,
                    problems=problems, model=model)
 

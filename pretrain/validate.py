@@ -42,14 +42,28 @@ def validate(cfg: Config, world_size: int, **kwargs) -> Report:
     return check(cfg, world_size, **kwargs)[0]
 
 
-def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
-          files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
-          vocab_size: int | None = None, tokenizer=None, data=None, model=None) -> tuple[Report, Layout | None]:
+def check(cfg: Config, world_size: int, *, tokenizer=None, data=None, model=None,
+          **kwargs) -> tuple[Report, Layout | None]:
+    """`check_planned` for a caller without a run plan (the planner, the HF import, tools): the data plan, the
+    model plan and (with `files`) the tokenizer decided here, as `pretrain.run_plan.resolve` decides them."""
+    from model_providers.core.model_plan import model_plan
+    from pretrain.data.plan import data_plan
+    from pretrain.tokenizer.choice import decide
+
+    data, model = data or data_plan(cfg), model or model_plan(cfg)
+    if tokenizer is None and kwargs.get("files", True):
+        tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
+    return check_planned(cfg, world_size, tokenizer=tokenizer, data=data, model=model, **kwargs)
+
+
+def check_planned(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
+                  files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
+                  vocab_size: int | None = None, tokenizer=None, data=None,
+                  model=None) -> tuple[Report, Layout | None]:
     """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
     sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`, `data`, `model`: the tokenizer's
     vocabulary, its `TokenizerPlan`, the `DataPlan` and the `ModelPlan`, resolved once by `pretrain.run_plan` (the
-    rules decide, parse and load none of them again; they are made here for a caller without them, e.g. the
-    planner).
+    rules decide, parse and load none of them again; `check` makes them for a caller without a run plan).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -71,14 +85,6 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
                             vocab_size=vocab_size, tokenizer=tokenizer, data=data, model=model), None
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
-    if data is None or model is None or tokenizer is None:  # a caller without a run plan (the planner, tools)
-        from model_providers.core.model_plan import model_plan
-        from pretrain.data.plan import data_plan
-        from pretrain.tokenizer.choice import decide
-
-        data, model = data or data_plan(cfg), model or model_plan(cfg)
-        if tokenizer is None and files:
-            tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
     r = Report(world_size)
     out_of_range = range_rules(r, cfg)  # every numeric key against its declared range, first
     lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, performance_rules,
@@ -120,8 +126,9 @@ def run_rule(rule, r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) 
 def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     """The job checked as on GPUs with Transformer Engine (a login node validating a cluster job); the problems
     this machine alone has (no CUDA, no TE: the local spec, gloo) are notes, not errors."""
-    report = validate(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)
-    here = validate(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False, versions=kwargs["versions"])
+    report = check_planned(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)[0]
+    here = check_planned(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False,
+                         versions=kwargs["versions"], data=kwargs["data"], model=kwargs["model"])[0]
     on_gpus = {str(p) for p in report.errors}
     report.megatron_verdicts += here.megatron_verdicts  # stored with the report's own
     report.notes.extend(f"this machine's layout: {n}" for n in here.notes if n.startswith("Megatron-Core's own checks"))
