@@ -21,6 +21,7 @@ from pretrain.layout import Layout, LayoutError, derive_layout, te_available
 from pretrain.problems import Problem, Report, ValidationFailed
 from pretrain.rules.bounds import bounds_rules, range_rules
 from pretrain.rules.context import context_rules
+from pretrain.rules.hybrid import hybrid_rules
 from pretrain.rules.megatron import megatron_config_rules, megatron_data_rules
 from pretrain.rules.mla import blockwise_fp8_rules, deepseek_moe_rules, mla_rules, mtp_rules
 from pretrain.rules.model import length_problems, model_rules, precision_rules
@@ -96,7 +97,7 @@ def check_planned(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None
             pass
         rules = [layout_rules, moe_rules, deepseek_moe_rules, mla_rules, mtp_rules, blockwise_fp8_rules, model_rules,
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
-                 sink_rules, glu_bias_yarn_rules, bounds_rules]
+                 sink_rules, glu_bias_yarn_rules, hybrid_rules, bounds_rules]
     if files:
         rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer, data_plan=data))
     for rule in rules:

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions, windows
+from model_providers.core import fusions, hybrid, mamba_builder, windows
 from model_providers.core.knobs import FP8, GPT, MLA, MOE, MTP, TC, YARN, mcore_kwargs
 from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
@@ -34,8 +34,8 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
     Every model field declared as feeding `TransformerConfig` (`knob(mcore=TC)`, `pretrain/sections/model.py`) is
     passed under its Megatron-Core name (`mcore_kwargs`); the values the run derives come from the named functions
     below, which take precedence: `shape_fields`, `parallel_fields`, `numerics_fields`, `fusion_fields`,
-    `window_fields`, `fp8_fields`, `moe_config`, `mla_config`, `yarn_fields`, and the performance section's
-    `performance_kwargs`.
+    `window_fields`, `fp8_fields`, `moe_config`, `mla_config`, `yarn_fields`, the performance section's
+    `performance_kwargs`, and a hybrid Mamba model's `mamba_builder.hybrid_fields`.
 
     `plan`: the run's `ModelPlan` (`RunPlan.model`); `layout`: its `pretrain.layout.Layout` (derived facts: sizes,
     precision, spec choice, shape defaults).
@@ -56,6 +56,8 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
         kwargs.update(performance_kwargs(perf, layout.moe, set(TransformerConfig.__dataclass_fields__)))
     if m.mtp_num_layers:
         kwargs.update(mcore_kwargs(m, MTP))
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
+        kwargs.update(mamba_builder.hybrid_fields(m))
     kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
     if m.multi_latent_attention:
         return MLATransformerConfig(**{**kwargs, **mla_config(m)})
@@ -149,6 +151,10 @@ def _activation(name: str):
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         return quick_gelu
+    if name == "squared_relu":
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
     return F.silu if name == "silu" else F.gelu
 
 
@@ -202,14 +208,20 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
     chunks = []
     for vp_stage in range(layout.vp):
         stage = vp_stage if layout.virtual_pipeline else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        if hybrid.is_hybrid(m):  # MambaModel's arguments: the fields declared mcore=HYBRID_MODEL
+            model = mamba_builder.hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
+            chunks.append(_finish(model, layout, vocab_size, padded))
+            continue
         packed = plan.packed_documents
         model = GPTModel(
             config=config,
             transformer_layer_spec=decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
             mtp_block_spec=mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed),
             vocab_size=padded,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=pre,
+            post_process=post,
             vp_stage=stage,
             **gpt_model_fields(m),
         )
@@ -219,17 +231,22 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
             # Megatron creates this torch.nn.Embedding in fp32 (Megatron-LM casts it with Float16Module,
             # which this trainer does not use): in bf16 it would promote the hidden states to fp32.
             model.embedding.position_embeddings.to(dtype=config.params_dtype)
-        if layout.on_gpu:
-            model.cuda(torch.cuda.current_device())
-        if model.post_process and padded > vocab_size:
-            mask_padded_logits(model, vocab_size, padded)
-        chunks.append(model)
+        chunks.append(_finish(model, layout, vocab_size, padded))
     if config.num_moe_experts:
         mark_expert_parameters(chunks)
     if config.softmax_type == "learnable":
         mark_sink_parameters(chunks)
     initialize_layout_invariant(chunks, plan, vocab_size, padded)
     return chunks
+
+
+def _finish(model, layout: Any, vocab_size: int, padded: int):
+    """A built chunk on its device, with the vocabulary padding masked in its logits."""
+    if layout.on_gpu:
+        model.cuda(torch.cuda.current_device())
+    if model.post_process and padded > vocab_size:
+        mask_padded_logits(model, vocab_size, padded)
+    return model
 
 
 def gpt_model_fields(m) -> dict:
@@ -399,8 +416,9 @@ def _full_shape(param: torch.Tensor, gname: str) -> tuple[list[int], int | None,
 
 def _std_for(gname: str, m) -> float:
     std = m.init_method_std
-    if gname.endswith("linear_proj.weight") or gname.endswith("linear_fc2.weight"):
-        return std / math.sqrt(2.0 * m.num_layers)  # Megatron's scaled output init
+    if gname.endswith(("linear_proj.weight", "linear_fc2.weight", ".mixer.out_proj.weight")):
+        # Megatron's scaled output init: std / sqrt(2 · layers), of a hybrid model (is_hybrid_model) / sqrt(layers)
+        return std / math.sqrt((1.0 if hybrid.is_hybrid(m) else 2.0) * m.num_layers)
     return std
 
 
@@ -408,13 +426,20 @@ def _is_glu_fc1(gname: str, m) -> bool:
     return m.gated_linear_unit and ".linear_fc1." in gname
 
 
-def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, glu: bool) -> torch.Tensor:
-    """This TP rank's shard. A gated fc1 is [gate; up] on every rank, so shard each half."""
-    if not glu:
+def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, parts: list[int] | None) -> torch.Tensor:
+    """This TP rank's shard. A tensor of `parts` (full sizes along `dim`) holds every part's shard on every rank
+    (a gated fc1 is [gate; up]; Mamba's in_proj [z; x; B; C; dt]), so shard part by part."""
+    if not parts:
         return full.narrow(dim, rank * size, size)
-    gate, up = full.chunk(2, dim=dim)
-    half = size // 2
-    return torch.cat([gate.narrow(dim, rank * half, half), up.narrow(dim, rank * half, half)], dim=dim)
+    tp = full.shape[dim] // size
+    shards = [p.narrow(dim, rank * (n // tp), n // tp) for p, n in zip(full.split(parts, dim=dim), parts)]
+    return torch.cat(shards, dim=dim)
+
+
+def _tp_parts(gname: str, m, full_rows: int) -> list[int] | None:
+    if _is_glu_fc1(gname, m):
+        return [full_rows // 2, full_rows // 2]
+    return mamba_builder.tp_parts(gname, m) if hybrid.is_hybrid(m) else None
 
 
 @torch.no_grad()
@@ -432,7 +457,7 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
             gname = names[local]
             full_shape, dim, rank = _full_shape(param, gname)
             is_norm = param.dim() == 1 and _NORM_RE.search(gname) is not None
-            if gname.endswith("bias"):
+            if gname.endswith("bias") and not gname.endswith(".dt_bias"):  # Mamba's dt_bias is drawn below
                 param.zero_()
                 continue
             if is_norm:
@@ -440,7 +465,11 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
                 continue
             gen = torch.Generator(device=param.device)
             gen.manual_seed(_seed_for(seed, gname))
-            if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            special = mamba_builder.initial_value(gname, full_shape, gen, m, param.device) \
+                if hybrid.is_hybrid(m) else None
+            if special is not None:
+                full = special
+            elif gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 rows = torch.empty([vocab_size, *full_shape[1:]], dtype=torch.float32, device=param.device)
                 rows.normal_(0.0, _std_for(gname, m), generator=gen)
                 full = torch.zeros(full_shape, dtype=torch.float32, device=param.device)
@@ -449,5 +478,5 @@ def initialize_layout_invariant(chunks: list[GPTModel], plan: ModelPlan, vocab_s
                 full = torch.empty(full_shape, dtype=torch.float32, device=param.device)
                 full.normal_(0.0, _std_for(gname, m), generator=gen)
             if dim is not None:
-                full = _tp_slice(full, dim, rank, param.shape[dim], glu=_is_glu_fc1(gname, m))
+                full = _tp_slice(full, dim, rank, param.shape[dim], _tp_parts(gname, m, full.shape[dim]))
             param.copy_(full.to(param.dtype))

@@ -71,6 +71,9 @@ MLA = Feed("MLATransformerConfig")  # only with Multi-Latent Attention
 YARN = Feed("TransformerConfig", when="yarn")  # set on the built config (Megatron-Core reads yarn_* attributes)
 QK_CLIP = Feed("TransformerConfig", when="qk_clip")  # only with optimizer.muon.qk_clip
 GPT = Feed("GPTModel")  # GPTModel's own arguments
+HYBRID = Feed("TransformerConfig", when="hybrid")  # only for a hybrid Mamba model (model.hybrid_layer_pattern)
+HYBRID_MODEL = Feed("MambaModel")  # MambaModel's own arguments (0.19's names; mamba_builder renames for 0.16.1-0.18)
+MIXER = Feed("MambaMixer")  # the Mamba-2 mixer's constructor arguments (its layer spec's params)
 OPT = Feed("OptimizerConfig")
 DDP = Feed("DistributedDataParallelConfig")
 DATASET = Feed("GPTDatasetConfig")

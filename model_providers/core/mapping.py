@@ -112,6 +112,18 @@ class MappingRule:
             return [n.format(i=layer[0], e=layer[1]) for n in self.hf]
         return [n.format(i=layer) for n in self.hf]
 
+    def storage_keys(self) -> list[str]:
+        """The checkpoint keys this rule's Megatron tensor is stored under (one, but for `SplitRows`)."""
+        return [self.megatron]
+
+    def join(self, ts: list[Tensor]) -> Tensor:
+        """The Megatron tensor from its stored pieces (`storage_keys` order)."""
+        return ts[0]
+
+    def split(self, t: Tensor) -> list[Tensor]:
+        """The stored pieces of the Megatron tensor `t` (`storage_keys` order)."""
+        return [t]
+
     def at(self, layer: int, hf_layer: int) -> MappingRule:
         """This template rule for one layer: `{i}` is `layer` in the Megatron key, `hf_layer` in the HF names."""
         return dataclasses.replace(self, megatron=self.megatron.replace("{i}", str(layer)),
@@ -325,7 +337,31 @@ class LayerExpertsGateUp(LayerExperts):
         return t.reshape(experts, rows // 2, 2, *rest).transpose(1, 2).reshape(experts, rows, *rest)
 
 
+@dataclass(frozen=True)
+class SplitRows(Copy):
+    """A tensor Megatron-Core's sharded state stores as several keys, `megatron` + "." + each part's name, one per
+    block of rows (`parts`: (name, rows) in order; each part split over TP on its own): Mamba's fused in-projection
+    (z, x, B, C, dt) and convolution (x, B, C). The HF side is the whole tensor, rows in the same order."""
+
+    parts: tuple[tuple[str, int], ...] = ()
+    op: ClassVar[str] = "split_rows"
+
+    def storage_keys(self) -> list[str]:
+        return [f"{self.megatron}.{name}" for name, _ in self.parts]
+
+    def join(self, ts):
+        import torch
+
+        if [t.shape[0] for t in ts] != [rows for _, rows in self.parts]:
+            raise ConversionError(f"'{self.megatron}' parts have {[t.shape[0] for t in ts]} rows, expected "
+                                  f"{[rows for _, rows in self.parts]}")
+        return torch.cat(ts, dim=0)
+
+    def split(self, t):
+        return list(t.split([rows for _, rows in self.parts], dim=0))
+
+
 RULES: dict[str, type[MappingRule]] = {
     cls.op: cls for cls in (Copy, Transpose, Vocab, QKV, GateUp, FusedQKV, FusedQKVBias, ExactCopy, Duplicate,
-                            LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp)
+                            LayerExperts, LayerExpertsTransposed, LayerExpertsGateUp, SplitRows)
 }

@@ -40,12 +40,15 @@ def _local_names(model) -> set[str]:
     if fsdp_format.is_fsdp(model):
         return {entry[0] for entry in fsdp_format.stored_names(fsdp_format.inner(model)[1]).values()}
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from pretrain.checkpoint.state import model_state
 
-    return {item.key for item in nested_values(model_state(model, is_loading=True))
-            if isinstance(item, (ShardedTensor, ShardedTensorFactory))}
+    # A factory is stored under the keys of the tensors it builds, which may differ from its own: Mamba's fused
+    # in_proj / conv1d are stored as one tensor per part (`...in_proj.weight.z`, `.x`, `.B`, `.C`, `.dt`).
+    state = model_state(model, is_loading=True)
+    apply_factories(state)  # views of the parameters, as the load itself builds them
+    return {item.key for item in nested_values(state) if isinstance(item, ShardedTensor)}
 
 
 def target_names(model) -> set[str]:

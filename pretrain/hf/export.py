@@ -50,11 +50,17 @@ def plan_export(family: str, tensors: dict, d: Dims, num_layers: int, expected: 
     used: set[str] = set()
     produced: set[str] = set()
     for rule in rules if rules is not None else get_family(family).mapping:
-        md = tensors.get(rule.megatron)
-        if md is None:
+        keys = rule.storage_keys()  # several for a tensor stored in parts (Mamba's in_proj: SplitRows)
+        stored = [tensors.get(k) for k in keys]
+        if stored[0] is None:
             continue
-        used.add(rule.megatron)
+        if None in stored:
+            raise ConversionError(f"checkpoint tensor '{keys[stored.index(None)]}' is missing (with '{keys[0]}')")
+        md = stored[0]
+        used.update(keys)
         shape = tuple(md.size)
+        if len(stored) > 1:
+            shape = tuple(rule.join([torch.empty(tuple(x.size), device="meta") for x in stored]).shape)
         layers = rule.indices(num_layers, d.num_experts)
         if rule.stack_dims:
             stack = rule.stack_shape(num_layers, d.num_experts)
@@ -215,7 +221,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         writer = ShardedSafetensorsWriter(staging, entries, max_shard_bytes, unquantized)
         bar = Progress(len(entries), sum(e.nbytes for e in entries), "to-hf", progress)
         for unit in units:
-            source = reader.read(unit.rule.megatron, unit.layer)
+            source = unit.rule.join([reader.read(key, unit.layer) for key in unit.rule.storage_keys()])
             outs = unit.rule.to_hf(source, d)
             for entry, tensor in zip(unit.entries, outs):
                 writer.write(entry.name, tensor.to(entry.dtype))

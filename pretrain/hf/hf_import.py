@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from model_providers import family_for_hf, get_family
+from model_providers.core import hybrid
 from model_providers.core.family import dims
 from model_providers.core.mapping import ConversionError, Duplicate, MappingRule
 from pretrain.hf import mxfp4
@@ -44,7 +45,7 @@ from pretrain.hf.writers import StreamingSavePlanner, writer_class
 
 # Megatron linear modules (`...linear_*.weight` in the mapping, MTP's `eh_proj`) carry an (empty) `_extra_state`
 # that the trainer's sharded state dict expects.
-_LINEAR_WEIGHT = (".linear_", ".eh_proj.")
+_LINEAR_WEIGHT = (".linear_", ".eh_proj.", ".mixer.in_proj.", ".mixer.out_proj.")
 
 
 def check_duplicate(rule: Duplicate, reader: HFReader) -> None:
@@ -183,20 +184,20 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             raise ConversionError(f"HF tensor '{names0[0]}': {exc}") from None
         tdtype = DTYPES[dtype] if dtype and not rule.keeps_dtype else reader.info[names0[0]][1]
         stack = rule.stack_shape(m.num_layers, d.num_experts)
-        global_shape = (*stack, *slice_shape)
         props = TensorProperties(dtype=tdtype)
+        pieces = [tuple(p.shape) for p in rule.split(torch.empty(slice_shape, device="meta"))]
         for layer in layers:
             names = _hf_names_in(rule, layer, reader.info)
             if names is None:
                 raise ConversionError(f"HF tensor '{rule.hf_names(layer)[0]}' is missing")
-            offsets = (*lead_offsets(layer), *[0] * len(slice_shape))
-            sizes = (*[1] * rule.stack_dims, *slice_shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            index = MetadataIndex(rule.megatron, torch.Size(offsets))
-            items.append(WriteItem(index=index, type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=props,
-                                                               size=torch.Size(global_shape))))
-            sources[(rule.megatron, tuple(offsets))] = (rule, names, sizes, tdtype)
+            for part, (key, piece) in enumerate(zip(rule.storage_keys(), pieces)):  # one key, or its parts
+                offsets = (*lead_offsets(layer), *[0] * len(piece))
+                sizes = (*[1] * rule.stack_dims, *piece)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items.append(WriteItem(index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                                   size=torch.Size((*stack, *piece)))))
+                sources[(key, tuple(offsets))] = (rule, names, sizes, tdtype, part)
     extra = io.BytesIO()
     torch.save([None], extra)
     for rule in rules:
@@ -209,6 +210,8 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
             shard = f"shard_{'.'.join(map(str, lead_offsets(layer) or (0,)))}_{'.'.join(map(str, stack))}"
             key = f"{rule.megatron.removesuffix('.weight')}._extra_state/{shard}"
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+    if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel keeps its output layer's extra state (GPTModel drops it)
+        items.append(WriteItem(index=MetadataIndex("output_layer._extra_state/shard_0_1"), type=WriteItemType.BYTE_IO))
     total_bytes = sum(int(torch.Size(s[2]).numel()) * torch.empty((), dtype=s[3]).element_size()
                       for s in sources.values())
     bar = Progress(len(sources), total_bytes, "from-hf", progress)
@@ -216,8 +219,9 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     def resolve(item):
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(extra.getvalue())
-        rule, names, sizes, tdtype = sources[(item.index.fqn, tuple(item.index.offset))]
-        tensor = rule.from_hf([reader.read(n) for n in names], d).to(tdtype).reshape(sizes).contiguous()
+        rule, names, sizes, tdtype, part = sources[(item.index.fqn, tuple(item.index.offset))]
+        tensor = rule.split(rule.from_hf([reader.read(n) for n in names], d))[part]
+        tensor = tensor.to(tdtype).reshape(sizes).contiguous()
         bar.update(tensor.nbytes)
         return tensor
 

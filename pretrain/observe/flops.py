@@ -27,12 +27,16 @@ P = h·r_q + r_q·a·(d_qk + d_pe) (or h·a·(d_qk + d_pe) without q LoRA) + h·
 a·d_v·h, plus the causal scores s·a·(d_qk + d_pe + d_v)/(4h²). Multi-Token Prediction adds, per MTP layer, a
 transformer layer like the last, its input projection (2h → h: 1) and another output GEMM (V/(2h)), as
 Megatron-LM counts them (they run every step).
+
+Hybrid Mamba models (`model.hybrid_layer_pattern`): Megatron-LM's hybrid accounting, per layer kind
+(`model_providers.core.hybrid.flops_per_token`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from model_providers.core import hybrid
 from model_providers.core.windows import mean_attended_keys
 
 # Dense peak TFLOP/s per GPU (no sparsity), from the vendors' datasheets (SXM parts; GB200/GB300: one GPU of an NVL72
@@ -80,6 +84,8 @@ def _moe_pattern(m: Any) -> list[bool]:
 def flops_per_token(model_cfg: Any, padded_vocab: int) -> float:
     """Training FLOPs per token (forward + backward) for the config's model."""
     m = model_cfg
+    if hybrid.is_hybrid(m):  # Megatron's hybrid-model accounting (model_providers/core/hybrid.py)
+        return hybrid.flops_per_token(m, padded_vocab)
     h, L = m.hidden_size, m.num_layers
     a = m.num_attention_heads
     g = m.num_query_groups or a

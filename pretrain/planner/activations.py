@@ -14,9 +14,11 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from model_providers.core import hybrid
 from model_providers.core.fusions import bias_activation_fusion
 from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
+from pretrain.planner import mamba
 from pretrain.planner.census import is_moe_layer
 from pretrain.planner.context import (
     cpu_attention_terms,
@@ -202,6 +204,8 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
     m = cfg.model
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
+    if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py)
+        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms)
     out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
     if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
         out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers
@@ -367,6 +371,8 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
             live[chunk] -= 1
             current -= per_mb[chunk]
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
+    if hybrid.is_hybrid(m):  # a Mamba scan's chunk states while it runs
+        transient += mamba.scan_states(m, lay)
     gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
     if uses_cpu_cp_attention(cfg, lay):
         gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs

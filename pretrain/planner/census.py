@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from model_providers.core import hybrid
 from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout, expert_tensor_size
+from pretrain.planner import mamba
 from pretrain.planner.common import layout_of
 
 
@@ -99,6 +101,19 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     return out
 
 
+def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int) -> list[Param]:
+    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol: a Mamba mixer and its norm
+    (`pretrain.planner.mamba`), or the attention / MLP / MoE half of a decoder layer with its norm."""
+    pre = f"decoder.layers.{index}"
+    kind = m.hybrid_layer_pattern[global_index]
+    if kind == hybrid.MAMBA:
+        return [Param(n, k, linear=g) for n, k, g in mamba.mixer_parameters(m, lay, pre)] + \
+            _norm_params(f"{pre}.norm", m)
+    model = m if kind == hybrid.MOE else replace(m, num_moe_experts=None)
+    keep = ("input_layernorm", "self_attention") if kind == hybrid.ATTENTION else ("pre_mlp_layernorm", ".mlp.")
+    return [p for p in layer_parameters(model, lay, index, global_index=global_index) if any(k in p.name for k in keep)]
+
+
 def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     """An MoE layer's router (replicated) and this rank's experts (E / EP of them, split over expert TP), in
     the registration order of Megatron-Core's `SequentialMLP` (TE's grouped GEMM holds the same elements)."""
@@ -107,6 +122,10 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     out = [Param(f"{pre}.mlp.router.weight", m.num_moe_experts * h)]
     if m.add_bias_linear:
         out.append(Param(f"{pre}.mlp.router.bias", m.num_moe_experts))
+    if m.moe_latent_size:  # LatentMoE: h → latent before the experts, latent → h after (duplicated over TP)
+        out += [Param(f"{pre}.mlp.fc1_latent_proj.weight", m.moe_latent_size * h, linear=True),
+                Param(f"{pre}.mlp.fc2_latent_proj.weight", h * m.moe_latent_size, linear=True)]
+        h = m.moe_latent_size  # the experts' input and output width
     fc1 = (2 if m.gated_linear_unit else 1) * fe // etp
     for j in range(m.num_moe_experts // lay.ep):
         e = f"{pre}.mlp.experts.local_experts.{j}"
@@ -116,7 +135,7 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
         out.append(Param(f"{e}.linear_fc2.weight", h * fe // etp, linear=True, expert=True))
         if m.add_bias_linear:
             out.append(Param(f"{e}.linear_fc2.bias", h, expert=True))
-    shared = m.moe_shared_expert_intermediate_size
+    shared, h = m.moe_shared_expert_intermediate_size, m.hidden_size
     if shared:  # shared experts: one dense MLP, split over TP like the attention
         fs = (2 if m.gated_linear_unit else 1) * shared // lay.tp
         out += [Param(f"{pre}.mlp.shared_experts.linear_fc1.weight", fs * h, linear=True),
@@ -153,9 +172,10 @@ def chunk_parameters(m: ModelConfig, lay: Layout, padded_vocab: int, pp_rank: in
                              (m.max_position_embeddings or m.seq_length) * m.hidden_size))
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     for i in range(per_chunk):
-        out += layer_parameters(m, lay, i, global_index=offset + i)
+        out += hybrid_layer_parameters(m, lay, i, offset + i) if hybrid.is_hybrid(m) else \
+            layer_parameters(m, lay, i, global_index=offset + i)
     if post:
-        out += _norm_params("decoder.final_layernorm", m)
+        out += _norm_params("decoder.final_norm" if hybrid.is_hybrid(m) else "decoder.final_layernorm", m)
         out += mtp_parameters(m, lay) if mtp else []
         if not (tied and pre):
             out.append(Param("output_layer.weight", padded_vocab // lay.tp * m.hidden_size,

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from model_providers.core import hybrid
 from pretrain.config import Config
 from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token
+from pretrain.planner import mamba
 from pretrain.planner.activations import layer_terms
 from pretrain.planner.census import (
     count_active_parameters,
@@ -76,7 +78,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "flops_per_token": f_tok,
         "stage_flops_per_token": stage_flops(cfg.model, lay, vocab) if lay.pp > 1 else None,
         "flops_per_step": f_step,
-        "flops_formula": FORMULA + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")
+        "flops_formula": mamba.FLOPS_FORMULA if hybrid.is_hybrid(m) else FORMULA
+        + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")
         + (f"; {MLA_FORMULA}" if m.multi_latent_attention or m.mtp_num_layers else ""),
         "moe": None if not m.num_moe_experts else {
             "experts": m.num_moe_experts, "topk": m.moe_router_topk, "expert_parallel": lay.ep,

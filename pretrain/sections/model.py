@@ -16,7 +16,10 @@ from model_providers.core.knobs import (
     CHANGE,
     FP8,
     GPT,
+    HYBRID,
+    HYBRID_MODEL,
     IDENTITY,
+    MIXER,
     MLA,
     MOE,
     MTP,
@@ -34,6 +37,7 @@ Fp8Recipe = Literal["tensorwise", "delayed", "mxfp8", "blockwise"]
 
 # RoPE's frequencies (base, Llama-3 scaling, YaRN): no weight depends on them, so a context extension (a stage,
 # docs/training.md "Stages") changes them on resume.
+INIT_ONLY = Resume(UNUSED, "the weights come from the checkpoint")  # a value only the initialisation reads
 ROPE = Resume(CHANGE, "the positions' frequencies from the resumed step (a context extension; no weight depends on "
                       "them)")
 
@@ -55,31 +59,35 @@ class ModelConfig:
     kv_channels: int | None = knob(None, mcore=TC, range=">= 1", fix=SIZE)  # None: hidden_size // heads
     seq_length: int = knob(256, resume=NEXT_STEP, range=">= 1")  # training sequence length
     # The model's context length (None: seq_length)
-    max_position_embeddings: int | None = knob(None, mcore=GPT.named("max_sequence_length"), resume=NEXT_STEP,
-                                               range=">= 1")
+    max_position_embeddings: int | None = knob(None, mcore=(GPT.named("max_sequence_length"),
+                                                            HYBRID_MODEL.named("max_sequence_length")),
+                                               resume=NEXT_STEP, range=">= 1")
     vocab_size: int | None = knob(None, range=">= 1", fix=SIZE)  # None: taken from the tokenizer
     make_vocab_size_divisible_by: int = knob(128, resume=NEXT_STEP, range=">= 1")
     normalization: Literal["RMSNorm", "LayerNorm"] = knob("RMSNorm", mcore=TC)
     layernorm_epsilon: float = knob(1e-5, mcore=TC, range="> 0")
     gated_linear_unit: bool = knob(True, mcore=TC)  # SwiGLU when activation is "silu"
-    # quick_gelu: x·sigmoid(1.702x) (GPT-OSS)
-    activation: Literal["silu", "gelu", "quick_gelu"] = knob("silu", mcore=TC.named("activation_func"))
+    # quick_gelu: x·sigmoid(1.702x) (GPT-OSS); squared_relu: relu(x)² (Nemotron-H, with gated_linear_unit=false)
+    activation: Literal["silu", "gelu", "quick_gelu", "squared_relu"] = knob("silu", mcore=TC.named("activation_func"))
     # GLU (GPT-OSS's clamped SwiGLU, Megatron-Core's names): act(min(gate, c)) · (clamp(up, ±c) + offset).
     glu_linear_offset: float = knob(0.0, mcore=TC, range="finite")
     activation_func_clamp_value: float | None = knob(None, mcore=TC, range="> 0",
                                                      why="the GLU inputs are clamped to it")
-    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*.
-    position_embedding_type: Literal["rope", "learned_absolute", "yarn"] = knob("rope", mcore=GPT)
+    # yarn: YaRN RoPE with model.rotary_scaling_factor, original_max_position_embeddings, beta_fast/slow, mscale*;
+    # none: no position encoding (Nemotron-H: order comes from its Mamba layers; hybrid models only).
+    position_embedding_type: Literal["rope", "learned_absolute", "yarn", "none"] = knob("rope",
+                                                                                       mcore=(GPT, HYBRID_MODEL))
     # YaRN's correction range rounded (GPT-OSS: false, "truncate")
     yarn_correction_range_round_to_int: bool = knob(True, resume=ROPE, mcore=YARN)
-    rotary_base: float = knob(10000.0, resume=ROPE, mcore=(MLA, GPT), range="> 0")
-    rotary_percent: float = knob(1.0, mcore=(MLA, GPT), range="(0, 1]", why="the share of each head RoPE rotates")
+    rotary_base: float = knob(10000.0, resume=ROPE, mcore=(MLA, GPT, HYBRID_MODEL), range="> 0")
+    rotary_percent: float = knob(1.0, mcore=(MLA, GPT, HYBRID_MODEL), range="(0, 1]",
+                                 why="the share of each head RoPE rotates")
     rope_scaling: bool = knob(False, resume=ROPE, mcore=GPT)  # Llama-3 ("llama3") RoPE frequency scaling
     rope_scaling_factor: float = knob(8.0, resume=ROPE, mcore=GPT, range="> 0")
     rope_scaling_low_freq_factor: float = knob(1.0, resume=ROPE, range="> 0")
     rope_scaling_high_freq_factor: float = knob(4.0, resume=ROPE, range="> 0")
     rope_scaling_original_max_position_embeddings: int = knob(8192, resume=ROPE, range=">= 1")
-    share_embeddings_and_output_weights: bool = knob(False, mcore=GPT)
+    share_embeddings_and_output_weights: bool = knob(False, mcore=(GPT, HYBRID_MODEL))
     add_bias_linear: bool = knob(False, mcore=TC)
     add_qkv_bias: bool = knob(False, mcore=TC)
     qk_layernorm: bool = knob(False, mcore=TC)  # per-head norm of queries and keys (model.normalization, before RoPE)
@@ -170,3 +178,25 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = knob(0.1, mcore=MTP, resume=NEXT_STEP, range=">= 0")
     # Megatron-Core's name for the FP8 recipe, model.fp8's value (e.g. blockwise): either key sets it, both must agree.
     fp8_recipe: Fp8Recipe | None = knob(None, mcore=FP8, resume=NEXT_STEP)
+    # ---- Hybrid Mamba models (Megatron-Core's MambaModel; family nemotron_h; docs/hybrid.md). Megatron-Core's names;
+    # the builder's derived values: model_providers/core/mamba_builder.py `hybrid_fields`.
+    # One symbol per layer (num_layers of them): M Mamba-2, * attention, - MLP, E MoE. None: a GPTModel (no Mamba).
+    # MambaModel's hybrid_override_pattern on 0.16.1-0.18, hybrid_layer_pattern on 0.19+.
+    hybrid_layer_pattern: str | None = knob(None, mcore=HYBRID_MODEL)
+    mamba_state_dim: int = knob(128, mcore=HYBRID, range=">= 1")  # SSM state size per group (HF ssm_state_size)
+    mamba_head_dim: int = knob(64, mcore=HYBRID, range=">= 1")
+    # None: 2 × hidden_size / mamba_head_dim (Megatron-Core's expand=2)
+    mamba_num_heads: int | None = knob(None, mcore=HYBRID, range=">= 1", fix=SIZE)
+    # B/C groups (HF n_groups); the gated RMSNorm normalises per group
+    mamba_num_groups: int = knob(8, mcore=HYBRID, range=">= 1")
+    # causal depthwise conv width (HF conv_kernel)
+    mamba_conv_kernel: int = knob(4, mcore=MIXER.named("d_conv"), range="[2, 4]",
+                                  why="the widths the causal_conv1d CUDA kernel takes")
+    # SSD scan chunk (HF chunk_size): the same recurrence, other rounding; a power of 2 (pretrain/rules/hybrid.py)
+    mamba_chunk_size: int = knob(128, mcore=MIXER.named("chunk_size"), resume=NEXT_STEP, range=">= 1")
+    # initial time steps drawn log-uniformly in [dt_min, dt_max], and at least dt_init_floor (initial values only)
+    mamba_dt_min: float = knob(0.001, mcore=MIXER.named("dt_min"), resume=INIT_ONLY, range="> 0")
+    mamba_dt_max: float = knob(0.1, mcore=MIXER.named("dt_max"), resume=INIT_ONLY, range="> 0")
+    mamba_dt_init_floor: float = knob(1e-4, mcore=MIXER.named("dt_init_floor"), resume=INIT_ONLY, range="> 0")
+    # LatentMoE (Nemotron 3 Super): experts run at this width (h → latent → h); Transformer Engine only
+    moe_latent_size: int | None = knob(None, mcore=MOE, range=">= 1")

@@ -92,6 +92,13 @@ def _must_match() -> dict[str, str]:
     return {key: how for key, (cls, how) in FIELDS.items() if cls == MATCH}
 
 
+@functools.lru_cache(maxsize=1)
+def _unused_on_resume() -> dict[str, str]:
+    from pretrain.checkpoint.contract import FIELDS, UNUSED
+
+    return {key: how for key, (cls, how) in FIELDS.items() if cls == UNUSED}
+
+
 def _whole(value) -> int | None:
     """A positive whole number (1e13 and "1e13", as YAML reads them, included), else None."""
     if isinstance(value, bool):
@@ -127,8 +134,9 @@ class _Problems:
         self.items.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), f"{label}: {message}", fix))
 
 
-def _check_key(p: _Problems, label: str, key, tree: dict) -> bool:
-    """Whether a stage may set `key` (else the problem, did-you-mean as overrides say it)."""
+def _check_key(p: _Problems, label: str, key, tree: dict, later: bool) -> bool:
+    """Whether a stage may set `key` (else the problem, did-you-mean as overrides say it). `later`: a stage after
+    the first, which starts from the checkpoint of the one before (a key not used on resume would do nothing)."""
     if not isinstance(key, str) or key not in _leaves():
         probe = copy.deepcopy(tree)
         try:
@@ -145,6 +153,11 @@ def _check_key(p: _Problems, label: str, key, tree: dict) -> bool:
     if key in _must_match():
         p.add(label, key, f"a stage cannot set {key}: {_must_match()[key]} (the resume contract: must match; "
               "docs/checkpoints.md, Resuming)", f"set {key} before the stages, for the whole run")
+        return False
+    if later and key in _unused_on_resume():
+        p.add(label, key, f"a stage after the first cannot set {key}: it starts from the previous stage's "
+              f"checkpoint, and {key} is not used on resume ({_unused_on_resume()[key]})",
+              f"set {key} before the stages (or in the first stage's set)")
         return False
     return True
 
@@ -225,7 +238,7 @@ def _one(p: _Problems, i: int, raw, tree: dict, before: Config | None, names: se
         p.add(label, "stages.set", f"set must be a mapping of dotted keys, got {sets!r}",
               "set: {data.blend: [...], optimizer.lr: ...}")
         return label, None, {}, steps, tokens
-    ok = [_check_key(p, label, key, tree) for key in sets]
+    ok = [_check_key(p, label, key, tree, later=i > 0) for key in sets]
     staged_tree = copy.deepcopy(tree)
     for key, value in sets.items():
         if key in _leaves():

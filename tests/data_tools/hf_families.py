@@ -112,15 +112,36 @@ CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.55.0.dev0",
         "use_cache": True, "vocab_size": 50270,
     },
+    # NVIDIA-Nemotron-3-Nano-30B-A3B style: the released keys (hybrid_override_pattern, norm_eps, rope_theta,
+    # partial_rotary_factor: the last three not read by transformers), 6 layers M*M-ME: Mamba-2 (8 heads of 8 in 2
+    # groups, state 16, chunk 8 < the training length 64), attention without RoPE, a squared-ReLU MLP, an MoE layer of
+    # 4 squared-ReLU experts (top-2, sigmoid, expert bias, weights × 2.5) and a shared expert.
+    "nemotron_h": {
+        "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "chunk_size": 8, "conv_kernel": 4, "eos_token_id": 2, "expand": 2, "head_dim": 16,
+        "hidden_dropout": 0.0, "hidden_size": 64, "hybrid_override_pattern": "M*M-ME", "initializer_range": 0.02,
+        "intermediate_size": 96, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 8, "mamba_hidden_act": "silu",
+        "mamba_num_heads": 8, "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32",
+        "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2", "model_type": "nemotron_h",
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "n_group": 1, "n_groups": 2,
+        "n_routed_experts": 4, "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 6, "num_key_value_heads": 2,
+        "num_logits_to_keep": 1, "pad_token_id": 0, "partial_rotary_factor": 1.0, "rescale_prenorm_residual": True,
+        "residual_in_fp32": False, "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None,
+        "ssm_state_size": 16, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_max": 0.1,
+        "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "float32", "transformers_version": "4.55.4",
+        "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 32011,
+    },
 }
 FAMILIES = tuple(CONFIGS)
 # The training length each family is imported with (Mistral, Qwen3: longer than their sliding windows).
 SEQ_LENGTH = {"llama": 64, "mistral": 64, "qwen2": 64, "qwen3": 64, "mixtral": 64, "qwen3_moe": 64, "deepseek_v3": 64,
-              "gpt_oss": 64}
+              "gpt_oss": 64, "nemotron_h": 64}
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 # Which tokenizer each family ships: SentencePiece (Llama/Mistral) or byte-level BPE tokenizer.json (Qwen).
 TOKENIZER = {"llama": "sentencepiece", "mistral": "sentencepiece", "qwen2": "bpe", "qwen3": "bpe",
-             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe"}
+             "mixtral": "sentencepiece", "qwen3_moe": "bpe", "deepseek_v3": "sentencepiece", "gpt_oss": "bpe",
+             "nemotron_h": "sentencepiece"}
 
 
 def tokenizer_files(kind: str, directory: Path) -> Path:
@@ -150,6 +171,7 @@ def tokenizer_files(kind: str, directory: Path) -> Path:
 # differently (and group limiting changes the choice), its expert bias small but not zero.
 # GPT-OSS's experts' gate/up large enough that the SwiGLU clamp (±7) acts, its sinks large enough to matter.
 SCALES = {"deepseek_v3": {"mlp.gate.weight": 4.0, "mlp.gate.e_score_correction_bias": 0.2},
+          "nemotron_h": {"mixer.gate.weight": 4.0, "mixer.gate.e_score_correction_bias": 0.2},
           "gpt_oss": {"mlp.experts.gate_up_proj": 20.0, "self_attn.sinks": 10.0}}
 
 

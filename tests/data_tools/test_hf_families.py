@@ -39,7 +39,9 @@ pytestmark = pytest.mark.mcore  # the HF bridge and the trainer for every family
 # stages split 1 | 2, the MTP layer on the last stage) in both.
 PP2_FAMILIES = ("deepseek_v3",)
 # Families also run at EP2 (world 2: EP2 × DP2) vs transformers in the same pool case, in `make test`.
-EP2_FAMILIES = ("gpt_oss",)
+EP2_FAMILIES = ("gpt_oss", "nemotron_h")
+# Families also run at TP1 (world 2: DP2) vs transformers in the same pool case, in `make test`.
+TP1_FAMILIES = ("nemotron_h",)
 # Extra layout keys per family: GPT-OSS's expert biases need expert tensor parallelism 1 under TP.
 LAYOUT_KEYS = {"gpt_oss": ["parallel.expert_tensor=1"]}
 # Trained (lr 1e-3) at TP2, exported, transformers' logits = Megatron's: in `make test` a dense family with tied
@@ -142,9 +144,11 @@ def test_config_from_the_model_fields_alone_means_the_same(tmp_path, imported, f
     theirs = AutoConfig.from_pretrained(str(src), local_files_only=True).to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
     # ep_size: DeepSeek's inference-time expert parallel size (no model field decides it); experts_per_token,
-    # initial_context_length: released GPT-OSS keys transformers does not read; pad_token_id: a token id.
+    # initial_context_length: released GPT-OSS keys transformers does not read; pad_token_id: a token id; norm_eps,
+    # rope_theta, partial_rotary_factor: released Nemotron-H keys transformers does not read (it has no RoPE).
     assert differ <= {"_name_or_path", "bos_token_id", "eos_token_id", "max_window_layers", "use_mrope", "ep_size",
-                      "experts_per_token", "initial_context_length", "pad_token_id"}, differ
+                      "experts_per_token", "initial_context_length", "pad_token_id", "norm_eps", "rope_theta",
+                      "partial_rotary_factor"}, differ
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,6 +181,16 @@ BAD = {
     "extra tensor": ("qwen2", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.q_norm.weight' is not in the qwen2 HF mapping"),
+    "nemotron_h dt limit": ("nemotron_h", lambda s: _edit_config(s, time_step_limit=[0.0, 0.1]),
+                            "config.json: time_step_limit=[0.0, 0.1] is not supported (Megatron-Core's training scan "
+                            "clamps no time step)"),
+    "nemotron_h latent MoE on CPU": ("nemotron_h", lambda s: _edit_config(s, moe_latent_size=32),
+                                     "[model.moe_latent_size, model.transformer_impl] LatentMoE "
+                                     "(model.moe_latent_size): Megatron-Core builds its latent projections with "
+                                     "Transformer Engine only"),
+    "nemotron_h MTP": ("nemotron_h", lambda s: _edit_config(s, num_nextn_predict_layers=1),
+                       "config.json: num_nextn_predict_layers=1 is not supported (Multi-Token Prediction in a hybrid "
+                       "model is not wired here)"),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
@@ -242,8 +256,9 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
               "optimizer.warmup_steps=0", "logging.tensorboard=false", f"data.cache_dir={tmp_path / 'cache'}"]
     # TP2 with sequence parallelism (MoE layers need it with TP; the dense families run the same at TP2).
     tp2 = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
-    layouts = {"tp2": [*tp2, "optimizer.lr=0"], "pp2": ["parallel.pipeline=2", "optimizer.lr=0"],
-               "ep2": ["parallel.expert=2", "optimizer.lr=0"], "trained": [*tp2, "optimizer.lr=1e-3"]}
+    layouts = {"tp1": ["optimizer.lr=0"], "tp2": [*tp2, "optimizer.lr=0"],
+               "pp2": ["parallel.pipeline=2", "optimizer.lr=0"], "ep2": ["parallel.expert=2", "optimizer.lr=0"],
+               "trained": [*tp2, "optimizer.lr=1e-3"]}
     jobs, runs = [], {}
     for family in FAMILIES:
         src, ckpt = imported[family]
@@ -251,7 +266,7 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         for name, layout in layouts.items():
             if name == "pp2" and family not in PP2_FAMILIES and not tiers.everything():
                 continue
-            if name == "ep2" and family not in EP2_FAMILIES:
+            if name == "ep2" and family not in EP2_FAMILIES or name == "tp1" and family not in TP1_FAMILIES:
                 continue
             layout = [*layout, *LAYOUT_KEYS.get(family, [])]
             if name == "trained" and family not in TRAINED_FAMILIES and not tiers.everything():
@@ -261,7 +276,7 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
                 layout = [*layout, "parallel.num_layers_in_first_pipeline_stage=1"]
             # Megatron moves the aux-loss-free expert bias after every step whatever the lr; transformers' reference
             # keeps e_score_correction_bias fixed, so the lr-0 runs hold it still too.
-            if name != "trained" and family == "deepseek_v3":
+            if name != "trained" and family in ("deepseek_v3", "nemotron_h"):
                 layout = [*layout, "model.moe_router_bias_update_rate=0"]
             run_dir = tmp_path / f"{family}_{name}"
             overrides = [f"run.dir={run_dir}", f"checkpoint.pretrained={ckpt}", f"data.blend=[{prefix}]", *common,
@@ -278,7 +293,7 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         src, ckpt = imported[family]
         run_dir, overrides = runs[family, "tp2"]
         hf, hf_mtp_losses = _hf_step_losses(src, load_config(ckpt / "run_config.yaml", overrides), steps)
-        for name in ("tp2", "pp2", "ep2"):
+        for name in ("tp1", "tp2", "pp2", "ep2"):
             if (family, name) not in runs:
                 continue
             got = _step_losses(runs[family, name][0])
@@ -327,8 +342,9 @@ def test_continued_pretraining_matches_transformers_and_exports(tmp_path, import
         assert got.shape == ref.shape and diff <= 1e-4, family
         generated = model.generate(tokens[family][:1, :8], max_new_tokens=4, do_sample=False)
         assert generated.shape == (1, 12)
-    print("family | loss TP2 | loss PP2 | loss EP2 | export logits")
+    print("family | loss TP1 | loss TP2 | loss PP2 | loss EP2 | export logits")
     for family in FAMILIES:
+        tp1 = f"{report[family, 'tp1']:.1e}" if (family, "tp1") in report else "-"
         pp2 = f"{report[family, 'pp2']:.1e}" if (family, "pp2") in report else "(test-all)"
         ep2 = f"{report[family, 'ep2']:.1e}" if (family, "ep2") in report else "-"
-        print(f"{family} | {report[family, 'tp2']:.1e} | {pp2} | {ep2} | {report[family, 'export']:.1e}")
+        print(f"{family} | {tp1} | {report[family, 'tp2']:.1e} | {pp2} | {ep2} | {report[family, 'export']:.1e}")

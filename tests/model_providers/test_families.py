@@ -164,11 +164,30 @@ _GPT_OSS_UNMAPPED = {"experts_per_token", "initial_context_length", "pad_token_i
 for _name, _layers, _experts in (("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 128)):
     RELEASED[_name] = {**_GPT_OSS, "num_hidden_layers": _layers, "num_local_experts": _experts,
                        "layer_types": ["sliding_attention", "full_attention"] * (_layers // 2)}
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 as released (norm_eps, rope_theta, partial_rotary_factor: keys
+# transformers' NemotronH does not read; it has no RoPE).
+RELEASED["nemotron3_nano"] = {
+    "architectures": ["NemotronHForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+    "chunk_size": 128, "conv_kernel": 4, "eos_token_id": 2, "expand": 2, "head_dim": 128, "hidden_dropout": 0.0,
+    "hidden_size": 2688, "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "initializer_range": 0.02, "intermediate_size": 1856, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu", "mamba_num_heads": 64, "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32",
+    "max_position_embeddings": 262144, "mlp_bias": False, "mlp_hidden_act": "relu2", "model_type": "nemotron_h",
+    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "n_groups": 8,
+    "n_routed_experts": 128, "n_shared_experts": 1, "norm_eps": 1e-05, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts_per_tok": 6, "num_hidden_layers": 52, "num_key_value_heads": 2,
+    "num_logits_to_keep": 1, "pad_token_id": 0, "partial_rotary_factor": 1.0, "rescale_prenorm_residual": True,
+    "residual_in_fp32": False, "rope_theta": 10000, "routed_scaling_factor": 2.5, "sliding_window": None,
+    "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_floor": 0.0001, "time_step_max": 0.1,
+    "time_step_min": 0.001, "topk_group": 1, "torch_dtype": "bfloat16", "transformers_version": "4.55.4",
+    "use_bias": False, "use_cache": True, "use_conv_bias": True, "use_mamba_kernels": True, "vocab_size": 131072}
+_NEMOTRON_H_UNMAPPED = {"norm_eps", "rope_theta", "partial_rotary_factor", "pad_token_id"}
 # Parameter counts as published (model cards / the Hub), in billions, with the digits given there.
 PUBLISHED = {"llama32_1b": "1.24", "llama32_3b": "3.21", "mistral_7b": "7.24", "mistral_7b_v03": "7.25",
              "qwen25_0p5b": "0.49", "qwen25_7b": "7.62", "qwen25_72b": "72.7", "qwen3_0p6b": "0.6",
              "qwen3_8b": "8.19", "qwen3_32b": "32.8", "mixtral_8x7b": "46.7", "qwen3_30b_a3b": "30.5",
-             "gpt_oss_20b": "20.9", "gpt_oss_120b": "116.8"}  # gpt-oss: the model card (arXiv 2508.10925)
+             "gpt_oss_20b": "20.9", "gpt_oss_120b": "116.8",  # gpt-oss: the model card (arXiv 2508.10925)
+             "nemotron3_nano": "31.6"}  # the Hub's count of NVIDIA-Nemotron-3-Nano-30B-A3B (its card rounds to 30B)
 _ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "layernorm_epsilon", "rotary_base", "rope_scaling", "share_embeddings_and_output_weights", "vocab_size",
                 "max_position_embeddings", "sliding_window", "add_qkv_bias", "qk_layernorm", "family")
@@ -202,7 +221,7 @@ def test_preset_is_the_released_config(tmp_path, preset):
                                dtype=torch.bfloat16).to_dict()
     theirs = released.to_dict()
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
-    unmapped = _GPT_OSS_UNMAPPED if m.family == "gpt_oss" else set()
+    unmapped = {"gpt_oss": _GPT_OSS_UNMAPPED, "nemotron_h": _NEMOTRON_H_UNMAPPED}.get(m.family, set())
     assert differ <= {"_name_or_path", "transformers_version", "max_window_layers", "use_mrope", *unmapped}, differ
 
 

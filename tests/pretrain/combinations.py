@@ -37,11 +37,14 @@ FEATURES = {
     # "mtp": the MTP layer and the loss alone, `...||mL`)
     "layout_edges": ["parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.pipeline_layout=E|tttt||L"],
     "muon": ["optimizer.name=muon"],
+    # a hybrid Mamba model (tiny_nemotron_h: Megatron-Core's MambaModel, pattern M*M-ME) instead of a GPT
+    "hybrid": [],
 }
 PIPELINE = {"pp", "vp", "layout", "account", "layout_edges"}
 LAYOUTS = {"layout", "layout_edges"}  # a layout string places every layer: with "mtp", the `m` goes before the `L`
 EXCLUSIVE = [{"cp_p2p", "cp_a2a", "cp_all_gather"}, PIPELINE]
-PAIRS_ONLY = {"layout", "layout_edges", "account", "muon"}  # in pairs with every other feature, not triples (time)
+# in pairs with every other feature, not in triples (time)
+PAIRS_ONLY = {"layout", "layout_edges", "account", "muon", "hybrid"}
 DATA_PARALLEL = {"ep", "fsdp", "distopt"}  # need two data-parallel ranks
 
 
@@ -56,7 +59,9 @@ def combinations(sizes=(2, 3)) -> list[tuple[str, ...]]:
 
 
 def config_name(names) -> str:
-    """tiny_moe for expert parallelism, else tiny_llama."""
+    """tiny_nemotron_h for a hybrid model, tiny_moe for expert parallelism, else tiny_llama."""
+    if "hybrid" in names:
+        return "tiny_nemotron_h"
     return "tiny_moe" if "ep" in names else "tiny_llama"
 
 

@@ -40,6 +40,14 @@ REFUSALS = {
     ("model.softmax_type", "parallel.cp_comm_type"),  # sinks: not in the CPU ring (p2p); TE under CP: a2a only
     ("optimizer.name", "optimizer.fsdp"),  # Muon needs whole matrices: Megatron-Core builds it over Megatron DDP only
     ("optimizer.name", "optimizer.distributed"),  # ... and refuses it inside the distributed optimizer
+    # the hybrid Mamba model (pretrain/rules/hybrid.py): what it does not wire, each with its reason
+    *(("model.hybrid_layer_pattern", key) for key in (
+        "model.mtp_num_layers", "model.recompute_granularity", "model.sliding_window", "model.softmax_type",
+        "parallel.virtual_pipeline", "parallel.pipeline_layout", "parallel.account_for_embedding_in_pipeline_split",
+        "parallel.account_for_loss_in_pipeline_split", "optimizer.fsdp")),
+    # ... and tiny_nemotron_h's 6 layers do not split over 2 × 2 virtual stages, nor fit the 4-layer layout string
+    ("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline"),
+    ("parallel.pipeline_layout", "parallel.pipeline", "model.num_layers"),
 }
 
 
@@ -57,6 +65,7 @@ def _pipeline_stage(layout, pp_rank: int):
 def build_megatron_configs(cfg, world: int) -> None:
     """The config objects `pretrain.run.setup.build_training` builds: TransformerConfig (the project's builder), every
     pipeline stage's decoder and MTP block specs, the DDP and optimizer configs."""
+    from model_providers.core import hybrid, mamba_builder
     from model_providers.core.builder import transformer_config
     from model_providers.core.sequences import packed_sequences
     from model_providers.core.specs import decoder_block_spec, mtp_block_spec
@@ -64,7 +73,9 @@ def build_megatron_configs(cfg, world: int) -> None:
 
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(model_plan(cfg), layout)
-    for pp_rank in range(layout.pp):
+    if hybrid.is_hybrid(cfg.model):  # Megatron-Core's MambaStack picks each stage's layers itself
+        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg))
+    for pp_rank in range(layout.pp if not hybrid.is_hybrid(cfg.model) else 0):
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
                 stage = vp if layout.virtual_pipeline else None

@@ -61,15 +61,19 @@ def test_shipped_configs_and_presets_are_in_range():
 
 @pytest.mark.mcore
 def test_declared_attributes_exist_in_megatron_core():
-    """Every `mcore=` names an attribute Megatron-Core's class has (its dataclass fields, GPTModel's arguments);
+    """Every `mcore=` names an attribute Megatron-Core's class has (its dataclass fields, GPTModel's, MambaModel's and
+    the Mamba mixer's arguments);
     YaRN's are attributes Megatron-Core reads off the built config; Muon's go through the release's renames."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.mamba import MambaModel
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from model_providers.core.knobs import knob_of, leaves
+    from model_providers.core.mamba_builder import release_name
     from pretrain.compat.muon import muon_fields
     from pretrain.config import Config
 
@@ -77,6 +81,12 @@ def test_declared_attributes_exist_in_megatron_core():
              (TransformerConfig, MLATransformerConfig, OptimizerConfig, DistributedDataParallelConfig,
               GPTDatasetConfig)}
     names["GPTModel"] = set(inspect.signature(GPTModel.__init__).parameters)
+    names["MambaMixer"] = set(inspect.signature(MambaMixer.__init__).parameters)
+    try:  # 0.19+: MambaModel is HybridModel's deprecated wrapper (*args, **kwargs)
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as hybrid_model
+    except ImportError:
+        hybrid_model = MambaModel
+    names["MambaModel"] = set(inspect.signature(hybrid_model.__init__).parameters)
     fed = 0
     for key, _, f in leaves(Config):
         for feed in knob_of(f).mcore:
@@ -88,6 +98,8 @@ def test_declared_attributes_exist_in_megatron_core():
                 attr = next(iter(muon_fields({attr: 0})), None)
                 if attr is None:  # a field this release does not have (validation keeps the default)
                     continue
+            if feed.config == "MambaModel":  # the release's name of the argument
+                attr = release_name(attr)
             assert attr in names[feed.config], f"{key}: {feed.config} has no {attr}"
             fed += 1
     assert fed > 80

@@ -40,6 +40,10 @@ REFUSALS = {
                       "stage 'tok': a stage cannot set data.tokenizer_type: the tokenizer"),
     "vocabulary": ([*GOOD, {"name": "voc", "steps": 1, "set": {"model.vocab_size": 8192}}], {},
                    "stage 'voc': a stage cannot set model.vocab_size"),
+    "initial value after the first stage": (
+        [*GOOD, {"name": "init", "steps": 1, "set": {"model.init_method_std": 0.01}}], {},
+        "stage 'init': a stage after the first cannot set model.init_method_std: it starts from the previous stage's "
+        "checkpoint, and model.init_method_std is not used on resume (the weights come from the checkpoint)"),
     "unknown key": ([*GOOD, {"name": "long", "steps": 1, "set": {"model.seq_lenght": 128}}], {},
                     "stage 'long': unknown config key 'model.seq_lenght' (did you mean 'model.seq_length'?)"),
     "tokens not a multiple": ([{"name": "a", "tokens": 1000}], {},

@@ -1,0 +1,147 @@
+"""Rules of hybrid Mamba models (`model.hybrid_layer_pattern`: Megatron-Core's `MambaModel`, docs/hybrid.md).
+
+- the pattern: Megatron-Core's symbols only (M, *, -, E), one per layer; MoE layers need experts and experts need
+  MoE layers;
+- the Mamba-2 mixer's split (Megatron-Core asserts each): heads and groups divide by TP, heads by groups; under CP
+  (its all-to-all) each TP rank's heads divide by CP, and its groups divide by CP or CP by them;
+- what the CUDA kernels take (a config must also run on GPUs): a power-of-2 SSD chunk (mamba_ssm's Triton scan)
+  and a convolution of a multiple of 8 channels per rank (the channel-last layout `mamba_split_conv1d_scan_combined`
+  passes it); the convolution's widths 2-4 are the range `model.mamba_conv_kernel` declares;
+- the initial time steps' interval: mamba_dt_min <= mamba_dt_max;
+- what the hybrid model does not wire: virtual pipeline stages and layout strings (0.16.1 splits the stages inside
+  its stack, evenly or by first/last stage; 0.19+ takes stage boundaries as `|` in the pattern, not wired here),
+  MTP (0.16.1's MambaModel has none; 0.19+'s `/` patterns are not wired), full recompute (the Mamba stack has
+  none), Megatron-FSDP (our fsdp_dtensor key mapping is GPTModel's), and the GPT-only attention options (MLA,
+  windows, sinks, YaRN, Llama-3 RoPE scaling).
+"""
+
+from __future__ import annotations
+
+from model_providers.core import hybrid
+from pretrain.config import ModelConfig, OptimizerConfig, ParallelConfig
+from pretrain.layout import Layout
+from pretrain.problems import Report
+
+_KEY = "model.hybrid_layer_pattern"
+
+
+def hybrid_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                 lay: Layout | None, te_on_gpu: bool) -> None:
+    """Every rule of a hybrid model (module docstring); nothing for a GPT."""
+    m = model
+    _latent_moe_rules(r, m, lay, te_on_gpu)
+    if not hybrid.is_hybrid(m):
+        if m.position_embedding_type == "none":
+            r.error("model.position_embedding_type", "model.position_embedding_type=none is for hybrid Mamba models "
+                    "(order comes from their Mamba layers); a GPT needs a position encoding",
+                    "set model.position_embedding_type=rope (or set model.hybrid_layer_pattern)")
+        return
+    problem = hybrid.pattern_problem(m.hybrid_layer_pattern, m.num_layers)
+    counts = hybrid.counts(m)
+    if problem:
+        r.error((_KEY, "model.num_layers"), f"{_KEY}={m.hybrid_layer_pattern!r} {problem}",
+                "give one of M, *, -, E per layer")
+    elif counts[hybrid.MOE] and not m.num_moe_experts:
+        r.error((_KEY, "model.num_moe_experts"), f"{_KEY} has {counts[hybrid.MOE]} MoE layer(s) (E) but "
+                "model.num_moe_experts is null", "set model.num_moe_experts or use - (MLP) layers")
+    elif m.num_moe_experts and not counts[hybrid.MOE]:
+        r.error((_KEY, "model.num_moe_experts"), f"model.num_moe_experts={m.num_moe_experts} but {_KEY} has no MoE "
+                "layer (E): the experts would not exist", "set model.num_moe_experts=null or add E layers")
+    if counts[hybrid.MAMBA] or problem:
+        _mixer_rules(r, m, parallel)
+    _unwired_rules(r, m, parallel, optimizer)
+
+
+def _mixer_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
+    """The Mamba-2 mixer's split over TP and CP, and the CUDA kernels' limits."""
+    tp, cp = max(p.tensor, 1), max(p.context, 1)
+    sizes = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel")
+    if any(getattr(m, key) < 1 for key in sizes) or (m.mamba_num_heads is not None and m.mamba_num_heads < 1):
+        return  # the range rule reported it (`knob(range=...)`, pretrain/rules/bounds.py)
+    if m.mamba_num_heads is None and (2 * m.hidden_size) % m.mamba_head_dim:
+        r.error(("model.mamba_num_heads", "model.mamba_head_dim"), f"model.mamba_num_heads=null means 2 × "
+                f"hidden_size / mamba_head_dim = {2 * m.hidden_size} / {m.mamba_head_dim}, not a whole number",
+                "set model.mamba_num_heads")
+        return
+    heads, groups = hybrid.mamba_num_heads(m), m.mamba_num_groups
+    if heads < 1:
+        r.error("model.mamba_num_heads", f"model.mamba_num_heads=null means 2 × hidden_size / mamba_head_dim = "
+                f"{heads}: no Mamba head", "set model.mamba_num_heads")
+        return
+    if heads % groups:
+        r.error(("model.mamba_num_heads", "model.mamba_num_groups"), f"{heads} Mamba heads do not split into "
+                f"model.mamba_num_groups={groups} groups", "make the heads a multiple of the groups")
+    if heads % tp or groups % tp:
+        r.error(("model.mamba_num_heads", "model.mamba_num_groups", "parallel.tensor"),
+                f"{heads} Mamba heads and {groups} groups must both divide by parallel.tensor={tp} (each TP rank "
+                "holds whole heads and groups)", "choose a tensor-parallel size dividing both")
+    elif cp > 1 and ((heads // tp) % cp or ((groups // tp) % cp and cp % (groups // tp))):
+        r.error(("model.mamba_num_heads", "model.mamba_num_groups", "parallel.context"),
+                f"Mamba's context parallelism gives each CP rank heads/(TP·CP) heads and a share of the groups: "
+                f"{heads // tp} heads and {groups // tp} groups per TP rank do not split over parallel.context={cp}",
+                "choose a context-parallel size dividing the heads per TP rank (and the groups, or divided by them)")
+    if m.mamba_dt_min > m.mamba_dt_max:
+        r.error(("model.mamba_dt_min", "model.mamba_dt_max"), f"model.mamba_dt_min={m.mamba_dt_min} is above "
+                f"model.mamba_dt_max={m.mamba_dt_max}: the initial time steps are drawn between them",
+                "set model.mamba_dt_min <= model.mamba_dt_max")
+    if m.mamba_chunk_size & (m.mamba_chunk_size - 1):
+        r.error("model.mamba_chunk_size", f"model.mamba_chunk_size={m.mamba_chunk_size}: mamba_ssm's SSD scan "
+                "kernels take a power of 2", "set e.g. model.mamba_chunk_size=128")
+    if not (heads % tp or groups % tp or (heads // tp) % cp):
+        channels = heads // (tp * cp) * m.mamba_head_dim + 2 * max(groups // (tp * cp), 1) * m.mamba_state_dim
+        if channels % 8:
+            r.error(("model.mamba_head_dim", "model.mamba_state_dim", "model.mamba_num_groups"),
+                    f"the Mamba convolution has {channels} channels per rank (x, B, C); the causal_conv1d CUDA kernel "
+                    "takes the channel-last layout only for a multiple of 8", "make head_dim × heads per rank and "
+                    "state × groups per rank multiples of 8")
+
+
+def _unwired_rules(r: Report, m: ModelConfig, p: ParallelConfig, o: OptimizerConfig) -> None:
+    """Settings the hybrid model does not run as asked (module docstring)."""
+    from pretrain.compat import hybrid as compat
+
+    fix_layout = "leave it unset (Megatron-Core splits the pattern's layers evenly, or by first/last stage layers)"
+    if p.virtual_pipeline:
+        r.error((_KEY, "parallel.virtual_pipeline"), f"a hybrid model's virtual pipeline: {compat.VP_REASON}",
+                "set parallel.virtual_pipeline=null")
+    for key in ("pipeline_layout", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if getattr(p, key):
+            r.error((_KEY, f"parallel.{key}"), f"parallel.{key} places GPT decoder layers; {compat.LAYOUT_REASON}",
+                    fix_layout)
+    if m.mtp_num_layers:
+        r.error((_KEY, "model.mtp_num_layers"), f"Multi-Token Prediction in a hybrid model: {compat.MTP_REASON}",
+                "set model.mtp_num_layers=null")
+    if m.recompute_granularity == "full":
+        r.error((_KEY, "model.recompute_granularity"), "full recompute: Megatron-Core's Mamba stack has no recompute "
+                "of whole layers (it would be ignored)", "use model.recompute_granularity=selective")
+    if o.fsdp or o.fsdp_sharding:
+        r.error((_KEY, "optimizer.fsdp"), "Megatron-FSDP with a hybrid model: the fsdp_dtensor checkpoint mapping "
+                "(pretrain/checkpoint/fsdp_format.py) knows GPTModel's layers only",
+                "use optimizer.distributed=true (ZeRO-1)")
+    for key, bad, why in (("multi_latent_attention", m.multi_latent_attention, "Multi-Latent Attention"),
+                          ("sliding_window", m.sliding_window is not None, "sliding-window attention"),
+                          ("softmax_type", m.softmax_type != "vanilla", "attention sinks"),
+                          ("rope_scaling", m.rope_scaling, "Llama-3 RoPE scaling"),
+                          ("position_embedding_type", m.position_embedding_type not in ("none", "rope"),
+                           f"position_embedding_type={m.position_embedding_type} (MambaModel: none or rope)"),
+                          ("moe_layer_freq", m.moe_layer_freq != 1, "moe_layer_freq (the pattern places MoE layers)")):
+        if bad:
+            r.error((_KEY, f"model.{key}"), f"{why} is not wired into the hybrid model here",
+                    f"leave model.{key} at its default")
+
+
+def _latent_moe_rules(r: Report, m: ModelConfig, lay: Layout | None, te_on_gpu: bool) -> None:
+    """LatentMoE (`model.moe_latent_size`, Nemotron 3 Super): Megatron-Core builds its projections with Transformer
+    Engine only (`TELinear`; it asserts it), and the experts need a router to reach them."""
+    from pretrain.layout import use_transformer_engine
+
+    if m.moe_latent_size is None:
+        return
+    if not m.num_moe_experts:  # its width: the range rule's
+        r.error(("model.moe_latent_size", "model.num_moe_experts"), f"model.moe_latent_size={m.moe_latent_size} "
+                "needs experts", "set model.moe_latent_size=null or model.num_moe_experts")
+    use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
+    if not use_te:
+        r.error(("model.moe_latent_size", "model.transformer_impl"), "LatentMoE (model.moe_latent_size): Megatron-Core "
+                "builds its latent projections with Transformer Engine only (TELinear; it asserts it)",
+                "run on GPUs with Transformer Engine, or set model.moe_latent_size=null")
