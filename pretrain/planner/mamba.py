@@ -21,7 +21,8 @@ from model_providers.core import hybrid
 from pretrain.layout import Layout
 
 FLOPS_FORMULA = ("F/token = 3·[Σ over layers: Mamba 2h(2d_in + 2GN + H) + 7·d_in·N + 2·d_in·h (d_in = 2h); "
-                 "attention 4h(a·d/h)(h + h·g/a + s/2); MLP 4h·f; MoE 4h(k·f_e + f_s) (× 3/2 gated) + logits 2h·V] "
+                 "attention 4h(a·d/h)(h + h·g/a + s/2); MLP 4h·f; MoE 4h(k·f_e + f_s) (× 3/2 gated) + logits 2h·V; "
+                 "each MTP depth: its layers + logits 2h·V] "
                  "(Megatron-LM's hybrid accounting, as Megatron-Bridge's published TFLOP/s)")
 
 
