@@ -74,7 +74,7 @@ def build_megatron_configs(cfg, world: int) -> None:
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(model_plan(cfg), layout)
     if hybrid.is_hybrid(cfg.model):  # Megatron-Core's MambaStack picks each stage's layers itself
-        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg))
+        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg.data))
     for pp_rank in range(layout.pp if not hybrid.is_hybrid(cfg.model) else 0):
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
