@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_providers.core import hybrid
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout, expert_tensor_size
 from pretrain.planner import mamba
 from pretrain.planner.common import layout_of
@@ -164,9 +164,8 @@ def mtp_parameters(m: Any, lay: Layout) -> list[Param]:
     return out
 
 
-def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, vp_stage: int) -> list[Param]:
+def chunk_parameters(m: ModelConfig, lay: Layout, padded_vocab: int, pp_rank: int, vp_stage: int) -> list[Param]:
     """Parameters of one model chunk (`GPTModel`) in `named_parameters()` order."""
-    m = cfg.model
     pre = pp_rank == 0 and vp_stage == 0
     post = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
     tied = m.share_embeddings_and_output_weights
@@ -195,10 +194,10 @@ def _whole_model(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> l
     """The whole model's parameters: as on one rank of `lay` (the plan's layout; None: derived here) unsharded."""
     if lay is None:
         par = cfg.parallel
-        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
+        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(par)
         lay = layout_of(cfg, world)
     lay = replace(lay, tp=1, pp=1, vp=1, ep=1, etp=1, use_te=False)
-    return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
+    return chunk_parameters(cfg.model, lay, padded_vocab, 0, 0)
 
 
 def _without_mtp(params: list[Param]) -> list[Param]:

@@ -58,8 +58,8 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     domain = nvlink_domain(gpu, gpus_per_node)
     works = [rank_work(cfg, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
     work = max(works, key=lambda w: w.busy_s)
-    again = recompute_factor(cfg, work)
-    modules = recomputed_modules(cfg)
+    again = recompute_factor(cfg.model, work)
+    modules = recomputed_modules(cfg.model)
     compute = mb * work.busy_s * again
     s, b, h = m.seq_length // lay.cp, lay.mbs, m.hidden_size
     recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0

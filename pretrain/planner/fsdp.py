@@ -68,7 +68,7 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> Fs
     zero3 = lay.fsdp_sharding == "optim_grads_params"
     n, pbytes = lay.dp * lay.cp, lay.bytes_per_value
     gbytes = 4 if cfg.optimizer.grad_reduce_in_fp32 else pbytes
-    params = [p for vp in range(lay.vp) for p in chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp)]
+    params = [p for vp in range(lay.vp) for p in chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, vp)]
     dense = sum(p.numel for p in params if not p.expert)
     expert = sum(p.numel for p in params if p.expert)
     shard = -(-dense // n) + -(-expert // lay.edp)  # elements this rank owns

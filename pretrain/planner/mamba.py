@@ -81,7 +81,7 @@ def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, la
     attention = sum(v for k, v in dense.items() if k not in ffn_keys) - norm
     mlp = dense.get("mlp", 0) + norm
     experts = sum(moe.get(k, 0) for k in ffn_keys[1:]) + norm
-    mamba = sum(mamba_layer_terms(m, lay, norm_terms(cfg, lay, hs, hs // m.hidden_size, fp8)).values())
+    mamba = sum(mamba_layer_terms(m, lay, norm_terms(m, lay, hs, hs // m.hidden_size, fp8)).values())
     by_kind = {hybrid.MAMBA: mamba, hybrid.ATTENTION: attention, hybrid.MLP: mlp, hybrid.MOE: experts}
     kinds = m.hybrid_layer_pattern[offset:offset + per_chunk] + (hybrid.mtp_pattern(m) * (m.mtp_num_layers or 0)
                                                                  if mtp else "")

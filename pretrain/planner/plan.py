@@ -76,7 +76,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "checkpoint_elements": count_checkpoint_elements(cfg, m.vocab_size, lay) if m.vocab_size else None,
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
-        "stage_flops_per_token": stage_flops(cfg, lay, vocab) if lay.pp > 1 else None,
+        "stage_flops_per_token": stage_flops(cfg.model, lay, vocab) if lay.pp > 1 else None,
         "flops_per_step": f_step,
         "flops_formula": mamba.FLOPS_FORMULA if hybrid.is_hybrid(m) else FORMULA
         + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")

@@ -138,7 +138,7 @@ def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
     fp8 = largest = 0
     opt_per_rank = {False: [0] * dp_cp, True: [0] * lay.edp}  # dense / expert optimizer shards
     for vp_stage in range(lay.vp):
-        chunk = chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp_stage)
+        chunk = chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, vp_stage)
         # DDP keeps one buffer per parameter dtype (FP8 parameters, uint8, apart) and expert-parallel kind.
         for expert in (False, True):
             group_dp = lay.edp if expert else dp_cp

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from model_providers.core.fusions import bias_activation_fusion
 from model_providers.core.windows import window_size, windowed_layers
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
 from pretrain.planner.activations import recomputed_modules
@@ -105,7 +105,7 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w = RankWork()
     params: list[Param] = []
     for v in range(lay.vp):
-        params += chunk_parameters(cfg, lay, vocab, pp_rank, v)
+        params += chunk_parameters(cfg.model, lay, vocab, pp_rank, v)
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
@@ -194,14 +194,13 @@ def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts:
     return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
 
 
-def recompute_factor(cfg: Config, work: RankWork | None = None) -> float:
+def recompute_factor(m: ModelConfig, work: RankWork | None = None) -> float:
     """Extra compute of recomputation, as a factor on a microbatch (full: the forward again, ~1/3)."""
-    m = cfg.model
     if m.recompute_granularity == "full":
         return 4 / 3
-    modules = recomputed_modules(cfg)
-    extra = recompute_shares(cfg, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
-    if "moe" in modules or ("mlp" in modules and not cfg.model.num_moe_experts):
+    modules = recomputed_modules(m)
+    extra = recompute_shares(m, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
+    if "moe" in modules or ("mlp" in modules and not m.num_moe_experts):
         extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
         extra += value("recompute_core_attn_extra")

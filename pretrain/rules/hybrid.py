@@ -20,17 +20,18 @@
 from __future__ import annotations
 
 from model_providers.core import hybrid
-from pretrain.config import Config
+from pretrain.config import ModelConfig, OptimizerConfig, ParallelConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
 
 _KEY = "model.hybrid_layer_pattern"
 
 
-def hybrid_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def hybrid_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                 lay: Layout | None, te_on_gpu: bool) -> None:
     """Every rule of a hybrid model (module docstring); nothing for a GPT."""
-    m = cfg.model
-    _latent_moe_rules(r, cfg, lay, te_on_gpu)
+    m = model
+    _latent_moe_rules(r, m, lay, te_on_gpu)
     if not hybrid.is_hybrid(m):
         if m.mtp_layer_pattern is not None:
             r.error("model.mtp_layer_pattern", "model.mtp_layer_pattern gives a hybrid model's MTP layers; this model "
@@ -52,18 +53,17 @@ def hybrid_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
     elif m.num_moe_experts and not counts[hybrid.MOE]:
         r.error((_KEY, "model.num_moe_experts"), f"model.num_moe_experts={m.num_moe_experts} but {_KEY} has no MoE "
                 "layer (E): the experts would not exist", "set model.num_moe_experts=null or add E layers")
-    mtp_problem = _mtp_rules(r, cfg)
+    mtp_problem = _mtp_rules(r, m)
     if counts[hybrid.MAMBA] or hybrid.MAMBA in hybrid.mtp_pattern(m) or problem or mtp_problem:
-        _mixer_rules(r, cfg)
-    _unwired_rules(r, cfg)
+        _mixer_rules(r, m, parallel)
+    _unwired_rules(r, m, parallel, optimizer)
 
 
-def _mtp_rules(r: Report, cfg: Config) -> bool:
+def _mtp_rules(r: Report, m: ModelConfig) -> bool:
     """A hybrid model's Multi-Token Prediction (Megatron-Core 0.19+): `model.mtp_num_layers` depths of
     `model.mtp_layer_pattern`'s layers, the symbols of the decoder's. True where the MTP pattern is refused."""
     from pretrain.compat import hybrid as compat
 
-    m = cfg.model
     depths, pattern = m.mtp_num_layers, m.mtp_layer_pattern
     if compat.MTP_REASON is not None:
         if depths or pattern is not None:
@@ -94,9 +94,8 @@ def _mtp_rules(r: Report, cfg: Config) -> bool:
     return False
 
 
-def _mixer_rules(r: Report, cfg: Config) -> None:
+def _mixer_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
     """The Mamba-2 mixer's split over TP and CP, and the CUDA kernels' limits."""
-    m, p = cfg.model, cfg.parallel
     tp, cp = max(p.tensor, 1), max(p.context, 1)
     sizes = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel")
     if any(getattr(m, key) < 1 for key in sizes) or (m.mamba_num_heads is not None and m.mamba_num_heads < 1):
@@ -139,11 +138,10 @@ def _mixer_rules(r: Report, cfg: Config) -> None:
                     "state × groups per rank multiples of 8")
 
 
-def _unwired_rules(r: Report, cfg: Config) -> None:
+def _unwired_rules(r: Report, m: ModelConfig, p: ParallelConfig, o: OptimizerConfig) -> None:
     """Settings the hybrid model does not run as asked (module docstring)."""
     from pretrain.compat import hybrid as compat
 
-    m, p, o = cfg.model, cfg.parallel, cfg.optimizer
     fix_layout = "leave it unset (Megatron-Core splits the pattern's layers evenly, or by first/last stage layers)"
     if p.virtual_pipeline and compat.VP_REASON is not None:
         r.error((_KEY, "parallel.virtual_pipeline"), f"a hybrid model's virtual pipeline: {compat.VP_REASON}",
@@ -171,12 +169,11 @@ def _unwired_rules(r: Report, cfg: Config) -> None:
                     f"leave model.{key} at its default")
 
 
-def _latent_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def _latent_moe_rules(r: Report, m: ModelConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """LatentMoE (`model.moe_latent_size`, Nemotron 3 Super): Megatron-Core builds its projections with Transformer
     Engine only (`TELinear`; it asserts it), and the experts need a router to reach them."""
     from pretrain.layout import use_transformer_engine
 
-    m = cfg.model
     if m.moe_latent_size is None:
         return
     if not m.num_moe_experts:  # its width: the range rule's

@@ -220,10 +220,12 @@ def _hf_step_losses(src: Path, cfg, steps: int) -> tuple[list[float], list[float
     MTP loss of transformers' MTP module for a model with MTP layers (else None)."""
     from torch.nn.functional import cross_entropy
 
-    from pretrain.data.datasets import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets
+    from pretrain.data.plan import data_plan
+    from pretrain.tokenizer.load import run_tokenizer
 
     t = cfg.train
-    train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)
+    train, _ = build_datasets(data_plan(cfg), run_tokenizer(cfg.data), steps * t.global_batch_size)
     model = hf_model(src)
     mtp = hf_mtp(src, model) if getattr(model.config, "num_mtp_layers", 0) else None
     losses, mtp_losses = [], []
