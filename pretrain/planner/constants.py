@@ -158,14 +158,12 @@ CONSTANTS: dict[str, Constant] = {
     "p2p_exposed": Constant(
         0.0, "of pipeline send/receive exposed with interleaving", "Megatron overlaps P2P with VP (overlap_p2p_comm)"),
     # Mamba-2 layers (hybrid models, `pretrain.planner.mamba`): their GEMMs (in/out projections) are costed as every
-    # GEMM; the SSD scan's chunked matmuls at the fused-attention efficiency (same kind of kernel: chunk-tiled masked
-    # matmuls on chip; Dao & Gu 2024 measure SSD on par with FlashAttention-2 at 2K tokens, faster beyond); these:
+    # GEMM, the SSD scan as fused attention over 2K tokens (`mamba.SSD_ATTENTION_EQUIVALENT_TOKENS`, a measurement);
     "mamba_passes": Constant(
-        16.0, "reads+writes of the in-projection's output width W per token, fwd+bwd",
-        "counted from Megatron-Core's GPU path (mamba_split_conv1d_scan_combined, RMSNormGated): forward reads W, the "
-        "convolution writes and the scan reads x, B, C (~0.6 W each way), the per-chunk fp32 states (H·P·N/Q values "
-        "per token, written and read: ~1.6 W), the gated norm reads y and z and writes its output (~1.2 W): ~5.5 W; "
-        "backward recomputes the convolution and moves about twice that"),
+        7.0, "reads+writes of the in-projection's output width W per token, fwd+bwd, beside the scan",
+        "counted from Megatron-Core's GPU path (mamba_split_conv1d_scan_combined, RMSNormGated): forward, the causal "
+        "convolution reads and writes x, B, C (~0.6 W each way), the gated norm reads y and z and writes its output "
+        "(~1.2 W): ~2.4 W; backward recomputes the convolution and moves about twice that"),
     "kernels_mamba": Constant(
         36.0, "kernels fwd+bwd of a Mamba-2 layer (scope mamba)",
         "counted: norm, in_proj GEMM, the combined conv + scan (conv1d, chunk cumsum, chunk state, state passing, "

@@ -154,8 +154,12 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     sinks = value("attention_sinks_efficiency") if m.softmax_type not in (None, "vanilla") else 1.0
     fused_rate = PEAK_TFLOPS[gpu]["bf16"] * 1e12 * SUSTAINED[gpu].value * ATTENTION_EFFICIENCY[gpu].value
     w.attention_s = attention_layers * att / (fused_rate * min(head, 1.25) * sinks)
-    if kinds is not None:  # Mamba-2 layers: the SSD scan's matmuls (as fused attention's) and its memory-bound kernels
-        w.attention_s += kinds[hybrid.MAMBA] * mamba.scan_flops(m, lay) / fused_rate
+    if kinds is not None:  # Mamba-2 layers: the SSD scan as fused attention over 2K tokens (mamba.py); the rest
+        p_dim, ref = m.mamba_head_dim, mamba.SSD_ATTENTION_EQUIVALENT_TOKENS
+        ssd = 2 * tokens * (ref / 2 + value("attention_tile") / 2) * (hybrid.mamba_num_heads(m) / lay.tp) * 2 * p_dim
+        ssd_head = (p_dim / (p_dim + d_half)) / (128 / (128 + d_half))
+        w.attention_s += kinds[hybrid.MAMBA] * ssd * (1 + value("attention_backward_ratio")) / (
+            fused_rate * min(ssd_head, 1.25))
         w.elementwise_s += kinds[hybrid.MAMBA] * mamba.mixer_bytes(m, lay) / hbm
     # Memory-bound work: per token per layer, on this rank's (SP-sharded) activations.
     rows = tokens / (lay.tp if lay.sp else 1)
