@@ -21,7 +21,8 @@ LINEAR = 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 4096 * 2 * 14336 + 14336
 
 
 def _fp8_gib(gpu: str, recipe: str, param_gather: bool) -> float:
-    cfg = load_config("llama3_8b", [*BASE, f"model.fp8={recipe}", f"model.fp8_param_gather={str(param_gather).lower()}"])
+    gather = f"model.fp8_param_gather={str(param_gather).lower()}"
+    cfg = load_config("llama3_8b", [*BASE, f"model.fp8={recipe}", gather])
     return make_plan(cfg, 1, 8, gpu)["memory_gib"]["fp8"]
 
 
