@@ -205,8 +205,9 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
     m = cfg.model
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
-    if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py)
-        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms)
+    if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py); MTP depths last
+        mtp = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
+        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms, mtp)
     out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
     if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
         out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers

@@ -101,17 +101,20 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     return out
 
 
-def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int) -> list[Param]:
-    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol: a Mamba mixer and its norm
-    (`pretrain.planner.mamba`), or the attention / MLP / MoE half of a decoder layer with its norm."""
-    pre = f"decoder.layers.{index}"
-    kind = m.hybrid_layer_pattern[global_index]
+def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int, kind: str | None = None,
+                            pre: str | None = None) -> list[Param]:
+    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol (`kind`; None: the decoder
+    pattern's at `global_index`): a Mamba mixer and its norm (`pretrain.planner.mamba`), or the attention / MLP / MoE
+    half of a decoder layer with its norm. `pre`: the name prefix (an MTP depth's `mtp.layers.{d}.mtp_model_layer.
+    layers.{j}`)."""
+    pre = pre or f"decoder.layers.{index}"
+    kind = kind or m.hybrid_layer_pattern[global_index]
     if kind == hybrid.MAMBA:
         return [Param(n, k, linear=g) for n, k, g in mamba.mixer_parameters(m, lay, pre)] + \
             _norm_params(f"{pre}.norm", m)
     model = m if kind == hybrid.MOE else replace(m, num_moe_experts=None)
     keep = ("input_layernorm", "self_attention") if kind == hybrid.ATTENTION else ("pre_mlp_layernorm", ".mlp.")
-    return [p for p in layer_parameters(model, lay, index, global_index=global_index) if any(k in p.name for k in keep)]
+    return [p for p in layer_parameters(model, lay, index, global_index=0, pre=pre) if any(k in p.name for k in keep)]
 
 
 def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
@@ -152,7 +155,11 @@ def mtp_parameters(m: Any, lay: Layout) -> list[Param]:
         pre = f"mtp.layers.{j}"
         out += _norm_params(f"{pre}.enorm", m) + _norm_params(f"{pre}.hnorm", m)
         out.append(Param(f"{pre}.eh_proj.weight", h // lay.tp * 2 * h, linear=True))
-        out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
+        if hybrid.is_hybrid(m):  # a hybrid depth: model.mtp_layer_pattern's layers
+            out += [p for i, kind in enumerate(hybrid.mtp_pattern(m)) for p in hybrid_layer_parameters(
+                m, lay, i, 0, kind=kind, pre=f"{pre}.mtp_model_layer.layers.{i}")]
+        else:
+            out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
         out += _norm_params(f"{pre}.final_layernorm", m)
     return out
 

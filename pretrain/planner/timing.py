@@ -117,10 +117,10 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
-    if pp_rank == lay.pp - 1 and m.mtp_num_layers:
-        w.layers += m.mtp_num_layers
-        w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
     kinds = layer_kinds(cfg, lay, pp_rank)  # hybrid models: this rank's layers by pattern symbol
+    if pp_rank == lay.pp - 1 and m.mtp_num_layers:  # a transformer's MTP depth is a layer; a hybrid's, its pattern
+        w.layers += m.mtp_num_layers if kinds is None else sum(hybrid.mtp_counts(m).values())
+        w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
     if kinds is not None:
         w.moe_layers = kinds[hybrid.MOE]
     attention_layers = w.layers if kinds is None else kinds[hybrid.ATTENTION]
@@ -194,6 +194,8 @@ def layer_kinds(cfg: Config, lay: Layout, pp_rank: int) -> Counter | None:
     for v in range(lay.vp):
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         kinds.update(m.hybrid_layer_pattern[offset:offset + n])
+    if pp_rank == lay.pp - 1:  # the MTP depths (model.mtp_layer_pattern × model.mtp_num_layers) after the last layer
+        kinds.update(hybrid.mtp_counts(m))
     return kinds
 
 

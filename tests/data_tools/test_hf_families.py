@@ -189,8 +189,8 @@ BAD = {
                                      "(model.moe_latent_size): Megatron-Core builds its latent projections with "
                                      "Transformer Engine only"),
     "nemotron_h MTP": ("nemotron_h", lambda s: _edit_config(s, num_nextn_predict_layers=1),
-                       "config.json: num_nextn_predict_layers=1 is not supported (Multi-Token Prediction in a hybrid "
-                       "model is not wired here)"),
+                       "config.json: num_nextn_predict_layers=1 is not supported (transformers' NemotronH builds no "
+                       "MTP layer (it drops mtp.* weights on load), so the bridge maps none"),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
