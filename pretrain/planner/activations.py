@@ -344,11 +344,17 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)
     offloaded = cfg.performance.cpu_offloading_num_layers
+    in_transit = 0
     if offloaded and lay.pp == 1 and m.recompute_granularity is None:
-        # Megatron-Core's layer-wise offloading: the first layers' activations live in host memory between their
-        # forward and backward, but for the one layer in transit (offloaded or reloaded while the next computes)
+        # Megatron-Core's layer-wise offloading (Transformer Engine's get_cpu_offload_context): the first N layers'
+        # activations live in host memory between their forward and backward. TE 2.10+ (DefaultOffloadSynchronizer)
+        # releases layer i's GPU copy before layer L − N + i's forward and starts its reload after layer L − N + i's
+        # backward began: "peak memory usage of saving activations is (num_layers − num_offloaded_layers) · T". TE's
+        # earlier path (cpu_offload_v1, the group window) releases the last offloaded layer at the last layer's
+        # commit: one layer more, but only before the final norm, output layer and loss run (`in_transit` below).
         moved = chunk_layers[0][:offloaded]
-        per_mb[0] -= sum(moved) - max(moved, default=0)
+        per_mb[0] -= sum(moved)
+        in_transit = max(moved, default=0)
     first, last = microbatch_extras(cfg, lay, padded_vocab)
     last += mtp_extras(cfg.model, lay, padded_vocab, lambda n, r: _norm_terms(cfg.model, lay, n, r, gemm_bytes=None))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
@@ -374,14 +380,18 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     if hybrid.is_hybrid(m):  # a Mamba scan's chunk states while it runs
         transient += mamba.scan_states(m, lay)
-    gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
+    # the sequence-parallel all-gather buffer; with TP communication overlap the gathered input is TE's userbuffer
+    # (`planner.memory.userbuffer_bytes`), not a tensor of its own
+    overlap = cfg.parallel.tp_comm_overlap and lay.use_te and lay.tp > 1
+    gather = s * b * h * p if lay.sp and not overlap else 0
     if uses_cpu_cp_attention(cfg, lay):
         gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
     if pp_rank == lay.pp - 1:
-        transient += s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+        logits = s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+        transient += max(logits, in_transit)  # (TE < 2.10's offloaded layer in transit comes before them)
     return ActivationMemory(saved=saved, transient=transient, recompute=max(0, extra),
                             in_flight={c: n for c, n in sorted(peak_flight.items()) if n})
 

@@ -86,3 +86,20 @@ def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, la
     kinds = m.hybrid_layer_pattern[offset:offset + per_chunk] + (hybrid.mtp_pattern(m) * (m.mtp_num_layers or 0)
                                                                  if mtp else "")
     return [by_kind[c] for c in kinds]
+
+
+# The SSD scan's time: Dao & Gu 2024 ("Transformers are SSMs", §9.3 and its efficiency figure) measure the SSD kernel
+# as fast as FlashAttention-2 at 2K tokens and faster beyond (linear against quadratic). The planner costs one Mamba
+# layer's scan as the fused causal attention of its heads and head dim over a 2,048-token context, whatever the sequence
+# (`timing.rank_work`): an upper bound past 2K, from a measurement rather than the kernel's FLOPs.
+SSD_ATTENTION_EQUIVALENT_TOKENS = 2048
+
+
+def mixer_bytes(m: Any, lay: Layout) -> float:
+    """HBM bytes one Mamba layer's memory-bound kernels beside the scan move per microbatch on this rank (forward +
+    backward), in units of the in-projection's output width W = 2·d_in + 2·G·N + H per token (`mamba_passes`, counted
+    from Megatron-Core's GPU path: the causal convolution, the gated RMSNorm)."""
+    from pretrain.planner.constants import value
+
+    width = sum(hybrid.in_proj_parts(m).values()) / lay.tp
+    return value("mamba_passes") * width * m.seq_length * lay.mbs / lay.cp * lay.bytes_per_value
