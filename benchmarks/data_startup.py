@@ -290,13 +290,14 @@ def floor_main(out: str, tp: int, config_path: str, overrides: list[str]) -> Non
     from pretrain import compat
     from pretrain.config import load_config
     from pretrain.data.datasets import megatron_dataset_config
+    from pretrain.data.plan import data_plan
     from pretrain.tokenizer.load import run_tokenizer
 
     compat.apply(on_gpu=False)
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = load_config(config_path, overrides)
-    cls, config = megatron_dataset_config(cfg, run_tokenizer(cfg.data))
+    cls, config = megatron_dataset_config(data_plan(cfg), run_tokenizer(cfg.data))
     Path(config.path_to_cache).mkdir(parents=True, exist_ok=True)
     reads = ps.get_tensor_model_parallel_rank() == 0
     before = _status(os.getpid()).get("VmRSS", 0)

@@ -166,9 +166,9 @@ def _rope_parameters(m: Any) -> dict:
     return rope
 
 
-def _rope_fields(cfg: Any) -> dict:
+def _rope_fields(hf: Any) -> dict:
     """Our RoPE fields for a DeepseekV3Config (ConversionError for what Megatron's MLA RoPE cannot compute)."""
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
     rtype = rope.get("rope_type", rope.get("type", "default"))
     fields: dict[str, Any] = {"rotary_base": float(rope.get("rope_theta", 10000.0)), "rotary_percent": 1.0,
                               "rope_type": "rope", "rotary_scaling_factor": 1.0}
@@ -182,7 +182,7 @@ def _rope_fields(cfg: Any) -> dict:
     if rope.get("truncate", True) is not True:
         raise ConversionError("config.json: rope_scaling.truncate=false is not supported (Megatron-Core rounds the "
                               "YaRN correction range)")
-    return {**fields, "rope_type": "yarn", **yarn_fields(cfg, rope, keep_mscale_all_dim=True)}
+    return {**fields, "rope_type": "yarn", **yarn_fields(hf, rope, keep_mscale_all_dim=True)}
 
 
 class DeepseekV3Family(Family):
@@ -284,46 +284,46 @@ class DeepseekV3Family(Family):
             out[key] = getattr(hf_cfg, key)
         return out
 
-    def from_hf_config(self, cfg: Any) -> dict:
-        layers, experts = cfg.num_hidden_layers, cfg.n_routed_experts
-        topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
-        _refuse(cfg, "hidden_act", cfg.hidden_act == "silu", "only silu (SwiGLU)")
-        _refuse(cfg, "scoring_func", getattr(cfg, "scoring_func", "sigmoid") == "sigmoid",
+    def from_hf_config(self, hf: Any) -> dict:
+        layers, experts = hf.num_hidden_layers, hf.n_routed_experts
+        topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group or 1, hf.topk_group or 1
+        _refuse(hf, "hidden_act", hf.hidden_act == "silu", "only silu (SwiGLU)")
+        _refuse(hf, "scoring_func", getattr(hf, "scoring_func", "sigmoid") == "sigmoid",
                 "transformers' DeepseekV3 scores with sigmoid")
-        _refuse(cfg, "topk_method", getattr(cfg, "topk_method", "noaux_tc") == "noaux_tc",
+        _refuse(hf, "topk_method", getattr(hf, "topk_method", "noaux_tc") == "noaux_tc",
                 "transformers' DeepseekV3 routes with noaux_tc")
-        _refuse(cfg, "norm_topk_prob", bool(cfg.norm_topk_prob) and topk > 1,
+        _refuse(hf, "norm_topk_prob", bool(hf.norm_topk_prob) and topk > 1,
                 "Megatron-Core renormalises sigmoid top-k weights, for k > 1")
-        _refuse(cfg, "rope_interleave", cfg.rope_interleave is not False, "only the interleaved layout")
-        _refuse(cfg, "attention_bias", not cfg.attention_bias, "MLA projections without biases")
-        _refuse(cfg, "moe_layer_freq", getattr(cfg, "moe_layer_freq", 1) == 1,
+        _refuse(hf, "rope_interleave", hf.rope_interleave is not False, "only the interleaved layout")
+        _refuse(hf, "attention_bias", not hf.attention_bias, "MLA projections without biases")
+        _refuse(hf, "moe_layer_freq", getattr(hf, "moe_layer_freq", 1) == 1,
                 "transformers' DeepseekV3 makes every layer after first_k_dense_replace MoE")
-        _refuse(cfg, "num_key_value_heads", cfg.num_key_value_heads in (None, cfg.num_attention_heads),
+        _refuse(hf, "num_key_value_heads", hf.num_key_value_heads in (None, hf.num_attention_heads),
                 "MLA has no key/value groups")
-        _refuse(cfg, "first_k_dense_replace", 0 <= cfg.first_k_dense_replace < layers, "needs MoE layers")
-        _refuse(cfg, "n_group", experts % groups == 0, f"{experts} experts split into equal groups")
-        _refuse(cfg, "topk_group", group_topk <= groups, f"at most n_group={groups} groups to choose from")
-        _refuse(cfg, "topk_group", groups == group_topk or topk // group_topk == 2,
+        _refuse(hf, "first_k_dense_replace", 0 <= hf.first_k_dense_replace < layers, "needs MoE layers")
+        _refuse(hf, "n_group", experts % groups == 0, f"{experts} experts split into equal groups")
+        _refuse(hf, "topk_group", group_topk <= groups, f"at most n_group={groups} groups to choose from")
+        _refuse(hf, "topk_group", groups == group_topk or topk // group_topk == 2,
                 "Megatron-Core ranks groups by their top num_experts_per_tok/topk_group scores, transformers by 2")
-        mtp = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
-        aux = float(getattr(cfg, "aux_loss_alpha", 0.0) or 0.0)
-        context = int(cfg.max_position_embeddings)
+        mtp = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
+        aux = float(getattr(hf, "aux_loss_alpha", 0.0) or 0.0)
+        context = int(hf.max_position_embeddings)
         return {
-            **self.fixed_fields, "family": self.name, "num_layers": layers, "hidden_size": cfg.hidden_size,
-            "ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
-            "num_query_groups": None, "kv_channels": None, "layernorm_epsilon": float(cfg.rms_norm_eps),
-            "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
+            **self.fixed_fields, "family": self.name, "num_layers": layers, "hidden_size": hf.hidden_size,
+            "ffn_hidden_size": hf.intermediate_size, "num_attention_heads": hf.num_attention_heads,
+            "num_query_groups": None, "kv_channels": None, "layernorm_epsilon": float(hf.rms_norm_eps),
+            "share_embeddings_and_output_weights": bool(hf.tie_word_embeddings), "vocab_size": hf.vocab_size,
             "max_position_embeddings": context, "seq_length": min(context, 4096), "sliding_window": None,
-            "hidden_dropout": 0.0, "attention_dropout": float(cfg.attention_dropout or 0.0),
-            "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_head_dim": cfg.qk_nope_head_dim,
-            "qk_pos_emb_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, **_rope_fields(cfg),
-            "num_moe_experts": experts, "moe_ffn_hidden_size": cfg.moe_intermediate_size,
-            "moe_shared_expert_intermediate_size": (cfg.n_shared_experts * cfg.moe_intermediate_size) or None,
+            "hidden_dropout": 0.0, "attention_dropout": float(hf.attention_dropout or 0.0),
+            "q_lora_rank": hf.q_lora_rank, "kv_lora_rank": hf.kv_lora_rank, "qk_head_dim": hf.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": hf.qk_rope_head_dim, "v_head_dim": hf.v_head_dim, **_rope_fields(hf),
+            "num_moe_experts": experts, "moe_ffn_hidden_size": hf.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": (hf.n_shared_experts * hf.moe_intermediate_size) or None,
             "moe_router_topk": topk, "moe_router_num_groups": groups if groups > 1 else None,
             "moe_router_group_topk": group_topk if groups > 1 else None,
-            "moe_router_topk_scaling_factor": float(cfg.routed_scaling_factor),
-            "moe_layer_freq": _dense_first(layers, cfg.first_k_dense_replace),
-            "moe_router_load_balancing_type": "seq_aux_loss" if getattr(cfg, "seq_aux", True) else "aux_loss",
+            "moe_router_topk_scaling_factor": float(hf.routed_scaling_factor),
+            "moe_layer_freq": _dense_first(layers, hf.first_k_dense_replace),
+            "moe_router_load_balancing_type": "seq_aux_loss" if getattr(hf, "seq_aux", True) else "aux_loss",
             "moe_aux_loss_coeff": aux, "mtp_num_layers": mtp or None,
         }
 

@@ -87,18 +87,18 @@ class GPTFamily(Family):
         )
         return self.hf_config(GPT2Config, arch, bos=bos, eos=eos, base=base)
 
-    def from_hf_config(self, cfg: Any) -> dict:
-        if getattr(cfg, "activation_function", "gelu") != "gelu":
-            print(f"[convert] warning: HF activation_function={cfg.activation_function!r}; Megatron uses exact GELU, "
+    def from_hf_config(self, hf: Any) -> dict:
+        if getattr(hf, "activation_function", "gelu") != "gelu":
+            print(f"[convert] warning: HF activation_function={hf.activation_function!r}; Megatron uses exact GELU, "
                   "so outputs will differ slightly", file=sys.stderr)
         return {
             **self.fixed_fields, "family": self.name,
-            "num_layers": cfg.n_layer, "hidden_size": cfg.n_embd, "ffn_hidden_size": cfg.n_inner or 4 * cfg.n_embd,
-            "num_attention_heads": cfg.n_head, "num_query_groups": None, "kv_channels": None,
-            "layernorm_epsilon": float(cfg.layer_norm_epsilon), "seq_length": cfg.n_positions,
-            "max_position_embeddings": cfg.n_positions,
-            "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
-            "hidden_dropout": float(cfg.resid_pdrop), "attention_dropout": float(cfg.attn_pdrop),
+            "num_layers": hf.n_layer, "hidden_size": hf.n_embd, "ffn_hidden_size": hf.n_inner or 4 * hf.n_embd,
+            "num_attention_heads": hf.n_head, "num_query_groups": None, "kv_channels": None,
+            "layernorm_epsilon": float(hf.layer_norm_epsilon), "seq_length": hf.n_positions,
+            "max_position_embeddings": hf.n_positions,
+            "share_embeddings_and_output_weights": bool(hf.tie_word_embeddings), "vocab_size": hf.vocab_size,
+            "hidden_dropout": float(hf.resid_pdrop), "attention_dropout": float(hf.attn_pdrop),
         }
 
 

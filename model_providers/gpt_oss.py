@@ -149,16 +149,16 @@ class GptOssFamily(Family):
         return self.hf_config(getattr(transformers, self.config_class), {"hidden_act": "silu", **kept, **arch},
                               bos=bos, eos=eos, base=base)
 
-    def from_hf_config(self, cfg: Any) -> dict:
-        _refuse(cfg, "attention_bias", bool(cfg.attention_bias), "GPT-OSS's experts and router have biases, and "
+    def from_hf_config(self, hf: Any) -> dict:
+        _refuse(hf, "attention_bias", bool(hf.attention_bias), "GPT-OSS's experts and router have biases, and "
                 "Megatron-Core's add_bias_linear covers them and the attention's together")
-        _refuse(cfg, "swiglu_alpha", math.isclose(float(cfg.swiglu_alpha), QUICK_GELU_ALPHA),
+        _refuse(hf, "swiglu_alpha", math.isclose(float(hf.swiglu_alpha), QUICK_GELU_ALPHA),
                 f"Megatron-Core's quick_gelu has the fixed gain {QUICK_GELU_ALPHA}")
-        types = list(cfg.layer_types)
+        types = list(hf.layer_types)
         bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-        _refuse(cfg, "layer_types", not bad, f"unknown layer types {bad}")
+        _refuse(hf, "layer_types", not bad, f"unknown layer types {bad}")
         pattern = [int(t == "sliding_attention") for t in types]
-        window = cfg.sliding_window if any(pattern) else None
+        window = hf.sliding_window if any(pattern) else None
         if window is None:
             freq = None
         elif all(pattern):
@@ -167,24 +167,24 @@ class GptOssFamily(Family):
             freq = 2
         else:
             freq = pattern
-        heads = cfg.num_attention_heads
-        context = int(cfg.max_position_embeddings)
-        limit = cfg.swiglu_limit
+        heads = hf.num_attention_heads
+        context = int(hf.max_position_embeddings)
+        limit = hf.swiglu_limit
         return {
-            **self.fixed_fields, "family": self.name, "num_layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
-            "moe_ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": heads,
-            "num_query_groups": cfg.num_key_value_heads or heads,
-            "kv_channels": cfg.head_dim if cfg.head_dim * heads != cfg.hidden_size else None,
-            "layernorm_epsilon": float(cfg.rms_norm_eps), **_rope_fields(cfg), "rope_scaling": False,
-            "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
+            **self.fixed_fields, "family": self.name, "num_layers": hf.num_hidden_layers,
+            "hidden_size": hf.hidden_size, "ffn_hidden_size": hf.intermediate_size,
+            "moe_ffn_hidden_size": hf.intermediate_size, "num_attention_heads": heads,
+            "num_query_groups": hf.num_key_value_heads or heads,
+            "kv_channels": hf.head_dim if hf.head_dim * heads != hf.hidden_size else None,
+            "layernorm_epsilon": float(hf.rms_norm_eps), **_rope_fields(hf), "rope_scaling": False,
+            "share_embeddings_and_output_weights": bool(hf.tie_word_embeddings), "vocab_size": hf.vocab_size,
             "max_position_embeddings": context, "seq_length": min(context, 4096),
             "sliding_window": int(window) if window is not None else None, "window_attn_skip_freq": freq,
             "activation_func_clamp_value": float(limit) if limit is not None else None,
-            "num_moe_experts": cfg.num_local_experts, "moe_router_topk": cfg.num_experts_per_tok,
-            "moe_aux_loss_coeff": float(cfg.router_aux_loss_coef),
-            "moe_router_load_balancing_type": "aux_loss" if cfg.output_router_logits else "none",
-            "hidden_dropout": 0.0, "attention_dropout": float(cfg.attention_dropout or 0.0),
+            "num_moe_experts": hf.num_local_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_aux_loss_coeff": float(hf.router_aux_loss_coef),
+            "moe_router_load_balancing_type": "aux_loss" if hf.output_router_logits else "none",
+            "hidden_dropout": 0.0, "attention_dropout": float(hf.attention_dropout or 0.0),
         }
 
     def config_json(self, hf_cfg: Any) -> dict:
@@ -216,9 +216,9 @@ def _rope_parameters(m: Any) -> dict:
     return rope
 
 
-def _rope_fields(cfg: Any) -> dict:
+def _rope_fields(hf: Any) -> dict:
     """Our YaRN fields of a GptOssConfig (ConversionError naming what Megatron-Core's YaRN cannot compute)."""
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
     rtype = rope.get("rope_type", rope.get("type", "default"))
     if rtype != "yarn":
         raise ConversionError(f"config.json: rope_scaling type {rtype!r} is not supported (GPT-OSS: yarn)")
@@ -226,7 +226,7 @@ def _rope_fields(cfg: Any) -> dict:
         raise ConversionError(f"config.json: rope_scaling.partial_rotary_factor={rope['partial_rotary_factor']} is "
                               "not supported (RoPE on the whole head only)")
     return {"rotary_base": float(rope.get("rope_theta", 150000.0)), "rotary_percent": 1.0,
-            **yarn_fields(cfg, rope, keep_mscale_all_dim=False),
+            **yarn_fields(hf, rope, keep_mscale_all_dim=False),
             "yarn_correction_range_round_to_int": bool(rope.get("truncate", True))}
 
 

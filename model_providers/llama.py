@@ -130,14 +130,14 @@ def rope_parameters(m: Any) -> dict:
     return rope
 
 
-def rope_fields(cfg: Any) -> dict:
+def rope_fields(hf: Any) -> dict:
     """Our RoPE fields for a transformers config (ConversionError for RoPE variants we cannot run)."""
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
     rtype = rope.get("rope_type", "default")
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConversionError(f"config.json: partial_rotary_factor={rope['partial_rotary_factor']} is not supported "
                               "(RoPE on the whole head only)")
-    fields: dict[str, Any] = {"rotary_base": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+    fields: dict[str, Any] = {"rotary_base": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
                               "rope_scaling": False}
     if rtype == "llama3":
         fields["rope_scaling"] = True
@@ -166,9 +166,9 @@ class LlamaFamily(Family):
         require(m, "window_attn_skip_freq", None, self.hf_architecture)
         return {"attention_bias": False, "mlp_bias": False}
 
-    def fields_from_hf(self, cfg: Any) -> dict:
+    def fields_from_hf(self, hf: Any) -> dict:
         """Family-specific model fields of a transformers config (raise ConversionError for what we cannot run)."""
-        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
             raise ConversionError(f"config.json: attention_bias/mlp_bias are not supported for the {self.name} family")
         return {}
 
@@ -201,24 +201,24 @@ class LlamaFamily(Family):
                 out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         return out
 
-    def from_hf_config(self, cfg: Any) -> dict:
-        if cfg.hidden_act != "silu":
-            raise ConversionError(f"config.json: hidden_act={cfg.hidden_act!r}; only 'silu' (SwiGLU) is supported")
-        extra = self.fields_from_hf(cfg)
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        context = int(cfg.max_position_embeddings)
+    def from_hf_config(self, hf: Any) -> dict:
+        if hf.hidden_act != "silu":
+            raise ConversionError(f"config.json: hidden_act={hf.hidden_act!r}; only 'silu' (SwiGLU) is supported")
+        extra = self.fields_from_hf(hf)
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        context = int(hf.max_position_embeddings)
         return {
             **self.fixed_fields, "family": self.name,
-            "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-            "ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": heads,
-            "num_query_groups": cfg.num_key_value_heads or heads,
-            "kv_channels": head_dim if head_dim * heads != cfg.hidden_size else None,
-            "layernorm_epsilon": float(cfg.rms_norm_eps), **rope_fields(cfg),
-            "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "vocab_size": cfg.vocab_size,
+            "num_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size,
+            "ffn_hidden_size": hf.intermediate_size, "num_attention_heads": heads,
+            "num_query_groups": hf.num_key_value_heads or heads,
+            "kv_channels": head_dim if head_dim * heads != hf.hidden_size else None,
+            "layernorm_epsilon": float(hf.rms_norm_eps), **rope_fields(hf),
+            "share_embeddings_and_output_weights": bool(hf.tie_word_embeddings), "vocab_size": hf.vocab_size,
             # The model's context length; the training length (a training setting) defaults to at most 4096.
             "max_position_embeddings": context, "seq_length": min(context, 4096), "sliding_window": None,
-            "hidden_dropout": 0.0, "attention_dropout": float(getattr(cfg, "attention_dropout", 0.0)), **extra,
+            "hidden_dropout": 0.0, "attention_dropout": float(getattr(hf, "attention_dropout", 0.0)), **extra,
         }
 
 

@@ -37,8 +37,8 @@ class MistralFamily(LlamaFamily):
         require(m, "window_attn_skip_freq", None, self.hf_architecture)  # MistralConfig windows every layer
         return {"sliding_window": m.sliding_window}
 
-    def fields_from_hf(self, cfg: Any) -> dict:
-        return {"sliding_window": cfg.sliding_window, "window_attn_skip_freq": None}
+    def fields_from_hf(self, hf: Any) -> dict:
+        return {"sliding_window": hf.sliding_window, "window_attn_skip_freq": None}
 
 
 FAMILY = llama_like(MistralFamily, "mistral", "MistralForCausalLM", PRESETS, _FIXED)

@@ -50,10 +50,10 @@ def moe_hf_kwargs(m: Any, arch: str) -> dict:
             "output_router_logits": False}
 
 
-def moe_fields(cfg: Any) -> dict:
+def moe_fields(hf: Any) -> dict:
     """Our routing fields of a transformers MoE config."""
-    return {"num_moe_experts": cfg.num_local_experts, "moe_router_topk": cfg.num_experts_per_tok,
-            "moe_aux_loss_coeff": float(cfg.router_aux_loss_coef), "moe_router_load_balancing_type": "aux_loss"}
+    return {"num_moe_experts": hf.num_local_experts, "moe_router_topk": hf.num_experts_per_tok,
+            "moe_aux_loss_coeff": float(hf.router_aux_loss_coef), "moe_router_load_balancing_type": "aux_loss"}
 
 
 class MixtralFamily(MistralFamily):
@@ -71,11 +71,11 @@ class MixtralFamily(MistralFamily):
         return {**super().hf_extra(m), **moe_hf_kwargs(m, self.hf_architecture),
                 "num_local_experts": m.num_moe_experts, "router_jitter_noise": 0.0}
 
-    def fields_from_hf(self, cfg: Any) -> dict:
-        if float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) > 0:
-            print(f"[convert] warning: HF router_jitter_noise={cfg.router_jitter_noise} is not used by the "
+    def fields_from_hf(self, hf: Any) -> dict:
+        if float(getattr(hf, "router_jitter_noise", 0.0) or 0.0) > 0:
+            print(f"[convert] warning: HF router_jitter_noise={hf.router_jitter_noise} is not used by the "
                   "trainer", file=sys.stderr)
-        return {**super().fields_from_hf(cfg), **moe_fields(cfg), "moe_ffn_hidden_size": None}  # = ffn_hidden_size
+        return {**super().fields_from_hf(hf), **moe_fields(hf), "moe_ffn_hidden_size": None}  # = ffn_hidden_size
 
 
 def moe_rules(router: str, gate: str, up: str, down: str) -> tuple:

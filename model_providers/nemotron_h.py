@@ -57,8 +57,9 @@ PRESETS: dict[str, dict] = {
                        "moe_shared_expert_intermediate_size": 3712, "moe_router_topk": 6,
                        "moe_router_topk_scaling_factor": 2.5, "max_position_embeddings": 262144},
     # Nemotron 3 Super 120B-A12B: 88 layers (40 Mamba-2, 40 LatentMoE, 8 attention), 512 experts of 2688 at the
-    # latent width 1024 (top-22, × 5) + a shared expert of 5376. Its MTP layers (*E) are not wired here; the count
-    # is the decoder's (as transformers' NemotronHForCausalLM, which builds no MTP layer either).
+    # latent width 1024 (top-22, × 5) + a shared expert of 5376. Its MTP (Megatron-Bridge's recipe: two depths of
+    # *E) is model.mtp_num_layers=2 model.mtp_layer_pattern='*E' on Megatron-Core 0.19+, not part of the preset: the
+    # count is the decoder's (as transformers' NemotronHForCausalLM, which builds no MTP layer either).
     "nemotron3_super": {**_COMMON, **_ROUTER, "num_layers": 88, "hybrid_layer_pattern": _SUPER_PATTERN,
                         "hidden_size": 4096, "ffn_hidden_size": 2688, "num_attention_heads": 32,
                         "num_query_groups": 2, "kv_channels": 128, "mamba_num_heads": 128, "num_moe_experts": 512,
@@ -154,7 +155,11 @@ class NemotronHFamily(Family):
 
         arch = self.hf_architecture
         self.require_fixed_fields(m)
-        for key, value in (("sliding_window", None), ("mtp_num_layers", None), ("softmax_type", "vanilla"),
+        if m.mtp_num_layers:
+            raise ConversionError(f"model.mtp_num_layers={m.mtp_num_layers} cannot be expressed as {arch}: "
+                                  "transformers' NemotronH builds no MTP layer (it drops mtp.* weights on load), so "
+                                  "the bridge maps none; export a run without MTP")
+        for key, value in (("sliding_window", None), ("softmax_type", "vanilla"),
                            ("moe_router_score_function", "sigmoid"), ("moe_router_pre_softmax", False),
                            ("moe_layer_freq", 1)):
             require(m, key, value, arch)
@@ -200,7 +205,9 @@ class NemotronHFamily(Family):
                 ("mamba_hidden_act", "silu", "the mixer's convolution activation is silu"),
                 ("sliding_window", None, "full attention only"), ("norm_topk_prob", True,
                  "Megatron-Core renormalises sigmoid top-k weights"),
-                ("num_nextn_predict_layers", 0, "Multi-Token Prediction in a hybrid model is not wired here"),
+                ("num_nextn_predict_layers", 0, "transformers' NemotronH builds no MTP layer (it drops mtp.* "
+                 "weights on load), so the bridge maps none; model.mtp_num_layers / mtp_layer_pattern train new ones "
+                 "on Megatron-Core 0.19+"),
                 ("residual_in_fp32", False, "residuals in the model's dtype")):
             _refuse(cfg, key, getattr(cfg, key, want) == want, why)
         limit = tuple(float(x) for x in cfg.time_step_limit)

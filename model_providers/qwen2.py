@@ -49,11 +49,11 @@ class Qwen2Family(LlamaFamily):
             out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in pattern]
         return out
 
-    def fields_from_hf(self, cfg: Any) -> dict:
-        window = cfg.sliding_window  # transformers sets it to None without use_sliding_window
+    def fields_from_hf(self, hf: Any) -> dict:
+        window = hf.sliding_window  # transformers sets it to None without use_sliding_window
         if window is None:
             return {"sliding_window": None, "window_attn_skip_freq": None}
-        pattern = [int(t == "sliding_attention") for t in cfg.layer_types]
+        pattern = [int(t == "sliding_attention") for t in hf.layer_types]
         return {"sliding_window": int(window), "window_attn_skip_freq": None if all(pattern) else pattern}
 
 

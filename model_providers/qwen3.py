@@ -34,11 +34,11 @@ class Qwen3Family(Qwen2Family):
     def hf_extra(self, m: Any) -> dict:
         return {**super().hf_extra(m), "attention_bias": False}
 
-    def fields_from_hf(self, cfg: Any) -> dict:
-        if getattr(cfg, "attention_bias", False):
+    def fields_from_hf(self, hf: Any) -> dict:
+        if getattr(hf, "attention_bias", False):
             raise ConversionError("config.json: attention_bias=true (biases on q/k/v/o_proj) is not supported for "
                                   "the qwen3 family")
-        return super().fields_from_hf(cfg)
+        return super().fields_from_hf(hf)
 
 
 FAMILY = llama_like(Qwen3Family, "qwen3", "Qwen3ForCausalLM", PRESETS, _FIXED, mapping=(*MAPPING, *QK_NORM))

@@ -53,15 +53,15 @@ class Qwen3MoeFamily(Qwen3Family):
                 "moe_intermediate_size": m.moe_ffn_hidden_size or ffn, "norm_topk_prob": not m.moe_router_pre_softmax,
                 "decoder_sparse_step": 1, "mlp_only_layers": []}
 
-    def fields_from_hf(self, cfg: Any) -> dict:
-        layers = cfg.num_hidden_layers
-        step = max(int(cfg.decoder_sparse_step), 1)
-        dense = sorted(set(cfg.mlp_only_layers or []) | {i for i in range(layers) if (i + 1) % step})
-        if dense or cfg.num_experts <= 0:
+    def fields_from_hf(self, hf: Any) -> dict:
+        layers = hf.num_hidden_layers
+        step = max(int(hf.decoder_sparse_step), 1)
+        dense = sorted(set(hf.mlp_only_layers or []) | {i for i in range(layers) if (i + 1) % step})
+        if dense or hf.num_experts <= 0:
             raise ConversionError(f"config.json: layers {dense[:8]} have a dense MLP (mlp_only_layers / "
                                   "decoder_sparse_step); only models with experts in every layer are supported")
-        return {**super().fields_from_hf(cfg), **moe_fields(cfg), "moe_ffn_hidden_size": cfg.moe_intermediate_size,
-                "moe_router_pre_softmax": not cfg.norm_topk_prob}
+        return {**super().fields_from_hf(hf), **moe_fields(hf), "moe_ffn_hidden_size": hf.moe_intermediate_size,
+                "moe_router_pre_softmax": not hf.norm_topk_prob}
 
     def config_json(self, hf_cfg: Any) -> dict:
         """As released Qwen3-MoE configs spell it: `num_experts` (transformers writes its alias)."""

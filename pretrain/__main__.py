@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # What train will start from: a checkpoint's resume, or fresh (the stages share the keys that must match).
         if staged.plans:
-            start_rules(report, staged.plans[0].cfg, staged.plans[0].tokenizer)
+            start_rules(report, staged.plans[0])
         if args.print_config:
             print(cfg.to_yaml())
         print(report.text(), file=sys.stdout if report.ok else sys.stderr)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.validate import store_verdicts
 
         for plan in staged.plans:  # into an existing cache only: validate creates no run.dir
-            store_verdicts(plan.cfg, plan.problems, create=False)
+            store_verdicts(plan.problems, plan.data.cache_dir, create=False)
         if args.check_lock:
             from pretrain.run.output_lock import run_outputs_held
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretrain.compat import mcore
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig, ParallelConfig
 
 RESOLUTIONS: Counter[str] = Counter()  # per process: "layout" (derive_layout), "tokenizer" (pretrain.run_plan)
 
@@ -35,17 +35,6 @@ def resolve_precision(precision: str, on_gpu: bool) -> str:
     if precision == "auto":
         return "bf16" if on_gpu else "fp32"
     return precision
-
-
-def resolve_vocab_size(cfg: Config, tokenizer_vocab: int | None = None) -> int:
-    """The true (unpadded) vocabulary: model.vocab_size, else the tokenizer's (loaded when not given)."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    if tokenizer_vocab is None:
-        from pretrain.tokenizer.load import run_tokenizer
-
-        tokenizer_vocab = run_tokenizer(cfg.data).vocab_size
-    return tokenizer_vocab
 
 
 @dataclass(frozen=True)
@@ -95,24 +84,23 @@ class ExpertLayout:
     edp: int  # expert data parallel: world / (etp × ep × pp); gradients of an expert are reduced over it
 
 
-def expert_tensor_size(cfg: Config) -> int:
+def expert_tensor_size(p: ParallelConfig) -> int:
     """Expert tensor parallelism: parallel.expert_tensor, else parallel.tensor (Megatron-Core's default)."""
-    return cfg.parallel.expert_tensor or cfg.parallel.tensor
+    return p.expert_tensor or p.tensor
 
 
-def expert_layout(cfg: Config, world: int) -> ExpertLayout | None:
-    """The expert layout, or None when world / PP is not divisible by expert TP × EP."""
-    p = cfg.parallel
-    etp = expert_tensor_size(cfg)
+def expert_layout(p: ParallelConfig, world: int) -> ExpertLayout | None:
+    """The expert layout of the parallel section `p`, or None when world / PP is not divisible by expert TP × EP."""
+    etp = expert_tensor_size(p)
     per_stage = etp * p.expert * p.pipeline
     if per_stage < 1 or world % per_stage:
         return None
     return ExpertLayout(ep=p.expert, etp=etp, edp=world // per_stage)
 
 
-def fsdp_sharding(cfg: Config) -> str | None:
-    """What Megatron-FSDP shards (optimizer.fsdp_sharding, default optim_grads_params), None without FSDP."""
-    o = cfg.optimizer
+def fsdp_sharding(o: OptimizerConfig) -> str | None:
+    """What Megatron-FSDP shards (optimizer.fsdp_sharding of the optimizer section `o`, default optim_grads_params),
+    None without FSDP."""
     return (o.fsdp_sharding or "optim_grads_params") if o.fsdp else None
 
 
@@ -258,7 +246,7 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
     model_parallel = p.tensor * p.pipeline * p.context
     if world < 1 or world % model_parallel:
         raise LayoutError(f"world size {world} is not divisible by tensor×pipeline×context = {model_parallel}")
-    experts = expert_layout(cfg, world)
+    experts = expert_layout(cfg.parallel, world)
     if experts is None:
         raise LayoutError(f"world size {world} is not divisible by expert_tensor×expert×pipeline")
     vocab = m.vocab_size or vocab_size
@@ -269,7 +257,7 @@ def derive_layout(cfg: Config, world: int, *, vocab_size: int | None = None, on_
         use_te=use_transformer_engine(m.transformer_impl, te), on_gpu=on_gpu, vocab_size=vocab,
         padded_vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, p.tensor) if vocab else None,
         **vars(model_shape(m)), **vars(experts), moe_loss_scale=mcore.moe_router_loss_scale(p.tensor, p.context),
-        fsdp_sharding=fsdp_sharding(cfg),
+        fsdp_sharding=fsdp_sharding(cfg.optimizer),
         first_stage_layers=p.num_layers_in_first_pipeline_stage, last_stage_layers=p.num_layers_in_last_pipeline_stage,
         pipeline_layout=p.pipeline_layout, embedding_in_split=p.account_for_embedding_in_pipeline_split,
         loss_in_split=p.account_for_loss_in_pipeline_split,

@@ -16,7 +16,7 @@ from typing import Literal
 from model_providers.core.knobs import CHANGE, Resume, knob
 
 # CUDA-graph scopes both supported Megatron-Core releases accept (0.19 renamed the field cuda_graph_modules).
-CudaGraphScope = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess"]
+CudaGraphScope = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"]
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 
 

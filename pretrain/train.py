@@ -165,7 +165,7 @@ def _microbatch_runner(cfg: Config, run):
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
     t, model = cfg.train, run.model
-    packing = document_packing(cfg, run)
+    packing = document_packing(cfg.data, run)
     # Packed documents are one sequence of micro_batch_size × seq_length tokens (padded under CP: then
     # pipeline stages exchange shapes, `variable_seq_lengths`).
     seq, mbs = (cfg.model.seq_length * t.micro_batch_size, 1) if packing else (cfg.model.seq_length,
@@ -188,13 +188,14 @@ def _microbatch_runner(cfg: Config, run):
     return run_microbatches
 
 
-def document_packing(cfg: Config, run):
-    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask, else None."""
+def document_packing(d, run):
+    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask (of the data section
+    `d`), else None."""
     from megatron.core import parallel_state as ps
 
     from pretrain.data.datasets import DocumentPacking
 
-    if not cfg.data.reset_attention_mask:
+    if not d.reset_attention_mask:
         return None
     lay = run.layout
     return DocumentPacking(eod=run.tokenizer.eod, cp=lay.cp, cp_rank=ps.get_context_parallel_rank(),
@@ -215,9 +216,9 @@ def train(cfg: Config) -> dict:
     stops = StopRequests(first.train.exit_signal_handler, first.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
-    rt = init_distributed(resilience.pg_timeout_minutes(first))
+    rt = init_distributed(resilience.pg_timeout_minutes(first.hang))
     for plan in staged.plans:
-        check_data_files_once(plan.cfg, plan.problems, rt.device, plan.tokenizer)
+        check_data_files_once(plan, rt.device)
     problems = staged.report()
     if problems.errors:
         raise ValidationFailed(problems)
@@ -236,7 +237,7 @@ def train(cfg: Config) -> dict:
                 message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
                            f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
                 if rt.rank == 0:
-                    write_exit_status(first, "stage", summary["step"], None, message)
+                    write_exit_status(first.run.dir, "stage", summary["step"], None, message)
                 log0(f"[pretrain] {message}")
                 dist.barrier()
                 break
@@ -260,7 +261,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     cfg = plan.cfg
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(cfg, problems)
+        store_verdicts(problems, plan.data.cache_dir)
 
     # 2. Model, optimizer, schedule.
     setup.build_training(cfg, run, log0)
@@ -336,7 +337,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             ok, grad_norm, _ = step_optimizer()
             if ok:
                 scheduler.step(increment=1)
-                muon.after_step(cfg, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
+                muon.after_step(cfg.optimizer, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
                 cause = f" Note: {first_step_cause(cfg)}." if step == 0 else ""
@@ -347,7 +348,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,
                                                 extra=dict(rerun_record)))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
-                evaluate(cfg, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
+                evaluate(cfg.train, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
                          run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
                 break
@@ -361,12 +362,12 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     except resilience.ResultRejected as exc:  # the model is still that of `step`, the last good one: saved
         saves.save(step, consumed)
         saves.finalize()
-        res.rejected(cfg, exc, step, run.writer, rt.rank)
+        res.rejected(exc, step, run.writer, rt.rank)
         raise
     except TrainingStopped as exc:
         saves.finalize()  # all ranks stop together here: commit the save in flight
         if rt.rank == 0:
-            write_exit_status(cfg, "failed", step, None, str(exc))
+            write_exit_status(cfg.run.dir, "failed", step, None, str(exc))
         raise
     except BaseException as exc:
         saves.abort()
@@ -378,16 +379,15 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     if ends:
         return {"reason": "stage_end", "step": step, "consumed_samples": consumed}
     if rt.rank == 0:
-        write_exit_status(cfg, saves.reason, step, saves.signal_name, done_note)
+        write_exit_status(cfg.run.dir, saves.reason, step, saves.signal_name, done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
 
-def evaluate(cfg: Config, run_microbatches, valid_ds, step: int, writer, device) -> float:
-    """Mean per-token validation loss over train.eval_iters global batches."""
+def evaluate(t, run_microbatches, valid_ds, step: int, writer, device) -> float:
+    """Mean per-token validation loss over train.eval_iters global batches (`t`: the train section)."""
     from megatron.core import parallel_state as ps
 
-    t = cfg.train
     eval_index = step // t.eval_interval - 1
     total = 0.0
     with torch.no_grad():
@@ -435,18 +435,18 @@ def main(cfg: Config) -> int:
             print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except (CheckpointError, StorageError) as exc:
-        return report_failure(cfg, str(exc), step=getattr(exc, "last_step", None), printed=printed_here(exc))
+        return report_failure(cfg.run.dir, str(exc), step=getattr(exc, "last_step", None), printed=printed_here(exc))
     except Exception as exc:
         os_error = environment_error(exc)
         if os_error is None:
             # Not an expected failure: the traceback is the report, and exit_status.json says failed with its
             # one-line summary (never `running` after an exception this process saw).
-            record_failure(cfg, exception_summary(exc), step=getattr(exc, "last_step", None))
+            record_failure(cfg.run.dir, exception_summary(exc), step=getattr(exc, "last_step", None))
             raise
-        return report_failure(cfg, os_error_line(os_error), step=getattr(exc, "last_step", None))
+        return report_failure(cfg.run.dir, os_error_line(os_error), step=getattr(exc, "last_step", None))
     except BaseException as exc:  # KeyboardInterrupt and the like: recorded, then passed on
         if not isinstance(exc, SystemExit) or exc.code not in (0, None):
-            record_failure(cfg, exception_summary(exc), step=getattr(exc, "last_step", None))
+            record_failure(cfg.run.dir, exception_summary(exc), step=getattr(exc, "last_step", None))
         raise
     finally:
         shutdown()

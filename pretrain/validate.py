@@ -6,13 +6,15 @@ rules live in `pretrain/rules/` by concern: `parallel` (layout, MoE), `mla` (MLA
 logging), `context` (CP), `windows` (sliding-window attention), `linear_attention` (Gated DeltaNet layers, gated
 attention), `hybrid` (hybrid Mamba models), `bounds` (first: every numeric key against the range its declaration
 gives, `knob(range=...)`; and the run's sample count),
-and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). The
-trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
+and last `megatron` (Megatron-Core's own TransformerConfig / OptimizerConfig / GPTDatasetConfig checks). A rule takes
+the config sections it reads, by name (`def window_rules(r, *, model, parallel, lay, te_on_gpu)`: `run_rule` passes
+them). The trainer runs the same checks first; `python -m pretrain validate CONFIG [overrides] --world-size N` runs them
 alone (exit 2 on errors).
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from pretrain.config import Config
@@ -43,13 +45,28 @@ def validate(cfg: Config, world_size: int, **kwargs) -> Report:
     return check(cfg, world_size, **kwargs)[0]
 
 
-def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
-          files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
-          vocab_size: int | None = None, tokenizer=None) -> tuple[Report, Layout | None]:
+def check(cfg: Config, world_size: int, *, tokenizer=None, data=None, model=None,
+          **kwargs) -> tuple[Report, Layout | None]:
+    """`check_planned` for a caller without a run plan (the planner, the HF import, tools): the data plan, the
+    model plan and (with `files`) the tokenizer decided here, as `pretrain.run_plan.resolve` decides them."""
+    from model_providers.core.model_plan import model_plan
+    from pretrain.data.plan import data_plan
+    from pretrain.tokenizer.choice import decide
+
+    data, model = data or data_plan(cfg), model or model_plan(cfg)
+    if tokenizer is None and kwargs.get("files", True):
+        tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
+    return check_planned(cfg, world_size, tokenizer=tokenizer, data=data, model=model, **kwargs)
+
+
+def check_planned(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_available: bool | None = None,
+                  files: bool = True, versions=None, data_files: bool = True, gpu_dry_run: bool = False,
+                  vocab_size: int | None = None, tokenizer=None, data=None,
+                  model=None) -> tuple[Report, Layout | None]:
     """Check `cfg` for a job of `world_size` processes: (the problems, the layout derived on the way, None when the
-    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`: the tokenizer's vocabulary and
-    its `pretrain.run_plan.TokenizerPlan`, resolved once by `pretrain.run_plan` (the data rules then decide and load
-    no tokenizer again).
+    sizes hold none). Never raises for config problems. `vocab_size`, `tokenizer`, `data`, `model`: the tokenizer's
+    vocabulary, its `TokenizerPlan`, the `DataPlan` and the `ModelPlan`, resolved once by `pretrain.run_plan` (the
+    rules decide, parse and load none of them again; `check` makes them for a caller without a run plan).
 
     Single-field choices (enums, families) were checked when the config was parsed; these are the rules
     that combine fields, the world size and this machine. `files=False` checks the config alone: the data
@@ -68,14 +85,14 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
         cuda_available = cuda_here()
     if gpu_dry_run and not cuda_available:
         return _gpu_dry_run(cfg, world_size, files=files, versions=versions, data_files=data_files,
-                            vocab_size=vocab_size, tokenizer=tokenizer), None
+                            vocab_size=vocab_size, tokenizer=tokenizer, data=data, model=model), None
     if te_on_gpu is None:
         te_on_gpu = te_available() if cuda_available else False
     r = Report(world_size)
     out_of_range = range_rules(r, cfg)  # every numeric key against its declared range, first
     lay, rules = None, [precision_rules, optimizer_rules, muon_rules, run_rules, logging_rules, performance_rules,
                         resilience_rules]
-    if sizes_positive(r, cfg, world_size, out_of_range):  # else only the rules that do no arithmetic on the sizes
+    if sizes_positive(r, world_size, out_of_range):  # else only the rules that do no arithmetic on the sizes
         try:
             lay = derive_layout(cfg, world_size, vocab_size=vocab_size, on_gpu=cuda_available, te=te_on_gpu)
         except LayoutError:
@@ -84,14 +101,14 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
                  *rules, document_rules, recompute_module_rules, fsdp_rules, context_rules, window_rules,
                  sink_rules, glu_bias_yarn_rules, linear_attention_rules, hybrid_rules, bounds_rules]
     if files:
-        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer))
+        rules.append(partial(data_rules if data_files else data_config_rules, tokenizer=tokenizer, data_plan=data))
     for rule in rules:
-        rule(r, cfg, lay, te_on_gpu)
+        run_rule(rule, r, cfg, lay, te_on_gpu)
     # Last: Megatron-Core's own TransformerConfig / OptimizerConfig checks, where no rule above found an error.
-    megatron_config_rules(r, cfg, lay, te_on_gpu)
-    placement_note(r, cfg, lay)
+    megatron_config_rules(r, cfg, lay, te_on_gpu, model=model, data=data)
+    placement_note(r, cfg.model, lay)
     if files:  # and GPTDatasetConfig's
-        megatron_data_rules(r, cfg, lay, te_on_gpu)
+        megatron_data_rules(r, cfg, lay, te_on_gpu, data=data)
     # Installed Python / megatron-core / Transformer Engine / torch against the supported matrix.
     from pretrain.compat import matrix
 
@@ -99,11 +116,22 @@ def check(cfg: Config, world_size: int, *, te_on_gpu: bool | None = None, cuda_a
     return r, lay
 
 
+def run_rule(rule, r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+    """Call `rule(r, ...)` with what its keyword-only parameters name (those without a default): config sections by
+    their name (`model`, `parallel`, ...), `lay` (the derived layout or None) and `te_on_gpu`. A rule's signature
+    is the list of what it reads."""
+    given = {"lay": lay, "te_on_gpu": te_on_gpu}
+    wanted = [p.name for p in inspect.signature(rule).parameters.values()
+              if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    rule(r, **{name: given[name] if name in given else getattr(cfg, name) for name in wanted})
+
+
 def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     """The job checked as on GPUs with Transformer Engine (a login node validating a cluster job); the problems
     this machine alone has (no CUDA, no TE: the local spec, gloo) are notes, not errors."""
-    report = validate(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)
-    here = validate(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False, versions=kwargs["versions"])
+    report = check_planned(cfg, world_size, te_on_gpu=True, cuda_available=True, **kwargs)[0]
+    here = check_planned(cfg, world_size, te_on_gpu=False, cuda_available=False, files=False,
+                         versions=kwargs["versions"], data=kwargs["data"], model=kwargs["model"])[0]
     on_gpus = {str(p) for p in report.errors}
     report.megatron_verdicts += here.megatron_verdicts  # stored with the report's own
     report.notes.extend(f"this machine's layout: {n}" for n in here.notes if n.startswith("Megatron-Core's own checks"))
@@ -114,17 +142,16 @@ def _gpu_dry_run(cfg: Config, world_size: int, **kwargs) -> Report:
     return report
 
 
-def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
-    """Once validation passed: the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
-    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into
-    their caches in the data cache dir (`create=False`:
-    only into one that exists, as `validate` does). Returns how many dataset verdicts were written."""
-    from pretrain.data.cache import data_cache_dir
+def store_verdicts(r: Report, cache_dir: str, create: bool = True) -> int:
+    """Once validation passed (`r`): the data check's full reads (`pretrain.data.check.store_verdicts`), Megatron-Core's
+    checks that passed (`pretrain.rules.megatron_verdicts`) and the accepted start (`pretrain.rules.start`) into their
+    caches in the data cache dir `cache_dir` (the run plan's; `create=False`: only into one that exists, as `validate`
+    does). Returns how many dataset verdicts were written."""
     from pretrain.data.check import store_verdicts as store_data_verdicts
     from pretrain.rules import megatron_verdicts, start
 
     if r.errors:
         return 0
-    megatron_verdicts.store(data_cache_dir(cfg), r.megatron_verdicts, create=create)
-    megatron_verdicts.store(data_cache_dir(cfg), r.start_verdicts, create=create, directory=start.VERDICT_DIR)
-    return store_data_verdicts(cfg, r, create=create)
+    megatron_verdicts.store(cache_dir, r.megatron_verdicts, create=create)
+    megatron_verdicts.store(cache_dir, r.start_verdicts, create=create, directory=start.VERDICT_DIR)
+    return store_data_verdicts(cache_dir, r, create=create)

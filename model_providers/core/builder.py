@@ -58,7 +58,7 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
     if m.mtp_num_layers:
         kwargs.update(mcore_kwargs(m, MTP))
     if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
-        kwargs.update(mamba_builder.hybrid_fields(m))
+        kwargs.update(mamba_builder.hybrid_fields(m, layout))
     kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
     if m.multi_latent_attention:
         return MLATransformerConfig(**{**kwargs, **mla_config(m)})

@@ -33,8 +33,28 @@ def pattern_problem(pattern: str, num_layers: int) -> str | None:
 
 
 def counts(m: Any) -> Counter:
-    """How many layers of each symbol the model has."""
+    """How many layers of each symbol the model's decoder has (the MTP depths' are `mtp_counts`)."""
     return Counter(m.hybrid_layer_pattern or "")
+
+
+def mtp_pattern(m: Any) -> str:
+    """The layers of one Multi-Token Prediction depth (`model.mtp_layer_pattern`; "" without MTP)."""
+    return (getattr(m, "mtp_layer_pattern", None) or "") if getattr(m, "mtp_num_layers", None) else ""
+
+
+def mtp_counts(m: Any) -> Counter:
+    """How many layers of each symbol the MTP depths have together (the depth's pattern × model.mtp_num_layers)."""
+    one = Counter(mtp_pattern(m))
+    return Counter({k: v * m.mtp_num_layers for k, v in one.items()})
+
+
+def unified_pattern(m: Any, segments: list[str] | None = None) -> str:
+    """Megatron-Core 0.19's unified hybrid pattern: the decoder's layers, `|` between pipeline segments (one per
+    model chunk, in Megatron-Core's order: virtual stage by virtual stage, pipeline rank by rank), then `/` and the
+    MTP depth's pattern once per depth (`HybridModel(hybrid_layer_pattern=...)`, `parse_hybrid_pattern`)."""
+    main = "|".join(segments) if segments else m.hybrid_layer_pattern
+    depth = mtp_pattern(m)
+    return main + "".join("/" + depth for _ in range(m.mtp_num_layers or 0)) if depth else main
 
 
 def mamba_num_heads(m: Any) -> int:
@@ -70,7 +90,10 @@ def flops_per_token(m: Any, padded_vocab: int) -> float:
     - attention: 4·h·(a·d/h)·(h + h·g/a + s/2) (projections and the causal scores);
     - MLP: 4·h·f (× 3/2 gated); MoE: 4·h·f_e·k + 4·h·f_s (× 3/2 gated), the router not counted; LatentMoE:
       the experts at the latent width, 4·l·f_e·k, plus its projections 4·h·l;
-    - logits: 2·h·V.
+    - logits: 2·h·V;
+    - Multi-Token Prediction (`model.mtp_layer_pattern` × `model.mtp_num_layers`): each depth's layers as above and
+      another 2·h·V of logits (Megatron-Bridge's hybrid count; the depth's norms and its 2h → h projection are not
+      counted).
     """
     h, s = m.hidden_size, m.seq_length
     a = m.num_attention_heads
@@ -87,6 +110,7 @@ def flops_per_token(m: Any, padded_vocab: int) -> float:
         moe = 4 * (latent or h) * (m.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * h) * m.moe_router_topk * gated
         moe += 4 * h * latent if latent else 0
         moe += 4 * h * (m.moe_shared_expert_intermediate_size or 0) * gated
-    n = counts(m)
-    forward = n[MAMBA] * mamba + n[ATTENTION] * attention + n[MLP] * mlp + n[MOE] * moe + 2 * h * padded_vocab
+    n = counts(m) + mtp_counts(m)
+    logits = 2 * h * padded_vocab * (1 + (m.mtp_num_layers if mtp_pattern(m) else 0))
+    forward = n[MAMBA] * mamba + n[ATTENTION] * attention + n[MLP] * mlp + n[MOE] * moe + logits
     return 3.0 * forward

@@ -12,7 +12,8 @@
   reads these, docs/checkpoints.md's table is checked against them.
 - `range`: the values that mean something: `"> 0"`, `">= 1"`, `"[0, 1)"`, `"(0, 1]"`, `"[1, 100]"`, or `"finite"`
   (any finite number). A float is always refused when not finite (nan, inf). `why` adds the reason to the message,
-  `fix` replaces the generated fix (`{key}` is the dotted key). Checked by `validate` (`pretrain/rules/bounds.py`).
+  `fix` replaces the generated fix (`{key}` is the dotted key). `outside_ranges(tree)` lists the values outside;
+  `validate` words them (`pretrain/rules/bounds.py`).
 
 Sits below `pretrain` (the config tree's sections in `pretrain/config.py` import it) and `model_providers/core`
 (the builder reads the declarations of the instance it gets); no torch import.
@@ -21,6 +22,7 @@ Sits below `pretrain` (the config tree's sections in `pretrain/config.py` import
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -131,6 +133,9 @@ class Range:
         return f"a value {self.words(integer)}" if self.high is not None else self.words(integer)
 
 
+FINITE = Range.parse("finite")  # a float field that declares no range
+
+
 def _num(x: float | None) -> str:
     return "" if x is None else str(int(x)) if float(x).is_integer() else str(x)
 
@@ -184,6 +189,51 @@ def number_types(hint: Any) -> set[type]:
     empty for other types (a list of numbers included)."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     return {a for a in args if a in (int, float)}
+
+
+@dataclass(frozen=True)
+class OutOfRange:
+    """A numeric leaf whose value is outside its declared range (`outside_ranges`)."""
+
+    key: str  # dotted, e.g. "optimizer.lr"
+    value: Any
+    rule: Range  # the declared range, or "finite" for a float that declares none
+    knob: Knob
+    integer: bool
+    nullable: bool
+    default: Any
+
+
+@functools.lru_cache(maxsize=4)
+def numeric_fields(tree: type) -> tuple[tuple[str, Knob, bool, bool], ...]:
+    """(dotted key, declaration, integer?, may be null?) of every int or float leaf of the config tree `tree`."""
+    out = []
+    for key, section, f in leaves(tree):
+        hint = typing.get_type_hints(section)[f.name]
+        numbers = number_types(hint)
+        if numbers:
+            out.append((key, knob_of(f), float not in numbers, type(None) in typing.get_args(hint)))
+    return tuple(out)
+
+
+def _at(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = getattr(tree, part)
+    return tree
+
+
+def outside_ranges(tree: Any) -> list[OutOfRange]:
+    """Every numeric leaf of the config tree `tree` (an instance) outside its declared range, in declaration order
+    (a float without a range must be finite; null, booleans and lists are not checked here)."""
+    out = []
+    for key, decl, integer, nullable in numeric_fields(type(tree)):
+        value = _at(tree, key)
+        if value is None or isinstance(value, (bool, list)):  # a list (per-layer choices) has its own rule
+            continue
+        rule = decl.range or (None if integer else FINITE)
+        if rule is not None and not rule.holds(value):
+            out.append(OutOfRange(key, value, rule, decl, integer, nullable, _at(type(tree)(), key)))
+    return out
 
 
 def mcore_kwargs(section: Any, feed: Feed) -> dict[str, Any]:

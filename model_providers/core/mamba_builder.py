@@ -11,8 +11,10 @@ separate `SequenceParallelNorm` stored under the TE spec's fused key (`mixer.in_
 (`LocalMambaStack`: Megatron-Core's stack makes a TE norm).
 
 Releases: 0.16.1–0.18 build `MambaModel(mamba_stack_spec=..., hybrid_override_pattern=...)` and split pipeline
-stages inside the stack (even or uneven stages; no virtual pipeline); 0.19+ build `HybridModel` through the same
-class (`hybrid_layer_pattern`, `vp_stage`). Found from the installed classes.
+stages inside the stack (even or uneven stages; no virtual pipeline; no MTP); 0.19+ build `HybridModel` through
+the same class (`hybrid_layer_pattern`, `vp_stage`) with the unified pattern: our placement written as `|` segment
+boundaries (`segments`) and the MTP depths as `/` patterns, the MTP block in the stack spec (`mtp_block_spec`; the
+local one: `local_mtp_block_spec`). Found from the installed classes.
 """
 
 from __future__ import annotations
@@ -43,10 +45,30 @@ from model_providers.core.mamba_mixer import CpuMambaMixer, mamba_kernels_availa
 from model_providers.core.specs import SequenceParallelNorm, _local_layer_spec
 
 
-def hybrid_fields(m: Any) -> dict:
+def hybrid_fields(m: Any, layout: Any) -> dict:
     """The TransformerConfig fields of a hybrid model: those declared `mcore=HYBRID` (`pretrain/sections/model.py`),
-    the Mamba heads defaulted (`hybrid.mamba_num_heads`), and the hybrid flag (the scaled init's layer count)."""
-    return dict(mcore_kwargs(m, HYBRID), mamba_num_heads=hybrid.mamba_num_heads(m), is_hybrid_model=True)
+    the Mamba heads defaulted (`hybrid.mamba_num_heads`), and the hybrid flag (the scaled init's layer count). Where
+    the pattern carries the pipeline segments (0.19+, `segments`), no first / last stage sizes: `HybridModel` refuses
+    both (the segments say them)."""
+    fields = dict(mcore_kwargs(m, HYBRID), mamba_num_heads=hybrid.mamba_num_heads(m), is_hybrid_model=True)
+    if segments(m, layout) is not None:
+        fields.update(num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None)
+    return fields
+
+
+def segments(m: Any, layout: Any) -> list[str] | None:
+    """The decoder pattern's pipeline segments, one per model chunk in Megatron-Core's order (virtual stage by
+    virtual stage, pipeline rank by rank), each chunk's layers as our placement gives them (`Layout.chunk_layers`:
+    even split, first / last stage layers, embedding / loss in the split, `parallel.pipeline_layout`); None on one
+    stage or before 0.19 (`MambaStack` splits the stages itself there)."""
+    if not _new_release() or layout.pp * layout.vp == 1:
+        return None
+    pattern, out = m.hybrid_layer_pattern, []
+    for v in range(layout.vp):
+        for r in range(layout.pp):
+            offset, count = layout.chunk_layers(m.num_layers, r, v)
+            out.append(pattern[offset:offset + count])
+    return out
 
 
 def _mixer_params(m: Any) -> dict:
@@ -55,13 +77,16 @@ def _mixer_params(m: Any) -> dict:
     return mcore_kwargs(m, MIXER)
 
 
-def model_fields(m: Any, stage: int | None, rotary_base: int | float) -> dict:
+def model_fields(m: Any, layout: Any, stage: int | None, rotary_base: int | float) -> dict:
     """`MambaModel`'s own arguments: the fields declared `mcore=HYBRID_MODEL` under this release's names (the pattern
     is `hybrid_override_pattern` on 0.16.1-0.18, which take no `vp_stage`), the context length defaulted to the
-    training length and RoPE's base as the builder types it."""
+    training length and RoPE's base as the builder types it. On 0.19+ the pattern is the unified one: the pipeline
+    segments (`segments`) and the MTP depths (`hybrid.unified_pattern`)."""
     kwargs = {release_name(k): v for k, v in mcore_kwargs(m, HYBRID_MODEL).items()}
     kwargs.update(rotary_base=rotary_base, max_sequence_length=m.max_position_embeddings or m.seq_length)
-    return dict(kwargs, vp_stage=stage) if _new_release() else kwargs
+    if not _new_release():
+        return kwargs
+    return dict(kwargs, hybrid_layer_pattern=hybrid.unified_pattern(m, segments(m, layout)), vp_stage=stage)
 
 
 def release_name(arg: str) -> str:
@@ -110,7 +135,28 @@ def local_stack_spec(config, m: Any, packed_sequences: bool) -> ModuleSpec:
         moe = _local_layer_spec(config, config.num_moe_experts, packed_sequences).submodules
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=SequenceParallelNorm, mlp=moe.mlp, mlp_bda=bda))
+    if hybrid.mtp_pattern(m):
+        layers["mtp_block_spec"] = local_mtp_block_spec()
     return ModuleSpec(module=LocalMambaStack, submodules=MambaStackSubmodules(**layers))
+
+
+def local_mtp_block_spec() -> ModuleSpec:
+    """Megatron-Core 0.19's hybrid MTP block on the local pieces: per depth the embedding and hidden norms, the
+    column-parallel 2h → h projection of their concatenation and a final norm (norms that support sequence
+    parallelism); the depth's layers are built by `MultiTokenPredictionLayer` from the stack's own layer specs and
+    `model.mtp_layer_pattern` (as Megatron-Core's TE spec `_hybrid_mtp_block_spec` does)."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=SequenceParallelNorm, hnorm=SequenceParallelNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
+        layer_norm=SequenceParallelNorm))
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
 
 
 def te_stack_spec(m: Any) -> ModuleSpec:
@@ -142,7 +188,7 @@ def hybrid_model(config, plan: Any, layout: Any, stage: int | None, pre: bool, p
     m = plan.config
     spec = te_stack_spec(m) if layout.use_te else local_stack_spec(config, m, plan.packed_documents)
     return MambaModel(config=config, mamba_stack_spec=spec, vocab_size=layout.padded_vocab, pre_process=pre,
-                      post_process=post, **model_fields(m, stage, rotary_base))
+                      post_process=post, **model_fields(m, layout, stage, rotary_base))
 
 
 # --------------------------------------------------------------------------------------------------

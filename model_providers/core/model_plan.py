@@ -37,6 +37,6 @@ def model_plan(cfg: Any) -> ModelPlan:
     clip = ()
     if o.name == "muon" and o.muon.qk_clip:  # optimizer.muon's fields declared mcore=QK_CLIP
         clip = tuple(mcore_kwargs(o.muon, QK_CLIP).items())
-    return ModelPlan(config=cfg.model, seed=cfg.train.seed, packed_documents=packed_sequences(cfg),
+    return ModelPlan(config=cfg.model, seed=cfg.train.seed, packed_documents=packed_sequences(cfg.data),
                      batch_p2p_comm=p.batch_p2p_comm, cp_comm_type=p.cp_comm_type,
                      tp_comm_overlap=p.tp_comm_overlap, performance=getattr(cfg, "performance", None), qk_clip=clip)

@@ -7,15 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def packed_sequences(cfg) -> bool:
-    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask."""
-    return bool(cfg.data.reset_attention_mask)
+def packed_sequences(d: Any) -> bool:
+    """Microbatches are packed documents in THD form (`PackedSeqParams`): with data.reset_attention_mask (of the
+    data section `d`)."""
+    return bool(d.reset_attention_mask)
 
 
-def variable_seq_lengths(cfg, layout: Any) -> bool:
+def variable_seq_lengths(d: Any, layout: Any) -> bool:
     """Pipeline stages exchange tensor shapes before each tensor (Megatron's `variable_seq_lengths`): packed
-    documents under context parallelism are padded per microbatch, so their length varies."""
-    return shapes_vary(packed_sequences(cfg), layout)
+    documents (data section `d`) under context parallelism are padded per microbatch, so their length varies."""
+    return shapes_vary(packed_sequences(d), layout)
 
 
 def shapes_vary(packed: bool, layout: Any) -> bool:

@@ -17,11 +17,11 @@ def yarn_attention_factor(factor: float, mscale: float, mscale_all_dim: float) -
     return get(factor, mscale) / get(factor, mscale_all_dim)
 
 
-def yarn_fields(cfg: Any, rope: dict, keep_mscale_all_dim: bool) -> dict:
+def yarn_fields(hf: Any, rope: dict, keep_mscale_all_dim: bool) -> dict:
     """Our YaRN fields of an HF config's YaRN rope dict. Without both mscale and mscale_all_dim transformers scales
     cos/sin by get_mscale(factor) alone (mscale 1, mscale_all_dim 0 here); `keep_mscale_all_dim` keeps a lone
     mscale_all_dim (DeepSeek's attention also scales the softmax by it)."""
-    factor = rope.get("factor") or cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or hf.max_position_embeddings / rope["original_max_position_embeddings"]
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if not (mscale and mscale_all_dim):
         if (mscale or 1.0) != 1.0:
@@ -38,7 +38,7 @@ def yarn_fields(cfg: Any, rope: dict, keep_mscale_all_dim: bool) -> dict:
             "mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
 
 
-def refuse(cfg: Any, key: str, ok: bool, why: str) -> None:
+def refuse(hf: Any, key: str, ok: bool, why: str) -> None:
     """ConversionError naming an HF config field whose value we cannot express."""
     if not ok:
-        raise ConversionError(f"config.json: {key}={getattr(cfg, key, None)!r} is not supported ({why})")
+        raise ConversionError(f"config.json: {key}={getattr(hf, key, None)!r} is not supported ({why})")

@@ -16,7 +16,6 @@ learning rate, its schedule, betas, eps and weight decay come from this run's co
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -81,30 +80,9 @@ def _show(value: Any) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _identity(tokenizer_type: str | None, model: str | None, vocab: str | None, merges: str | None):
-    from pretrain.tokenizer.embedded import with_embedded
-    from pretrain.tokenizer.identity import describe_tokenizer
-
-    if tokenizer_type is None:
-        return None
-    ttype, model, vocab, merges, _ = with_embedded(tokenizer_type, model, vocab, merges)
-    return describe_tokenizer(ttype, model, vocab, merges)
-
-
-def _run_identity(cfg):
-    """The identity of the tokenizer `cfg` trains with (`pretrain.data.check.run_tokenizer_identity`: the null
-    tokenizer of a mock run without files, else its files)."""
-    from pretrain.data.check import run_tokenizer_identity, uses_null_tokenizer
-
-    if uses_null_tokenizer(cfg.data):
-        return run_tokenizer_identity(cfg)
-    d = cfg.data
-    return _identity(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
-
-
 def _saved_identity(common: dict, saved: dict[str, Any]):
     """(identity or None, note): the checkpoint's recorded tokenizer, else the one its run_config.yaml names."""
+    from pretrain.tokenizer.choice import identity_of
     from pretrain.tokenizer.identity import TokenizerIdentity
 
     if TOKENIZER_STATE in common:
@@ -112,7 +90,7 @@ def _saved_identity(common: dict, saved: dict[str, Any]):
         return (None if record is None else TokenizerIdentity.from_dict(record)), None
     args = [saved.get(k) for k in TOKENIZER_KEYS]
     try:
-        return _identity(*args), ("the checkpoint records no tokenizer identity (written before they were "
+        return identity_of(*args), ("the checkpoint records no tokenizer identity (written before they were "
                                   "recorded): compared with the tokenizer its run_config.yaml names")
     except Exception:  # noqa: BLE001 - its files are gone: compare the keys
         return None, ("the checkpoint records no tokenizer identity and the tokenizer files its run_config.yaml "
@@ -125,8 +103,9 @@ def _saved_identity(common: dict, saved: dict[str, Any]):
 
 
 def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
-    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg` and its tokenizer
-    (`tokenizer`: the run's `TokenizerPlan`; None: resolved here from `cfg`, for callers without a plan).
+    """Compare the checkpoint at `path` (its run_config.yaml and recorded tokenizer) with `cfg` (every section: the
+    contract covers the whole tree) and its tokenizer (`tokenizer`: the run plan's `TokenizerPlan`; None: decided
+    here by `pretrain.tokenizer.choice.decide`, for callers without a plan).
 
     Returns the lines to print (`resume: KEY OLD → NEW (what happens)` and notes); raises CheckpointError naming
     every must-match key that differs.
@@ -140,7 +119,12 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
     lines = [f"resume: {key} in the checkpoint's run_config.yaml is no longer a config key (ignored)"
              for key in _flatten(saved_tree) if key not in FIELDS]
     old_tok, note = _saved_identity(common, saved)
-    new_tok = tokenizer.identity if tokenizer is not None else _run_identity(cfg)
+    if tokenizer is None:
+        from pretrain.data.plan import uses_mock
+        from pretrain.tokenizer.choice import decide
+
+        tokenizer = decide(cfg.data, cfg.model.vocab_size, uses_mock(cfg.data))
+    new_tok = tokenizer.identity
     if note:
         lines.append(f"resume: note: {note}")
     new_vocab = new_tok.vocab_size if new_tok else None
@@ -172,7 +156,7 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
         lines += [f"resume: {c} (the same tokenizer: {new_tok.describe()})" for c in tokenizer_changed]
     else:  # not both known: the keys must match
         refused += tokenizer_changed
-    _optimizer_switch(cfg, path, saved.get("optimizer.name"), new["optimizer.name"])
+    _optimizer_switch(cfg.checkpoint.load_optimizer, path, saved.get("optimizer.name"), new["optimizer.name"])
     if refused:
         raise CheckpointError(
             f"{path}: cannot resume with {', '.join(refused)}: these must match the checkpoint (the model's identity "
@@ -181,10 +165,10 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
     return lines
 
 
-def _optimizer_switch(cfg, path: Path, old: str | None, now: str) -> None:
+def _optimizer_switch(load_optimizer: bool, path: Path, old: str | None, now: str) -> None:
     """AdamW ↔ Muon on resume: their states differ, so only a fresh optimizer (checkpoint.load_optimizer=false,
     recorded in config.yaml as this run's choice) may switch."""
-    if old == now or not cfg.checkpoint.load_optimizer:
+    if old == now or not load_optimizer:
         return
     raise CheckpointError(
         f"{path}: cannot resume with optimizer.name {_show(old)} → {_show(now)} and its optimizer state: the "

@@ -80,7 +80,7 @@ def check_dropped(ctx, path: Path, common: dict, index, *, weights_only: bool) -
         print(f"[pretrain] {path}: {what} left out, this model has no place for "
               f"{'them' if len(dropped) > 1 else 'it'} "
               f"(checkpoint.allow_dropped_weights=true; listed in run.dir/{RECORD_FILE}): {shown}", flush=True)
-        _record(ctx.cfg, path, dropped, weights_only)
+        _record(ctx.cfg.run.dir, path, dropped, weights_only)
     return dropped
 
 
@@ -92,9 +92,9 @@ def model_config_diff(cfg, common: dict) -> str:
     return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 
 
-def _record(cfg, path: Path, dropped: list[str], weights_only: bool) -> None:
+def _record(run_dir: str | Path, path: Path, dropped: list[str], weights_only: bool) -> None:
     """Append this load to run.dir/dropped_weights.json (every load that dropped weights, oldest first)."""
-    record_path = Path(cfg.run.dir) / RECORD_FILE
+    record_path = Path(run_dir) / RECORD_FILE
     try:
         loads = json.loads(record_path.read_text())["loads"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -97,13 +97,15 @@ def _finish_interrupted_commit(root: Path, write: bool = True) -> tuple[str | No
     return note, (step if note else None)
 
 
-def _saved_elsewhere(cfg, root: Path, step: int | None, finish_commit: bool = True) -> tuple[Path, int] | None:
+def _saved_elsewhere(run_dir: str | Path, root: Path, step: int | None,
+                     finish_commit: bool = True) -> tuple[Path, int] | None:
     """A complete checkpoint of this run newer than `step` (the newest in `root`) in another checkpoint root this
-    run dir saved to (`pretrain.run.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root, step)."""
+    run dir `run_dir` saved to (`pretrain.run.run_dir.checkpoint_roots`: checkpoint.dir changed on a resume): (root,
+    step)."""
     from pretrain.run.run_dir import checkpoint_roots
 
     best = None
-    for other in checkpoint_roots(cfg):
+    for other in checkpoint_roots(run_dir):
         if other.resolve() == root.resolve() or not other.is_dir():
             continue
         committed = [s for s in iterations(other) if is_committed(iteration_dir(other, s))]
@@ -131,7 +133,7 @@ def _decide(cfg, tokenizer, finish_commit: bool) -> tuple[Path | None, list[str]
     step, note = resume_step(root, finish_commit)
     lines = [note] if note else []
     path = iteration_dir(root, step) if step is not None else None
-    elsewhere = _saved_elsewhere(cfg, root, step, finish_commit)
+    elsewhere = _saved_elsewhere(cfg.run.dir, root, step, finish_commit)
     if elsewhere is not None:
         path = iteration_dir(*elsewhere)
         here = f"its newest there is {iteration_dir(root, step).name}" if step is not None else "none there"
@@ -210,7 +212,7 @@ def resume_point(cfg) -> int | None:
     if dist.get_rank() == 0:
         try:
             step, _note = resume_step(root)
-            elsewhere = _saved_elsewhere(cfg, root, step)
+            elsewhere = _saved_elsewhere(cfg.run.dir, root, step)
             decision[0] = ("ok", elsewhere[1] if elsewhere is not None else step)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc))

@@ -38,12 +38,6 @@ ARRAYS = {
 }
 
 
-def data_cache_dir(cfg) -> str:
-    """Where Megatron's dataset index caches go: data.cache_dir, else run.dir/data_cache (the data check's verdict
-    cache too: `pretrain.dataset_format.verdicts`)."""
-    return cfg.data.cache_dir or os.path.join(cfg.run.dir, "data_cache")
-
-
 @dataclass(frozen=True)
 class CacheState:
     """The `.npy` files of a cache directory: name -> size in bytes."""

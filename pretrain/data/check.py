@@ -1,14 +1,11 @@
 """The data section of pre-flight validation: blends, split, tokenizer and every dataset file, checked before
-any process group or model exists, every problem reported at once.
+any process group or model exists, every problem reported at once. It only checks: the blends were parsed and the
+tokenizer decided when the run was planned (`pretrain.data.plan.DataPlan`, `pretrain.tokenizer.choice.TokenizerPlan`).
 
-Rules owned here (the trainer's data code uses the same functions):
-- `uses_mock`: synthetic tokens only when asked *and* no blend is given — a blend wins over `data.mock: true`,
-  as Megatron-LM trains on `--data-path` and uses mock data only without one.
-- `parse_blend`: `[prefix, ...]` or `[weight, prefix, ...]` with finite positive weights (numbers or numeric
-  strings: YAML 1.1 reads `1e300` as a string), none a negligible share of their sum.
-- `tokenizer_args`: the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE; `pretrain.tokenizer.embedded`)
-  apply only to the SentencePiece types and `GPT2BPETokenizer`; `huggingface` and `tiktoken` need their files,
-  except for mock data (`uses_null_tokenizer`: a null tokenizer of model.vocab_size ids, `pretrain.tokenizer.null`).
+Rules checked here:
+- data present (a blend or mock data), one way of giving blends, the blends' syntax (as the plan parsed them), the
+  split, and the files a tokenizer type needs (`huggingface` and `tiktoken` embed none);
+- the tokenizer the plan chose: readable, covered by the model's vocabulary, with an EOD where documents need one;
 - every prefix: files present, index header/version/dtype/pointers, `.bin` size, `PREFIX.meta.json` counts
   and tokenizer (`data.allow_tokenizer_mismatch` overrides), largest token id below the model's vocabulary
   (from the metadata; without it a chunked scan of `.bin` files up to `SCAN_LIMIT_BYTES`), and documents in
@@ -17,112 +14,26 @@ Rules owned here (the trainer's data code uses the same functions):
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
 from typing import TYPE_CHECKING
 
 from pretrain.config_parse import shown
-from pretrain.data.cache import data_cache_dir
+from pretrain.data.plan import DataPlan, eval_is_on, parse_blend, uses_mock  # noqa: F401 (also imported from here)
 from pretrain.data.vocab import vocab_covers_tokenizer
 from pretrain.dataset_format.verdicts import entry as verdict_entry
-from pretrain.layout import resolve_vocab_size
-from pretrain.tokenizer.embedded import with_embedded
-from pretrain.tokenizer.null import describe_null, falls_back_to_null, null_identity
-from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, TokenizerError, tokenizer_kind
+from pretrain.tokenizer.null import describe_null, null_identity
+from pretrain.tokenizer.types import HUGGINGFACE, TIKTOKEN, tokenizer_kind
 
 if TYPE_CHECKING:
-    from pretrain.config import Config, DataConfig
+    from pretrain.config import DataConfig, ModelConfig, TrainConfig
     from pretrain.problems import Report
+    from pretrain.tokenizer.choice import TokenizerPlan
 
 SCAN_LIMIT_BYTES = 1 << 30  # .bin files without metadata up to this size are scanned for their largest id
 CHECK_THREADS = 16  # prefixes checked at once
 SPLIT_NAMES = ("training", "validation", "test")
-
-
-def uses_mock(d: DataConfig) -> bool:
-    """True when the run trains on synthetic tokens: `data.mock` and no blend."""
-    return bool(d.mock) and not (d.blend or d.train_blend)
-
-
-# A weight written as `1e300` or `4.2e9` is a string in YAML 1.1 (PyYAML needs `1.0e+300`): read as a number.
-_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|[-+]?(inf|infinity|nan)", re.IGNORECASE)
-# A weight whose share of the total is below this would never be drawn (Megatron-Core sizes every dataset of a
-# blend by its share of the samples): refused as a mistake rather than trained as an empty entry.
-MIN_WEIGHT_SHARE = 1e-12
-# Megatron-Core's BlendedDataset holds which dataset each sample comes from as int16 (`dataset_index`, built by its
-# C++ helpers with a cast): a blend of more datasets would draw the wrong ones.
-MAX_BLEND_DATASETS = 2**15
-
-
-def _weight(x) -> float | None:
-    """A blend weight: a number, or a string YAML 1.1 left unparsed (`1e300`); None for anything else."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, str) and _NUMBER.fullmatch(x.strip()):
-        return float(x)
-    return None
-
-
-def _share(w: float, total: float) -> str:
-    """`w / total` in scientific notation, also where the quotient underflows (1e-300 of 1e300: 1e-600)."""
-    if w / total > 0:
-        return f"{w / total:.3g}"
-    exponent = math.log10(w) - math.log10(total)
-    power = math.floor(exponent)
-    mantissa = round(10 ** (exponent - power), 2)
-    if mantissa >= 10:
-        mantissa, power = mantissa / 10, power + 1
-    return f"{mantissa:.3g}e{power}"
-
-
-def parse_blend(items: list) -> tuple[list[str], list[float] | None]:
-    """`[prefix, ...]` -> (prefixes, None); `[w, prefix, w, prefix, ...]` -> (prefixes, weights).
-
-    Weights are numbers or numeric strings (`1e300`: YAML 1.1 reads it as a string), each finite and positive
-    (Megatron-Core's `BlendedDataset` asserts every weight > 0: a dataset to leave out is removed from the list,
-    not given weight 0), with a finite sum and each at least `MIN_WEIGHT_SHARE` of it.
-    Raises ValueError with the reason (the caller names the key).
-    """
-    if not items:
-        raise ValueError("is empty")
-    prefixes, weights = _parse_blend(items)
-    if len(prefixes) > MAX_BLEND_DATASETS:
-        raise ValueError(f"names {len(prefixes):,} datasets: Megatron-Core's blend indexes its datasets as int16, at "
-                         f"most {MAX_BLEND_DATASETS:,} (merge small ones with `python -m data_tools merge`)")
-    return prefixes, weights
-
-
-def _parse_blend(items: list) -> tuple[list[str], list[float] | None]:
-    weighted = len(items) % 2 == 0 and all(_weight(w) is not None for w in items[0::2])
-    if all(isinstance(x, str) for x in items) and not weighted:
-        return [str(x) for x in items], None
-    if _weight(items[0]) is None:
-        raise ValueError(f"mixes prefixes and numbers ({shown(items)}); use [prefix, ...] or [weight, prefix, ...]")
-    if len(items) % 2 != 0:
-        raise ValueError(f"alternates weight, prefix but has an odd number of items ({len(items)})")
-    prefixes, weights = items[1::2], [_weight(w) for w in items[0::2]]
-    for w, raw, p in zip(weights, items[0::2], prefixes):
-        if w is None or not isinstance(p, str) or _weight(p) is not None:
-            raise ValueError(f"must alternate weight, prefix; got {raw!r}, {p!r}")
-        if not math.isfinite(w) or w < 0:
-            raise ValueError(f"weight {raw} of {p} is negative or not finite")
-        if w == 0:
-            raise ValueError(f"weight {raw} of {p} is 0: every weight must be positive (Megatron-Core's blend "
-                             "asserts it); remove the entry to leave that dataset out")
-    total = math.fsum(weights)
-    if not math.isfinite(total):
-        raise ValueError(f"weights sum to {total} (too large to normalise); use weights of comparable size, "
-                         "e.g. shares that add up to 1")
-    for w, raw, p in zip(weights, items[0::2], prefixes):
-        if w / total < MIN_WEIGHT_SHARE:
-            raise ValueError(f"weight {raw} of {p} is {_share(w, total)} of the total: that dataset would never be "
-                             f"drawn (a share below {MIN_WEIGHT_SHARE:g}); use weights of comparable size, or remove "
-                             "the entry")
-    return list(prefixes), weights
 
 
 def split_ranges(split: str) -> list[tuple[float, float] | None]:
@@ -146,62 +57,10 @@ def split_ranges(split: str) -> list[tuple[float, float] | None]:
     return ranges
 
 
-def tokenizer_args(d: DataConfig) -> tuple[str, str | None, str | None, str | None, str | None]:
-    """(type, model, vocab, merges, embedded) for the run's tokenizer; `embedded` names the embedded
-    tokenizer used because no file was given (None when the config names its files)."""
-    return with_embedded(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
-
-
-def uses_null_tokenizer(d: DataConfig) -> bool:
-    """Mock data, no tokenizer file, and a type with no embedded tokenizer: the run's tokenizer is a null
-    tokenizer of model.vocab_size ids (`pretrain.tokenizer.null`)."""
-    return falls_back_to_null(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, uses_mock(d))
-
-
-def run_tokenizer_identity(cfg: Config, null: bool | None = None):
-    """The identity of the tokenizer a run of `cfg` trains with: the null tokenizer of a mock run without files
-    (None when model.vocab_size is unknown), else the named or embedded files (`TokenizerError` when unusable).
-    What a checkpoint records and a resume compares. `null`: `uses_null_tokenizer`, when already decided."""
-    from pretrain.tokenizer.identity import describe_tokenizer
-
-    if (null if null is not None else uses_null_tokenizer(cfg.data)):
-        return null_identity(cfg.model.vocab_size) if cfg.model.vocab_size else None
-    ttype, model, vocab, merges, _ = tokenizer_args(cfg.data)
-    return describe_tokenizer(ttype, model, vocab, merges)
-
-
-def eval_is_on(cfg: Config) -> bool:
-    """The trainer reads the validation split: evaluation runs at least once."""
-    t = cfg.train
-    return bool(t.eval_interval) and t.eval_interval >= 1 and t.steps // t.eval_interval > 0
-
-
-def used_blends(cfg: Config, r: Report) -> dict[str, tuple[list[str], list[float] | None]]:
-    """The parsed blends by key (syntax errors reported); empty for mock data."""
-    d = cfg.data
-    out = {}
-    for key in ("data.blend", "data.train_blend", "data.valid_blend", "data.test_blend"):
-        items = getattr(d, key.split(".")[1])
-        if not items:
-            continue
-        try:
-            out[key] = parse_blend(items)
-        except ValueError as e:
-            r.error(key, f"{key} {e}", "write [prefix, ...] or [weight, prefix, weight, prefix, ...] with weights "
-                    "> 0, e.g. data.blend=[0.7,/d/a_text_document,0.3,/d/b_text_document]")
-    return {} if uses_mock(d) else out
-
-
-def _is_null(d: DataConfig, null: bool | None) -> bool:
-    """`null`: the run plan's decision (`pretrain.run_plan.TokenizerPlan.null`); None: `uses_null_tokenizer`."""
-    return null if null is not None else uses_null_tokenizer(d)
-
-
-def check_data_config(cfg: Config, r: Report,
-                      null: bool | None = None) -> dict[str, tuple[list[str], list[float] | None]]:
-    """Rules that need no file: data present, mock vs blend, blend syntax, split. Returns the used blends.
-    `null`: whether the run's tokenizer is the null one, when the run plan decided it."""
-    d = cfg.data
+def check_data_config(data: DataPlan, tokenizer: TokenizerPlan, t: TrainConfig, r: Report) -> None:
+    """Rules that need no file: data present, mock vs blend, blend syntax (the plan's parse), split, the files the
+    tokenizer type needs (`tokenizer`: the plan's choice; `t`: the train section, for evaluation)."""
+    d = data.config
     if not d.mock and not d.blend and not d.train_blend:
         r.error(("data.blend", "data.mock"), "no training data: data.blend and data.train_blend are empty and "
                 "data.mock is false", "set data.blend=[PREFIX] (from `python -m data_tools preprocess`) or "
@@ -212,21 +71,22 @@ def check_data_config(cfg: Config, r: Report,
     if d.train_blend and d.blend:
         r.error(("data.blend", "data.train_blend"), "set either data.blend (with data.split) or per-split blends "
                 "(data.train_blend, ...), not both", "remove one of them")
-    blends = used_blends(cfg, r)
+    for key, message, fix in data.blend_problems:
+        r.error(key, message, fix)
     try:  # checked even where no blend reads it: a malformed split is still a mistake
         ranges = split_ranges(d.split)
     except ValueError as e:
         ranges = None
         r.error("data.split", str(e), "set data.split like '969,30,1' (training, validation, test shares)")
-    if "data.blend" in blends and ranges is not None:
+    if "data.blend" in data.blends and ranges is not None:
         if ranges[0] is None:
             r.error("data.split", f"data.split={d.split!r} gives the training split no share",
                     "give training a share, e.g. '969,30,1'")
-        if eval_is_on(cfg) and ranges[1] is None:
+        if eval_is_on(t) and ranges[1] is None:
             r.error(("data.split", "train.eval_interval"), f"evaluation is on (train.eval_interval="
-                    f"{cfg.train.eval_interval}) but data.split={d.split!r} gives the validation split no share",
+                    f"{t.eval_interval}) but data.split={d.split!r} gives the validation split no share",
                     "give validation a share (e.g. '969,30,1') or set train.eval_interval=null")
-    kind = None if _is_null(d, null) else tokenizer_kind(d.tokenizer_type)
+    kind = None if tokenizer.null else tokenizer_kind(d.tokenizer_type)
     if kind == HUGGINGFACE and d.tokenizer_model is None and d.vocab_file is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a tokenizer.json or its directory); no HuggingFace tokenizer is embedded",
@@ -234,32 +94,26 @@ def check_data_config(cfg: Config, r: Report,
     if kind == TIKTOKEN and d.tokenizer_model is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"data.tokenizer_type={d.tokenizer_type} needs "
                 "data.tokenizer_model (a Megatron tiktoken .json)", "set data.tokenizer_model")
-    return blends
 
 
 def _tokenizer_problem_reported(r: Report) -> bool:
     return any("data.tokenizer_type" in p.keys for p in r.errors)
 
 
-def check_tokenizer(cfg: Config, r: Report, ident=None, null: bool | None = None):
-    """Load the run's tokenizer the light way (`ident`: already loaded; `null`: the null tokenizer or not, when
-    decided); report unusable files, a silent fallback and a missing EOD. Returns its `TokenizerIdentity`, or None
-    when it cannot be loaded."""
-    from pretrain.tokenizer.identity import describe_tokenizer
-
-    d, m = cfg.data, cfg.model
+def check_tokenizer(tokenizer: TokenizerPlan, d: DataConfig, m: ModelConfig, r: Report):
+    """Report what the plan found of the run's tokenizer (`tokenizer`; `d`, `m`: the data and model sections):
+    unusable files, a silent fallback, a missing EOD. Returns its `TokenizerIdentity`, or None when it cannot be
+    loaded."""
     if _tokenizer_problem_reported(r):
         return None
-    if _is_null(d, null):
-        return _null_tokenizer(cfg, r)
-    ttype, model, vocab, merges, embedded = tokenizer_args(d)
-    try:
-        ident = ident or describe_tokenizer(ttype, model, vocab, merges)
-    except (TokenizerError, OSError) as e:
-        r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {e}",
+    if tokenizer.null:
+        return _null_tokenizer(d, m, r)
+    ident, embedded = tokenizer.identity, tokenizer.embedded
+    if ident is None:
+        r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {tokenizer.error}",
                 "point data.tokenizer_model (or data.vocab_file/data.merge_file) at readable tokenizer files")
         return None
-    vocab_covers_tokenizer(r, cfg, ident, embedded, uses_mock(d))
+    vocab_covers_tokenizer(r, m, ident, embedded, uses_mock(d))
     if embedded and m.vocab_size and m.vocab_size > ident.vocab_size:
         preset = f" (model.preset={m.preset})" if m.preset else ""
         msg = (f"model.vocab_size={m.vocab_size}{preset} but data.tokenizer_model is null, so the embedded "
@@ -298,10 +152,9 @@ def _preset_vocab(preset: str | None) -> str:
     return f" (model.vocab_size=null overrides the {size:,} that model.preset={preset} sets)"
 
 
-def _null_tokenizer(cfg: Config, r: Report):
+def _null_tokenizer(d: DataConfig, m: ModelConfig, r: Report):
     """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with an
     error when the model's vocabulary size is unknown."""
-    d, m = cfg.data, cfg.model
     preset = _preset_vocab(m.preset)
     if m.vocab_size is None:
         r.error(("data.tokenizer_model", "model.vocab_size"), f"data.mock=true with data.tokenizer_type="
@@ -338,9 +191,9 @@ def check_all(prefixes: list[str], verdict_cache: str | None = None, header_only
         return dict(zip(prefixes, pool.map(lambda p: _checked(p, verdict_cache, header_only), prefixes)))
 
 
-def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
-    """One dataset prefix: files, format, metadata, tokenizer and largest id (`checked`: its `_checked`).
-    Returns its facts or None."""
+def _check_prefix(d: DataConfig, r: Report, key: str, prefix: str, ident, vocab: int | None, checked):
+    """One dataset prefix: files, format, metadata, tokenizer and largest id (`checked`: its `_checked`; `d`: the
+    data section). Returns its facts or None."""
     from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
     from pretrain.dataset_format.metadata import meta_path, record_tokenizer
 
@@ -366,7 +219,7 @@ def _check_prefix(cfg: Config, r: Report, key: str, prefix: str, ident, vocab: i
         made = record_tokenizer(facts.meta)
         if made.sha256 != ident.sha256:
             msg = f"{prefix} was made with {made.describe()} but this run uses {ident.describe()}"
-            if cfg.data.allow_tokenizer_mismatch:
+            if d.allow_tokenizer_mismatch:
                 r.warnings.append(f"{msg}; allowed by data.allow_tokenizer_mismatch=true")
             else:
                 r.error((key, "data.tokenizer_model"), msg, "preprocess the data with the run's tokenizer, set "
@@ -404,29 +257,28 @@ def _full_read_note(full: list[tuple[str, str]]) -> str:
             "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
 
 
-def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: bool | None = None,
+def check_data_files(data: DataPlan, tokenizer: TokenizerPlan, m: ModelConfig, r: Report,
                      header_only: bool = False) -> None:
-    """Tokenizer, every prefix of every blend, and the documents of each split the run reads. `ident`, `null`: the
-    run's tokenizer identity and whether it is the null one, when already resolved (`pretrain.run_plan`), else
-    loaded / decided here. `header_only` (`validate`): a dataset whose metadata cannot stand for its index, and
-    that has no verdict of an earlier full read, is checked from its .idx header and sizes (a few reads at any
-    size), not read in full: the trainer's one-rank check reads it in full before training reads it."""
-    ident = check_tokenizer(cfg, r, ident, null)
-    vocab = resolve_vocab_size(cfg, ident.vocab_size) if ident is not None else cfg.model.vocab_size
+    """Tokenizer, every prefix of every blend, and the documents of each split the run reads (`data`, `tokenizer`:
+    the run plan's; `m`: the model section). `header_only` (`validate`): a
+    dataset whose metadata cannot stand for its index, and that has no verdict of an earlier full read, is checked
+    from its .idx header and sizes (a few reads at any size), not read in full: the trainer's one-rank check reads
+    it in full before training reads it."""
+    d, eval_on = data.config, data.eval_on
+    ident = check_tokenizer(tokenizer, d, m, r)
+    vocab = (m.vocab_size or ident.vocab_size) if ident is not None else m.vocab_size
     try:
-        ranges = split_ranges(cfg.data.split)
+        ranges = split_ranges(d.split)
     except ValueError:
         ranges = None  # reported by check_data_config
-    eval_on = eval_is_on(cfg)
     seen: dict[str, object] = {}
     started = time.perf_counter()
-    cache = data_cache_dir(cfg)
-    checked = check_all(list(dict.fromkeys(p for prefixes, _ in blends.values() for p in prefixes)), cache,
-                        header_only)
-    for key, (prefixes, _weights) in blends.items():
+    checked = check_all(list(dict.fromkeys(p for prefixes, _ in data.blends.values() for p in prefixes)),
+                        data.cache_dir, header_only)
+    for key, (prefixes, _weights) in data.blends.items():
         for prefix in prefixes:
             if prefix not in seen:
-                seen[prefix] = _check_prefix(cfg, r, key, prefix, ident, vocab, checked[prefix])
+                seen[prefix] = _check_prefix(d, r, key, prefix, ident, vocab, checked[prefix])
             facts = seen[prefix]
             if facts is None:
                 continue
@@ -441,7 +293,7 @@ def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: boo
                     continue  # a split with no share is reported by check_data_config
                 docs, tokens = _empty_split(prefix, facts, rng)
                 if tokens == 0:
-                    where = f"data.split={cfg.data.split!r} leaves" if key == "data.blend" else "that leaves"
+                    where = f"data.split={d.split!r} leaves" if key == "data.blend" else "that leaves"
                     r.error((key, "data.split") if key == "data.blend" else key,
                             f"{prefix}: {facts.info.num_documents} document(s); {where} the {SPLIT_NAMES[i]} split "
                             f"{docs} document(s) with {tokens} tokens, and Megatron-Core cannot sample from an empty "
@@ -465,7 +317,7 @@ def check_data_files(cfg: Config, r: Report, blends: dict, ident=None, null: boo
                        f"{len(checked) - fast - cached - header} read in full)")
 
 
-def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
+def store_verdicts(cache_dir: str, r: Report, create: bool = True) -> int:
     """Write the verdicts of this check's full reads (`r.data_verdicts`) into the verdict cache beside Megatron's
     index caches, once the whole validation passed (`create=False`: only into a cache directory that exists, as
     `validate` does). Returns how many were written."""
@@ -473,4 +325,4 @@ def store_verdicts(cfg: Config, r: Report, create: bool = True) -> int:
 
     if r.errors:
         return 0
-    return store(data_cache_dir(cfg), r.data_verdicts, create=create)
+    return store(cache_dir, r.data_verdicts, create=create)

@@ -20,48 +20,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.data.cache import data_cache_dir  # noqa: F401 (also imported from here)
-from pretrain.data.check import parse_blend, uses_mock, uses_null_tokenizer
-
 
 class DataError(RuntimeError):
     """Training data that cannot be used as read (e.g. a token id outside the model's vocabulary)."""
 
 
-def build_tokenizer(data_cfg, vocab_size: int | None = None, null: bool | None = None):
-    """The run's tokenizer: the named files, the embedded Mistral / GPT-2 files when no path is given, or for mock
-    data of a type that embeds none a null tokenizer of `vocab_size` (model.vocab_size) ids. `null`: that decision,
-    already taken (`pretrain.run_plan.TokenizerPlan.null`); None: taken here."""
-    if null if null is not None else uses_null_tokenizer(data_cfg):
-        from pretrain.tokenizer.null import null_tokenizer
-        from pretrain.tokenizer.types import TokenizerError
-
-        if vocab_size is None:
-            raise TokenizerError(f"mock data with data.tokenizer_type={data_cfg.tokenizer_type} and no tokenizer "
-                                 "file uses a null tokenizer, which needs model.vocab_size")
-        return null_tokenizer(vocab_size)
-    from pretrain.tokenizer.load import run_tokenizer
-
-    return run_tokenizer(data_cfg)
-
-
-def _blend(items: list | None):
-    return parse_blend(items) if items else None
-
-
-def check_data_files_once(cfg, report, device=None, tokenizer=None) -> None:
+def check_data_files_once(plan, device=None) -> None:
     """The dataset-file part of pre-flight validation (`pretrain.data.check.check_data_files`: files, index,
-    `.bin` size, largest id, tokenizer identity) on rank 0 only; its verdict (errors, warnings, notes) is
-    broadcast and added to every rank's `report`, so one process opens the files instead of all of them."""
-    from pretrain.data.check import check_data_files, used_blends
+    `.bin` size, largest id, tokenizer identity) of the run plan `plan` (its data, tokenizer and model section) on
+    rank 0 only; its verdict (errors, warnings, notes) is broadcast and added to every rank's `plan.problems`, so
+    one process opens the files instead of all of them."""
+    from pretrain.data.check import check_data_files
     from pretrain.problems import Report
 
+    report = plan.problems
     verdict, failure = None, None
     if dist.get_rank() == 0:
         verdict = Report(report.world_size)
         try:
-            ident, null = (tokenizer.identity, tokenizer.null) if tokenizer is not None else (None, None)  # the plan's
-            check_data_files(cfg, verdict, used_blends(cfg, Report(report.world_size)), ident, null)
+            check_data_files(plan.data, plan.tokenizer, plan.cfg.model, verdict)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks got a verdict
             failure = exc
             verdict.error("data.blend", f"the dataset check failed on rank 0: {exc}", "see rank 0's traceback")
@@ -101,9 +78,10 @@ def _report_cache(log, cache: str, seconds: float, before, removed: list[str], b
             "rebuilt)")
 
 
-def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
-    """(dataset class, `GPTDatasetConfig`) of the run, exactly as `build_datasets` hands them to Megatron-Core's
-    `BlendedMegatronDatasetBuilder` (benchmarks/data_startup.py builds with them directly: Megatron's own cost).
+def megatron_dataset_config(data, tokenizer, num_eval_samples: int = 0):
+    """(dataset class, `GPTDatasetConfig`) of the data plan `data` (`pretrain.data.plan.DataPlan`), exactly as
+    `build_datasets` hands them to Megatron-Core's `BlendedMegatronDatasetBuilder` (benchmarks/data_startup.py builds
+    with them directly: Megatron's own cost).
 
     The splits the run does not read are left out of the split matrix, so Megatron-Core never builds them (it
     loops forever on a split that holds no documents)."""
@@ -111,20 +89,19 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
 
     from model_providers.core.knobs import DATASET, mcore_kwargs
 
-    d = cfg.data
-    mock = uses_mock(d)
+    blends, mock = data.blends, data.mock
     per_split = None
-    if d.train_blend and not mock:
-        per_split = [_blend(d.train_blend), _blend(d.valid_blend) if num_eval_samples else None, None]
+    if "data.train_blend" in blends:
+        per_split = [blends["data.train_blend"], blends.get("data.valid_blend") if num_eval_samples else None, None]
     ds_config = GPTDatasetConfig(
-        random_seed=cfg.train.seed,
-        sequence_length=cfg.model.seq_length,
-        blend=None if (mock or per_split) else _blend(d.blend),
+        random_seed=data.seed,
+        sequence_length=data.seq_length,
+        blend=None if (mock or per_split) else blends.get("data.blend"),
         blend_per_split=per_split,
-        split=None if per_split else d.split,
-        path_to_cache=data_cache_dir(cfg),
+        split=None if per_split else data.split,
+        path_to_cache=data.cache_dir,
         tokenizer=tokenizer,
-        **mcore_kwargs(d, DATASET),  # the data section's fields declared mcore=DATASET (document boundaries)
+        **mcore_kwargs(data.config, DATASET),  # the data section's fields declared mcore=DATASET (document options)
         create_attention_mask=False,  # documents travel as packed sequences (pack_documents), never a dense mask
         mmap_bin_files=True,
     )
@@ -134,10 +111,11 @@ def megatron_dataset_config(cfg, tokenizer, num_eval_samples: int = 0):
     return (MockGPTDataset if mock else GPTDataset), ds_config
 
 
-def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int = 0, *,
+def build_datasets(data, tokenizer, num_train_samples: int, num_eval_samples: int = 0, *,
                    is_built_on_rank=None, log=None):
-    """(train, valid) datasets sized for the run; valid is None without evaluation (and both are None on a rank
-    for which `is_built_on_rank()` is False: it receives its batches from one that reads them).
+    """(train, valid) datasets of the data plan `data` sized for the run; valid is None without evaluation (and
+    both are None on a rank for which `is_built_on_rank()` is False: it receives its batches from one that reads
+    them).
 
     Every split gets a size (Megatron-Core needs one for weighted blends; 0 for a split the run never reads).
     Pre-flight validation has checked that the splits read hold tokens. Megatron builds the index caches on
@@ -147,9 +125,9 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    cache = data_cache_dir(cfg)
+    cache = data.cache_dir
     Path(cache).mkdir(parents=True, exist_ok=True)
-    cls, ds_config = megatron_dataset_config(cfg, tokenizer, num_eval_samples)
+    cls, ds_config = megatron_dataset_config(data, tokenizer, num_eval_samples)
     sizes = [num_train_samples, num_eval_samples, 0]
     first = not dist.is_initialized() or dist.get_rank() == 0
     if first:
@@ -167,7 +145,7 @@ def build_datasets(cfg, tokenizer, num_train_samples: int, num_eval_samples: int
 
         record_digests(cache)  # of the entries this build wrote, checked by every later start before it reads them
     if first and log is not None:
-        _report_cache(log, cache, time.perf_counter() - started, before, removed, built=not uses_mock(cfg.data),
+        _report_cache(log, cache, time.perf_counter() - started, before, removed, built=not data.mock,
                       checked_s=checked_s)
     return train, valid
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pretrain.config import Config
+    from pretrain.config import ModelConfig
     from pretrain.problems import Report
 
 # Mock documents are ids 1..length-1 (modulo the tokenizer's vocabulary) and EOD, lengths below this: Megatron-Core's
@@ -19,11 +19,10 @@ if TYPE_CHECKING:
 MOCK_MAX_SEQUENCE = 4096
 
 
-def vocab_covers_tokenizer(r: Report, cfg: Config, ident, embedded: str | None, mock: bool) -> None:
-    """`model.vocab_size` (when set) covers the ids the run's data holds: the whole vocabulary of the tokenizer
-    the run uses (`ident`, a `TokenizerIdentity`; `embedded` names the embedded tokenizer when no file was
-    given), or, for mock data (`mock`), the ids Megatron-Core's `MockGPTDataset` draws from it."""
-    m = cfg.model
+def vocab_covers_tokenizer(r: Report, m: ModelConfig, ident, embedded: str | None, mock: bool) -> None:
+    """`model.vocab_size` (of the model section `m`, when set) covers the ids the run's data holds: the whole
+    vocabulary of the tokenizer the run uses (`ident`, a `TokenizerIdentity`; `embedded` names the embedded tokenizer
+    when no file was given), or, for mock data (`mock`), the ids Megatron-Core's `MockGPTDataset` draws from it."""
     if ident is None or m.vocab_size is None or m.vocab_size < 1:
         return
     which = f"the embedded {embedded.split(' (')[0]}, as data.tokenizer_model is null" if embedded else ident.describe()

@@ -124,8 +124,9 @@ def _without_quantization(config: dict | None, dtype: torch.dtype) -> tuple[dict
         "dequantized_from": str(method), "dtype": written}
 
 
-def _export_tokenizer(cfg, assets: Path | None, given: str | None, original: dict | None):
-    """(transformers tokenizer or None, the imported tokenizer files' directory or None, original config).
+def _export_tokenizer(d, assets: Path | None, given: str | None, original: dict | None):
+    """(transformers tokenizer or None, the imported tokenizer files' directory or None, original config); `d`: the
+    run's data section.
 
     `--tokenizer` wins; else the imported HF model's tokenizer files; else, for a model imported without a
     tokenizer whose runs named none since, no tokenizer (weights and config only, with a note); else the run's.
@@ -134,16 +135,16 @@ def _export_tokenizer(cfg, assets: Path | None, given: str | None, original: dic
     from pretrain.hf.import_checks import TOKENIZER_FIELDS, read_import_record
 
     if given is None and has_tokenizer_files(assets):
-        return hf_tokenizer(cfg.data, str(assets)), assets, original
+        return hf_tokenizer(d, str(assets)), assets, original
     record = read_import_record(assets)
     if given is None and record is not None and record.get("no_tokenizer") and \
-            {k: getattr(cfg.data, k) for k in TOKENIZER_FIELDS} == record.get("data_tokenizer_fields"):
+            {k: getattr(d, k) for k in TOKENIZER_FIELDS} == record.get("data_tokenizer_fields"):
         print(f"[convert] note: the model was imported from {record.get('source')} without tokenizer files and no "
               "run named one since: exporting weights and config.json only (pass --tokenizer to add one)",
               file=sys.stderr)
         return None, None, original
     try:
-        tok = hf_tokenizer(cfg.data, given)
+        tok = hf_tokenizer(d, given)
     except ConversionError as exc:
         if given is not None or record is None or not record.get("no_tokenizer"):
             raise
@@ -187,7 +188,7 @@ def export_to_hf(checkpoint: str | Path, output: str | Path, *, iteration: int |
         print(f"[convert] note: the imported config.json's {' and '.join(dropped)} are not exported (an exported "
               f"model runs as the built-in {family.hf_architecture}, never custom code)", file=sys.stderr)
     original, unquantized = _without_quantization(original, out_dtype)
-    tok, tokenizer_files, original = _export_tokenizer(cfg, assets, tokenizer, original)
+    tok, tokenizer_files, original = _export_tokenizer(cfg.data, assets, tokenizer, original)
     vocab = m.vocab_size
     if vocab is None:  # the run's tokenizer, as the run plan decides it (`pretrain.run_plan`)
         planned = resolve_tokenizer(cfg)

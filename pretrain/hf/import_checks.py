@@ -107,13 +107,12 @@ def tokenizer_fields(hf_dir: Path, assets: Path) -> dict | None:
     return None
 
 
-def _min_world(cfg) -> int:
-    """The smallest world size the config's layout allows (TP×PP×CP and expert TP×EP×PP both divide it)."""
+def _min_world(p) -> int:
+    """The smallest world size the parallel section `p` allows (TP×PP×CP and expert TP×EP×PP both divide it)."""
     from pretrain.layout import expert_tensor_size
 
-    p = cfg.parallel
     dense = max(1, p.tensor * p.pipeline * p.context)
-    experts = max(1, expert_tensor_size(cfg) * p.expert * p.pipeline)
+    experts = max(1, expert_tensor_size(p) * p.expert * p.pipeline)
     return math.lcm(dense, experts)
 
 
@@ -128,10 +127,12 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
     import dataclasses
 
     from pretrain.data.check import check_tokenizer
+    from pretrain.data.plan import uses_mock
     from pretrain.problems import Report
+    from pretrain.tokenizer.choice import decide
     from pretrain.validate import check
 
-    world = _min_world(cfg)
+    world = _min_world(cfg.parallel)
     report, layout = check(cfg, world, files=False)
     errors = [p for p in report.errors if _VERSIONS_KEY not in p.keys]
     if tokenizer != "none" and not errors:
@@ -139,7 +140,8 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
         if tokenizer == "hf":
             check = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **_relocated(cfg.data, hf_dir)))
         tok_report = Report(world)
-        check_tokenizer(check, tok_report)
+        d = check.data
+        check_tokenizer(decide(d, check.model.vocab_size, uses_mock(d)), d, check.model, tok_report)
         errors += tok_report.errors
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -26,6 +26,7 @@ the MTP layers of Megatron-Core's per-microbatch MTP loss, averaged over microba
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class MoEMetrics:
         self.biased: list[Any] = []  # this rank's routers with an expert bias
         self.bias_enabled = False  # the model's routers have an expert bias (on some stage)
         self.aux_names: list[str] | None = None  # every rank's tracked aux-loss names, gathered at the first step
+        self.tracker_layers = num_layers  # Megatron-Core's tracker entries: decoder layers + MTP depths
 
     @classmethod
     def attach(cls, chunks: list) -> MoEMetrics | None:
@@ -58,12 +60,21 @@ class MoEMetrics:
             return None
         device = next(chunks[0].parameters()).device
         _forget_earlier_runs()
-        moe_layers = (sum(moe_layer_pattern(config)) + mtp) if config.num_moe_experts else 0
-        metrics = cls(config.num_layers + mtp, config.num_moe_experts or 0, device, moe_layers, mtp)
+        decoder, depth = _hybrid_patterns(chunks[0])
+        if decoder is None:  # GPTModel: moe_layer_freq places the MoE layers, an MTP layer is the last layer's kind
+            moe_layers, rows = sum(moe_layer_pattern(config)) + mtp, config.num_layers + mtp
+        else:  # a hybrid model: its patterns do, and an MTP depth has a row per layer of its pattern
+            moe_layers, rows = decoder.count("E") + mtp * depth.count("E"), config.num_layers + mtp * len(depth)
+        metrics = cls(rows, config.num_moe_experts or 0, device, moe_layers if config.num_moe_experts else 0, mtp)
+        metrics.tracker_layers = config.num_layers + mtp  # the size of Megatron-Core's aux-loss tracker entries
         metrics.bias_enabled = bool(getattr(config, "moe_router_enable_expert_bias", False))
         for chunk in chunks:
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 if isinstance(module, Router):
+                    hybrid_mtp = _HYBRID_MTP.search(name)
+                    if hybrid_mtp:  # numbered within its depth (like a decoder layer): its row after the decoder's
+                        d, j = int(hybrid_mtp.group(1)), int(hybrid_mtp.group(2))
+                        module.metrics_row = config.num_layers + d * len(depth or "") + j
                     metrics.handles.append(module.register_forward_hook(metrics._count))
                     if getattr(module, "expert_bias", None) is not None:
                         metrics.biased.append(module)
@@ -84,7 +95,7 @@ class MoEMetrics:
             return record
         if self.aux_names is None:
             self.aux_names = tracked_names()
-        record.update(aux_losses(num_microbatches, self.moe_layers, self.aux_names, self.counts.shape[0],
+        record.update(aux_losses(num_microbatches, self.moe_layers, self.aux_names, self.tracker_layers,
                                  self.counts.device))
         if self.bias_enabled:
             record.update(expert_bias(self.biased, self.counts.shape, self.counts.device))
@@ -114,8 +125,28 @@ def _forget_earlier_runs() -> None:
 def _row(router) -> int:
     """A router's row: the decoder's layers, then the MTP layers. From 0.19 an MTP layer's router numbers itself
     within the MTP block and says so (`is_mtp_layer`; router.py adds `num_layers` for its own trackers); up to 0.18 the
-    MTP layer's number already runs on after the decoder's."""
+    MTP layer's number already runs on after the decoder's. A hybrid model's MTP routers are numbered within their
+    depth and do not say so (0.19's HybridStack): `attach` gives them their row from their module name."""
+    row = getattr(router, "metrics_row", None)
+    if row is not None:
+        return row
     return router.layer_number - 1 + (router.config.num_layers if getattr(router, "is_mtp_layer", False) else 0)
+
+
+# A hybrid model's MTP router: depth d, layer j of the depth's pattern.
+_HYBRID_MTP = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.mtp_model_layer\.layers\.(\d+)\.")
+
+
+def _hybrid_patterns(chunk) -> tuple[str | None, str]:
+    """(decoder pattern, one MTP depth's pattern) of a hybrid model chunk (Megatron-Core's unified pattern on 0.19+:
+    `|` segments, `/` depths; `hybrid_override_pattern` before); (None, "") for a GPTModel."""
+    while hasattr(chunk, "module"):  # DDP → the model
+        chunk = chunk.module
+    pattern = getattr(chunk, "hybrid_layer_pattern", None) or getattr(chunk, "hybrid_override_pattern", None)
+    if not isinstance(pattern, str):
+        return None, ""
+    parts = pattern.split("/")
+    return parts[0].replace("|", ""), (parts[1] if len(parts) > 1 else "")
 
 
 def tracked_names() -> list[str]:

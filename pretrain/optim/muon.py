@@ -14,32 +14,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from pretrain.config import Config
+from pretrain.config import OptimizerConfig
 from pretrain.layout import Layout
 
 
-def muon_optimizer_config(cfg: Config, config):
+def muon_optimizer_config(o: OptimizerConfig, config):
     """Megatron-Core's OptimizerConfig `config` (this run's AdamW settings, for the parameters Muon does not take)
     with the optimizer.muon.* keys under Megatron-Core's `muon_*` names (validation refuses the classic
     distributed optimizer with Muon)."""
     from model_providers.core.knobs import OPT, mcore_kwargs
     from pretrain.compat.muon import muon_fields
 
-    for name, value in muon_fields(mcore_kwargs(cfg.optimizer.muon, OPT)).items():
+    for name, value in muon_fields(mcore_kwargs(o.muon, OPT)).items():
         setattr(config, name, value)
     return config
 
 
-def build_muon_optimizer(cfg: Config, model: list, layout: Layout, config, log=None):
+def build_muon_optimizer(o: OptimizerConfig, model: list, layout: Layout, config, log=None):
     """Muon + AdamW over the DDP-wrapped model chunks from Megatron-Core's OptimizerConfig `config`
-    (`pretrain.run.setup.optimizer_config`); prints one line with what each optimizer got."""
+    (`pretrain.run.setup.optimizer_config`) and the optimizer section `o`; prints one line with what each optimizer
+    got."""
     from pretrain.compat.muon import build_muon
 
-    layer_wise = cfg.optimizer.muon.layer_wise
-    optimizer = build_muon(muon_optimizer_config(cfg, config), model, layer_wise=layer_wise)
+    layer_wise = o.muon.layer_wise
+    optimizer = build_muon(muon_optimizer_config(o, config), model, layer_wise=layer_wise)
     counts = parameter_split(optimizer, layer_wise=layer_wise and layout.dp > 1)
     if log is not None:
-        log(describe_split(counts, cfg))
+        log(describe_split(counts, o))
     return optimizer
 
 
@@ -79,9 +80,9 @@ def parameter_split(optimizer, layer_wise: bool) -> dict[str, list[int]]:
     return {"muon": total[:2], "adamw": total[2:]}
 
 
-def describe_split(counts: dict[str, list[int]], cfg: Config) -> str:
-    """The one start-up line: how many parameters each optimizer got."""
-    m = cfg.optimizer.muon
+def describe_split(counts: dict[str, list[int]], o: OptimizerConfig) -> str:
+    """The one start-up line: how many parameters each optimizer got (`o`: the optimizer section)."""
+    m = o.muon
     muon_n, muon_e = counts["muon"]
     adam_n, adam_e = counts["adamw"]
     layer_wise = "; layer-wise distributed over DP" if m.layer_wise else ""
@@ -91,10 +92,11 @@ def describe_split(counts: dict[str, list[int]], cfg: Config) -> str:
             f"{layer_wise}; rank 0's model shard")
 
 
-def after_step(cfg: Config, model: list) -> float | None:
+def after_step(o: OptimizerConfig, model: list) -> float | None:
     """QK-clip after an optimizer step (optimizer.muon.qk_clip): Megatron-Core's `clip_qk` rescales the query and
-    key weights of every head whose max attention logit passed the threshold; returns the max logit."""
-    if cfg.optimizer.name != "muon" or not cfg.optimizer.muon.qk_clip:
+    key weights of every head whose max attention logit passed the threshold; returns the max logit (`o`: the
+    optimizer section)."""
+    if o.name != "muon" or not o.muon.qk_clip:
         return None
     from types import SimpleNamespace
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from model_providers.core import hybrid
 from model_providers.core.fusions import bias_activation_fusion
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.planner import linear_attention, mamba
 from pretrain.planner.census import is_moe_layer
@@ -45,7 +45,7 @@ def _qkv_saved_units(a: int, g: int, rope: bool, expanded: bool) -> int:
     return mixed + (a if g < a else 0)  # GQA: reshaping Q out of the grouped layout copies it
 
 
-def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_bytes: float | None) -> int:
+def _norm_terms(m: ModelConfig, lay: Layout, hs: int, rows: int, gemm_bytes: float | None) -> int:
     """One norm and the column-parallel GEMM it feeds: what both keep.
 
     Fused norms (Transformer Engine's LayerNormLinear, torch's CUDA RMSNorm/LayerNorm kernels) keep their
@@ -55,7 +55,7 @@ def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_bytes: float 
     its input and mean/rstd in the input's dtype. `gemm_bytes`: the GEMM's low-precision copy (`gemm_input_bytes`).
     """
     p = lay.bytes_per_value
-    layer_norm = cfg.model.normalization == "LayerNorm"
+    layer_norm = m.normalization == "LayerNorm"
     gemm_in = int(hs * (gemm_bytes or p))
     if lay.on_gpu:
         return hs * p + rows * 4 * (2 if layer_norm else 1) + gemm_in
@@ -64,9 +64,8 @@ def _norm_terms(cfg: Config, lay: Layout, hs: int, rows: int, gemm_bytes: float 
     return 8 * hs + 4 * rows + gemm_in
 
 
-def recomputed_modules(cfg: Config) -> frozenset[str]:
+def recomputed_modules(m: ModelConfig) -> frozenset[str]:
     """What selective recompute recomputes: `model.recompute_modules` (Megatron-Core's default: core_attn)."""
-    m = cfg.model
     if m.recompute_granularity != "selective":
         return frozenset()
     return frozenset(m.recompute_modules if m.recompute_modules is not None else ("core_attn",))
@@ -93,10 +92,10 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     rope = m.position_embedding_type in ("rope", "yarn")  # YaRN is RoPE with other frequencies
     low = gemm_input_bytes(cfg, lay)
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
-    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg, lay, hs, rows, low)}
+    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg.model, lay, hs, rows, low)}
     moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
     if m.multi_latent_attention:
-        out.update(mla_terms(cfg, lay, lambda n, r: _norm_terms(cfg, lay, n, r, low), recompute_core_attention,
+        out.update(mla_terms(m, lay, lambda n, r: _norm_terms(m, lay, n, r, low), recompute_core_attention,
                              up_proj="mla_up_proj" in modules))
         sbd = s * b * m.v_head_dim // t  # the attention output's head width is the value's
     elif recompute_core_attention:
@@ -168,7 +167,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     experts, k = m.num_moe_experts, m.moe_router_topk
     sigmoid = m.moe_router_score_function == "sigmoid"
     if sigmoid:  # DeepSeek routing (pretrain.planner.mla)
-        router = sigmoid_router_terms(cfg, lay, tokens)
+        router = sigmoid_router_terms(cfg.model, lay, tokens)
     else:
         router = 5 * tokens * experts + 24 * tokens * k
         if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
@@ -206,8 +205,9 @@ def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules:
     (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
     m = cfg.model
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
-    if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py)
-        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms)
+    if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py); MTP depths last
+        mtp = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
+        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms, mtp)
     out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
     if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
         out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers
@@ -226,15 +226,14 @@ def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int,
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (t if lay.sp else 1)
     first = 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)
-    last = _norm_terms(cfg, lay, hs, hs // m.hidden_size, gemm_bytes=None)  # the output layer is not FP8
+    last = _norm_terms(cfg.model, lay, hs, hs // m.hidden_size, gemm_bytes=None)  # the output layer is not FP8
     te_loss = lay.on_gpu and lay.use_te and cfg.performance.cross_entropy_fusion_impl == "te"
     last += (0 if te_loss else 4 * s * b * (padded_vocab // t)) + 9 * s * b + 4 * s * b
     return first, last
 
 
-def _full_recompute(cfg: Config, per_chunk: int, layer: int, hs_bytes: int) -> tuple[int, int, int]:
+def _full_recompute(m: ModelConfig, per_chunk: int, layer: int, hs_bytes: int) -> tuple[int, int, int]:
     """(bytes kept per chunk-microbatch, recompute working set, layers freed before it) for full recompute."""
-    m = cfg.model
     n = max(1, m.recompute_num_layers or 1)
     if m.recompute_method == "block":
         k = min(n, per_chunk)
@@ -327,7 +326,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     selective = m.recompute_granularity == "selective"
-    modules = recomputed_modules(cfg)
+    modules = recomputed_modules(cfg.model)
     chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
@@ -337,7 +336,7 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
-            stored, chunk_work, freed_first = _full_recompute(cfg, decoder, layer, hs * p)
+            stored, chunk_work, freed_first = _full_recompute(cfg.model, decoder, layer, hs * p)
             per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
             work.append(chunk_work)
         working = max(work)
@@ -346,13 +345,19 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     elif selective:
         working, freed_first = _selective_recompute(cfg, lay, modules)
     offloaded = cfg.performance.cpu_offloading_num_layers
+    in_transit = 0
     if offloaded and lay.pp == 1 and m.recompute_granularity is None:
-        # Megatron-Core's layer-wise offloading: the first layers' activations live in host memory between their
-        # forward and backward, but for the one layer in transit (offloaded or reloaded while the next computes)
+        # Megatron-Core's layer-wise offloading (Transformer Engine's get_cpu_offload_context): the first N layers'
+        # activations live in host memory between their forward and backward. TE 2.10+ (DefaultOffloadSynchronizer)
+        # releases layer i's GPU copy before layer L − N + i's forward and starts its reload after layer L − N + i's
+        # backward began: "peak memory usage of saving activations is (num_layers − num_offloaded_layers) · T". TE's
+        # earlier path (cpu_offload_v1, the group window) releases the last offloaded layer at the last layer's
+        # commit: one layer more, but only before the final norm, output layer and loss run (`in_transit` below).
         moved = chunk_layers[0][:offloaded]
-        per_mb[0] -= sum(moved) - max(moved, default=0)
+        per_mb[0] -= sum(moved)
+        in_transit = max(moved, default=0)
     first, last = microbatch_extras(cfg, lay, padded_vocab)
-    last += mtp_extras(cfg, lay, padded_vocab, lambda n, r: _norm_terms(cfg, lay, n, r, gemm_bytes=None))
+    last += mtp_extras(cfg.model, lay, padded_vocab, lambda n, r: _norm_terms(cfg.model, lay, n, r, gemm_bytes=None))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
     if pp_rank == 0:
         per_mb[0] += first
@@ -376,14 +381,18 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     if hybrid.is_hybrid(m):  # a Mamba scan's chunk states while it runs
         transient += mamba.scan_states(m, lay)
-    gather = s * b * h * p if lay.sp else 0  # sequence-parallel all-gather buffer
+    # the sequence-parallel all-gather buffer; with TP communication overlap the gathered input is TE's userbuffer
+    # (`planner.memory.userbuffer_bytes`), not a tensor of its own
+    overlap = cfg.parallel.tp_comm_overlap and lay.use_te and lay.tp > 1
+    gather = s * b * h * p if lay.sp and not overlap else 0
     if uses_cpu_cp_attention(cfg, lay):
         gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
     if pp_rank == lay.pp - 1:
-        transient += s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+        logits = s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+        transient += max(logits, in_transit)  # (TE < 2.10's offloaded layer in transit comes before them)
     return ActivationMemory(saved=saved, transient=transient, recompute=max(0, extra),
                             in_flight={c: n for c, n in sorted(peak_flight.items()) if n})
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_providers.core import hybrid
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout, expert_tensor_size
 from pretrain.planner import linear_attention, mamba
 from pretrain.planner.common import layout_of
@@ -111,17 +111,20 @@ def _mlp_parameters(m: Any, lay: Layout, pre: str, global_index: int) -> list[Pa
     return out
 
 
-def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int) -> list[Param]:
-    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol: a Mamba mixer and its norm
-    (`pretrain.planner.mamba`), or the attention / MLP / MoE half of a decoder layer with its norm."""
-    pre = f"decoder.layers.{index}"
-    kind = m.hybrid_layer_pattern[global_index]
+def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int, kind: str | None = None,
+                            pre: str | None = None) -> list[Param]:
+    """One layer of a hybrid model (Megatron-Core's `MambaStack`), by its pattern symbol (`kind`; None: the decoder
+    pattern's at `global_index`): a Mamba mixer and its norm (`pretrain.planner.mamba`), or the attention / MLP / MoE
+    half of a decoder layer with its norm. `pre`: the name prefix (an MTP depth's `mtp.layers.{d}.mtp_model_layer.
+    layers.{j}`)."""
+    pre = pre or f"decoder.layers.{index}"
+    kind = kind or m.hybrid_layer_pattern[global_index]
     if kind == hybrid.MAMBA:
         return [Param(n, k, linear=g) for n, k, g in mamba.mixer_parameters(m, lay, pre)] + \
             _norm_params(f"{pre}.norm", m)
     model = m if kind == hybrid.MOE else replace(m, num_moe_experts=None)
     keep = ("input_layernorm", "self_attention") if kind == hybrid.ATTENTION else ("pre_mlp_layernorm", ".mlp.")
-    return [p for p in layer_parameters(model, lay, index, global_index=global_index) if any(k in p.name for k in keep)]
+    return [p for p in layer_parameters(model, lay, index, global_index=0, pre=pre) if any(k in p.name for k in keep)]
 
 
 def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
@@ -164,14 +167,17 @@ def mtp_parameters(m: Any, lay: Layout) -> list[Param]:
         pre = f"mtp.layers.{j}"
         out += _norm_params(f"{pre}.enorm", m) + _norm_params(f"{pre}.hnorm", m)
         out.append(Param(f"{pre}.eh_proj.weight", h // lay.tp * 2 * h, linear=True))
-        out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
+        if hybrid.is_hybrid(m):  # a hybrid depth: model.mtp_layer_pattern's layers
+            out += [p for i, kind in enumerate(hybrid.mtp_pattern(m)) for p in hybrid_layer_parameters(
+                m, lay, i, 0, kind=kind, pre=f"{pre}.mtp_model_layer.layers.{i}")]
+        else:
+            out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
         out += _norm_params(f"{pre}.final_layernorm", m)
     return out
 
 
-def chunk_parameters(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, vp_stage: int) -> list[Param]:
+def chunk_parameters(m: ModelConfig, lay: Layout, padded_vocab: int, pp_rank: int, vp_stage: int) -> list[Param]:
     """Parameters of one model chunk (`GPTModel`) in `named_parameters()` order."""
-    m = cfg.model
     pre = pp_rank == 0 and vp_stage == 0
     post = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
     tied = m.share_embeddings_and_output_weights
@@ -200,10 +206,10 @@ def _whole_model(cfg: Config, padded_vocab: int, lay: Layout | None = None) -> l
     """The whole model's parameters: as on one rank of `lay` (the plan's layout; None: derived here) unsharded."""
     if lay is None:
         par = cfg.parallel
-        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(cfg)
+        world = par.tensor * par.pipeline * par.context * par.expert * expert_tensor_size(par)
         lay = layout_of(cfg, world)
     lay = replace(lay, tp=1, pp=1, vp=1, ep=1, etp=1, use_te=False)
-    return chunk_parameters(cfg, lay, padded_vocab, 0, 0)
+    return chunk_parameters(cfg.model, lay, padded_vocab, 0, 0)
 
 
 def _without_mtp(params: list[Param]) -> list[Param]:

@@ -98,7 +98,7 @@ def dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, domain: int, 
     parameters, (n−1)/n of the rank's parameters each — 1 byte per parameter with FP8 parameter all-gather
     (`model.fp8_param_gather` under an FP8 / MXFP8 recipe), else the parameter dtype — over NVLink when the group
     is inside one domain, else over the network at the bus bandwidth of the group's NICs (`collective_bandwidth`);
-    expert weights over expert data parallel. With overlap_grad_reduce the
+    expert weights over expert data parallel, at that group's own NICs. With overlap_grad_reduce the
     reduce-scatter runs during the last microbatch's backward (2/3 of it), with overlap_param_gather the all-gather
     during the first forward (1/3). Megatron-FSDP gathers and reduces every microbatch (`planner.fsdp`), overlapped
     with that microbatch."""
@@ -116,11 +116,14 @@ def dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, domain: int, 
     def share(n: int) -> float:
         return (n - 1) / n if n > 1 else 0.0
 
-    elements = share(lay.dp * lay.cp) * (params - expert) + share(lay.edp) * expert
+    # Expert weights reduce over expert data parallel: EDP ranks one EP group apart (ETP × EP consecutive ranks), so an
+    # EP group that fills its NVLink domain leaves one EDP member per domain: the ring runs at one NIC per domain.
+    expert_bw = collective_bandwidth(gpu, lay.tp * lay.cp * lay.dp, lay.edp, domain)
+    seconds = share(lay.dp * lay.cp) * (params - expert) / bw + share(lay.edp) * expert / expert_bw
     if lay.distributed:
-        rs, ag = elements * g / bw, elements * gathered / bw
+        rs, ag = seconds * g, seconds * gathered
     else:
-        rs, ag = 2 * elements * g / bw, 0.0
+        rs, ag = 2 * seconds * g, 0.0
     if o.overlap_grad_reduce:
         rs = max(0.0, rs - 2 / 3 * microbatch_s)
     if o.overlap_param_gather:

@@ -8,7 +8,7 @@ import functools
 from dataclasses import replace
 
 from pretrain.config import Config
-from pretrain.layout import Layout, LayoutError, derive_layout, padded_vocab_size, resolve_vocab_size
+from pretrain.layout import Layout, LayoutError, derive_layout, padded_vocab_size
 from pretrain.planner.hardware import GPUS
 
 GIB = 2**30
@@ -47,11 +47,15 @@ def layout_of(cfg: Config, world: int, *, on_gpu: bool = True, use_te: bool | No
 
 
 def padded_vocab_for(cfg: Config) -> int:
-    """The padded vocabulary (model.vocab_size, else the tokenizer's size)."""
-    try:
-        vocab = resolve_vocab_size(cfg)
-    except Exception as exc:
-        raise PlanError(f"cannot size the vocabulary ({exc}); set model.vocab_size") from None
+    """The padded vocabulary (model.vocab_size, else the size of the tokenizer the run plan decides)."""
+    vocab = cfg.model.vocab_size
+    if not vocab:
+        from pretrain.run_plan import resolve_tokenizer
+
+        tokenizer = resolve_tokenizer(cfg)
+        vocab = tokenizer.vocab_size
+        if vocab is None:
+            raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
     return padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
 
 

@@ -157,6 +157,17 @@ CONSTANTS: dict[str, Constant] = {
         "TE userbuffers hide the all-gather/reduce-scatter behind the GEMM chunks; calibrated"),
     "p2p_exposed": Constant(
         0.0, "of pipeline send/receive exposed with interleaving", "Megatron overlaps P2P with VP (overlap_p2p_comm)"),
+    # Mamba-2 layers (hybrid models, `pretrain.planner.mamba`): their GEMMs (in/out projections) are costed as every
+    # GEMM, the SSD scan as fused attention over 2K tokens (`mamba.SSD_ATTENTION_EQUIVALENT_TOKENS`, a measurement);
+    "mamba_passes": Constant(
+        7.0, "reads+writes of the in-projection's output width W per token, fwd+bwd, beside the scan",
+        "counted from Megatron-Core's GPU path (mamba_split_conv1d_scan_combined, RMSNormGated): forward, the causal "
+        "convolution reads and writes x, B, C (~0.6 W each way), the gated norm reads y and z and writes its output "
+        "(~1.2 W): ~2.4 W; backward recomputes the convolution and moves about twice that"),
+    "kernels_mamba": Constant(
+        36.0, "kernels fwd+bwd of a Mamba-2 layer (scope mamba)",
+        "counted: norm, in_proj GEMM, the combined conv + scan (conv1d, chunk cumsum, chunk state, state passing, "
+        "bmm chunk, chunk scan), gated norm, out_proj, residual: ~12 forward, ~2x that backward"),
     # Selective recomputation: the forward of the recomputed modules again, as a share of a microbatch.
     "recompute_mlp_extra": Constant(
         0.15, "of a microbatch", "the MLP/MoE forward: ~⅓ (forward of fwd+bwd) × ~45% (its share of a layer's time)"),

@@ -58,13 +58,13 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     domain = nvlink_domain(gpu, gpus_per_node)
     works = [rank_work(cfg, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
     work = max(works, key=lambda w: w.busy_s)
-    again = recompute_factor(cfg, work)
-    modules = recomputed_modules(cfg)
+    again = recompute_factor(cfg.model, work)
+    modules = recomputed_modules(cfg.model)
     compute = mb * work.busy_s * again
     s, b, h = m.seq_length // lay.cp, lay.mbs, m.hidden_size
     recompute_fwd = 1.5 if m.recompute_granularity == "full" else 1.0
-    # TP: with SP an all-gather + reduce-scatter per GEMM pair, 4 each way per layer.
-    tp = mb * work.layers * 8 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / bandwidth(gpu, lay.tp, domain)
+    # TP: with SP an all-gather + reduce-scatter per residual block, forward and backward (4 per block, 8 per layer).
+    tp = mb * work.blocks * 4 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / bandwidth(gpu, lay.tp, domain)
     if cfg.parallel.tp_comm_overlap:
         tp *= value("tp_overlap_exposed")
     cp = mb * work.layers * cp_comm_bytes(cfg, lay) / bandwidth(gpu, lay.tp * lay.cp, domain)

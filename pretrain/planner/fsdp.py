@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import chunk_parameters
+from pretrain.planner.precision import FP8_BYTES, TENSOR_SCALED, fp8_params, fp8_transposes, weight_copy_bytes
 from pretrain.planner.static import StaticMemory
 
 _UNIT = "decoder.layers."
@@ -52,37 +53,60 @@ class FsdpMemory:
         return self.gathered_params + self.unsharded_grads
 
 
-def _units(params, linear_only: bool = False) -> list[int]:
-    """Elements per FSDP unit: each decoder layer, and each parameter outside them (gathered on its own)."""
+def _units(params, weight_bytes=None) -> list[int]:
+    """Per FSDP unit (each decoder layer, and each parameter outside them, gathered on its own): its elements, or
+    with `weight_bytes(param)` its bytes."""
     units: dict[str, int] = {}
     for p in params:
-        if linear_only and not p.linear:
-            continue
         key = p.name[: p.name.index(".", len(_UNIT)) + 1] if p.name.startswith(_UNIT) else p.name
-        units[key] = units.get(key, 0) + p.numel
+        units[key] = units.get(key, 0) + (p.numel if weight_bytes is None else int(p.numel * weight_bytes(p)))
     return list(units.values())
 
 
-def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> FsdpMemory:
-    """Sharded weights, gradients and optimizer state of one rank, and the gathered working set."""
+def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: str | None = None) -> FsdpMemory:
+    """Sharded weights, gradients and optimizer state of one rank, and the gathered working set.
+
+    With FP8 parameters (`model.fp8_param_gather` under an FP8 recipe) Megatron-FSDP keeps the linear weights' buffers
+    in uint8 (their gradients in bf16), sharded and gathered, and a second, column-wise buffer where the recipe needs
+    one (MXFP8; megatron-core `megatron_fsdp/param_and_grad_buffer.py` `_init_each_parameter_group_buffers`:
+    `param_dtype = torch.uint8`, `need_transpose_data`). Transformer Engine's copies beyond them (`planner.precision`:
+    a transpose on Hopper; the FP8 copy of bf16 weights) are kept for the gathered unit (ZeRO-3: dropped with it, and
+    Megatron-Bridge sets `keep_fp8_transpose_cache=False`) or for every layer (ZeRO-2, as DDP). `gpu`: the GPU kind."""
     zero3 = lay.fsdp_sharding == "optim_grads_params"
     n, pbytes = lay.dp * lay.cp, lay.bytes_per_value
     gbytes = 4 if cfg.optimizer.grad_reduce_in_fp32 else pbytes
-    params = [p for vp in range(lay.vp) for p in chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp)]
+    params = [p for vp in range(lay.vp) for p in chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, vp)]
     dense = sum(p.numel for p in params if not p.expert)
     expert = sum(p.numel for p in params if p.expert)
-    shard = -(-dense // n) + -(-expert // lay.edp)  # elements this rank owns
     total = dense + expert
-    main = shard * 4 if lay.precision in ("bf16", "fp16") else 0
-    # Transformer Engine FP8: the FP8 copy and transposed copy of the gathered unit's GEMM weights (ZeRO-3 drops
-    # them with the unit; ZeRO-2 keeps every layer's, as DDP does).
-    linear = _units(params, linear_only=True)
-    fp8 = (2 * max(linear, default=0) if zero3 else 2 * sum(linear)) if cfg.model.fp8 and lay.use_te else 0
-    static = StaticMemory(params=total, expert_params=expert, weights=(shard if zero3 else total) * pbytes,
-                          gradients=shard * gbytes, optimizer_moments=shard * 8, optimizer_main_params=main,
+    low = fp8_params(cfg, lay)
+    column = low and fp8_transposes(cfg, gpu) and cfg.model.fp8 not in TENSOR_SCALED  # MXFP8's column-wise buffer
+    fp8_linear = (FP8_BYTES * (2 if column else 1)) if low else None
+
+    def weight_bytes(p) -> float:
+        return fp8_linear if (p.linear and fp8_linear) else pbytes
+
+    def shard(ps, group: int) -> float:  # this rank's share of the buffers of `ps`, by dtype
+        by_bytes: dict[float, int] = {}
+        for p in ps:
+            by_bytes[weight_bytes(p)] = by_bytes.get(weight_bytes(p), 0) + p.numel
+        return sum(-(-k // group) * b for b, k in by_bytes.items())
+
+    owned = -(-dense // n) + -(-expert // lay.edp)  # elements this rank owns
+    weights = shard([p for p in params if not p.expert], n) + shard([p for p in params if p.expert], lay.edp) \
+        if zero3 else sum(weight_bytes(p) * p.numel for p in params)
+    main = owned * 4 if lay.precision in ("bf16", "fp16") else 0
+    # Transformer Engine's copies beyond the buffers: of the gathered unit's GEMM weights (ZeRO-3), of every layer's
+    # (ZeRO-2); MXFP8's column-wise data is in the buffers already.
+    copies = weight_copy_bytes(cfg, lay, gpu) - (FP8_BYTES if column else 0)
+    linear = _units([p for p in params if p.linear])
+    fp8 = int(copies * (max(linear, default=0) if zero3 else sum(linear)))
+    static = StaticMemory(params=total, expert_params=expert, weights=int(weights),
+                          gradients=owned * gbytes, optimizer_moments=owned * 8, optimizer_main_params=main,
                           fp8=fp8, largest_param=max((p.numel for p in params), default=0))
     unit = max(_units(params), default=0)
-    return FsdpMemory(static=static, gathered_params=2 * unit * pbytes if zero3 else 0,
+    unit_bytes = max(_units(params, weight_bytes), default=0)
+    return FsdpMemory(static=static, gathered_params=2 * unit_bytes if zero3 else 0,
                       unsharded_grads=2 * unit * gbytes, largest_unit=unit)
 
 

@@ -12,7 +12,11 @@ the one table the planner's memory verdict and step-time model read:
 - scale-out network (GB/s per GPU, one direction): one NIC per GPU;
 - streaming multiprocessors: what communication kernels that run beside compute take a share of;
 - the host link (GB/s, one direction): PCIe to the CPU's memory, NVLink-C2C on a Grace superchip (activation
-  offloading).
+  offloading);
+- whether its FP8 GEMMs take operands in any layout (Blackwell, compute capability 10.x: Transformer Engine's
+  `is_non_tn_fp8_gemm_supported`, `(10, 0) <= capability < (12, 0)`) or only the TN layout (Hopper): a per-tensor-scaled
+  FP8 tensor (the `tensorwise` and `delayed` recipes) then needs no transposed copy — TE's `Float8TensorStorage.
+  update_usage` serves column-wise use from the row-wise data and drops the transpose (`planner.precision`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Gpu:
     sms: int
     source: str
     host_link_gbps: float = 64.0  # GPU <-> host memory, one direction: PCIe Gen5 x16 unless stated
+    fp8_any_layout: bool = False  # FP8 GEMMs in any operand layout (Blackwell): no FP8 transposes (module docstring)
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -61,18 +66,19 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
         host_link_gbps=32.0),
     Gpu("b200", 178.4, 8.0, 900.0, 8, False, 50.0, 148,
         f"DGX B200 datasheet: 8 GPUs, 1,440 GB HBM3e at 8 TB/s per GPU, {_B_NVLINK}, 8x ConnectX-7 400 Gb/s (one per "
-        "GPU); 148 SMs; memory as torch reports it (nvidia-smi: 183,359 MiB)"),
+        "GPU); 148 SMs; memory as torch reports it (nvidia-smi: 183,359 MiB)", fp8_any_layout=True),
     Gpu("b300", _usable(284208), 8.0, 900.0, 8, False, 100.0, 160,
         f"HGX B300 datasheet: 8 GPUs, 288 GB HBM3e per GPU at 8 TB/s, {_B_NVLINK}, ConnectX-8 800 Gb/s per GPU; "
-        "Blackwell Ultra: 160 SMs; memory: the GB300's (same HBM3e stacks); PCIe Gen6 x16", host_link_gbps=128.0),
+        "Blackwell Ultra: 160 SMs; memory: the GB300's (same HBM3e stacks); PCIe Gen6 x16", host_link_gbps=128.0,
+        fp8_any_layout=True),
     Gpu("gb200", _usable(189471), 8.0, 900.0, 72, True, 50.0, 148,
         f"GB200 NVL72 datasheet: 72 GPUs in one NVLink domain, 186 GB HBM3e per GPU at 8 TB/s, {_B_NVLINK}; compute "
         "tray of 4 GPUs with 4x ConnectX-7 400 Gb/s; 148 SMs; nvidia-smi: 189,471 MiB per GPU; NVLink-C2C to Grace "
-        "900 GB/s both ways", host_link_gbps=450.0),
+        "900 GB/s both ways", host_link_gbps=450.0, fp8_any_layout=True),
     Gpu("gb300", _usable(284208), 8.0, 900.0, 72, True, 100.0, 160,
         f"GB300 NVL72 datasheet: 72 GPUs in one NVLink domain, 288 GB HBM3e per GPU at 8 TB/s, {_B_NVLINK}; "
         "ConnectX-8 800 Gb/s per GPU; Blackwell Ultra: 160 SMs; nvidia-smi: 284,208 MiB per GPU; NVLink-C2C to Grace "
-        "900 GB/s both ways", host_link_gbps=450.0),
+        "900 GB/s both ways", host_link_gbps=450.0, fp8_any_layout=True),
 )}
 # GPUs per node (Slurm node) when a table does not say: a DGX/HGX node of 8, a GB200/GB300 compute tray of 4.
 DEFAULT_GPUS_PER_NODE = {name: 4 if g.rack_scale else 8 for name, g in GPUS.items()}

@@ -21,7 +21,8 @@ from model_providers.core import hybrid
 from pretrain.layout import Layout
 
 FLOPS_FORMULA = ("F/token = 3·[Σ over layers: Mamba 2h(2d_in + 2GN + H) + 7·d_in·N + 2·d_in·h (d_in = 2h); "
-                 "attention 4h(a·d/h)(h + h·g/a + s/2); MLP 4h·f; MoE 4h(k·f_e + f_s) (× 3/2 gated) + logits 2h·V] "
+                 "attention 4h(a·d/h)(h + h·g/a + s/2); MLP 4h·f; MoE 4h(k·f_e + f_s) (× 3/2 gated) + logits 2h·V; "
+                 "each MTP depth: its layers + logits 2h·V] "
                  "(Megatron-LM's hybrid accounting, as Megatron-Bridge's published TFLOP/s)")
 
 
@@ -59,8 +60,10 @@ def scan_states(m: Any, lay: Layout) -> int:
     return 4 * b * -(-s // m.mamba_chunk_size) * heads * m.mamba_head_dim * m.mamba_state_dim
 
 
-def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, layer_terms, norm_terms) -> list[int]:
-    """Bytes each layer of a hybrid model's chunk keeps per microbatch, by its pattern symbol: a Mamba layer
+def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, layer_terms, norm_terms,
+                 mtp: bool = False) -> list[int]:
+    """Bytes each layer of a hybrid model's chunk keeps per microbatch, by its pattern symbol (`mtp`: the chunk
+    holding the MTP depths, whose layers follow, `model.mtp_layer_pattern` × `model.mtp_num_layers`): a Mamba layer
     (`mamba_layer_terms`), or the attention / MLP / MoE half of a decoder layer (`layer_terms` of the activations
     model: the attention's terms and one norm; the MLP's or the experts' terms and one norm). `layer_terms`,
     `norm_terms`: `pretrain.planner.activations`' functions (passed in: that module calls this one)."""
@@ -78,6 +81,25 @@ def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, la
     attention = sum(v for k, v in dense.items() if k not in ffn_keys) - norm
     mlp = dense.get("mlp", 0) + norm
     experts = sum(moe.get(k, 0) for k in ffn_keys[1:]) + norm
-    mamba = sum(mamba_layer_terms(m, lay, norm_terms(cfg, lay, hs, hs // m.hidden_size, fp8)).values())
+    mamba = sum(mamba_layer_terms(m, lay, norm_terms(m, lay, hs, hs // m.hidden_size, fp8)).values())
     by_kind = {hybrid.MAMBA: mamba, hybrid.ATTENTION: attention, hybrid.MLP: mlp, hybrid.MOE: experts}
-    return [by_kind[c] for c in m.hybrid_layer_pattern[offset:offset + per_chunk]]
+    kinds = m.hybrid_layer_pattern[offset:offset + per_chunk] + (hybrid.mtp_pattern(m) * (m.mtp_num_layers or 0)
+                                                                 if mtp else "")
+    return [by_kind[c] for c in kinds]
+
+
+# The SSD scan's time: Dao & Gu 2024 ("Transformers are SSMs", §9.3 and its efficiency figure) measure the SSD kernel
+# as fast as FlashAttention-2 at 2K tokens and faster beyond (linear against quadratic). The planner costs one Mamba
+# layer's scan as the fused causal attention of its heads and head dim over a 2,048-token context, whatever the sequence
+# (`timing.rank_work`): an upper bound past 2K, from a measurement rather than the kernel's FLOPs.
+SSD_ATTENTION_EQUIVALENT_TOKENS = 2048
+
+
+def mixer_bytes(m: Any, lay: Layout) -> float:
+    """HBM bytes one Mamba layer's memory-bound kernels beside the scan move per microbatch on this rank (forward +
+    backward), in units of the in-projection's output width W = 2·d_in + 2·G·N + H per token (`mamba_passes`, counted
+    from Megatron-Core's GPU path: the causal convolution, the gated RMSNorm)."""
+    from pretrain.planner.constants import value
+
+    width = sum(hybrid.in_proj_parts(m).values()) / lay.tp
+    return value("mamba_passes") * width * m.seq_length * lay.mbs / lay.cp * lay.bytes_per_value

@@ -52,8 +52,10 @@ def userbuffer_bytes(cfg: Config, lay: Layout) -> int:
     return elems * (len(UB_ALL_GATHER) * ag + len(UB_OTHERS) * lay.bytes_per_value)
 
 
-def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fused_adam: bool = True) -> RankMemory:
-    """Peak memory of the most loaded data-parallel rank of pipeline stage `pp_rank`.
+def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fused_adam: bool = True,
+                gpu: str | None = None) -> RankMemory:
+    """Peak memory of the most loaded data-parallel rank of pipeline stage `pp_rank` on a `gpu` (its kind decides
+    Transformer Engine's FP8 transposes, `planner.precision`; None: Hopper's).
 
     The peak is the larger of the backward peak (static + activations + transient buffers, TE userbuffers) and
     the optimizer step (static + torch Adam's foreach temporaries when there is no fused Adam; + the layer-wise
@@ -63,10 +65,10 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
     if lay.fsdp_sharding:  # Megatron-FSDP: sharded buffers, plus the all-gathered units in use
         from pretrain.planner.fsdp import fsdp_memory
 
-        fm = fsdp_memory(cfg, lay, padded_vocab, pp_rank)
+        fm = fsdp_memory(cfg, lay, padded_vocab, pp_rank, gpu)
         st, gathered = fm.static, fm.working_set
     else:
-        st = static_memory(cfg, lay, padded_vocab, pp_rank)
+        st = static_memory(cfg, lay, padded_vocab, pp_rank, gpu=gpu)
     act = activation_memory(cfg, lay, padded_vocab, pp_rank)
     buffers = act.transient + st.largest_param * lay.bytes_per_value  # one weight grad before accumulation
     buffers += gathered
@@ -82,9 +84,10 @@ def rank_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, *, fu
                       in_flight=act.in_flight, expert_params=st.expert_params)
 
 
-def most_loaded(cfg: Config, lay: Layout, padded_vocab: int, fused_adam: bool = True) -> RankMemory:
+def most_loaded(cfg: Config, lay: Layout, padded_vocab: int, fused_adam: bool = True,
+                gpu: str | None = None) -> RankMemory:
     """The rank with the largest planned peak (first and last pipeline stages are the candidates; every stage for
     an explicit placement)."""
     stages = memory_candidates(lay)
-    return max((rank_memory(cfg, lay, padded_vocab, r, fused_adam=fused_adam) for r in stages),
+    return max((rank_memory(cfg, lay, padded_vocab, r, fused_adam=fused_adam, gpu=gpu) for r in stages),
                key=lambda rm: rm.total)

@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.planner.precision import gemm_input_bytes
 
 NormTerms = Callable[[int, int], int]  # (values, rows) -> bytes a norm and the GEMM it feeds keep
 
 
-def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attention: bool,
+def mla_terms(m: ModelConfig, lay: Layout, norm: NormTerms, recompute_core_attention: bool,
               up_proj: bool = False) -> dict[str, int]:
     """MLA's attention, after the input norm (counted with the norms): the latent norms, RoPE, Q/K/V, scores.
 
@@ -39,7 +39,6 @@ def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attentio
     the latent norms are inside the checkpoint (fused into the up-projections; from the source), so they keep
     nothing more; the local spec's separate latent norms keep what they kept.
     """
-    m = cfg.model
     p = lay.bytes_per_value
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     a = m.num_attention_heads // t
@@ -68,12 +67,11 @@ def mla_terms(cfg: Config, lay: Layout, norm: NormTerms, recompute_core_attentio
     return out
 
 
-def sigmoid_router_terms(cfg: Config, lay: Layout, tokens: int) -> int:
+def sigmoid_router_terms(m: ModelConfig, lay: Layout, tokens: int) -> int:
     """Router and token dispatcher with sigmoid scores (DeepSeek), fp32: (9·E + 20·k + 4) bytes per token; expert
     groups add E + 8·G·(k / group_topk) + 8·group_topk (the group scores' top indices, the chosen groups, the
     expert mask); a load-balancing loss (4·E + 8·k + 4) per token + 8·E + 4. The expert bias and the scaling
     factor keep nothing more."""
-    m = cfg.model
     experts, k = m.num_moe_experts, m.moe_router_topk
     per_token = 9 * experts + 20 * k + 4
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
@@ -99,12 +97,11 @@ def shared_expert_terms(cfg: Config, lay: Layout, fused_swiglu: bool) -> int:
     return int(sbf * ((2 if fused_swiglu else 4) * p + fc2_in))
 
 
-def mtp_extras(cfg: Config, lay: Layout, padded_vocab: int, norm: NormTerms) -> int:
+def mtp_extras(m: ModelConfig, lay: Layout, padded_vocab: int, norm: NormTerms) -> int:
     """What the MTP layers keep per microbatch besides their transformer layers: the shifted token ids, the
     embedding and hidden norms and the projection's input (their concatenation, 2h), the final norm and output
     GEMM input, and the loss (as the main loss: fp32 softmax over V/t, target mask and masked targets, the
     shifted loss mask, and the scaled loss the auto-scaler keeps)."""
-    m = cfg.model
     p = lay.bytes_per_value
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (t if lay.sp else 1)
@@ -135,13 +132,11 @@ def _layer_macs(m: Any, moe: bool) -> tuple[float, float, float]:
     return attn + core + ffn, up, shared
 
 
-def recompute_shares(cfg: Config, modules: frozenset[str]) -> float:
+def recompute_shares(m: ModelConfig, modules: frozenset[str]) -> float:
     """The forward of `mla_up_proj`, `shared_experts` and (on a model with experts) the dense layers' `mlp` again, as a
     share of a microbatch's forward and backward (3× the forward), from their multiply-adds averaged over the
     layers (Megatron-Core recomputes exactly these GEMMs in backward; no calibrated constant)."""
     from pretrain.planner.census import is_moe_layer
-
-    m = cfg.model
     total = extra = 0.0
     for i in range(m.num_layers):
         moe = is_moe_layer(m, i)

@@ -98,7 +98,7 @@ def _deal(params: list[Param], ranks: int, rank: int | None) -> list[Param]:
 def muon_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, dp_rank: int | None = None,
                 edp_rank: int | None = None) -> MuonMemory:
     """Optimizer state, all-gather buffers and Newton-Schulz FLOPs of one rank training with Muon."""
-    params = [p for v in range(lay.vp) for p in chunk_parameters(cfg, lay, padded_vocab, pp_rank, v)]
+    params = [p for v in range(lay.vp) for p in chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, v)]
     layer_wise = cfg.optimizer.muon.layer_wise
     dense = [p for p in params if not p.expert]
     expert = [p for p in params if p.expert]

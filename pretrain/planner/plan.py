@@ -42,8 +42,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     lay = cluster_plan(cfg, world, use_te).layout  # the run plan: tokenizer and layout resolved once
     vocab = lay.padded_vocab
     m = cfg.model
-    rm = most_loaded(cfg, lay, vocab, fused_adam)
-    stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam) for r in memory_candidates(lay)]
+    rm = most_loaded(cfg, lay, vocab, fused_adam, gpu)
+    stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam, gpu=gpu) for r in memory_candidates(lay)]
     f_tok = flops_per_token(m, vocab)
     f_step = f_tok * lay.gbs * m.seq_length
     peak = PEAK_TFLOPS[gpu][run_precision(cfg, lay, gpu)]  # the GEMMs' precision: bf16, FP8, MXFP8 or NVFP4
@@ -76,7 +76,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
         "checkpoint_elements": count_checkpoint_elements(cfg, m.vocab_size, lay) if m.vocab_size else None,
         "padded_vocab_size": vocab,
         "flops_per_token": f_tok,
-        "stage_flops_per_token": stage_flops(cfg, lay, vocab) if lay.pp > 1 else None,
+        "stage_flops_per_token": stage_flops(cfg.model, lay, vocab) if lay.pp > 1 else None,
         "flops_per_step": f_step,
         "flops_formula": mamba.FLOPS_FORMULA if hybrid.is_hybrid(m) else FORMULA
         + (f"; {MOE_FORMULA}" if m.num_moe_experts else "")
@@ -86,7 +86,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "expert_tensor_parallel": lay.etp, "expert_data_parallel": lay.edp,
             "experts_per_rank": m.num_moe_experts // lay.ep, "expert_parameters_on_rank": rm.expert_params,
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
-        "fsdp": _fsdp_section(cfg, lay, vocab, rm),
+        "fsdp": _fsdp_section(cfg, lay, vocab, rm, gpu),
         "muon": muon_section(cfg, lay, vocab, rm.pp_rank),
         "context_parallel": context_summary(cfg, lay, layer_terms),
         "memory_gib": rm.gib(),
@@ -117,17 +117,20 @@ def _overflow(rm, capacity: float) -> str | None:
     what = f"{largest} {terms[largest]:.1f} GiB"
     if largest == "activations":
         what += f" ({sum(rm.in_flight.values())} microbatch-chunks in flight)"
-    return (f"{excess:.1f} GiB over the {fit_limit_gib(capacity):.1f} GiB limit on pipeline stage {rm.pp_rank}; "
-            f"the largest term: {what}")
+    room = capacity - rm.total / GIB  # what the GPU itself has left: the reserve covers it or it does not
+    inside = (f" ({room:.1f} GiB under the GPU's {capacity:.1f}: inside the reserve for the CUDA context, NCCL and "
+              f"fragmentation)" if room > 0 else "")
+    return (f"{excess:.1f} GiB over the {fit_limit_gib(capacity):.1f} GiB limit on pipeline stage {rm.pp_rank}"
+            f"{inside}; the largest term: {what}")
 
 
-def _fsdp_section(cfg: Config, lay, vocab: int, rm) -> dict[str, Any] | None:
+def _fsdp_section(cfg: Config, lay, vocab: int, rm, gpu: str) -> dict[str, Any] | None:
     """Megatron-FSDP's part of the plan (`pretrain.planner.fsdp`), None without it."""
     if not lay.fsdp_sharding:
         return None
     from pretrain.planner.fsdp import fsdp_comm_bytes, fsdp_memory
 
-    fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank)
+    fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank, gpu)
     dense, expert = fsdp_comm_bytes(cfg, lay, rm.params, rm.expert_params)
     return {"sharding": lay.fsdp_sharding, "shard_group": lay.dp * lay.cp,
             "largest_unit_parameters": fm.largest_unit,

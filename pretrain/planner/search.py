@@ -109,7 +109,7 @@ def search(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", top: 
                         continue
                     if lay.padded_vocab is None:
                         raise PlanError(f"cannot size the vocabulary ({tokenizer.error}); set model.vocab_size")
-                    rm = most_loaded(c, lay, lay.padded_vocab, fused_adam)
+                    rm = most_loaded(c, lay, lay.padded_vocab, fused_adam, gpu)
                     if rm.total / GIB > fit_limit_gib(GPU_MEMORY_GIB[gpu]):
                         continue
                     cost = cost_model(c, lay, lay.padded_vocab, gpu, gpus_per_node, rm.params,

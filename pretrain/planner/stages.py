@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig
 from pretrain.layout import Layout
 from pretrain.observe.flops import flops_per_token
 
@@ -20,22 +20,21 @@ def explicit(lay: Layout) -> bool:
     return lay.pipeline_layout is not None or lay.embedding_in_split or lay.loss_in_split
 
 
-def rank_layers(cfg: Config, lay: Layout) -> list[int]:
+def rank_layers(m: ModelConfig, lay: Layout) -> list[int]:
     """Decoder layers on each pipeline rank (all its virtual stages)."""
-    n = cfg.model.num_layers
+    n = m.num_layers
     return [sum(lay.chunk_layers(n, r, v)[1] for v in range(lay.vp)) for r in range(lay.pp)]
 
 
-def stage_flops(cfg: Config, lay: Layout, padded_vocab: int) -> list[float]:
+def stage_flops(m: ModelConfig, lay: Layout, padded_vocab: int) -> list[float]:
     """Training FLOPs per token of each pipeline rank: its decoder layers (at the model's mean per layer), the
     output layer and loss on the last rank, the MTP layers (with their output layer) on theirs. They sum to
     `flops_per_token`."""
-    m = cfg.model
     total = flops_per_token(m, padded_vocab)
     without_mtp = flops_per_token(dataclasses.replace(m, mtp_num_layers=None), padded_vocab)
     logits = 6.0 * m.hidden_size * padded_vocab
     per_layer = (without_mtp - logits) / m.num_layers
-    out = [per_layer * k for k in rank_layers(cfg, lay)]
+    out = [per_layer * k for k in rank_layers(m, lay)]
     out[-1] += logits
     if m.mtp_num_layers:
         out[lay.mtp_chunk[0]] += total - without_mtp

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.census import Param, chunk_parameters
-from pretrain.planner.precision import NVFP4_BYTES
+from pretrain.planner.precision import fp8_params as has_fp8_params
+from pretrain.planner.precision import weight_copy_bytes
 
 
 @dataclass
@@ -112,33 +113,35 @@ def _key(cfg: Config, lay: Layout, *rest) -> tuple:
 
 
 def static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
-                  dp_rank: int | None = None, edp_rank: int | None = None) -> StaticMemory:
-    """Weights, gradient buffers and optimizer state of one rank (memoised `_static_memory`)."""
-    key = _key(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank)
+                  dp_rank: int | None = None, edp_rank: int | None = None, gpu: str | None = None) -> StaticMemory:
+    """Weights, gradient buffers and optimizer state of one rank (memoised `_static_memory`); `gpu`: the GPU kind
+    (its FP8 GEMM layouts decide TE's FP8 transposes, `planner.precision`; None: Hopper's)."""
+    key = _key(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank, gpu)
     if key not in _CACHE:
         if len(_CACHE) > 4096:
             _CACHE.clear()
-        _CACHE[key] = _static_memory(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank)
+        _CACHE[key] = _static_memory(cfg, lay, padded_vocab, pp_rank, dp_rank, edp_rank, gpu)
     return _CACHE[key]
 
 
 def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
-                   dp_rank: int | None = None, edp_rank: int | None = None) -> StaticMemory:
+                   dp_rank: int | None = None, edp_rank: int | None = None, gpu: str | None = None) -> StaticMemory:
     """Weights, gradient buffers and optimizer state of one rank, as Megatron-Core allocates them.
 
     MoE expert weights live in their own DDP buffers, reduced (and with the distributed optimizer sharded) over
     expert data parallel (`lay.edp`) instead of data × context parallel. dp_rank / edp_rank None: the rank
     holding the most optimizer state.
     """
-    m, o = cfg.model, cfg.optimizer
+    o = cfg.optimizer
     dp_cp = lay.dp * lay.cp
     pbytes = lay.bytes_per_value
-    fp8_params = bool(m.fp8) and m.fp8_param_gather and lay.use_te
+    fp8_params = has_fp8_params(cfg, lay)
+    copy_bytes = weight_copy_bytes(cfg, lay, gpu)  # TE's FP8 / NVFP4 copies beside each linear weight
     params = expert_params = weights = grads = 0
     fp8 = largest = 0
     opt_per_rank = {False: [0] * dp_cp, True: [0] * lay.edp}  # dense / expert optimizer shards
     for vp_stage in range(lay.vp):
-        chunk = chunk_parameters(cfg, lay, padded_vocab, pp_rank, vp_stage)
+        chunk = chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, vp_stage)
         # DDP keeps one buffer per parameter dtype (FP8 parameters, uint8, apart) and expert-parallel kind.
         for expert in (False, True):
             group_dp = lay.edp if expert else dp_cp
@@ -159,11 +162,7 @@ def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
                 for r, k in enumerate(optimizer_elements(buf, group_dp, lay.distributed)):
                     opt_per_rank[expert][r] += k
                 largest = max(largest, max(p.numel for p in group))
-        if m.fp8 and lay.use_te:
-            linear = sum(p.numel for p in chunk if p.linear)
-            fp8 += linear * (1 if fp8_params else 2)  # transposed copy (+ the FP8 copy of bf16 weights)
-        elif cfg.performance.fp4_recipe and lay.use_te:  # NVFP4: row-wise and column-wise copies of bf16 weights
-            fp8 += int(sum(p.numel for p in chunk if p.linear) * 2 * NVFP4_BYTES)
+        fp8 += int(sum(p.numel for p in chunk if p.linear) * copy_bytes)
     opt = max(opt_per_rank[False]) if dp_rank is None else opt_per_rank[False][dp_rank]
     opt += max(opt_per_rank[True]) if edp_rank is None else opt_per_rank[True][edp_rank]
     main = opt * 4 if lay.precision in ("bf16", "fp16") else 0

@@ -22,18 +22,22 @@ optimizer step (memory-bound over the elements this rank owns).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
+from model_providers.core import hybrid
 from model_providers.core.fusions import bias_activation_fusion
 from model_providers.core.windows import window_size, windowed_layers
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
+from pretrain.planner import mamba
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
 from pretrain.planner.common import PlanError
 from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, SUSTAINED, value
 from pretrain.planner.mla import recompute_shares
+from pretrain.planner.precision import fp8_transposes
 
 # Bytes per GEMM input element, and the casts Transformer Engine adds around a low-precision GEMM (constants).
 _ELEMENT_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
@@ -53,6 +57,7 @@ class RankWork:
     moe_act_s: float = 0.0  # the experts' activation forward (what `moe_act` recompute runs again)
     layers: int = 0
     moe_layers: int = 0
+    blocks: int = 0  # residual blocks (a transformer layer: 2; a hybrid model's layer: 1): TP collectives per block
 
     @property
     def gpu_s(self) -> float:
@@ -64,10 +69,11 @@ class RankWork:
 
 
 def _gemm_s(m_rows: float, numel: int, gpu: str, precision: str, grouped: bool = False,
-            narrow_dim: float | None = None) -> float:
+            narrow_dim: float | None = None, transposes: bool = True) -> float:
     """Forward + both backward GEMMs of a weight of `numel` elements over `m_rows` rows (roofline) at `precision`
     (bf16, fp8, mxfp8, nvfp4: its peak and efficiency); the efficiency falls with the GEMM's narrowest dimension d as
-    d / (d + gemm_half_efficiency_dim)."""
+    d / (d + gemm_half_efficiency_dim). `transposes`: TE's FP8 casts write a column-wise copy too (not for
+    per-tensor-scaled FP8 on Blackwell, `planner.precision.fp8_transposes`: one byte per element less)."""
     if m_rows <= 0 or numel <= 0:
         return 0.0
     eff = value(f"gemm_efficiency_{precision}") * (value("grouped_gemm_efficiency") if grouped else 1.0)
@@ -81,7 +87,8 @@ def _gemm_s(m_rows: float, numel: int, gpu: str, precision: str, grouped: bool =
     moved = (m_rows * width + numel) * elem
     per = max(flops / (peak * eff), moved / hbm)
     # low precision: the input (M·K), the output gradient (M·N) and the weight cast once each per microbatch
-    cast = value(_CAST[precision]) * (m_rows * width + numel) / hbm if precision in _CAST else 0.0
+    cast_bytes = value(_CAST[precision]) - (0 if transposes or precision != "fp8" else 1) if precision in _CAST else 0.0
+    cast = cast_bytes * (m_rows * width + numel) / hbm
     return 3 * per + cast
 
 
@@ -99,19 +106,25 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     """One microbatch of pipeline rank `pp_rank` (all its model chunks)."""
     m = cfg.model
     precision = run_precision(cfg, lay, gpu)
+    transposes = fp8_transposes(cfg, gpu)
     tokens = m.seq_length * lay.mbs / lay.cp  # rows of every TP-sharded GEMM (SP gathers them first)
     hbm = HBM_TBPS[gpu].value * 1e12
     h, a = m.hidden_size, m.num_attention_heads
     w = RankWork()
     params: list[Param] = []
     for v in range(lay.vp):
-        params += chunk_parameters(cfg, lay, vocab, pp_rank, v)
+        params += chunk_parameters(cfg.model, lay, vocab, pp_rank, v)
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
-    if pp_rank == lay.pp - 1 and m.mtp_num_layers:
-        w.layers += m.mtp_num_layers
+    kinds = layer_kinds(cfg, lay, pp_rank)  # hybrid models: this rank's layers by pattern symbol
+    if pp_rank == lay.pp - 1 and m.mtp_num_layers:  # a transformer's MTP depth is a layer; a hybrid's, its pattern
+        w.layers += m.mtp_num_layers if kinds is None else sum(hybrid.mtp_counts(m).values())
         w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
+    if kinds is not None:
+        w.moe_layers = kinds[hybrid.MOE]
+    attention_layers = w.layers if kinds is None else kinds[hybrid.ATTENTION]
+    w.blocks = 2 * w.layers if kinds is None else w.layers
     # Rows of each local expert (balanced routing): the EP group's T·k copies over E experts, ×ETP (expert TP gathers
     # its group's tokens).
     expert_rows = tokens * (m.moe_router_topk or 0) * lay.ep * lay.etp / (m.num_moe_experts or 1)
@@ -120,9 +133,10 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     for p in params:
         narrow = min(h, p.numel / h)  # one side of every decoder GEMM is the hidden size (MLA's LoRA: close)
         if p.expert and p.name.endswith(".weight"):
-            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, precision, grouped=True, narrow_dim=narrow)
+            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, precision, grouped=True, narrow_dim=narrow,
+                                transposes=transposes)
         elif p.linear:
-            w.gemm_s += _gemm_s(tokens, p.numel, gpu, precision, narrow_dim=narrow)
+            w.gemm_s += _gemm_s(tokens, p.numel, gpu, precision, narrow_dim=narrow, transposes=transposes)
         elif p.name == "output_layer.weight":
             w.gemm_s += _gemm_s(tokens, p.numel, gpu, "bf16")  # the logits stay bf16
             w.elementwise_s += 3 * tokens * vocab / lay.tp * 4 / hbm  # fp32 softmax cross-entropy fwd+bwd
@@ -138,12 +152,23 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     d_half = value("attention_half_efficiency_head_dim")
     head = (qk / (qk + d_half)) / (128 / (128 + d_half))  # 1 at head dim 128
     sinks = value("attention_sinks_efficiency") if m.softmax_type not in (None, "vanilla") else 1.0
-    w.attention_s = w.layers * att / (PEAK_TFLOPS[gpu]["bf16"] * 1e12 * SUSTAINED[gpu].value
-                                      * ATTENTION_EFFICIENCY[gpu].value * min(head, 1.25) * sinks)
+    fused_rate = PEAK_TFLOPS[gpu]["bf16"] * 1e12 * SUSTAINED[gpu].value * ATTENTION_EFFICIENCY[gpu].value
+    w.attention_s = attention_layers * att / (fused_rate * min(head, 1.25) * sinks)
+    if kinds is not None:  # Mamba-2 layers: the SSD scan as fused attention over 2K tokens (mamba.py); the rest
+        p_dim, ref = m.mamba_head_dim, mamba.SSD_ATTENTION_EQUIVALENT_TOKENS
+        ssd = 2 * tokens * (ref / 2 + value("attention_tile") / 2) * (hybrid.mamba_num_heads(m) / lay.tp) * 2 * p_dim
+        ssd_head = (p_dim / (p_dim + d_half)) / (128 / (128 + d_half))
+        w.attention_s += kinds[hybrid.MAMBA] * ssd * (1 + value("attention_backward_ratio")) / (
+            fused_rate * min(ssd_head, 1.25))
+        w.elementwise_s += kinds[hybrid.MAMBA] * mamba.mixer_bytes(m, lay) / hbm
     # Memory-bound work: per token per layer, on this rank's (SP-sharded) activations.
     rows = tokens / (lay.tp if lay.sp else 1)
     p_bytes = lay.bytes_per_value
-    w.elementwise_s += w.layers * value("elementwise_passes") * rows * h * p_bytes / hbm
+    # a transformer layer's two blocks; a hybrid layer is one block (half of them; a Mamba block: its norm and residual,
+    # 2 RMSNorm + 2 residual of the 36 being ~14, so 7)
+    passes = w.layers * value("elementwise_passes") if kinds is None else \
+        (w.layers - kinds[hybrid.MAMBA]) * value("elementwise_passes") / 2 + kinds[hybrid.MAMBA] * 7
+    w.elementwise_s += passes * rows * h * p_bytes / hbm
     copies = rows * (m.moe_router_topk or 0)
     w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
     # the experts' activation on every routed copy (fused SwiGLU, or an unfused GLU: clamped or not SiLU)
@@ -152,11 +177,26 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w.elementwise_s += w.moe_layers * act_passes * copies * (m.moe_ffn_hidden_size or 0) / lay.etp * p_bytes / hbm
     # what `layernorm` / `moe_act` recompute would run again: the two norms' forward (read and write h each), the
     # experts' activation forward (read 2·f_e, write f_e per routed copy)
-    w.norm_s = w.layers * 4 * rows * h * p_bytes / hbm
+    w.norm_s = w.blocks * 2 * rows * h * p_bytes / hbm
     w.moe_act_s = w.moe_layers * 3 * copies * (m.moe_ffn_hidden_size or 0) * p_bytes / hbm
     local_experts = (m.num_moe_experts or 0) // lay.ep
-    w.host_s = host_seconds(cfg, w.layers - w.moe_layers, w.moe_layers, local_experts)
+    w.host_s = host_seconds(cfg, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
     return w
+
+
+def layer_kinds(cfg: Config, lay: Layout, pp_rank: int) -> Counter | None:
+    """A hybrid model's layers on pipeline rank `pp_rank`, by pattern symbol (`model_providers.core.hybrid`); None for
+    a transformer."""
+    m = cfg.model
+    if not hybrid.is_hybrid(m):
+        return None
+    kinds: Counter = Counter()
+    for v in range(lay.vp):
+        offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
+        kinds.update(m.hybrid_layer_pattern[offset:offset + n])
+    if pp_rank == lay.pp - 1:  # the MTP depths (model.mtp_layer_pattern × model.mtp_num_layers) after the last layer
+        kinds.update(hybrid.mtp_counts(m))
+    return kinds
 
 
 def computed_keys(m) -> float:
@@ -171,21 +211,31 @@ def computed_keys(m) -> float:
     return (windowed * min(full, size[0] + 1 + tile) + (m.num_layers - windowed) * full) / m.num_layers
 
 
-def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts: int = 0) -> float:
+def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts: int = 0,
+                 kinds: Counter | None = None) -> float:
     """The host's kernel launches of one microbatch: eager kernels at `launch_us`, those a CUDA graph captures at
     `launch_us_cuda_graphs`. Without a scope a graph captures every layer (Megatron-Bridge's full-iteration graph
     likewise); a scope captures its modules' kernels only (attn: the attention block of every
-    layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every MoE layer)."""
+    layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every MoE layer;
+    mamba: a hybrid model's Mamba layers). `kinds`: a hybrid model's layers by symbol (each one block: an attention
+    block, an MLP or MoE block without attention, a Mamba layer)."""
     perf = cfg.performance
     dense_k, attn_k = value("kernels_per_dense_layer"), value("kernels_attention")
     moe_k = value("kernels_per_moe_layer") + local_experts * value("kernels_per_local_expert")
-    total = dense_layers * dense_k + moe_layers * moe_k
+    n_attn, n_mamba = dense_layers + moe_layers, 0
+    if kinds is not None:  # blocks: an MLP / MoE block has no attention, attention blocks stand alone
+        n_attn, n_mamba = kinds[hybrid.ATTENTION], kinds[hybrid.MAMBA]
+        dense_layers = kinds[hybrid.MLP]
+    total = dense_layers * dense_k + moe_layers * moe_k + n_mamba * value("kernels_mamba")
+    if kinds is not None:
+        total += n_attn * attn_k - (dense_layers + moe_layers) * attn_k
     captured = 0.0
     if perf.cuda_graph_impl != "none" and not perf.cuda_graph_scope:
         captured = total
     elif perf.cuda_graph_impl != "none":
         scope = set(perf.cuda_graph_scope or ())
-        captured += (dense_layers + moe_layers) * attn_k if "attn" in scope else 0.0
+        captured += n_attn * attn_k if "attn" in scope else 0.0
+        captured += n_mamba * value("kernels_mamba") if "mamba" in scope else 0.0
         captured += dense_layers * (dense_k - attn_k) if "mlp" in scope else 0.0
         if "moe" in scope:
             captured += moe_layers * (moe_k - attn_k)
@@ -194,14 +244,13 @@ def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts:
     return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
 
 
-def recompute_factor(cfg: Config, work: RankWork | None = None) -> float:
+def recompute_factor(m: ModelConfig, work: RankWork | None = None) -> float:
     """Extra compute of recomputation, as a factor on a microbatch (full: the forward again, ~1/3)."""
-    m = cfg.model
     if m.recompute_granularity == "full":
         return 4 / 3
-    modules = recomputed_modules(cfg)
-    extra = recompute_shares(cfg, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
-    if "moe" in modules or ("mlp" in modules and not cfg.model.num_moe_experts):
+    modules = recomputed_modules(m)
+    extra = recompute_shares(m, modules)  # mla_up_proj, shared_experts, a dense-first model's mlp: from FLOPs
+    if "moe" in modules or ("mlp" in modules and not m.num_moe_experts):
         extra += value("recompute_mlp_extra")
     if "core_attn" in modules:
         extra += value("recompute_core_attn_extra")

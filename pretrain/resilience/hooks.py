@@ -29,19 +29,20 @@ RERUN_STATE = "rerun_state"  # the key of the checkpoint's common state
 RUN_STATE[RERUN_STATE] = results.checkpoint_state  # saved with every checkpoint, read back on resume
 
 
-def pg_timeout_minutes(cfg) -> float:
-    """The default process group's timeout: hang.process_group_timeout_s, else 10 minutes."""
-    s = cfg.hang.process_group_timeout_s
+def pg_timeout_minutes(hang) -> float:
+    """The default process group's timeout: hang.process_group_timeout_s (of the hang section), else 10 minutes."""
+    s = hang.process_group_timeout_s
     return s / 60.0 if s else 10.0
 
 
-def write_status(cfg, reason: str, step: int, message: str, extra: dict) -> None:
-    """run.dir/exit_status.json with the fault's fields (the record `pretrain.run.run_dir` writes, and more)."""
+def write_status(run_dir: str | Path, reason: str, step: int, message: str, extra: dict) -> None:
+    """`run_dir`/exit_status.json (run.dir) with the fault's fields (the record `pretrain.run.run_dir` writes, and
+    more)."""
     from pretrain.files import write_atomic
     from pretrain.run.run_dir import EXIT_STATUS_FILE
 
     record = {"reason": reason, "step": step, "signal": None, "message": message, **extra}
-    write_atomic(Path(cfg.run.dir) / EXIT_STATUS_FILE, json.dumps(record) + "\n")
+    write_atomic(Path(run_dir) / EXIT_STATUS_FILE, json.dumps(record) + "\n")
 
 
 class Resilience:
@@ -105,12 +106,12 @@ class Resilience:
             self.watchdog.arm(step, AFTER, long=True)
         return fields
 
-    def rejected(self, cfg, exc: ResultRejected, step: int, writer, rank: int) -> None:
+    def rejected(self, exc: ResultRejected, step: int, writer, rank: int) -> None:
         """After the checkpoint of step `step` (the last good one): the verdict in metrics and exit status."""
         if writer is not None:
             writer.write({"step": step, **exc.record})
         if rank == 0:
-            write_status(cfg, "failed", step, str(exc), exc.record)
+            write_status(self.cfg.run.dir, "failed", step, str(exc), exc.record)
 
     def observer(self) -> Observer:
         """The watchdog's step bounds and the stragglers, as one of the loop's observers."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from packaging.version import Version
 
 from model_providers.core.sequences import variable_seq_lengths
-from pretrain.config import Config
+from pretrain.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from pretrain.layout import Layout, model_shape, use_transformer_engine
 from pretrain.problems import Report
 
@@ -23,9 +23,10 @@ def _installed_te() -> str | None:
     return matrix.installed().transformer_engine
 
 
-def context_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def context_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, data: DataConfig, train: TrainConfig,
+                  lay: Layout | None, te_on_gpu: bool) -> None:
     """parallel.cp_comm_type, the head / sequence splits each needs, packed documents, the CPU attention's notes."""
-    m, p, d = cfg.model, cfg.parallel, cfg.data
+    m, p, d = model, parallel, data
     if p.context <= 1:
         return
     cp, tp, comm = p.context, p.tensor, p.cp_comm_type
@@ -54,7 +55,7 @@ def context_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
             r.error(("data.reset_attention_mask", "parallel.cp_comm_type"),
                     f"Transformer Engine {te} takes packed sequences (THD, per-document masks) with "
                     f"cp_comm_type={comm} only from {since} on", "use parallel.cp_comm_type=p2p, or a newer TE")
-    if lay is not None and lay.moe and m.moe_token_dispatcher_type == "allgather" and variable_seq_lengths(cfg, lay):
+    if lay is not None and lay.moe and m.moe_token_dispatcher_type == "allgather" and variable_seq_lengths(data, lay):
         r.error(("model.moe_token_dispatcher_type", "data.reset_attention_mask", "parallel.context",
                  "parallel.pipeline"),
                 "packed documents under context × pipeline parallelism have a padded length per microbatch "
@@ -67,8 +68,8 @@ def context_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -
                 "stages exchange before each tensor; with interleaving on 2 stages gloo pairs those same-peer "
                 "messages first-in-first-out and can swap them", "use parallel.pipeline >= 3, or no interleaving")
     if not use_te:
-        b, s = (1, m.seq_length * cfg.train.micro_batch_size) if d.reset_attention_mask else (
-            cfg.train.micro_batch_size, m.seq_length)
+        b, s = (1, m.seq_length * train.micro_batch_size) if d.reset_attention_mask else (
+            train.micro_batch_size, m.seq_length)
         if comm == "p2p":
             what = f"computes [{b}, {heads}, {s // cp}, {s // cp}] score blocks around the ring (none kept)"
         else:

@@ -8,28 +8,36 @@
   and a convolution of a multiple of 8 channels per rank (the channel-last layout `mamba_split_conv1d_scan_combined`
   passes it); the convolution's widths 2-4 are the range `model.mamba_conv_kernel` declares;
 - the initial time steps' interval: mamba_dt_min <= mamba_dt_max;
-- what the hybrid model does not wire: virtual pipeline stages and layout strings (0.16.1 splits the stages inside
-  its stack, evenly or by first/last stage; 0.19+ takes stage boundaries as `|` in the pattern, not wired here),
-  MTP (0.16.1's MambaModel has none; 0.19+'s `/` patterns are not wired), full recompute (the Mamba stack has
-  none), Megatron-FSDP (our fsdp_dtensor key mapping is GPTModel's), and the GPT-only attention options (MLA,
-  windows, sinks, YaRN, Llama-3 RoPE scaling, Gated DeltaNet layers, the output gate, zero-centred norms).
+- Multi-Token Prediction (0.19+): `model.mtp_num_layers` depths of `model.mtp_layer_pattern` (the decoder's symbols;
+  E needs experts), both or neither;
+- what the release does not build: virtual pipeline stages, layout strings and the embedding / loss in the split
+  (0.16.1-0.18 split the stages inside the stack, evenly or by first/last stage; 0.19+ take `|` boundaries, which
+  the builder writes from our placement), MTP (0.16.1-0.18: none);
+- what the hybrid model does not wire: full recompute (the Mamba stack has none), Megatron-FSDP (our fsdp_dtensor
+  key mapping is GPTModel's), and the GPT-only attention options (MLA, windows, sinks, YaRN, Llama-3 RoPE scaling,
+  Gated DeltaNet layers, the output gate, zero-centred norms).
 """
 
 from __future__ import annotations
 
 from model_providers.core import hybrid
-from pretrain.config import Config
+from pretrain.config import ModelConfig, OptimizerConfig, ParallelConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
 
 _KEY = "model.hybrid_layer_pattern"
 
 
-def hybrid_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def hybrid_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+                 lay: Layout | None, te_on_gpu: bool) -> None:
     """Every rule of a hybrid model (module docstring); nothing for a GPT."""
-    m = cfg.model
-    _latent_moe_rules(r, cfg, lay, te_on_gpu)
+    m = model
+    _latent_moe_rules(r, m, lay, te_on_gpu)
     if not hybrid.is_hybrid(m):
+        if m.mtp_layer_pattern is not None:
+            r.error("model.mtp_layer_pattern", "model.mtp_layer_pattern gives a hybrid model's MTP layers; this model "
+                    "has no model.hybrid_layer_pattern (a GPT's MTP layer is its last decoder layer's kind)",
+                    "set model.mtp_layer_pattern=null")
         if m.position_embedding_type == "none":
             r.error("model.position_embedding_type", "model.position_embedding_type=none is for hybrid Mamba models "
                     "(order comes from their Mamba layers); a GPT needs a position encoding",
@@ -46,14 +54,49 @@ def hybrid_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
     elif m.num_moe_experts and not counts[hybrid.MOE]:
         r.error((_KEY, "model.num_moe_experts"), f"model.num_moe_experts={m.num_moe_experts} but {_KEY} has no MoE "
                 "layer (E): the experts would not exist", "set model.num_moe_experts=null or add E layers")
-    if counts[hybrid.MAMBA] or problem:
-        _mixer_rules(r, cfg)
-    _unwired_rules(r, cfg)
+    mtp_problem = _mtp_rules(r, m)
+    if counts[hybrid.MAMBA] or hybrid.MAMBA in hybrid.mtp_pattern(m) or problem or mtp_problem:
+        _mixer_rules(r, m, parallel)
+    _unwired_rules(r, m, parallel, optimizer)
 
 
-def _mixer_rules(r: Report, cfg: Config) -> None:
+def _mtp_rules(r: Report, m: ModelConfig) -> bool:
+    """A hybrid model's Multi-Token Prediction (Megatron-Core 0.19+): `model.mtp_num_layers` depths of
+    `model.mtp_layer_pattern`'s layers, the symbols of the decoder's. True where the MTP pattern is refused."""
+    from pretrain.compat import hybrid as compat
+
+    depths, pattern = m.mtp_num_layers, m.mtp_layer_pattern
+    if compat.MTP_REASON is not None:
+        if depths or pattern is not None:
+            r.error((_KEY, "model.mtp_num_layers"), f"Multi-Token Prediction in a hybrid model: {compat.MTP_REASON}",
+                    "set model.mtp_num_layers=null and model.mtp_layer_pattern=null")
+        return False
+    if depths is None or depths < 1:  # below 1: the range rule's
+        if pattern is not None and depths is None:
+            r.error(("model.mtp_layer_pattern", "model.mtp_num_layers"), f"model.mtp_layer_pattern={pattern!r} "
+                    "gives the layers of one MTP depth, but model.mtp_num_layers (the depths) is null",
+                    "set model.mtp_num_layers (e.g. 2, Nemotron 3 Super's) or model.mtp_layer_pattern=null")
+        return False
+    if pattern is None:
+        r.error(("model.mtp_num_layers", "model.mtp_layer_pattern"), f"model.mtp_num_layers={depths} in a hybrid "
+                "model needs the layers of each MTP depth: model.mtp_layer_pattern is null",
+                "set model.mtp_layer_pattern (e.g. '*E', Nemotron 3 Super's: attention, then MoE)")
+        return True
+    unknown = sorted({c for c in pattern if c not in hybrid.SYMBOLS})
+    if unknown or not pattern:
+        r.error("model.mtp_layer_pattern", f"model.mtp_layer_pattern={pattern!r} "
+                + (f"has the unknown symbol(s) {' '.join(map(repr, unknown))}" if unknown else "is empty"),
+                "give one of M, *, -, E per layer of an MTP depth (e.g. '*E')")
+        return True
+    if hybrid.MOE in pattern and not m.num_moe_experts:
+        r.error(("model.mtp_layer_pattern", "model.num_moe_experts"), f"model.mtp_layer_pattern={pattern!r} has "
+                "MoE layer(s) (E) but model.num_moe_experts is null", "use - (MLP) layers, or set experts")
+        return True
+    return False
+
+
+def _mixer_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
     """The Mamba-2 mixer's split over TP and CP, and the CUDA kernels' limits."""
-    m, p = cfg.model, cfg.parallel
     tp, cp = max(p.tensor, 1), max(p.context, 1)
     sizes = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel")
     if any(getattr(m, key) < 1 for key in sizes) or (m.mamba_num_heads is not None and m.mamba_num_heads < 1):
@@ -96,22 +139,18 @@ def _mixer_rules(r: Report, cfg: Config) -> None:
                     "state × groups per rank multiples of 8")
 
 
-def _unwired_rules(r: Report, cfg: Config) -> None:
+def _unwired_rules(r: Report, m: ModelConfig, p: ParallelConfig, o: OptimizerConfig) -> None:
     """Settings the hybrid model does not run as asked (module docstring)."""
     from pretrain.compat import hybrid as compat
 
-    m, p, o = cfg.model, cfg.parallel, cfg.optimizer
     fix_layout = "leave it unset (Megatron-Core splits the pattern's layers evenly, or by first/last stage layers)"
-    if p.virtual_pipeline:
+    if p.virtual_pipeline and compat.VP_REASON is not None:
         r.error((_KEY, "parallel.virtual_pipeline"), f"a hybrid model's virtual pipeline: {compat.VP_REASON}",
                 "set parallel.virtual_pipeline=null")
     for key in ("pipeline_layout", "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        if getattr(p, key):
+        if getattr(p, key) and compat.LAYOUT_REASON is not None:
             r.error((_KEY, f"parallel.{key}"), f"parallel.{key} places GPT decoder layers; {compat.LAYOUT_REASON}",
                     fix_layout)
-    if m.mtp_num_layers:
-        r.error((_KEY, "model.mtp_num_layers"), f"Multi-Token Prediction in a hybrid model: {compat.MTP_REASON}",
-                "set model.mtp_num_layers=null")
     if m.recompute_granularity == "full":
         r.error((_KEY, "model.recompute_granularity"), "full recompute: Megatron-Core's Mamba stack has no recompute "
                 "of whole layers (it would be ignored)", "use model.recompute_granularity=selective")
@@ -136,12 +175,11 @@ def _unwired_rules(r: Report, cfg: Config) -> None:
                     f"leave model.{key} at its default")
 
 
-def _latent_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def _latent_moe_rules(r: Report, m: ModelConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """LatentMoE (`model.moe_latent_size`, Nemotron 3 Super): Megatron-Core builds its projections with Transformer
     Engine only (`TELinear`; it asserts it), and the experts need a router to reach them."""
     from pretrain.layout import use_transformer_engine
 
-    m = cfg.model
     if m.moe_latent_size is None:
         return
     if not m.num_moe_experts:  # its width: the range rule's

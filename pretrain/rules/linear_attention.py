@@ -19,7 +19,7 @@ What each combines with (docs/moe.md "Qwen3-Next"):
 from __future__ import annotations
 
 from model_providers.core.linear_layers import VARIANT, linear_pattern
-from pretrain.config import Config
+from pretrain.config import DataConfig, ModelConfig, ParallelConfig
 from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
@@ -27,9 +27,10 @@ from pretrain.problems import Report
 _V = "model.experimental_attention_variant"
 
 
-def linear_attention_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def linear_attention_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, data: DataConfig,
+                           lay: Layout | None, te_on_gpu: bool) -> None:
     """The Gated DeltaNet layer pattern, heads, CP, MTP and GPU limits; the attention and shared-expert gates."""
-    m = cfg.model
+    m = model
     if m.attention_output_gate and m.multi_latent_attention:
         r.error(("model.attention_output_gate", "model.multi_latent_attention"),
                 "the attention output gate is not wired to Multi-Latent Attention (Megatron-Core raises "
@@ -44,19 +45,18 @@ def linear_attention_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu
                     "but model.experimental_attention_variant is null", f"set {_V}=gated_delta_net or "
                     "model.linear_attention_freq=null")
         return
-    _pattern_rules(r, cfg)
-    _head_rules(r, cfg)
-    if cfg.parallel.context > 1:
+    _pattern_rules(r, m)
+    _head_rules(r, m, parallel.tensor)
+    if parallel.context > 1:
         r.error((_V, "parallel.context"), f"Gated DeltaNet layers have no context-parallel path (Megatron-Core 0.16.1 "
                 f"asserts context_parallel_size == 1; 0.19's all-to-all runs FLA's CUDA kernels; the CPU module has "
-                f"none): parallel.context={cfg.parallel.context}", "set parallel.context=1")
+                f"none): parallel.context={parallel.context}", "set parallel.context=1")
     use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
     if use_te:
-        _gpu_rules(r, cfg)
+        _gpu_rules(r, parallel, data)
 
 
-def _pattern_rules(r: Report, cfg: Config) -> None:
-    m = cfg.model
+def _pattern_rules(r: Report, m: ModelConfig) -> None:
     freq, layers = m.linear_attention_freq, m.num_layers
     key = "model.linear_attention_freq"
     if freq is None:
@@ -82,8 +82,7 @@ def _pattern_rules(r: Report, cfg: Config) -> None:
                 "make the last layer full attention (an interval dividing model.num_layers) or drop MTP")
 
 
-def _head_rules(r: Report, cfg: Config) -> None:
-    m, tp = cfg.model, cfg.parallel.tensor
+def _head_rules(r: Report, m: ModelConfig, tp: int) -> None:
     nk, nv = m.linear_num_key_heads, m.linear_num_value_heads
     if nk < 1 or nv < 1:
         return  # reported by the range rule (`knob(range=...)`, pretrain/rules/bounds.py)
@@ -98,17 +97,17 @@ def _head_rules(r: Report, cfg: Config) -> None:
                 "use a tensor-parallel size dividing both")
 
 
-def _gpu_rules(r: Report, cfg: Config) -> None:
+def _gpu_rules(r: Report, parallel: ParallelConfig, data: DataConfig) -> None:
     from packaging.version import Version
 
     from pretrain.compat import matrix
 
-    if cfg.parallel.tensor > 1 and not cfg.parallel.sequence_parallel:
+    if parallel.tensor > 1 and not parallel.sequence_parallel:
         r.error((_V, "parallel.tensor", "parallel.sequence_parallel"),
                 "with Transformer Engine, Megatron-Core sums Gated DeltaNet's output-norm gradient over tensor "
                 "parallelism only under sequence parallelism (TE norms marked sequence_parallel); without it each "
                 "tensor-parallel rank's norm would drift apart", "set parallel.sequence_parallel=true")
     release = matrix.installed().megatron_core
-    if cfg.data.reset_attention_mask and release and Version(release) < Version("0.19"):
+    if data.reset_attention_mask and release and Version(release) < Version("0.19"):
         r.error((_V, "data.reset_attention_mask"), f"Megatron-Core {release}'s GatedDeltaNet refuses packed documents "
                 "(NotImplementedError before 0.19)", "set data.reset_attention_mask=false, or use megatron-core 0.19+")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pretrain.config import Config
+    from pretrain.config import Config, ModelConfig
     from pretrain.layout import Layout
     from pretrain.problems import Report
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 _REFUSALS = (AssertionError, ValueError, TypeError, NotImplementedError, RuntimeError, KeyError)
 
 
-def _why(exc: BaseException, cfg: Config) -> str:
+def _why(exc: BaseException, m: ModelConfig) -> str:
     """The refusal in one line: its message (Megatron-LM's `--flag-names` that are `model.*` keys here named as
     such), else the assert's source line."""
     import re
@@ -36,7 +36,7 @@ def _why(exc: BaseException, cfg: Config) -> str:
 
         def key(match: re.Match) -> str:
             name = match.group(1).replace("-", "_")
-            return f"{match.group(0)} (model.{name})" if hasattr(cfg.model, name) else match.group(0)
+            return f"{match.group(0)} (model.{name})" if hasattr(m, name) else match.group(0)
 
         return re.sub(r"--([a-z0-9][a-z0-9-]*)", key, text)
     frames = traceback.extract_tb(exc.__traceback__)
@@ -46,9 +46,9 @@ def _why(exc: BaseException, cfg: Config) -> str:
     return f"{type(exc).__name__} `{(where.line or '').strip()}` ({where.name}, line {where.lineno})"
 
 
-def _words(exc: BaseException, cfg: Config) -> str:
+def _words(exc: BaseException, m: ModelConfig) -> str:
     """Megatron-Core's own words, after our reason: `(Megatron-Core: "...")`."""
-    return f'(Megatron-Core: "{_why(exc, cfg)}")'
+    return f'(Megatron-Core: "{_why(exc, m)}")'
 
 
 def _this_machine(lay: Layout) -> bool:
@@ -67,15 +67,15 @@ _NAMES = {"config": "TransformerConfig, OptimizerConfig", "data": "GPTDatasetCon
 _CACHED = "Megatron-Core's own checks ("
 
 
-def _cached(r: Report, kind: str, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> tuple[str, dict] | bool:
-    """True (and one note) when the verdict cache holds `kind`'s checks of this exact input as passed; else the
-    (key, facts) to record if they pass now."""
+def _cached(r: Report, kind: str, cfg: Config, lay: Layout | None, te_on_gpu: bool,
+            cache_dir: str) -> tuple[str, dict] | bool:
+    """True (and one note) when the verdict cache in `cache_dir` holds `kind`'s checks of this exact input (the
+    whole config tree, the layout, this installation) as passed; else the (key, facts) to record if they pass now."""
     from pretrain.compat.cuda import cuda_available
-    from pretrain.data.cache import data_cache_dir
     from pretrain.rules import megatron_verdicts
 
     key, facts = megatron_verdicts.verdict_key([kind], cfg, lay, r.world_size, cuda_available(), te_on_gpu)
-    found = megatron_verdicts.usable() and megatron_verdicts.lookup(data_cache_dir(cfg), key, facts)
+    found = megatron_verdicts.usable() and megatron_verdicts.lookup(cache_dir, key, facts)
     if not found:
         return key, facts
     names = _NAMES[kind]
@@ -87,11 +87,13 @@ def _cached(r: Report, kind: str, cfg: Config, lay: Layout | None, te_on_gpu: bo
     return True
 
 
-def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Build the run's `TransformerConfig` and `OptimizerConfig`; a refusal is one problem naming it."""
+def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, model=None,
+                          data=None) -> None:
+    """Build the run's `TransformerConfig` (from `model`, the run plan's `ModelPlan`) and `OptimizerConfig`; a
+    refusal is one problem naming it. `data`: the run plan's `DataPlan` (its cache dir holds the verdicts)."""
     if lay is None or r.errors or not _this_machine(lay):
         return
-    cached = _cached(r, "config", cfg, lay, te_on_gpu)
+    cached = _cached(r, "config", cfg, lay, te_on_gpu, data.cache_dir)
     if cached is True:
         return
     import warnings
@@ -100,33 +102,32 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
 
     compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
     from model_providers.core.builder import transformer_config
-    from model_providers.core.model_plan import model_plan
 
     try:
         with warnings.catch_warnings():  # its notes (defaults it fills in) are the trainer's to print
             warnings.simplefilter("ignore")
-            transformer_config(model_plan(cfg), lay)
+            transformer_config(model, lay)
     except _REFUSALS as exc:
-        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg)}",
+        r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg.model)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
     from pretrain.run.setup import optimizer_config
 
     try:
-        optimizer_config(cfg, lay)
+        optimizer_config(cfg.optimizer, lay)
     except _REFUSALS as exc:
-        r.error("optimizer", f"Megatron-Core's OptimizerConfig refuses these optimizer settings {_words(exc, cfg)}",
-                "change the optimizer.* keys it names")
+        r.error("optimizer", "Megatron-Core's OptimizerConfig refuses these optimizer settings "
+                f"{_words(exc, cfg.model)}", "change the optimizer.* keys it names")
     if not r.errors:
         r.megatron_verdicts.append(cached)
 
 
-def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
-    """Build the run's `GPTDatasetConfig` (`pretrain.data.datasets.megatron_dataset_config`, with a stand-in
-    tokenizer: the config checks only that there is one); a refusal is one problem naming it. Where no other rule
-    found an error."""
+def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, data=None) -> None:
+    """Build the run's `GPTDatasetConfig` (`pretrain.data.datasets.megatron_dataset_config` of `data`, the run plan's
+    `DataPlan`, with a stand-in tokenizer: the config checks only that there is one); a refusal is one problem
+    naming it. Where no other rule found an error."""
     if r.errors:
         return
-    cached = _cached(r, "data", cfg, lay, te_on_gpu)
+    cached = _cached(r, "data", cfg, lay, te_on_gpu, data.cache_dir)
     if cached is True:
         return
     from types import SimpleNamespace
@@ -134,9 +135,9 @@ def megatron_data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: b
     from pretrain.data.datasets import megatron_dataset_config
 
     try:
-        megatron_dataset_config(cfg, SimpleNamespace(vocab_size=None), num_eval_samples=1)
+        megatron_dataset_config(data, SimpleNamespace(vocab_size=None), num_eval_samples=1)
     except _REFUSALS as exc:
-        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings {_words(exc, cfg)}",
+        r.error("data", f"Megatron-Core's GPTDatasetConfig refuses these data settings {_words(exc, cfg.model)}",
                 "change the data.* keys it names")
         return
     r.megatron_verdicts.append(cached)

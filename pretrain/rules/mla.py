@@ -5,7 +5,7 @@ refused here with one line each."""
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import DataConfig, ModelConfig, ParallelConfig
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
@@ -14,9 +14,10 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def mla_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, data: DataConfig, lay: Layout | None,
+              te_on_gpu: bool) -> None:
     """Multi-Latent Attention: shapes, TP splits, RoPE."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     if not m.multi_latent_attention:
         return
     tp = p.tensor
@@ -33,9 +34,9 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                 keys = tuple(k.strip() for k in key.split("+")) + ("parallel.tensor",)
                 r.error(keys, f"{key} = {width} is not divisible by parallel.tensor={tp} (the local spec splits "
                         "MLA's down-projections over TP)", f"choose parallel.tensor from {_divisors(width)}")
-    if not use_te and (p.context > 1 or cfg.data.reset_attention_mask):
+    if not use_te and (p.context > 1 or data.reset_attention_mask):
         keys = ("model.multi_latent_attention",) + (("parallel.context",) if p.context > 1 else ()) \
-            + (("data.reset_attention_mask",) if cfg.data.reset_attention_mask else ())
+            + (("data.reset_attention_mask",) if data.reset_attention_mask else ())
         r.error(keys, "Multi-Latent Attention with context parallelism or packed documents needs Transformer "
                 "Engine: the local spec's context-parallel attention is checked for standard attention only",
                 "set parallel.context=1 and data.reset_attention_mask=false on CPU, or run MLA with TE on GPUs")
@@ -62,9 +63,9 @@ def mla_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                        "cannot be exported to HF)")
 
 
-def deepseek_moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def deepseek_moe_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig) -> None:
     """Dense-first layers, shared experts, group-limited routing, the expert bias and its update."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     if m.num_moe_experts is None:  # its MoE keys on a dense model: one rule, rules/parallel.py (moe_rules)
         return
     experts, k = m.num_moe_experts, m.moe_router_topk
@@ -122,9 +123,9 @@ def _group_rules(r: Report, m, experts: int, k: int) -> None:
                 f"use moe_router_topk between {group_topk} and {group_topk * per_group}")
 
 
-def mtp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def mtp_rules(r: Report, *, model: ModelConfig) -> None:
     """Multi-Token Prediction: depth, recompute, and where Megatron-Core places it."""
-    m = cfg.model
+    m = model
     if m.mtp_num_layers is None:
         return
     if m.mtp_num_layers < 1:  # the range rule's
@@ -138,11 +139,11 @@ def mtp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
                        "is not implemented for MTP); they keep their activations")
 
 
-def blockwise_fp8_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def blockwise_fp8_rules(r: Report, *, model: ModelConfig, te_on_gpu: bool) -> None:
     """model.fp8=blockwise (DeepSeek-V3's 128-wide block scaling, TE's Float8BlockScaling): Megatron-Core builds it
     only with Transformer Engine >= 2.3 (`fp8_utils.py`) and raises ValueError otherwise; TE itself refuses it on
     devices its `check_fp8_block_scaling_support` rejects (compute capability, CUDA version)."""
-    if cfg.model.fp8 != "blockwise" or not te_on_gpu:
+    if model.fp8 != "blockwise" or not te_on_gpu:
         return  # without TE on a GPU, precision_rules refuses FP8 already
     from importlib import metadata
 

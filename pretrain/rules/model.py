@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from pretrain.config import Config
-from pretrain.layout import Layout, padded_vocab_size
+from pretrain.config import ModelConfig, ParallelConfig, TrainConfig
+from pretrain.layout import padded_vocab_size
 from pretrain.problems import Problem, Report
 
 
-def precision_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def precision_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                    te_on_gpu: bool) -> None:
     """Precision, FP8 and Transformer Engine."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t = model, parallel, train
     if m.transformer_impl == "transformer_engine" and not te_on_gpu:
         r.error("model.transformer_impl", "model.transformer_impl=transformer_engine but Transformer Engine "
                 "is not usable here (needs CUDA and transformer-engine installed)",
@@ -47,9 +48,9 @@ def length_problems(m) -> list[Problem]:
     return out
 
 
-def model_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def model_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig) -> None:
     """Model options Megatron-Core asserts on later, and the family fields that combine."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     r.errors.extend(length_problems(m))
     if m.rope_scaling and m.rope_scaling_high_freq_factor <= m.rope_scaling_low_freq_factor:
         r.error(("model.rope_scaling_high_freq_factor", "model.rope_scaling_low_freq_factor"),

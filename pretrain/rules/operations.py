@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import DataConfig, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 from pretrain.rules.recompute import recompute_problems
 
 
-def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def document_rules(r: Report, *, model: ModelConfig, data: DataConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """Document boundaries in packed samples: refuse settings an attention implementation would ignore.
 
     With data.reset_attention_mask every microbatch is packed sequences (THD: `cu_seqlens` from the EOD positions,
@@ -17,7 +17,7 @@ def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) 
     `model_providers.core.cp_attention` (Megatron-Core's `DotProductAttention` takes no packed sequences). RoPE
     in `GPTModel` follows the sequence index, not `position_ids` (THD: the index inside each document).
     """
-    d, m = cfg.data, cfg.model
+    d, m = data, model
     use_te = lay.use_te if lay is not None else use_transformer_engine(m.transformer_impl, te_on_gpu)
     if d.reset_position_ids and m.position_embedding_type in ("rope", "yarn") and not d.reset_attention_mask:
         r.error(("data.reset_position_ids", "model.position_embedding_type"),
@@ -34,18 +34,18 @@ def document_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) 
 RECOMPUTE_DEFAULT = ("core_attn",)  # Megatron-Core's default recompute_modules
 
 
-def recompute_module_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def recompute_module_rules(r: Report, *, model: ModelConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """model.recompute_modules (`pretrain.rules.recompute`)."""
-    use_te = lay.use_te if lay is not None else use_transformer_engine(cfg.model.transformer_impl, te_on_gpu)
-    for keys, message, fix in recompute_problems(cfg.model, use_te):
+    use_te = lay.use_te if lay is not None else use_transformer_engine(model.transformer_impl, te_on_gpu)
+    for keys, message, fix in recompute_problems(model, use_te):
         r.error(keys, message, fix)
 
 
-def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def fsdp_rules(r: Report, *, parallel: ParallelConfig, optimizer: OptimizerConfig, train: TrainConfig) -> None:
     """Megatron-FSDP (optimizer.fsdp, optimizer.fsdp_sharding): what megatron-core supports of it."""
     from pretrain.compat.mcore import MCORE, megatron_fsdp_limits
 
-    o, p, t = cfg.optimizer, cfg.parallel, cfg.train
+    o, p, t = optimizer, parallel, train
     if o.fsdp_sharding is not None and not o.fsdp:
         r.error(("optimizer.fsdp_sharding", "optimizer.fsdp"), f"optimizer.fsdp_sharding={o.fsdp_sharding} is set "
                 "but optimizer.fsdp=false, so Megatron-FSDP is off", "set optimizer.fsdp=true (or "
@@ -98,9 +98,9 @@ def fsdp_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                        f"({at}{src['overlap']})")
 
 
-def logging_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def logging_rules(r: Report, *, train: TrainConfig, logging: LoggingConfig) -> None:
     """Weights & Biases, the profiler window and per-rank timing."""
-    lg, steps = cfg.logging, cfg.train.steps
+    lg, steps = logging, train.steps
     w = lg.wandb
     if w.project is None and (w.entity is not None or w.name is not None):
         r.error(("logging.wandb.project",), "logging.wandb.entity/name are set but logging.wandb.project is null, "

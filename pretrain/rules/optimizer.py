@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
 
-def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def muon_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, optimizer: OptimizerConfig,
+               train: TrainConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """Muon's settings and the features it combines with (docs/training.md "Muon")."""
-    o = cfg.optimizer
+    o = optimizer
     if o.name != "muon":
         return
     m = o.muon
@@ -34,7 +35,7 @@ def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
         r.error(("optimizer.overlap_param_gather", "optimizer.muon.layer_wise"), "optimizer.overlap_param_gather "
                 "belongs to the distributed optimizer; the layer-wise optimizer all-gathers after its step",
                 "set optimizer.overlap_param_gather=false")
-    precision = lay.precision if lay is not None else cfg.train.precision
+    precision = lay.precision if lay is not None else train.precision
     if precision == "fp16":
         r.error(("optimizer.name", "train.precision"), "optimizer.name=muon does not run in fp16: Megatron-Core's "
                 "Muon has no loss scaling", "set train.precision=bf16 (or fp32)")
@@ -46,14 +47,14 @@ def muon_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
         r.error("optimizer.muon.coefficient_type", f"optimizer.muon.coefficient_type={m.coefficient_type}: "
                 f"megatron-core {MCORE} always uses the quintic Newton-Schulz coefficients",
                 "set optimizer.muon.coefficient_type=quintic (other sets need megatron-core >= 0.19)")
-    tp = max(cfg.parallel.tensor, cfg.parallel.expert_tensor or 1)
+    tp = max(parallel.tensor, parallel.expert_tensor or 1)
     if tp > 1 and m.tp_mode == "blockwise":
         r.notes.append("optimizer.muon.tp_mode=blockwise (Megatron-Core's default): at tensor parallelism > 1 each "
                        "rank "
                        "orthogonalises its own shard of a matrix, not the whole matrix as one rank does; "
                        "tp_mode=duplicated (all-gather, every rank the whole) or distributed (split over TP) "
                        "orthogonalise the whole matrix")
-    use_te = lay.use_te if lay is not None else use_transformer_engine(cfg.model.transformer_impl, te_on_gpu)
+    use_te = lay.use_te if lay is not None else use_transformer_engine(model.transformer_impl, te_on_gpu)
     if m.qk_clip and not use_te:
         r.error(("optimizer.muon.qk_clip", "model.transformer_impl"), "optimizer.muon.qk_clip needs Transformer "
                 "Engine's core attention: Megatron-Core records each head's max attention logit only there (the "

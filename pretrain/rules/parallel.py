@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pretrain.config import Config
+from pretrain.config import DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from pretrain.layout import Layout, expert_layout, expert_tensor_size, model_shape
 from pretrain.problems import Report
 from pretrain.rules.placement import explicit_placement, placement_rules
@@ -22,7 +22,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def sizes_positive(r: Report, cfg: Config, world_size: int, out_of_range: set[str]) -> bool:
+def sizes_positive(r: Report, world_size: int, out_of_range: set[str]) -> bool:
     """Whether the sizes the layout arithmetic divides by are positive (`out_of_range`: the keys the range rule,
     `pretrain.rules.bounds.range_rules`, reported); a world size below 1 is reported here."""
     bad = [k for k in _SIZES if k in out_of_range]
@@ -37,9 +37,10 @@ _SIZES = ("parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.
           "model.moe_router_topk", "train.micro_batch_size", "train.global_batch_size", "train.steps")
 
 
-def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def layout_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, data: DataConfig,
+                 train: TrainConfig, lay: Layout | None) -> None:
     """World = TP × PP × CP × DP; layers, heads, sequence and batch divisible by what splits them."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p, t = model, parallel, train
     world_size = r.world_size
     vp = p.virtual_pipeline
     model_parallel = p.tensor * p.pipeline * p.context
@@ -58,10 +59,10 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                     "set parallel.pipeline >= 2 or parallel.virtual_pipeline=null")
     stages = p.pipeline * (vp if vp and vp >= 2 else 1)
     uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
-    if explicit_placement(cfg):
-        placement_rules(r, cfg)
+    if explicit_placement(p):
+        placement_rules(r, m, p)
     elif uneven:
-        uneven_pipeline_rules(r, cfg)
+        uneven_pipeline_rules(r, m, p)
     elif m.num_layers % stages != 0:
         keys = ("model.num_layers", "parallel.pipeline") + (("parallel.virtual_pipeline",) if vp else ())
         r.error(keys, f"model.num_layers={m.num_layers} is not divisible by pipeline stages "
@@ -108,7 +109,7 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                 f"use a sequence length that is a multiple of {p.tensor}")
     if p.context > 1:
         # Packed documents (data.reset_attention_mask) are padded per document instead (pretrain.data.datasets).
-        if m.seq_length % (2 * p.context) != 0 and not cfg.data.reset_attention_mask:
+        if m.seq_length % (2 * p.context) != 0 and not data.reset_attention_mask:
             r.error(("model.seq_length", "parallel.context"),
                     f"model.seq_length={m.seq_length} is not divisible by 2×parallel.context = {2 * p.context}",
                     f"use a sequence length that is a multiple of {2 * p.context}")
@@ -132,9 +133,8 @@ def layout_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) ->
                         f"use train.global_batch_size a multiple of {per_step * p.pipeline}")
 
 
-def uneven_pipeline_rules(r: Report, cfg: Config) -> None:
+def uneven_pipeline_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
     """parallel.num_layers_in_first/last_pipeline_stage: what Megatron-Core's TransformerConfig asserts on."""
-    m, p = cfg.model, cfg.parallel
     vp = p.virtual_pipeline if p.virtual_pipeline and p.virtual_pipeline >= 2 else 1
     keys = ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage")
     if p.pipeline < 2:
@@ -172,10 +172,10 @@ def _moe_keys_on_a_dense_model(r: Report, m) -> None:
                 "settings do nothing on a dense model", "remove them, or set model.num_moe_experts for an MoE model")
 
 
-def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def moe_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, lay: Layout | None) -> None:
     """Mixture of Experts: expert groups, routing, capacity and the spec."""
-    m, p = cfg.model, cfg.parallel
-    etp = expert_tensor_size(cfg)
+    m, p = model, parallel
+    etp = expert_tensor_size(p)
     if m.num_moe_experts is None:
         if p.expert > 1 or p.expert_tensor is not None:
             keys = ("parallel.expert",) if p.expert > 1 else ("parallel.expert_tensor",)
@@ -188,7 +188,7 @@ def moe_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> No
         r.error(("model.num_moe_experts", "parallel.expert"),
                 f"model.num_moe_experts={experts} is not divisible by parallel.expert={p.expert}",
                 f"choose parallel.expert from {_divisors(experts)}")
-    if expert_layout(cfg, r.world_size) is None:
+    if expert_layout(p, r.world_size) is None:
         per_stage = etp * p.expert * p.pipeline
         r.error(("parallel.expert_tensor", "parallel.expert", "parallel.pipeline"),
                 f"world size {r.world_size} is not divisible by expert_tensor×expert×pipeline = "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.performance import settings_in_use
 from pretrain.problems import Report
@@ -25,10 +25,11 @@ _NEEDS = {
 }
 
 
-def performance_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def performance_rules(r: Report, *, model: ModelConfig, performance: PerformanceConfig, lay: Layout | None,
+                      te_on_gpu: bool) -> None:
     """Each set key of the performance section: refused where it cannot run (CPU, no TE, no DeepEP) and where the
     model or layout gives it nothing to do."""
-    perf, m = cfg.performance, cfg.model
+    perf, m = performance, model
     used = settings_in_use(perf)
     for key in used:
         if not te_on_gpu:

@@ -4,7 +4,7 @@ per-stage placement printed as a note."""
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
 
@@ -14,16 +14,14 @@ LOSS = "parallel.account_for_loss_in_pipeline_split"
 UNEVEN = ("parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage")
 
 
-def explicit_placement(cfg: Config) -> bool:
-    """The config places layers by a layout string or by counting the embedding / loss in the split."""
-    p = cfg.parallel
+def explicit_placement(p: ParallelConfig) -> bool:
+    """The parallel section `p` places layers by a layout string or by counting the embedding / loss in the split."""
     return p.pipeline_layout is not None or p.account_for_embedding_in_pipeline_split or \
         p.account_for_loss_in_pipeline_split
 
 
-def placement_rules(r: Report, cfg: Config) -> None:
+def placement_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
     """The placement options exclude each other as in Megatron-Core, and each one splits the model's layers."""
-    p = cfg.parallel
     uneven = [k for k, v in zip(UNEVEN, (p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage))
               if v is not None]
     split = [k for k, v in ((EMBEDDING, p.account_for_embedding_in_pipeline_split),
@@ -37,16 +35,15 @@ def placement_rules(r: Report, cfg: Config) -> None:
                 "refuses both)", "choose one way to place the layers")
         return
     if p.pipeline_layout is not None:
-        _layout_rules(r, cfg)
+        _layout_rules(r, m, p)
     elif split:
-        _split_rules(r, cfg, split)
+        _split_rules(r, m, p, split)
 
 
-def _layout_rules(r: Report, cfg: Config) -> None:
+def _layout_rules(r: Report, m: ModelConfig, p: ParallelConfig) -> None:
     """Megatron-Core's PipelineParallelLayerLayout checks, and parallel.virtual_pipeline against the stage count."""
     from pretrain.placement import PlacementError, check_layout, shown
 
-    m, p = cfg.model, cfg.parallel
     try:
         vp, standalone = check_layout(p.pipeline_layout, p.pipeline, m.num_layers, m.mtp_num_layers)
     except PlacementError as e:
@@ -69,9 +66,8 @@ def _layout_rules(r: Report, cfg: Config) -> None:
                 "place the `m` layers in the last pipeline rank's last stage, e.g. `...|tmL`")
 
 
-def _split_rules(r: Report, cfg: Config, split: list[str]) -> None:
+def _split_rules(r: Report, m: ModelConfig, p: ParallelConfig, split: list[str]) -> None:
     """What Megatron-Core's TransformerConfig asserts for the embedding / loss counted as layers of the split."""
-    m, p = cfg.model, cfg.parallel
     vp = p.virtual_pipeline if p.virtual_pipeline and p.virtual_pipeline >= 2 else 1
     total = m.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
     if p.pipeline < 2:
@@ -85,12 +81,13 @@ def _split_rules(r: Report, cfg: Config, split: list[str]) -> None:
                 f"{total}, or a parallel.pipeline_layout")
 
 
-def placement_note(r: Report, cfg: Config, lay: Layout | None) -> None:
-    """The per-stage placement of an explicit or uneven placement, as a note (nothing for an even split)."""
+def placement_note(r: Report, m: ModelConfig, lay: Layout | None) -> None:
+    """The per-stage placement of an explicit or uneven placement (model section `m`), as a note (nothing for an
+    even split)."""
     if lay is None or r.errors:
         return
     from pretrain.placement import placement_lines
 
-    lines = placement_lines(lay, cfg.model.num_layers, cfg.model.mtp_num_layers)
+    lines = placement_lines(lay, m.num_layers, m.mtp_num_layers)
     if lines:
         r.notes.append("\n      ".join(lines))

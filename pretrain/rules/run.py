@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pretrain.config import Config
-from pretrain.layout import Layout
+from pretrain.config import CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, TrainConfig
 from pretrain.problems import Report
 
 
-def optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def optimizer_rules(r: Report, *, optimizer: OptimizerConfig, train: TrainConfig) -> None:
     """Optimizer and schedule."""
-    o, t = cfg.optimizer, cfg.train
+    o, t = optimizer, train
     if o.overlap_param_gather and not (o.distributed or o.fsdp):  # Megatron-FSDP wraps the distributed optimizer
         r.error(("optimizer.overlap_param_gather", "optimizer.distributed"),
                 "optimizer.overlap_param_gather needs the distributed optimizer", "set optimizer.distributed=true")
@@ -30,15 +29,14 @@ def optimizer_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool)
                        "the learning rate never reaches its peak")
 
 
-def run_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def run_rules(r: Report, *, train: TrainConfig) -> None:
     """Training run: the batch-size ramp (evaluation, time limit and checkpoint counts: their declared ranges)."""
-    ramp_rules(r, cfg)
+    ramp_rules(r, train)
 
 
-def ramp_rules(r: Report, cfg: Config) -> None:
-    """train.rampup_batch_size as Megatron-Core's calculator takes it (whether every batch it passes through divides
-    into the stage's micro batch × DP: `pretrain.stages.plan`, which walks the ramp)."""
-    t = cfg.train
+def ramp_rules(r: Report, t: TrainConfig) -> None:
+    """train.rampup_batch_size (train section `t`) as Megatron-Core's calculator takes it (whether every batch it
+    passes through divides into the stage's micro batch × DP: `pretrain.stages.plan`, which walks the ramp)."""
     ramp = t.rampup_batch_size
     if ramp is None:
         return
@@ -59,46 +57,48 @@ def ramp_rules(r: Report, cfg: Config) -> None:
                 f"an increment that divides {t.global_batch_size - start}")
 
 
-def data_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
+def data_rules(r: Report, *, model: ModelConfig, data: DataConfig, train: TrainConfig, checkpoint: CheckpointConfig,
+               tokenizer=None, data_plan=None) -> None:
     """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint.
-    `tokenizer`: the run plan's `TokenizerPlan` (None: decided and loaded here)."""
+    `tokenizer`, `data_plan`: the run plan's `TokenizerPlan` and `DataPlan`."""
     from pretrain.data.check import check_data_config, check_data_files
 
-    null, ident = (tokenizer.null, tokenizer.identity) if tokenizer is not None else (None, None)
+    check_data_config(data_plan, tokenizer, train, r)
     # O(1) per file where the metadata cannot stand for the index: the trainer's one-rank check reads it in full
-    check_data_files(cfg, r, check_data_config(cfg, r, null), ident, null, header_only=True)
-    _check_pretrained(cfg, r)
-    _check_cache_dir(cfg, r)
+    check_data_files(data_plan, tokenizer, model, r, header_only=True)
+    _check_pretrained(checkpoint, r)
+    _check_cache_dir(data, r)
 
 
-def data_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool, tokenizer=None) -> None:
+def data_config_rules(r: Report, *, data: DataConfig, train: TrainConfig, checkpoint: CheckpointConfig,
+                      tokenizer=None, data_plan=None) -> None:
     """`data_rules` without opening a dataset file (those are checked on one rank: `pretrain.data.datasets`)."""
     from pretrain.data.check import check_data_config
 
-    check_data_config(cfg, r, tokenizer.null if tokenizer is not None else None)
-    _check_pretrained(cfg, r)
-    _check_cache_dir(cfg, r)
+    check_data_config(data_plan, tokenizer, train, r)
+    _check_pretrained(checkpoint, r)
+    _check_cache_dir(data, r)
 
 
-def _check_cache_dir(cfg: Config, r: Report) -> None:
+def _check_cache_dir(d: DataConfig, r: Report) -> None:
     """data.cache_dir, when given, is a directory or does not exist yet (Megatron-Core writes its caches in it)."""
     import os
 
-    path = cfg.data.cache_dir
+    path = d.cache_dir
     if path and os.path.lexists(path) and not os.path.isdir(path):
         r.error("data.cache_dir", f"data.cache_dir={path} exists and is not a directory",
                 "give a directory (created if missing) for Megatron's dataset index caches, or null for "
                 "run.dir/data_cache")
 
 
-def _check_pretrained(cfg: Config, r: Report) -> None:
+def _check_pretrained(c: CheckpointConfig, r: Report) -> None:
     """checkpoint.pretrained names a complete checkpoint (a run dir, a checkpoints dir or an iteration dir)."""
-    if not cfg.checkpoint.pretrained:
+    if not c.pretrained:
         return
     from pretrain.checkpoint.format import CheckpointError, resolve_checkpoint
 
     try:
-        resolve_checkpoint(cfg.checkpoint.pretrained)
+        resolve_checkpoint(c.pretrained)
     except (CheckpointError, OSError) as e:
         r.error("checkpoint.pretrained", f"checkpoint.pretrained: {e}",
                 "give a run directory, its checkpoints/ directory or an iter_NNNNNNN directory, or remove the key")

@@ -15,14 +15,14 @@ What each combines with (docs/moe.md, "GPT-OSS"):
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
 
-def sink_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def sink_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, lay: Layout | None, te_on_gpu: bool) -> None:
     """Attention sinks against context parallelism (per attention implementation) and MLA."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     if m.softmax_type == "vanilla":
         return
     if m.multi_latent_attention:
@@ -43,9 +43,9 @@ def sink_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> N
                 "set parallel.cp_comm_type=a2a (or all_gather)")
 
 
-def glu_bias_yarn_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def glu_bias_yarn_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, lay: Layout | None) -> None:
     """Biased experts and expert TP, the GLU clamp and offset, YaRN's fields."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     etp = lay.etp if lay is not None else (p.expert_tensor or p.tensor)
     if m.num_moe_experts and m.add_bias_linear and etp != 1:
         r.error(("model.add_bias_linear", "parallel.expert_tensor"),

@@ -46,7 +46,7 @@ def start_facts(cfg, tokenizer) -> dict[str, Any] | None:
     from pretrain.compat import matrix
     from pretrain.run.run_dir import CHECKPOINT_DIRS, checkpoint_root, checkpoint_roots
 
-    roots = [root_stamp(p) for p in dict.fromkeys([checkpoint_root(cfg), *checkpoint_roots(cfg)])]
+    roots = [root_stamp(p) for p in dict.fromkeys([checkpoint_root(cfg), *checkpoint_roots(cfg.run.dir)])]
     pretrained = cfg.checkpoint.pretrained
     if not pretrained and not any(len(s) > 3 or s[TRACKER] is not None or s[COMMIT_JOURNAL] is not None
                                   for s in roots):
@@ -64,17 +64,17 @@ def start_facts(cfg, tokenizer) -> dict[str, Any] | None:
             "code": megatron_verdicts._code_digest()}
 
 
-def start_rules(r: Report, cfg, tokenizer, cache: bool = True) -> None:
-    """`validate` (the CLI): what train will start from, as notes, or the refusal train would stop with (an error).
-    `tokenizer`: the run plan's `TokenizerPlan`. `cache`: answer from a current verdict when there is one."""
-    from pretrain.data.cache import data_cache_dir
-
+def start_rules(r: Report, plan, cache: bool = True) -> None:
+    """`validate` (the CLI): what train will start from, as notes in `r`, or the refusal train would stop with (an
+    error), for the run plan `plan` (its config, tokenizer and data cache dir). `cache`: answer from a current
+    verdict when there is one."""
+    cfg, tokenizer = plan.cfg, plan.tokenizer
     facts = start_facts(cfg, tokenizer)
     if facts is None:
         return
     facts = json.loads(json.dumps(facts, sort_keys=True, default=str))  # as an entry reads back
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:40]
-    cache_dir = data_cache_dir(cfg)
+    cache_dir = plan.data.cache_dir
     record = megatron_verdicts.read_entry(cache_dir, key, facts, VERDICT_DIR) if cache else None
     if record is not None and isinstance(record.get("result"), list):
         r.notes += [str(line) for line in record["result"]]
@@ -87,7 +87,7 @@ def start_rules(r: Report, cfg, tokenizer, cache: bool = True) -> None:
     try:
         lines = preview_start(cfg, tokenizer)
     except (CheckpointError, OSError) as exc:
-        _refused(r, cfg, str(exc))
+        _refused(r, cfg.checkpoint, str(exc))
         return
     except Exception:  # noqa: BLE001 - a config the rules above refused can fail the comparison itself
         if not r.errors:
@@ -99,8 +99,8 @@ def start_rules(r: Report, cfg, tokenizer, cache: bool = True) -> None:
     r.start_verdicts.append((key, facts, lines))
 
 
-def _refused(r: Report, cfg, message: str) -> None:
-    """Train's refusal as a validation error, naming the config keys it names."""
+def _refused(r: Report, c, message: str) -> None:
+    """Train's refusal as a validation error, naming the config keys it names (`c`: the checkpoint section)."""
     from pretrain.checkpoint.contract import FIELDS
     from pretrain.checkpoint.resume import PRETRAINED_REFUSED
 
@@ -110,6 +110,6 @@ def _refused(r: Report, cfg, message: str) -> None:
                     "give a complete checkpoint of this model, or remove the key")
         return
     named = [k for k in FIELDS if re.search(rf"(^|[ (,]){re.escape(k)} \S+ →", message)]  # `KEY OLD → NEW`
-    keys = tuple(dict.fromkeys(["checkpoint.dir" if cfg.checkpoint.dir else "run.dir", *named]))
+    keys = tuple(dict.fromkeys(["checkpoint.dir" if c.dir else "run.dir", *named]))
     r.error(keys, f"train would refuse to resume: {message}",
             "change what the message names, or give a run.dir (and checkpoint.dir) without checkpoints for a new run")

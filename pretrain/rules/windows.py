@@ -11,15 +11,16 @@ implementation runs with a window (`model_providers/core/windows.py` says what t
 from __future__ import annotations
 
 from model_providers.core.windows import window_size
-from pretrain.config import Config
+from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.config_parse import shown
 from pretrain.layout import Layout, use_transformer_engine
 from pretrain.problems import Report
 
 
-def window_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu: bool) -> None:
+def window_rules(r: Report, *, model: ModelConfig, parallel: ParallelConfig, lay: Layout | None,
+                 te_on_gpu: bool) -> None:
     """The window keys, and the window against MTP and Transformer Engine's context parallelism."""
-    m, p = cfg.model, cfg.parallel
+    m, p = model, parallel
     freq = m.window_attn_skip_freq
     if freq is not None:
         if m.sliding_window is None:

@@ -35,10 +35,11 @@ class StorageError(RuntimeError):
     """A directory the run writes (run.dir, the data cache) cannot be used: a file, read-only, full."""
 
 
-def write_exit_status(cfg, reason: str, step: int | None, signal_name: str | None = None,
+def write_exit_status(run_dir: str | Path, reason: str, step: int | None, signal_name: str | None = None,
                       message: str | None = None) -> None:
-    """run.dir/exit_status.json: why the trainer stopped, or `running` (read by launch/ to decide on requeue)."""
-    path = Path(cfg.run.dir) / EXIT_STATUS_FILE
+    """`run_dir`/exit_status.json (run.dir): why the trainer stopped, or `running` (read by launch/ to decide on
+    requeue)."""
+    path = Path(run_dir) / EXIT_STATUS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"reason": reason, "step": step, "signal": signal_name, "message": message}
     if reason == "running":
@@ -47,17 +48,17 @@ def write_exit_status(cfg, reason: str, step: int | None, signal_name: str | Non
     write_atomic(path, json.dumps(record) + "\n")
 
 
-def prepare_run_dir(cfg) -> str | None:
-    """Create run.dir and mark the run as running (rank 0). Returns the error, if any.
+def prepare_run_dir(run_dir: str | Path) -> str | None:
+    """Create `run_dir` (run.dir) and mark the run as running (rank 0). Returns the error, if any.
 
     config.yaml is written later (`write_config`), once any checkpoint has loaded into this run's model.
     """
-    run_dir = Path(cfg.run.dir)
+    run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         return f"run.dir {run_dir}: exists and is not a directory"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_exit_status(cfg, "running", None)
+        write_exit_status(run_dir, "running", None)
     except OSError as exc:
         return f"run.dir {run_dir}: cannot write {exc.filename or run_dir} ({exc.strerror or exc})"
     return None
@@ -69,23 +70,24 @@ def checkpoint_root(cfg) -> Path:
 
 
 def write_config(cfg) -> None:
-    """run.dir/config.yaml: the config this run trains with, and this run's checkpoint root added to
-    `CHECKPOINT_DIRS` (rank 0)."""
+    """run.dir/config.yaml: the config this run trains with (the whole tree), and this run's checkpoint root added
+    to `CHECKPOINT_DIRS` (rank 0)."""
     (Path(cfg.run.dir) / "config.yaml").write_text(cfg.to_yaml())
     run_dir = Path(cfg.run.dir).resolve()
-    roots = [p.resolve() for p in checkpoint_roots(cfg, recorded_only=True)]
+    roots = [p.resolve() for p in checkpoint_roots(cfg.run.dir, recorded_only=True)]
     here = checkpoint_root(cfg).resolve()
     if here not in roots:  # inside run.dir: relative to it (a copied run dir does not point back at the original)
         lines = [str(p.relative_to(run_dir)) if p.is_relative_to(run_dir) else str(p) for p in [*roots, here]]
         write_atomic(Path(cfg.run.dir) / CHECKPOINT_DIRS, "".join(f"{line}\n" for line in lines))
 
 
-def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
-    """Every checkpoint root this run dir saved to: those `CHECKPOINT_DIRS` records, and (unless `recorded_only`,
-    for run dirs written before the record) run.dir/checkpoints and the checkpoint.dir of its config.yaml."""
+def checkpoint_roots(run_dir: str | Path, recorded_only: bool = False) -> list[Path]:
+    """Every checkpoint root the run dir `run_dir` saved to: those `CHECKPOINT_DIRS` records, and (unless
+    `recorded_only`, for run dirs written before the record) run.dir/checkpoints and the checkpoint.dir of its
+    config.yaml."""
     import yaml
 
-    run_dir = Path(cfg.run.dir)
+    run_dir = Path(run_dir)
     roots: list[Path] = []
     try:
         roots += [run_dir / line for line in (run_dir / CHECKPOINT_DIRS).read_text().splitlines() if line.strip()]
@@ -103,22 +105,23 @@ def checkpoint_roots(cfg, recorded_only: bool = False) -> list[Path]:
     return list({str(p): p for p in roots}.values())
 
 
-def report_failure(cfg, message: str, step: int | None = None, printed: bool = True) -> int:
+def report_failure(run_dir: str | Path, message: str, step: int | None = None, printed: bool = True) -> int:
     """An expected failure: one line on stderr (`printed`: by this rank), recorded in exit_status.json with the last
     step reached (rank 0, if this run had marked itself running; best effort). Returns the exit status, 1."""
     if printed:
         print(f"[pretrain] error: {message}", file=sys.stderr, flush=True)
-    record_failure(cfg, message, step)
+    record_failure(run_dir, message, step)
     return 1
 
 
-def record_failure(cfg, message: str, step: int | None = None) -> None:
-    """exit_status.json: `failed` with `message`, when this run had marked itself running (rank 0; best effort)."""
+def record_failure(run_dir: str | Path, message: str, step: int | None = None) -> None:
+    """`run_dir`/exit_status.json: `failed` with `message`, when this run had marked itself running (rank 0; best
+    effort)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     try:
-        if json.loads((Path(cfg.run.dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
-            write_exit_status(cfg, "failed", step, None, message)
+        if json.loads((Path(run_dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
+            write_exit_status(run_dir, "failed", step, None, message)
     except (OSError, ValueError, AttributeError):
         pass
 

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from model_providers.core.knobs import DDP, OPT, mcore_kwargs
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig, RerunConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
 from pretrain.run.run_dir import StorageError
+from pretrain.tokenizer.choice import load as load_tokenizer
 
 
 @dataclass
@@ -52,18 +53,18 @@ class Run:
 # --------------------------------------------------------------------------------------------------
 
 
-def ddp_config(cfg: Config, gloo: bool):
+def ddp_config(o: OptimizerConfig, rerun: RerunConfig, gloo: bool):
     """Megatron-Core's `DistributedDataParallelConfig` for the run (`gloo`: the process groups' backend)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from pretrain.layout import fsdp_sharding
 
-    sharding = fsdp_sharding(cfg)  # None: Megatron DDP
+    sharding = fsdp_sharding(o)  # None: Megatron DDP
     return DistributedDataParallelConfig(
-        **mcore_kwargs(cfg.optimizer, DDP),  # the optimizer section's fields declared mcore=DDP
-        use_distributed_optimizer=cfg.optimizer.distributed or sharding is not None,
+        **mcore_kwargs(o, DDP),  # the optimizer section's fields declared mcore=DDP
+        use_distributed_optimizer=o.distributed or sharding is not None,
         # Each bucket's gradient norm validated by the rerun state machine (pretrain/resilience/results.py).
-        check_for_nan_in_grad=cfg.rerun.mode == "validate_results" and sharding is None,
+        check_for_nan_in_grad=rerun.mode == "validate_results" and sharding is None,
         average_in_collective=False,
         use_megatron_fsdp=sharding is not None,
         data_parallel_sharding_strategy=sharding or "no_shard",
@@ -72,12 +73,12 @@ def ddp_config(cfg: Config, gloo: bool):
     )
 
 
-def wrap_with_ddp(cfg: Config, chunks, transformer_config):
+def wrap_with_ddp(o: OptimizerConfig, rerun: RerunConfig, chunks, transformer_config):
     """Megatron DDP around each model chunk (contiguous grad buffers, distributed optimizer layout), or
     Megatron-FSDP with optimizer.fsdp (parameters, gradients and optimizer state sharded over DP)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    config = ddp_config(cfg, gloo=torch.distributed.get_backend() == "gloo")
+    config = ddp_config(o, rerun, gloo=torch.distributed.get_backend() == "gloo")
     if not config.use_megatron_fsdp:
         return [DistributedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                         disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
@@ -88,12 +89,11 @@ def wrap_with_ddp(cfg: Config, chunks, transformer_config):
                                      disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
 
 
-def optimizer_config(cfg: Config, layout: Layout):
+def optimizer_config(o: OptimizerConfig, layout: Layout):
     """Megatron-Core's `OptimizerConfig`: Adam(W), the distributed optimizer when optimizer.distributed or FSDP
     (validation builds it too: `pretrain.rules.megatron`)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    o = cfg.optimizer
     return OptimizerConfig(
         optimizer="adam", **mcore_kwargs(o, OPT),  # the optimizer section's fields declared mcore=OPT
         bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
@@ -101,23 +101,22 @@ def optimizer_config(cfg: Config, layout: Layout):
     )
 
 
-def build_optimizer(cfg: Config, model, layout: Layout, log=None):
+def build_optimizer(o: OptimizerConfig, model, layout: Layout, log=None):
     """Megatron-Core Adam(W) (distributed optimizer when optimizer.distributed), or Muon (`pretrain.optim.muon`)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    if cfg.optimizer.name == "muon":
+    if o.name == "muon":
         from pretrain.optim.muon import build_muon_optimizer
 
-        return build_muon_optimizer(cfg, model, layout, optimizer_config(cfg, layout), log)
-    return get_megatron_optimizer(optimizer_config(cfg, layout), model)
+        return build_muon_optimizer(o, model, layout, optimizer_config(o, layout), log)
+    return get_megatron_optimizer(optimizer_config(o, layout), model)
 
 
-def build_scheduler(cfg: Config, optimizer):
+def build_scheduler(o: OptimizerConfig, train_steps: int, optimizer):
     """Warmup then cosine / linear / WSD / constant decay, stepped once per training step."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o = cfg.optimizer
-    decay_steps = o.decay_steps or cfg.train.steps
+    decay_steps = o.decay_steps or train_steps
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if o.warmup_steps else o.lr,
@@ -135,7 +134,7 @@ def build_scheduler(cfg: Config, optimizer):
     )
 
 
-def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) -> None:
+def connect_schedule_hooks(transformer_config, model, optimizer, o: OptimizerConfig) -> None:
     """What Megatron-Core's schedules call back into: grad scaling, grad sync/finalise, param sync."""
     from megatron.core.distributed import finalize_model_grads
 
@@ -143,10 +142,10 @@ def connect_schedule_hooks(transformer_config, model, optimizer, cfg: Config) ->
     transformer_config.finalize_model_grads_func = finalize_model_grads
     no_sync = [chunk.no_sync for chunk in model]
     transformer_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if cfg.optimizer.overlap_grad_reduce:
+    if o.overlap_grad_reduce:
         sync = [chunk.start_grad_sync for chunk in model]
         transformer_config.grad_sync_func = sync[0] if len(sync) == 1 else sync
-    if cfg.optimizer.overlap_param_gather and cfg.optimizer.distributed:
+    if o.overlap_param_gather and o.distributed:
         sync = [chunk.start_param_sync for chunk in model]
         transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
 
@@ -174,12 +173,11 @@ def start_run(plan, rt, log) -> Run:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from pretrain.compat.mcore import init_microbatch_calculator
-    from pretrain.data.datasets import build_tokenizer
     from pretrain.run.run_dir import prepare_run_dir
     from pretrain.run.runtime import any_rank_error, init_model_parallel
 
     cfg, layout, problems = plan.cfg, plan.layout, plan.problems
-    tokenizer = build_tokenizer(cfg.data, cfg.model.vocab_size, null=plan.tokenizer.null)
+    tokenizer = load_tokenizer(plan.tokenizer, cfg.data, cfg.model.vocab_size)
     if layout.vocab_size != tokenizer.vocab_size and not cfg.model.vocab_size:  # the plan read the same files
         raise RuntimeError(f"tokenizer changed while the run started: {layout.vocab_size} → {tokenizer.vocab_size}")
     init_model_parallel(layout, cfg.train.seed)
@@ -187,7 +185,7 @@ def start_run(plan, rt, log) -> Run:
     init_microbatch_calculator(rt.rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, layout.dp)
     run = Run(rt=rt, plan=plan, problems=problems, tokenizer=tokenizer, layout=layout,
               num_microbatches=get_num_microbatches(), dp_rank=ps.get_data_parallel_rank())
-    run_dir_error = any_rank_error(prepare_run_dir(cfg) if rt.rank == 0 else None)  # exit_status: running
+    run_dir_error = any_rank_error(prepare_run_dir(cfg.run.dir) if rt.rank == 0 else None)  # exit_status: running
     if run_dir_error:
         raise StorageError(run_dir_error)
     for line in [f"warning: {w}" for w in problems.warnings] + [f"note: {n}" for n in problems.notes]:
@@ -222,10 +220,11 @@ def build_training(cfg: Config, run: Run, log) -> None:
         initialize_tp_comm_overlap(cfg)
     run.chunks = build_model(run.plan.model, run.layout)
     tconfig = run.chunks[0].config
-    run.model = wrap_with_ddp(cfg, run.chunks, tconfig)
-    run.optimizer = build_optimizer(cfg, run.model, run.layout, log)
-    run.scheduler = build_scheduler(cfg, run.optimizer)
-    connect_schedule_hooks(tconfig, run.model, run.optimizer, cfg)
+    o = cfg.optimizer
+    run.model = wrap_with_ddp(o, cfg.rerun, run.chunks, tconfig)
+    run.optimizer = build_optimizer(o, run.model, run.layout, log)
+    run.scheduler = build_scheduler(o, cfg.train.steps, run.optimizer)
+    connect_schedule_hooks(tconfig, run.model, run.optimizer, o)
     run.profiler = StepProfiler(cfg.logging.profile, cfg.run.dir, rt.rank, rt.on_gpu)  # logging.profile window
     run.timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
     run.timing.install(tconfig, run.optimizer)
@@ -242,7 +241,7 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
     changed on resume); at least the samples of steps `first_step` + 1 … train.steps are built (a stage's data,
     read from its own first sample: the same dataset at every resume in the stage, and for the first stage a plain
     run's). `log` (rank 0): how long Megatron's index caches took and where they are."""
-    from pretrain.data.datasets import build_datasets, data_cache_dir
+    from pretrain.data.datasets import build_datasets
     from pretrain.observe.metrics import MetricsWriter
     from pretrain.observe.wandb_logger import wandb_sinks
     from pretrain.run.run_dir import write_failure
@@ -257,15 +256,15 @@ def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed:
         run.tp_source = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank())
     try:
         needed = (consumed or 0) + max(t.steps - step, 0) * t.global_batch_size
-        run.train_ds, run.valid_ds = build_datasets(cfg, run.tokenizer,
+        run.train_ds, run.valid_ds = build_datasets(run.plan.data, run.tokenizer,
                                                     max(needed, (t.steps - first_step) * t.global_batch_size),
                                                     eval_steps * t.global_batch_size,
                                                     is_built_on_rank=lambda: reads, log=log)
     except Exception as exc:  # Megatron wraps a full or read-only cache in two generic exceptions
-        why = write_failure(exc, data_cache_dir(cfg))
+        why = write_failure(exc, run.plan.data.cache_dir)
         if why is None:
             raise
-        raise StorageError(f"{data_cache_dir(cfg)}: writing the data cache failed: {why}") from exc
+        raise StorageError(f"{run.plan.data.cache_dir}: writing the data cache failed: {why}") from exc
     # Whether there is a validation split to evaluate on, known on the reading ranks: shared with every rank.
     has_valid = torch.tensor([1.0 if run.valid_ds is not None else 0.0], device=run.rt.device)
     torch.distributed.all_reduce(has_valid, op=torch.distributed.ReduceOp.MAX)

@@ -221,3 +221,8 @@ class ModelConfig:
     mamba_dt_init_floor: float = knob(1e-4, mcore=MIXER.named("dt_init_floor"), resume=INIT_ONLY, range="> 0")
     # LatentMoE (Nemotron 3 Super): experts run at this width (h → latent → h); Transformer Engine only
     moe_latent_size: int | None = knob(None, mcore=MOE, range=">= 1")
+    # The layers of one Multi-Token Prediction depth of a hybrid model (symbols as hybrid_layer_pattern's; Nemotron 3
+    # Super: "*E"), repeated model.mtp_num_layers times. Megatron-Core 0.19+ takes it after the pattern, "/"-separated
+    # per depth (HybridModel(hybrid_layer_pattern="...|.../*E/*E"), built by mamba_builder.model_fields; HF
+    # mtp_hybrid_override_pattern / mtp_layers_block_type). Checked by pretrain/rules/hybrid.py.
+    mtp_layer_pattern: str | None = knob(None)

@@ -195,8 +195,8 @@ BAD = {
                                      "(model.moe_latent_size): Megatron-Core builds its latent projections with "
                                      "Transformer Engine only"),
     "nemotron_h MTP": ("nemotron_h", lambda s: _edit_config(s, num_nextn_predict_layers=1),
-                       "config.json: num_nextn_predict_layers=1 is not supported (Multi-Token Prediction in a hybrid "
-                       "model is not wired here)"),
+                       "config.json: num_nextn_predict_layers=1 is not supported (transformers' NemotronH builds no "
+                       "MTP layer (it drops mtp.* weights on load), so the bridge maps none"),
     "wrong shape": ("qwen3", lambda s: _edit_weights(s, lambda w: {
         **w, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}),
         "HF tensor 'model.layers.0.self_attn.k_norm.weight' has shape [16]; config.json implies [32]"),
@@ -226,10 +226,12 @@ def _hf_step_losses(src: Path, cfg, steps: int) -> tuple[list[float], list[float
     MTP loss of transformers' MTP module for a model with MTP layers (else None)."""
     from torch.nn.functional import cross_entropy
 
-    from pretrain.data.datasets import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets
+    from pretrain.data.plan import data_plan
+    from pretrain.tokenizer.load import run_tokenizer
 
     t = cfg.train
-    train, _ = build_datasets(cfg, build_tokenizer(cfg.data), steps * t.global_batch_size)
+    train, _ = build_datasets(data_plan(cfg), run_tokenizer(cfg.data), steps * t.global_batch_size)
     model = hf_model(src)
     mtp = hf_mtp(src, model) if getattr(model.config, "num_mtp_layers", 0) else None
     losses, mtp_losses = [], []

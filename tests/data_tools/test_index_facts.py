@@ -114,54 +114,58 @@ def test_old_metadata_is_read_in_full_with_one_note_until_update_meta(tmp_path, 
 def _trainer_check(cfg, store: bool = False):
     """The trainer's one-rank data check (`pretrain.data.datasets.check_data_files_once` without a process group):
     the full read where the metadata cannot stand for the index; `store`: its verdicts kept, as train keeps them."""
-    from pretrain.data.check import check_data_files, used_blends
+    from pretrain.data.check import check_data_files
+    from pretrain.data.plan import data_plan
     from pretrain.problems import Report
+    from pretrain.tokenizer.choice import decide
     from pretrain.validate import store_verdicts
 
-    r = Report(1)
-    check_data_files(cfg, r, used_blends(cfg, r))
+    r, data = Report(1), data_plan(cfg)
+    check_data_files(data, decide(cfg.data, cfg.model.vocab_size, data.mock), cfg.model, r)
     if store:
-        store_verdicts(cfg, r)
+        store_verdicts(r, data.cache_dir)
     return r
 
 
 def test_truncated_cache_entry_is_rebuilt_with_the_same_samples(small_datasets, tmp_path):
     from pretrain.config import load_config
-    from pretrain.data.datasets import build_datasets, build_tokenizer
+    from pretrain.data.datasets import build_datasets
+    from pretrain.data.plan import data_plan
+    from pretrain.tokenizer.load import run_tokenizer
 
     cfg = load_config("tiny_llama", [f"data.blend=[{small_datasets['a']}]", f"run.dir={tmp_path / 'run'}"])
-    tokenizer, said = build_tokenizer(cfg.data), []
-    first, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    tokenizer, said, data = run_tokenizer(cfg.data), [], data_plan(cfg)
+    first, _ = build_datasets(data, tokenizer, 8, log=said.append)
     want = [first[i]["tokens"].tolist() for i in range(8)]
     assert "indices built in" in said[-1] and f"cached in {tmp_path / 'run' / 'data_cache'}" in said[-1], said
     (shuffle,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-shuffle_index.npy")
     size = shuffle.stat().st_size
-    again, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    again, _ = build_datasets(data, tokenizer, 8, log=said.append)
     assert "read from the cache" in said[-1] and "nothing rebuilt" in said[-1], said
     os.truncate(shuffle, size - 8)  # a start killed while numpy.save wrote the last array
-    rebuilt, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    rebuilt, _ = build_datasets(data, tokenizer, 8, log=said.append)
     assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1]
     assert f"(truncated, left by an interrupted start: shuffle_index.npy has {size - 8:,} of {size:,} bytes)" \
         in said[-2], said
     assert shuffle.stat().st_size == size
     (samples,) = (tmp_path / "run" / "data_cache").glob("*-GPTDataset-train-sample_index.npy")
     np.save(samples, np.full_like(np.load(samples), 10**9))  # complete, but garbage: rebuilt with one line
-    fixed, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    fixed, _ = build_datasets(data, tokenizer, 8, log=said.append)
     assert "(corrupt: sample_index points outside the " in said[-2] and "built in" in said[-1], said
     assert [fixed[i]["tokens"].tolist() for i in range(8)] == want
 
     # Values that look valid (zeros: every sample would be sample 0): caught by the digest recorded at the build.
     np.save(shuffle, np.zeros_like(np.load(shuffle)))
     assert shuffle.stat().st_size == size
-    zeros, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    zeros, _ = build_datasets(data, tokenizer, 8, log=said.append)
     assert said[-2].startswith("[pretrain] data: removed the index cache entry ") and "built in" in said[-1], said
     assert "(shuffle_index.npy does not match the digest recorded when it was written: CRC-32 " in said[-2], said
     assert [zeros[i]["tokens"].tolist() for i in range(8)] == want
     # Random bytes are unreadable, not "truncated" (nothing about their size says so).
     shuffle.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
-    build_datasets(cfg, tokenizer, 8, log=said.append)
+    build_datasets(data, tokenizer, 8, log=said.append)
     assert "(unreadable: shuffle_index.npy is not a .npy file" in said[-2] and "built in" in said[-1], said
-    back, _ = build_datasets(cfg, tokenizer, 8, log=said.append)
+    back, _ = build_datasets(data, tokenizer, 8, log=said.append)
     assert "read from the cache" in said[-1] and "checked against the digests recorded then" in said[-1], said
     assert [back[i]["tokens"].tolist() for i in range(8)] == want
     assert [rebuilt[i]["tokens"].tolist() for i in range(8)] == want == [again[i]["tokens"].tolist() for i in range(8)]

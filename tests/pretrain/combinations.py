@@ -84,6 +84,8 @@ def overrides(names) -> list[str]:
     out = [o for n in names for o in FEATURES[n]]
     if "mtp" in names and LAYOUTS & set(names):
         out = [o[:-1] + "mL" if o.startswith("parallel.pipeline_layout=") else o for o in out]
+    if "mtp" in names and "hybrid" in names:  # a hybrid MTP depth's layers (Nemotron 3 Super's; 0.19+ only)
+        out.append("model.mtp_layer_pattern='*E'")
     return out
 
 

@@ -81,10 +81,10 @@ def reference(out: str) -> int:
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
     chunks = build_model(model_plan(cfg), layout)
-    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
+    model = wrap_with_ddp(cfg.optimizer, cfg.rerun, chunks, chunks[0].config)
     lines: list[str] = []
-    optimizer = build_optimizer(cfg, model, layout, lines.append)
-    build_scheduler(cfg, optimizer)  # sets each group's lr and weight decay, as in training
+    optimizer = build_optimizer(cfg.optimizer, model, layout, lines.append)
+    build_scheduler(cfg.optimizer, cfg.train.steps, optimizer)  # sets each group's lr and weight decay, as in training
     for c in model:
         c.zero_grad_buffer()
     optimizer.zero_grad()
@@ -148,14 +148,14 @@ def qk_clip(out: str) -> int:
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
     chunks = build_model(model_plan(cfg), layout)
-    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
+    model = wrap_with_ddp(cfg.optimizer, cfg.rerun, chunks, chunks[0].config)
     heads, groups, d = cfg.model.num_attention_heads, layout.num_query_groups, layout.head_dim
     logits = torch.tensor([50.0, 150.0, 90.0, 99.0, 400.0, 100.0, 10.0, 20.0])  # groups of 2: max 150, 99, 400, 20
     before = {}
     for i, layer in enumerate(chunks[0].decoder.layers):
         layer.self_attention.core_attention.current_max_attn_logits = logits.clone()
         before[i] = layer.self_attention.linear_qkv.weight.detach().clone()
-    top = after_step(cfg, model)
+    top = after_step(cfg.optimizer, model)
     results = []
     for i, layer in enumerate(chunks[0].decoder.layers):
         w0 = before[i].view(groups, (heads // groups + 2) * d, -1)

@@ -209,9 +209,9 @@ def run_activation_case(name: str, config: str, overrides: list[str], run_dir: s
         "case": name, "rank": dist.get_rank(), "pp_rank": pp_rank, "tp_rank": ps.get_tensor_model_parallel_rank(),
         "measured": measured,
         "predicted": {"peak": act.peak, "saved": act.saved, "recompute": act.recompute,
-                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg)),
+                      "layer": planner.layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg.model)),
                       "layers": [x for c in range(lay.vp)  # per layer: dense-first models, MTP layers
-                                 for x in stage_layers(cfg, lay, pp_rank, c, recomputed_modules(cfg))]},
+                                 for x in stage_layers(cfg, lay, pp_rank, c, recomputed_modules(cfg.model))]},
         "recompute": cfg.model.recompute_granularity,
     }  # fmt: skip
 
@@ -258,8 +258,8 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     layout = derive_layout(cfg, dist.get_world_size(), on_gpu=False)
     init_model_parallel(layout, cfg.train.seed)
     chunks = build_model(model_plan(cfg), layout)
-    model = wrap_with_ddp(cfg, chunks, chunks[0].config)
-    optimizer = build_optimizer(cfg, model, layout)
+    model = wrap_with_ddp(cfg.optimizer, cfg.rerun, chunks, chunks[0].config)
+    optimizer = build_optimizer(cfg.optimizer, model, layout)
     for c in model:
         c.zero_grad_buffer()
     optimizer.zero_grad()
@@ -274,7 +274,7 @@ def run_layout(name: str, config: str, overrides: list[str]) -> dict:
     predicted = {"weights": st.weights, "gradients": st.gradients, "optimizer": st.optimizer}
     names_ok = all(
         [(n, p.numel()) for n, p in chunk.named_parameters()]
-        == [(p.name, p.numel) for p in plan.chunk_parameters(cfg, lay, padded, pp_rank, v)]
+        == [(p.name, p.numel) for p in plan.chunk_parameters(cfg.model, lay, padded, pp_rank, v)]
         for v, chunk in enumerate(chunks)
     )
     # What the rank holds parameters of (Megatron marks expert parameters allreduce=False) and the run's settings:

@@ -38,7 +38,7 @@ def planned_layer_saving(config: str, overrides: list[str]) -> int:
 
     cfg = load_config(config, SHAPE + overrides)
     lay = derive_layout(cfg, 1, vocab_size=4096, on_gpu=False, te=False)
-    return layer_activation_bytes(cfg, lay) - layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg))
+    return layer_activation_bytes(cfg, lay) - layer_activation_bytes(cfg, lay, modules=recomputed_modules(cfg.model))
 
 
 def check_saving(name: str, held: dict, planned: int) -> None:

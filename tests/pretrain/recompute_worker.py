@@ -46,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     from model_providers.core.model_plan import model_plan
     from pretrain import compat
     from pretrain.config import load_config
-    from pretrain.data.datasets import build_datasets, build_tokenizer, microbatches
+    from pretrain.data.datasets import build_datasets, microbatches
+    from pretrain.data.plan import data_plan
     from pretrain.layout import derive_layout
     from pretrain.run.runtime import init_distributed, init_model_parallel, shutdown
+    from pretrain.tokenizer.load import run_tokenizer
     from pretrain.train import forward_step
 
     compat.apply()  # as the trainer does at start-up
@@ -58,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for case in cases:
             cfg = load_config(case.get("config", "tiny_llama"), case["overrides"])
-            tokenizer = build_tokenizer(cfg.data)
+            tokenizer = run_tokenizer(cfg.data)
             layout = derive_layout(cfg, rt.world_size, vocab_size=tokenizer.vocab_size, on_gpu=rt.on_gpu)
             init_model_parallel(layout, cfg.train.seed)
             unset_num_microbatches_calculator()
             init_num_microbatches_calculator(0, None, cfg.train.global_batch_size, cfg.train.micro_batch_size, 1)
             (model,) = build_model(model_plan(cfg), layout)
             model.train()
-            train_ds, _ = build_datasets(cfg, tokenizer, cfg.train.global_batch_size)
+            train_ds, _ = build_datasets(data_plan(cfg), tokenizer, cfg.train.global_batch_size)
             (batch,) = microbatches(train_ds, 0, num_microbatches=1, micro_batch_size=cfg.train.micro_batch_size,
                                     dp_rank=0, dp_size=1, device=rt.device)
 

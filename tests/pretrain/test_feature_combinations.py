@@ -79,16 +79,16 @@ def build_megatron_configs(cfg, world: int) -> None:
     layout = derive_layout(cfg, world, vocab_size=32000)
     config = transformer_config(model_plan(cfg), layout)
     if hybrid.is_hybrid(cfg.model):  # Megatron-Core's MambaStack picks each stage's layers itself
-        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg))
+        mamba_builder.local_stack_spec(config, cfg.model, packed_sequences(cfg.data))
     for pp_rank in range(layout.pp if not hybrid.is_hybrid(cfg.model) else 0):
         with _pipeline_stage(layout, pp_rank):
             for vp in range(layout.vp):
                 stage = vp if layout.virtual_pipeline else None
-                packed = packed_sequences(cfg)
+                packed = packed_sequences(cfg.data)
                 decoder_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
                 mtp_block_spec(config, layout.use_te, vp_stage=stage, packed_sequences=packed)
-    ddp_config(cfg, gloo=not layout.on_gpu)
-    optimizer_config(cfg, layout)
+    ddp_config(cfg.optimizer, cfg.rerun, gloo=not layout.on_gpu)
+    optimizer_config(cfg.optimizer, layout)
 
 
 def test_every_accepted_pair_and_triple_builds_megatron_configs():

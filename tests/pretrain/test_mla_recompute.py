@@ -27,7 +27,7 @@ def _planned_saving() -> int:
 
     cfg = load_config("tiny_deepseek", SHAPE + MODULES)
     lay = derive_layout(cfg, 1, vocab_size=4096, on_gpu=False, te=False)
-    return sum(stage_layers(cfg, lay, 0, 0)) - sum(stage_layers(cfg, lay, 0, 0, recomputed_modules(cfg)))
+    return sum(stage_layers(cfg, lay, 0, 0)) - sum(stage_layers(cfg, lay, 0, 0, recomputed_modules(cfg.model)))
 
 
 def test_same_gradients_and_the_planned_saving(tmp_path):

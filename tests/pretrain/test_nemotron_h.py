@@ -184,12 +184,7 @@ REFUSED = {
               "causal_conv1d CUDA kernel takes the channel-last layout only for a multiple of 8"),
     "experts without E": (["model.hybrid_layer_pattern=M*M-MM"], 1,
                           "model.num_moe_experts=4 but model.hybrid_layer_pattern has no MoE layer (E)"),
-    "virtual pipeline": (["parallel.pipeline=2", "parallel.virtual_pipeline=3"], 2,
-                         "[model.hybrid_layer_pattern, parallel.virtual_pipeline] a hybrid model's virtual pipeline"),
-    "layout string": (["parallel.pipeline=2", "parallel.pipeline_layout=Etttt|ttL"], 2,
-                      "[model.hybrid_layer_pattern, parallel.pipeline_layout] parallel.pipeline_layout places GPT"),
-    "MTP": (["model.mtp_num_layers=1"], 1, "[model.hybrid_layer_pattern, model.mtp_num_layers] Multi-Token "
-            "Prediction in a hybrid model"),
+    # virtual stages, layout strings and MTP: refused on 0.16.1 only (test_hybrid_mtp.py)
     "full recompute": (["model.recompute_granularity=full", "model.recompute_method=uniform",
                         "model.recompute_num_layers=1"], 1, "full recompute: Megatron-Core's Mamba stack has no"),
     "FSDP": (["optimizer.fsdp=true"], 2, "[model.hybrid_layer_pattern, optimizer.fsdp] Megatron-FSDP with a hybrid"),

@@ -73,7 +73,7 @@ def test_a_group_inside_the_nvlink_domain_talks_over_nvlink():
 # Rows of the published table (benchmarks/megatron_bridge_pretraining.tsv, 0-based among its data rows).
 LLAMA8B_GB300 = 160  # 25.11, 8 GPUs of a GB300 NVL72 rack: two 4-GPU trays, one NVLink domain
 LLAMA405B_GB300 = 7  # 26.04.01: 126 layers on PP8 x VP4: the planner places them (embedding and loss in the split)
-NEMOTRON_NANO = 34  # a family this branch does not ship yet
+NEMOTRON_SUPER = 39  # a config this branch does not ship (Nemotron 3 Super trains with MTP, not wired here)
 DSV3_H100_MXFP8 = 217  # 25.09 lists MXFP8 on H100, which has no MX tensor cores
 
 
@@ -86,9 +86,9 @@ def test_harness_plans_rows_of_the_published_table():
     assert abs(nvl72.flops_per_token / nvl72.published_flops_per_token - 1) <= 0.03
     placed = plan_row(rows[LLAMA405B_GB300], harness)
     assert placed.placement == "embedding and loss in the split" and placed.fits and abs(placed.ratio - 1) <= 0.15
-    refused = plan_row(rows[NEMOTRON_NANO], harness)
-    assert refused.refused == "model not supported yet: no shipped config pretrain/configs/nemotron3_nano.yaml"
-    assert refused.json() == {"row": NEMOTRON_NANO, "predicted_tokens_per_s_per_gpu": None, "fits": None,
+    refused = plan_row(rows[NEMOTRON_SUPER], harness)
+    assert refused.refused == "model not supported yet: no shipped config pretrain/configs/nemotron3_super.yaml"
+    assert refused.json() == {"row": NEMOTRON_SUPER, "predicted_tokens_per_s_per_gpu": None, "fits": None,
                               "flops_per_token": None, "refused": refused.refused}
     hopper = plan_row(rows[DSV3_H100_MXFP8], harness)
     assert hopper.refused.startswith("h100 has no MXFP8 tensor cores")
@@ -97,7 +97,7 @@ def test_harness_plans_rows_of_the_published_table():
 TSV = """# a table in the published format: comment lines first, then the header
 container\tmodel\tvariant\tpreset\tsystem\tgpus\tprecision\tgbs\tmbs\tseq\tfsdp\ttp\tpp\tcp\tvp\tep\ttokens_per_s_per_gpu\tmodel_tflops_per_gpu
 25.11\tLLAMA3_8B\t-\tllama3_8b\tgb300\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t37556\t1933
-26.04\tNemotron_3_Nano\t-\tnemotron3_nano\tgb300\t8\tmxfp8\t512\t4\t8192\t0\t1\t1\t1\t-\t8\t38102\t849
+26.04\tNemotron_3_Super\t-\tnemotron3_super\tgb300\t64\tnvfp4\t512\t1\t8192\t0\t1\t1\t1\t-\t64\t9623\t815
 26.04\tGPT OSS 120B\t-\tgpt_oss_120b\th100\t64\tbf16\t1280\t1\t4096\t0\t1\t4\t1\t-\t8\t5810\t158
 """
 
