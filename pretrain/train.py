@@ -269,8 +269,9 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
 
     # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
     # directory that cannot be written is found now, not at the first save.
-    checkpoint_save.check_writable(cfg)
-    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(checkpoint_context(run), log0)
+    ctx = checkpoint_context(run)
+    checkpoint_save.check_writable(ctx)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(ctx, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
