@@ -79,8 +79,8 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
     dense = sum(p.numel for p in params if not p.expert)
     expert = sum(p.numel for p in params if p.expert)
     total = dense + expert
-    low = fp8_params(cfg, lay)
-    column = low and fp8_transposes(cfg, gpu) and cfg.model.fp8 not in TENSOR_SCALED  # MXFP8's column-wise buffer
+    low = fp8_params(cfg.model, lay)
+    column = low and fp8_transposes(cfg.model, gpu) and cfg.model.fp8 not in TENSOR_SCALED  # MXFP8's column-wise buffer
     fp8_linear = (FP8_BYTES * (2 if column else 1)) if low else None
 
     def weight_bytes(p) -> float:
@@ -98,7 +98,7 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
     main = owned * 4 if lay.precision in ("bf16", "fp16") else 0
     # Transformer Engine's copies beyond the buffers: of the gathered unit's GEMM weights (ZeRO-3), of every layer's
     # (ZeRO-2); MXFP8's column-wise data is in the buffers already.
-    copies = weight_copy_bytes(cfg, lay, gpu) - (FP8_BYTES if column else 0)
+    copies = weight_copy_bytes(cfg.model, cfg.performance, lay, gpu) - (FP8_BYTES if column else 0)
     linear = _units([p for p in params if p.linear])
     fp8 = int(copies * (max(linear, default=0) if zero3 else sum(linear)))
     static = StaticMemory(params=total, expert_params=expert, weights=int(weights),
