@@ -3,10 +3,11 @@
     python -m pretrain train CONFIG [overrides]              # one process
     torchrun --nproc-per-node N -m pretrain train CONFIG ... # several
 
-validate (every stage) → process groups → for each stage from the checkpoint's: tokenizer → model chunks
-(layout-invariant init) → DDP → optimizer and LR schedule → resume or pretrained weights → datasets → steps
-(forward/backward schedule, the batch of Megatron's calculator, optimizer step, metrics, checkpoints, signals,
-time limit, NaN policy) → the stage's last checkpoint (named for it: the next stage here, or exit 76) → exit status.
+resolve (every stage validated) → the process (signals, process groups, data files, output lock) → for each stage
+from the checkpoint's: set up (tokenizer → model chunks (layout-invariant init) → DDP → optimizer and LR schedule →
+resume or pretrained weights → datasets → instruments) → the loop (forward/backward schedule, the batch of
+Megatron's calculator, optimizer step, metrics, checkpoints, signals, time limit, NaN policy) → the stage's last
+checkpoint (named for it: the next stage here, or exit 76) → exit status.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,11 +119,6 @@ def grads_are_finite(model) -> bool:
     return flag.item() == 0.0
 
 
-def checkpoint_context(run) -> CheckpointContext:
-    """What save, load and resume act on: the run's model chunks, optimizer, schedule and plan."""
-    return CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
-
-
 def log0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -154,7 +152,7 @@ def broadcast_from_last_stage(value: float, device: torch.device) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def _microbatch_runner(cfg: Config, run):
+def _microbatch_runner(run):
     """`run_microbatches(start_sample, forward_only, dataset, n=None) -> losses`: one global batch (`n` microbatches,
     else the step's: `run.num_microbatches`) through Megatron's forward/backward schedule (every batch checked when
     some dataset's ids could not be checked up front)."""
@@ -164,20 +162,19 @@ def _microbatch_runner(cfg: Config, run):
 
     forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
     load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
-    t, model = cfg.train, run.model
-    packing = document_packing(cfg.data, run)
+    lay, model, seq_length = run.layout, run.model, run.plan.model.config.seq_length
+    packing = document_packing(run.plan.model.packed_documents, run)
     # Packed documents are one sequence of micro_batch_size × seq_length tokens (padded under CP: then
     # pipeline stages exchange shapes, `variable_seq_lengths`).
-    seq, mbs = (cfg.model.seq_length * t.micro_batch_size, 1) if packing else (cfg.model.seq_length,
-                                                                               t.micro_batch_size)
+    seq, mbs = (seq_length * lay.mbs, 1) if packing else (seq_length, lay.mbs)
 
     def run_microbatches(start_sample: int, forward_only: bool, dataset, n: int | None = None) -> list:
         n = n or run.num_microbatches
         try:
             batches = load_microbatches(
-                dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
-                dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
-                vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None, packing=packing)
+                dataset, start_sample, num_microbatches=n, micro_batch_size=lay.mbs,
+                dp_rank=run.dp_rank, dp_size=lay.dp, device=run.rt.device, tp_source=run.tp_source,
+                vocab_size=lay.vocab_size if run.problems.ids_unchecked else None, packing=packing)
         except DataError as exc:
             raise TrainingStopped(f"{exc}. The last checkpoint is intact.", every_rank=False) from None
         iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
@@ -188,30 +185,68 @@ def _microbatch_runner(cfg: Config, run):
     return run_microbatches
 
 
-def document_packing(d, run):
-    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask (of the data section
-    `d`), else None."""
+def document_packing(packed: bool, run):
+    """`pretrain.data.datasets.DocumentPacking` of this rank when microbatches are packed documents (`packed`:
+    data.reset_attention_mask), else None."""
     from megatron.core import parallel_state as ps
 
     from pretrain.data.datasets import DocumentPacking
 
-    if not d.reset_attention_mask:
+    if not packed:
         return None
     lay = run.layout
     return DocumentPacking(eod=run.tokenizer.eod, cp=lay.cp, cp_rank=ps.get_context_parallel_rank(),
                            sp_tp=lay.tp if lay.sp else 1)
 
 
+@dataclass
+class _Process:
+    """Set up once per process, before any stage: runtime, signal handlers, pre-flight report, output lock."""
+
+    rt: Any  # pretrain.run.runtime.Runtime
+    stops: StopRequests
+    problems: Any  # pretrain.problems.Report
+    outputs: Any  # pretrain.run.output_lock.RunOutputs
+
+
+@dataclass
+class _Start:
+    """A stage set up (`_set_up`): its run, where it starts (resumed or not), and what the loop calls."""
+
+    run: Any  # pretrain.run.setup.Run
+    step: int
+    consumed: int
+    resumed: bool
+    first_sample: int  # the stage's data begins at this sample
+    done_note: str | None  # resumed at or past train.steps: said, the loop does nothing
+    res: Any  # resilience.Resilience
+    observers: Any  # pretrain.observe.observers.Observers
+    saves: RunSaves
+
+
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
-    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76)."""
-    from pretrain.data.datasets import check_data_files_once
-    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed, reset_for_next_stage
+    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Resolve
+    (every stage's plan, once) → start the process → for each stage: `_set_up`, then `_loop`."""
+    from pretrain.run.runtime import env_world_size
 
-    # 1. Pre-flight: every layout rule of every stage on every rank, before any model-parallel group exists; the
-    # dataset files of every stage on rank 0 only, its verdict shared (all problems are reported together).
     staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
-    first = staged.plans[0].cfg if staged.plans else cfg
+    process = _start_process(staged.plans[0].cfg if staged.plans else cfg, staged)
+    try:
+        summary = _train_stages(staged, process)
+    finally:
+        boundaries.leave()
+    process.outputs.release()
+    return summary
+
+
+def _start_process(first: Config, staged: StagedRun) -> _Process:
+    """Pre-flight in this process: every layout rule of every stage on every rank was checked by `resolve_run`,
+    before any model-parallel group exists; the dataset files of every stage on rank 0 only, its verdict shared (all
+    problems are reported together); then one writer per run directory. `first`: the first stage's config."""
+    from pretrain.data.datasets import check_data_files_once
+    from pretrain.run.runtime import any_rank_error, init_distributed
+
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(first.train.exit_signal_handler, first.train.exit_duration_in_mins)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
@@ -224,52 +259,52 @@ def train(cfg: Config) -> dict:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
-    try:
-        stage = boundaries.resumed_stage(staged)  # the stage of the run's checkpoint, before anything is built
-        while True:
-            summary = _train_stage(staged, stage, rt, stops, problems)
-            if summary["reason"] != "stage_end":
-                break
-            following = staged.at(summary["step"])
-            why = boundaries.new_process(staged, stage, following)
-            if why is not None:  # its checkpoint is saved: the same command continues in the next stage
-                summary["reason"] = "stage"
-                message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
-                           f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
-                if rt.rank == 0:
-                    write_exit_status(first.run.dir, "stage", summary["step"], None, message)
-                log0(f"[pretrain] {message}")
-                dist.barrier()
-                break
-            log0(f"[pretrain] stage '{stage.name}' ended at step {summary['step']}: stage '{following.name}' "
-                 "continues in this process, from that checkpoint")
-            reset_for_next_stage()  # model, optimizer, data and Megatron's groups built again, as a restart would
-            stage = following
-    finally:
-        boundaries.leave()
-    outputs.release()
-    return summary
+    return _Process(rt=rt, stops=stops, problems=problems, outputs=outputs)
 
 
-def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, problems) -> dict:
-    """One stage (the whole run without stages): set-up, resume, steps, its last checkpoint. Reason "stage_end": it
-    ended at its boundary checkpoint and another stage follows."""
+def _train_stages(staged: StagedRun, process: _Process) -> dict:
+    """Every stage from the one the run's checkpoint is in, in this process while the layout allows (else exit 76
+    names the next)."""
+    from pretrain.run.runtime import reset_for_next_stage
+
+    rt, stage = process.rt, boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
+    while True:
+        summary = _loop(staged, stage, _set_up(staged, stage, process), process)
+        if summary["reason"] != "stage_end":
+            return summary
+        following = staged.at(summary["step"])
+        why = boundaries.new_process(staged, stage, following)
+        if why is not None:  # its checkpoint is saved: the same command continues in the next stage
+            summary["reason"] = "stage"
+            message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
+                       f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
+            if rt.rank == 0:
+                write_exit_status(staged.plans[0].cfg.run.dir, "stage", summary["step"], None, message)
+            log0(f"[pretrain] {message}")
+            dist.barrier()
+            return summary
+        log0(f"[pretrain] stage '{stage.name}' ended at step {summary['step']}: stage '{following.name}' "
+             "continues in this process, from that checkpoint")
+        reset_for_next_stage()  # model, optimizer, data and Megatron's groups built again, as a restart would
+        stage = following
+
+
+def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
+    """One stage (the whole run without stages) up to its first step: tokenizer and process groups, model,
+    optimizer and schedule, the checkpoint it starts from, its data, and the loop's instruments."""
     from pretrain.run.run_dir import write_config
     from pretrain.validate import store_verdicts
 
-    plan = staged.plan(stage)
+    rt, plan = process.rt, staged.plan(stage)
     cfg = plan.cfg
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(problems, plan.data.cache_dir)
+        store_verdicts(process.problems, plan.data.cache_dir)
+    setup.build_training(run, log0)  # model, optimizer, schedule
 
-    # 2. Model, optimizer, schedule.
-    setup.build_training(cfg, run, log0)
-    model, optimizer, scheduler, profiler = run.model, run.optimizer, run.scheduler, run.profiler
-
-    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
+    # Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
     # directory that cannot be written is found now, not at the first save.
-    ctx = checkpoint_context(run)
+    ctx = CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
     checkpoint_save.check_writable(ctx)
     step, consumed, resumed = checkpoint_resume.start_from_checkpoint(ctx, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
@@ -284,18 +319,27 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     # The stage's data starts at its own first sample: the loop reads sample `consumed - first_sample` of it.
     first_sample = boundaries.enter(staged, stage, step, consumed, log0)
     run.stage = stage if staged.staged else None
-
-    # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
+    setup.build_data(run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
                      first_step=stage.start_step, log=log0)
-    run_microbatches = _microbatch_runner(cfg, run)
-    step_optimizer = profiler.wrap("optimizer", optimizer.step)
     res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
     # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
     observers = build_observers(cfg, run, res.observer())
-    saves = RunSaves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
+    saves = RunSaves(ctx, rt.device, process.stops, last_saved=step if resumed else None, observers=observers)
     res.watch_saves(saves.async_saves)  # a hang report names a stalled checkpoint writer
-    t = cfg.train
+    return _Start(run=run, step=step, consumed=consumed, resumed=resumed, first_sample=first_sample,
+                  done_note=done_note, res=res, observers=observers, saves=saves)
+
+
+def _loop(staged: StagedRun, stage: Stage, start: _Start, process: _Process) -> dict:
+    """The stage's steps, to its end (the run's without stages), and its last checkpoint. Reason "stage_end": it
+    ended at its boundary checkpoint and another stage follows. The global batch of each step is Megatron's
+    calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+    run, rt, res, observers, saves = start.run, process.rt, start.res, start.observers, start.saves
+    model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
+    cfg, step, consumed, first_sample = run.plan.cfg, start.step, start.consumed, start.first_sample
+    run_microbatches = _microbatch_runner(run)
+    step_optimizer = run.profiler.wrap("optimizer", optimizer.step)
+    t, m = cfg.train, cfg.model
 
     def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
         for chunk in model:
@@ -306,8 +350,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
         res.mark(resilience.LOSS)
         return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
-    # 5. Steps: to the stage's end (the run's without stages). The global batch of each step is Megatron's
-    # calculator's at the samples consumed (train.rampup_batch_size: a ramp).
+    ends = False
     try:
         while step < stage.end_step:
             batch = setup.advance_batch(run, consumed)
@@ -323,7 +366,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
-                    advice = (f"{first_step_cause(cfg)}." if step == 0 else
+                    advice = (f"{first_step_cause(m, t.precision)}." if step == 0 else
                               "lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
                     raise TrainingStopped(f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last "
                                           f"checkpoint is intact; {advice}")
@@ -341,7 +384,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
                 muon.after_step(cfg.optimizer, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
-                cause = f" Note: {first_step_cause(cfg)}." if step == 0 else ""
+                cause = f" Note: {first_step_cause(m, t.precision)}." if step == 0 else ""
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
                                       f"(train.nan_policy=stop). The last checkpoint is intact.{cause}")
             step += 1
@@ -349,7 +392,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,
                                                 extra=dict(rerun_record)))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
-                evaluate(cfg.train, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
+                evaluate(t, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
                          run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
                 break
@@ -380,7 +423,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     if ends:
         return {"reason": "stage_end", "step": step, "consumed_samples": consumed}
     if rt.rank == 0:
-        write_exit_status(cfg.run.dir, saves.reason, step, saves.signal_name, done_note)
+        write_exit_status(cfg.run.dir, saves.reason, step, saves.signal_name, start.done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
 
