@@ -112,7 +112,7 @@ def dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, domain: int, 
     if lay.fsdp_sharding:
         from pretrain.planner.fsdp import fsdp_comm_bytes
 
-        per_microbatch = sum(fsdp_comm_bytes(cfg, lay, params, expert)) / bw / lay.num_microbatches
+        per_microbatch = sum(fsdp_comm_bytes(o, lay, params, expert)) / bw / lay.num_microbatches
         return lay.num_microbatches * max(0.0, per_microbatch - microbatch_s)
 
     def share(n: int) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig
 from pretrain.layout import Layout
 from pretrain.planner.census import chunk_parameters
 from pretrain.planner.precision import FP8_BYTES, TENSOR_SCALED, fp8_params, fp8_transposes, weight_copy_bytes
@@ -110,10 +110,11 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
                       unsharded_grads=2 * unit * gbytes, largest_unit=unit)
 
 
-def fsdp_comm_bytes(cfg: Config, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
-    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters."""
+def fsdp_comm_bytes(o: OptimizerConfig, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
+    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters (`o`: the
+    optimizer section)."""
     pbytes = lay.bytes_per_value
-    gbytes = 4 if cfg.optimizer.grad_reduce_in_fp32 else pbytes
+    gbytes = 4 if o.grad_reduce_in_fp32 else pbytes
     m = lay.num_microbatches
 
     def volume(p: int, n: int) -> float:

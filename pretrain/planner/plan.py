@@ -133,7 +133,7 @@ def _fsdp_section(cfg: Config, lay, vocab: int, rm, gpu: str) -> dict[str, Any] 
     from pretrain.planner.fsdp import fsdp_comm_bytes, fsdp_memory
 
     fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank, gpu)
-    dense, expert = fsdp_comm_bytes(cfg, lay, rm.params, rm.expert_params)
+    dense, expert = fsdp_comm_bytes(cfg.optimizer, lay, rm.params, rm.expert_params)
     return {"sharding": lay.fsdp_sharding, "shard_group": lay.dp * lay.cp,
             "largest_unit_parameters": fm.largest_unit,
             "gathered_params_gib": round(fm.gathered_params / GIB, 3),
