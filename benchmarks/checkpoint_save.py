@@ -43,8 +43,8 @@ def _measure(overrides: list[str], async_save: bool, run_dir: Path) -> dict:
         blocked.append(time.perf_counter() - t0)
         return out
 
-    def timed_commit(cfg, root, path, step):
-        original_commit(cfg, root, path, step)
+    def timed_commit(ctx, root, path, step):
+        original_commit(ctx, root, path, step)
         committed.append(time.perf_counter() - started[step])
 
     checkpoint_save.save_checkpoint, checkpoint_save._commit = timed_save, timed_commit

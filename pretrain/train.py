@@ -3,10 +3,11 @@
     python -m pretrain train CONFIG [overrides]              # one process
     torchrun --nproc-per-node N -m pretrain train CONFIG ... # several
 
-validate (every stage) → process groups → for each stage from the checkpoint's: tokenizer → model chunks
-(layout-invariant init) → DDP → optimizer and LR schedule → resume or pretrained weights → datasets → steps
-(forward/backward schedule, the batch of Megatron's calculator, optimizer step, metrics, checkpoints, signals,
-time limit, NaN policy) → the stage's last checkpoint (named for it: the next stage here, or exit 76) → exit status.
+resolve (every stage validated) → the process (signals, process groups, data files, output lock) → for each stage
+from the checkpoint's: set up (tokenizer → model chunks (layout-invariant init) → DDP → optimizer and LR schedule →
+resume or pretrained weights → datasets → instruments) → the loop (forward/backward schedule, the batch of
+Megatron's calculator, optimizer step, metrics, checkpoints, signals, time limit, NaN policy) → the stage's last
+checkpoint (named for it: the next stage here, or exit 76) → exit status.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +29,6 @@ from pretrain import compat
 from pretrain.checkpoint import resume as checkpoint_resume
 from pretrain.checkpoint import save as checkpoint_save
 from pretrain.checkpoint.context import CheckpointContext
-from pretrain.compat import mcore
 from pretrain.config import Config
 from pretrain.observe.observers import StepResult, build_observers
 from pretrain.optim import muon
@@ -35,19 +37,21 @@ from pretrain.resilience.results import first_step_cause
 from pretrain.resilience.stops import RunSaves, StopRequests
 from pretrain.run import output_lock, setup
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
+from pretrain.run.steps import (  # noqa: F401 (forward_step: tests build the schedule with it)
+    TrainingStopped,
+    broadcast_from_last_stage,
+    evaluate,
+    forward_step,
+    grads_are_finite,
+    holds_the_loss,
+    log0,
+    microbatch_runner,
+    reduce_loss,
+)
 from pretrain.stages import boundaries
 from pretrain.stages.plan import StagedRun, resolve_run
 from pretrain.stages.spec import Stage
 from pretrain.validate import ValidationFailed
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (e.g. NaN loss with nan_policy=stop). `every_rank`:
-    every rank stops with these words (the loss and grad norm are the same on all ranks): rank 0 prints them."""
-
-    def __init__(self, message: str, every_rank: bool = True):
-        super().__init__(message)
-        self.every_rank = every_rank
 
 
 def printed_here(exc: BaseException) -> bool:
@@ -56,167 +60,60 @@ def printed_here(exc: BaseException) -> bool:
     return not getattr(exc, "every_rank", False) or int(os.environ.get("RANK", "0")) == 0
 
 
-# --------------------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Process:
+    """Set up once per process, before any stage: runtime, signal handlers, pre-flight report, output lock."""
+
+    rt: Any  # pretrain.run.runtime.Runtime
+    stops: StopRequests
+    problems: Any  # pretrain.problems.Report
+    outputs: Any  # pretrain.run.output_lock.RunOutputs
 
 
-def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of per-token losses under the mask, the token count, and both for logging."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-    return loss_sum, num_tokens, {"lm_loss": report}
+@dataclass
+class _Start:
+    """A stage set up (`_set_up`): its run, where it starts (resumed or not), and what the loop calls."""
 
-
-def forward_step(data_iterator, model):
-    """One microbatch through one model chunk (Megatron-Core schedule callback).
-
-    Packed documents (THD, `pretrain.data.datasets.pack_documents`) arrive already cut to this CP rank; other
-    batches are cut here (a copy: interleaved model chunks read the same microbatch)."""
-    batch = next(data_iterator)
-    packed = batch.get("packed_seq_params")
-    if packed is None:
-        batch = mcore.cp_batch(dict(batch))
-    unwrapped = model
-    while hasattr(unwrapped, "module"):  # DDP → GPTModel; Megatron-FSDP: adapter → MegatronFSDP → GPTModel
-        unwrapped = unwrapped.module
-    pre, post = unwrapped.pre_process, unwrapped.post_process
-    tokens = pre or getattr(unwrapped, "mtp_process", False)  # MTP embeds the next tokens on its (last) stage
-    output = model(
-        batch["tokens"] if tokens else None,
-        batch["position_ids"] if tokens else None,
-        None,  # causal attention; document boundaries travel as packed_seq_params (needed on every stage)
-        labels=batch["labels"] if post else None,
-        packed_seq_params=packed,
-    )
-    return output, partial(lm_loss, batch["loss_mask"])
-
-
-def reduce_loss(losses_reduced: list[dict]) -> float:
-    """Per-token loss over the whole global batch (summed over microbatches, DP and CP)."""
-    from megatron.core import parallel_state
-
-    if not losses_reduced:
-        return float("nan")
-    total = torch.stack([x["lm_loss"] for x in losses_reduced]).sum(dim=0).double()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
-def grads_are_finite(model) -> bool:
-    """True when every local gradient in the DDP grad buffers is finite."""
-    ok = all(bool(torch.isfinite(b.grad_data).all()) for chunk in model for b in chunk.buffers)
-    flag = torch.tensor([0.0 if ok else 1.0])
-    if torch.cuda.is_available():
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
-
-
-def checkpoint_context(run) -> CheckpointContext:
-    """What save, load and resume act on: the run's model chunks, optimizer, schedule and plan."""
-    return CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
-
-
-def log0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
-def holds_the_loss() -> bool:
-    """The one rank that writes metrics: last pipeline stage, first TP/CP/DP rank."""
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.is_pipeline_last_stage(ignore_virtual=True)
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_context_parallel_rank() == 0
-        and ps.get_data_parallel_rank() == 0
-    )
-
-
-def broadcast_from_last_stage(value: float, device: torch.device) -> float:
-    """Make the loss known on every rank (PP stages other than the last have none)."""
-    from megatron.core import parallel_state as ps
-
-    t = torch.tensor([value if ps.is_pipeline_last_stage(ignore_virtual=True) else 0.0],
-                     dtype=torch.float64, device=device)
-    last = ps.get_pipeline_model_parallel_last_rank()
-    dist.broadcast(t, src=last, group=ps.get_pipeline_model_parallel_group())
-    return t.item()
-
-
-# --------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------
-
-
-def _microbatch_runner(cfg: Config, run):
-    """`run_microbatches(start_sample, forward_only, dataset, n=None) -> losses`: one global batch (`n` microbatches,
-    else the step's: `run.num_microbatches`) through Megatron's forward/backward schedule (every batch checked when
-    some dataset's ids could not be checked up front)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from pretrain.data.datasets import DataError, checked_microbatches
-
-    forward_backward = run.profiler.wrap("forward_backward", get_forward_backward_func())
-    load_microbatches = run.profiler.wrap("data", run.timing.wrap("data", checked_microbatches))
-    t, model = cfg.train, run.model
-    packing = document_packing(cfg.data, run)
-    # Packed documents are one sequence of micro_batch_size × seq_length tokens (padded under CP: then
-    # pipeline stages exchange shapes, `variable_seq_lengths`).
-    seq, mbs = (cfg.model.seq_length * t.micro_batch_size, 1) if packing else (cfg.model.seq_length,
-                                                                               t.micro_batch_size)
-
-    def run_microbatches(start_sample: int, forward_only: bool, dataset, n: int | None = None) -> list:
-        n = n or run.num_microbatches
-        try:
-            batches = load_microbatches(
-                dataset, start_sample, num_microbatches=n, micro_batch_size=t.micro_batch_size,
-                dp_rank=run.dp_rank, dp_size=run.layout.dp, device=run.rt.device, tp_source=run.tp_source,
-                vocab_size=run.layout.vocab_size if run.problems.ids_unchecked else None, packing=packing)
-        except DataError as exc:
-            raise TrainingStopped(f"{exc}. The last checkpoint is intact.", every_rank=False) from None
-        iterators = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
-        return forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
-                                num_microbatches=n, seq_length=seq, micro_batch_size=mbs,
-                                forward_only=forward_only)
-
-    return run_microbatches
-
-
-def document_packing(d, run):
-    """`pretrain.data.datasets.DocumentPacking` of this rank with data.reset_attention_mask (of the data section
-    `d`), else None."""
-    from megatron.core import parallel_state as ps
-
-    from pretrain.data.datasets import DocumentPacking
-
-    if not d.reset_attention_mask:
-        return None
-    lay = run.layout
-    return DocumentPacking(eod=run.tokenizer.eod, cp=lay.cp, cp_rank=ps.get_context_parallel_rank(),
-                           sp_tp=lay.tp if lay.sp else 1)
+    run: Any  # pretrain.run.setup.Run
+    step: int
+    consumed: int
+    resumed: bool
+    first_sample: int  # the stage's data begins at this sample
+    done_note: str | None  # resumed at or past train.steps: said, the loop does nothing
+    res: Any  # resilience.Resilience
+    observers: Any  # pretrain.observe.observers.Observers
+    saves: RunSaves
 
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
-    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76)."""
-    from pretrain.data.datasets import check_data_files_once
-    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed, reset_for_next_stage
+    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Resolve
+    (every stage's plan, once) → start the process → for each stage: `_set_up`, then `_loop`."""
+    from pretrain.run.runtime import env_world_size
 
-    # 1. Pre-flight: every layout rule of every stage on every rank, before any model-parallel group exists; the
-    # dataset files of every stage on rank 0 only, its verdict shared (all problems are reported together).
     staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
-    first = staged.plans[0].cfg if staged.plans else cfg
+    process = _start_process(staged.plans[0].cfg if staged.plans else cfg, staged)
+    try:
+        summary = _train_stages(staged, process)
+    finally:
+        boundaries.leave()
+    process.outputs.release()
+    return summary
+
+
+def _start_process(first: Config, staged: StagedRun) -> _Process:
+    """Pre-flight in this process: every layout rule of every stage on every rank was checked by `resolve_run`,
+    before any model-parallel group exists; the dataset files of every stage on rank 0 only, its verdict shared (all
+    problems are reported together); then one writer per run directory. `first`: the first stage's config."""
+    from pretrain.data.datasets import check_data_files_once
+    from pretrain.run.runtime import any_rank_error, init_distributed
+
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(first.train.exit_signal_handler, first.train.exit_duration_in_mins)
+    timeout = resilience.pg_timeout_minutes(first.hang)  # the process groups' (the hang watchdog's bound)
     # Megatron-Core compatibility: CPU shims (no CUDA) and the fixes the installed release needs.
     compat.apply(on_gpu=torch.cuda.is_available())
-    rt = init_distributed(resilience.pg_timeout_minutes(first.hang))
+    rt = init_distributed(timeout)
     for plan in staged.plans:
         check_data_files_once(plan, rt.device)
     problems = staged.report()
@@ -224,53 +121,55 @@ def train(cfg: Config) -> dict:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
-    try:
-        stage = boundaries.resumed_stage(staged)  # the stage of the run's checkpoint, before anything is built
-        while True:
-            summary = _train_stage(staged, stage, rt, stops, problems)
-            if summary["reason"] != "stage_end":
-                break
-            following = staged.at(summary["step"])
-            why = boundaries.new_process(staged, stage, following)
-            if why is not None:  # its checkpoint is saved: the same command continues in the next stage
-                summary["reason"] = "stage"
-                message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
-                           f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
-                if rt.rank == 0:
-                    write_exit_status(first.run.dir, "stage", summary["step"], None, message)
-                log0(f"[pretrain] {message}")
-                dist.barrier()
-                break
-            log0(f"[pretrain] stage '{stage.name}' ended at step {summary['step']}: stage '{following.name}' "
-                 "continues in this process, from that checkpoint")
-            reset_for_next_stage()  # model, optimizer, data and Megatron's groups built again, as a restart would
-            stage = following
-    finally:
-        boundaries.leave()
-    outputs.release()
-    return summary
+    return _Process(rt=rt, stops=stops, problems=problems, outputs=outputs)
 
 
-def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, problems) -> dict:
-    """One stage (the whole run without stages): set-up, resume, steps, its last checkpoint. Reason "stage_end": it
-    ended at its boundary checkpoint and another stage follows."""
+def _train_stages(staged: StagedRun, process: _Process) -> dict:
+    """Every stage from the one the run's checkpoint is in, in this process while the layout allows (else exit 76
+    names the next)."""
+    from pretrain.run.runtime import reset_for_next_stage
+
+    rt, stage = process.rt, boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
+    while True:
+        start = _set_up(staged, stage, process)
+        summary = _loop(staged, stage, start, process)
+        if summary["reason"] != "stage_end":
+            return summary
+        following = staged.at(summary["step"])
+        why = boundaries.new_process(staged, stage, following)
+        if why is not None:  # its checkpoint is saved: the same command continues in the next stage
+            summary["reason"] = "stage"
+            message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
+                       f"run the same command again to continue (exit code {boundaries.EXIT_NEXT_STAGE})")
+            if rt.rank == 0:
+                write_exit_status(staged.plans[0].cfg.run.dir, "stage", summary["step"], None, message)
+            log0(f"[pretrain] {message}")
+            dist.barrier()
+            return summary
+        log0(f"[pretrain] stage '{stage.name}' ended at step {summary['step']}: stage '{following.name}' "
+             "continues in this process, from that checkpoint")
+        reset_for_next_stage()  # model, optimizer, data and Megatron's groups built again, as a restart would
+        stage = following
+
+
+def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
+    """One stage (the whole run without stages) up to its first step: tokenizer and process groups, model,
+    optimizer and schedule, the checkpoint it starts from, its data, and the loop's instruments."""
     from pretrain.run.run_dir import write_config
     from pretrain.validate import store_verdicts
 
-    plan = staged.plan(stage)
+    rt, plan = process.rt, staged.plan(stage)
     cfg = plan.cfg
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
     if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(problems, plan.data.cache_dir)
+        store_verdicts(process.problems, plan.data.cache_dir)
+    setup.build_training(run, log0)  # model, optimizer, schedule
 
-    # 2. Model, optimizer, schedule.
-    setup.build_training(cfg, run, log0)
-    model, optimizer, scheduler, profiler = run.model, run.optimizer, run.scheduler, run.profiler
-
-    # 3. Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
+    # Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
     # directory that cannot be written is found now, not at the first save.
-    checkpoint_save.check_writable(cfg)
-    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(checkpoint_context(run), log0)
+    ctx = CheckpointContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, plan=run.plan)
+    checkpoint_save.check_writable(ctx)
+    step, consumed, resumed = checkpoint_resume.start_from_checkpoint(ctx, log0)
     # Only now, with the config validated and any checkpoint loaded into this model, does the run dir record
     # it (a failed resume leaves the config of the run that wrote the checkpoint in place).
     if rt.rank == 0:
@@ -283,18 +182,27 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     # The stage's data starts at its own first sample: the loop reads sample `consumed - first_sample` of it.
     first_sample = boundaries.enter(staged, stage, step, consumed, log0)
     run.stage = stage if staged.staged else None
-
-    # 4. Data.
-    setup.build_data(cfg, run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
+    setup.build_data(run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
                      first_step=stage.start_step, log=log0)
-    run_microbatches = _microbatch_runner(cfg, run)
-    step_optimizer = profiler.wrap("optimizer", optimizer.step)
     res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
     # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
     observers = build_observers(cfg, run, res.observer())
-    saves = RunSaves(cfg, run, stops, last_saved=step if resumed else None, observers=observers)
+    saves = RunSaves(ctx, rt.device, process.stops, last_saved=step if resumed else None, observers=observers)
     res.watch_saves(saves.async_saves)  # a hang report names a stalled checkpoint writer
-    t = cfg.train
+    return _Start(run=run, step=step, consumed=consumed, resumed=resumed, first_sample=first_sample,
+                  done_note=done_note, res=res, observers=observers, saves=saves)
+
+
+def _loop(staged: StagedRun, stage: Stage, start: _Start, process: _Process) -> dict:
+    """The stage's steps, to its end (the run's without stages), and its last checkpoint. Reason "stage_end": it
+    ended at its boundary checkpoint and another stage follows. The global batch of each step is Megatron's
+    calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+    run, rt, res, observers, saves = start.run, process.rt, start.res, start.observers, start.saves
+    model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
+    cfg, step, consumed, first_sample = run.plan.cfg, start.step, start.consumed, start.first_sample
+    run_microbatches = microbatch_runner(run)
+    step_optimizer = run.profiler.wrap("optimizer", optimizer.step)
+    t, m = cfg.train, cfg.model
 
     def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
         for chunk in model:
@@ -305,8 +213,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
         res.mark(resilience.LOSS)
         return broadcast_from_last_stage(reduce_loss(losses) if losses else float("nan"), rt.device)
 
-    # 5. Steps: to the stage's end (the run's without stages). The global batch of each step is Megatron's
-    # calculator's at the samples consumed (train.rampup_batch_size: a ramp).
+    ends = False
     try:
         while step < stage.end_step:
             batch = setup.advance_batch(run, consumed)
@@ -322,7 +229,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             if not math.isfinite(loss) or (t.nan_policy == "skip" and not grads_are_finite(model)):
                 what = f"loss {loss}" if not math.isfinite(loss) else "non-finite gradients"
                 if t.nan_policy == "stop":
-                    advice = (f"{first_step_cause(cfg)}." if step == 0 else
+                    advice = (f"{first_step_cause(m, t.precision)}." if step == 0 else
                               "lower optimizer.lr or set train.nan_policy=skip to skip such steps.")
                     raise TrainingStopped(f"step {step + 1}: {what}; stopping (train.nan_policy=stop). The last "
                                           f"checkpoint is intact; {advice}")
@@ -340,7 +247,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
                 muon.after_step(cfg.optimizer, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
-                cause = f" Note: {first_step_cause(cfg)}." if step == 0 else ""
+                cause = f" Note: {first_step_cause(m, t.precision)}." if step == 0 else ""
                 raise TrainingStopped(f"step {step + 1}: gradient norm {grad_norm}; stopping "
                                       f"(train.nan_policy=stop). The last checkpoint is intact.{cause}")
             step += 1
@@ -348,7 +255,7 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
             observers.step_end(step, StepResult(loss, grad_norm, time.perf_counter() - started, consumed,
                                                 extra=dict(rerun_record)))
             if t.eval_interval and step % t.eval_interval == 0 and run.evaluates:
-                evaluate(cfg.train, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
+                evaluate(t, partial(run_microbatches, n=run.layout.num_microbatches), run.valid_ds, step,
                          run.writer, rt.device)
             if saves.save_or_stop(step, consumed):
                 break
@@ -379,28 +286,9 @@ def _train_stage(staged: StagedRun, stage: Stage, rt, stops: StopRequests, probl
     if ends:
         return {"reason": "stage_end", "step": step, "consumed_samples": consumed}
     if rt.rank == 0:
-        write_exit_status(cfg.run.dir, saves.reason, step, saves.signal_name, done_note)
+        write_exit_status(cfg.run.dir, saves.reason, step, saves.signal_name, start.done_note)
     log0(f"[pretrain] {saves.reason} at step {step}; run dir {Path(cfg.run.dir).resolve()}")
     return {"reason": saves.reason, "step": step, "consumed_samples": consumed}
-
-
-def evaluate(t, run_microbatches, valid_ds, step: int, writer, device) -> float:
-    """Mean per-token validation loss over train.eval_iters global batches (`t`: the train section)."""
-    from megatron.core import parallel_state as ps
-
-    eval_index = step // t.eval_interval - 1
-    total = 0.0
-    with torch.no_grad():
-        for i in range(t.eval_iters):
-            start = (eval_index * t.eval_iters + i) * t.global_batch_size
-            losses = run_microbatches(start, True, valid_ds)
-            total += broadcast_from_last_stage(reduce_loss(losses) if losses else 0.0, device)
-    value = total / t.eval_iters
-    if writer is not None:
-        writer.write({"step": step, "valid_loss": value})
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        log0(f"[pretrain] step {step}: validation loss {value:.6f}")
-    return value
 
 
 def main(cfg: Config) -> int:

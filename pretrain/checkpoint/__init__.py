@@ -5,7 +5,9 @@
 - `stateful`: the pieces a checkpoint holds as `Stateful` objects, each owning its save and load rule;
 - `state`: the model's sharded state, the RNG states, `RUN_STATE` (other parts' run-level state);
 - `save`: synchronous and asynchronous saves, the commit, pruning, the writer helper;
-- `load`: checks before loading, and loading;
+- `load`: loading (the format's backend checks before it reads);
+- `backends`: the formats behind one interface (`torch_dist`, `fsdp_format`, `cross_format`), picked once by
+  `save` and `load`;
 - `resume`: which checkpoint a run resumes from (and finishing a commit a kill interrupted);
 - `contract`: the resume contract, what a resumed run may change (every config field has a class);
 - `optimizer_forms`: loading optimizer state written by the other optimizer (`optimizer.distributed` toggled).

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint import fsdp_format
+from pretrain.checkpoint.dropped import check_dropped
 from pretrain.checkpoint.format import CheckpointError, agree, reason
 from pretrain.checkpoint.parts import is_parts, part_to_whole, whole_to_parts
 from pretrain.checkpoint.state import OPTIMIZER_SHARDING, unwrap
-from pretrain.checkpoint.stateful import Io, ModelState, OptimizerState, sharded_state
+from pretrain.checkpoint.stateful import Io, ModelState, OptimizerState, load_with_run_level, sharded_state
 
 _OPT_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.*)$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -129,7 +130,7 @@ def _torch_dist_step(path: Path, common: dict) -> float:
 
 
 def _into_fsdp(ctx, path: Path, common: dict, index, with_optimizer: bool) -> None:
-    cfg, model, optimizer, scheduler = ctx.parts()
+    model, optimizer = ctx.model, ctx.optimizer
     reader = ChunkReader(path, index)
     state, raw_model, raw_opt = fsdp_format.dcp_state(ctx, with_optimizer=with_optimizer, is_loading=True)
     _, gpt = fsdp_format.inner(model)
@@ -287,15 +288,15 @@ class FsdpAsTorchDist:
 # --------------------------------------------------------------------------------------------------
 
 
-def crossing_refusal(cfg, path: Path, common: dict, into_fsdp: bool) -> CheckpointError | None:
+def crossing_refusal(c, o, path: Path, common: dict, into_fsdp: bool) -> CheckpointError | None:
     """Why the optimizer state of `path` (the other format than this run's, `common` its common state) cannot be
-    loaded into this run's optimizer (Megatron-FSDP: `into_fsdp`), or None (`validate` asks too:
-    `pretrain.checkpoint.resume.preview_start`)."""
-    if not cfg.checkpoint.load_optimizer or "optimizer" not in common:
+    loaded into this run's optimizer (Megatron-FSDP: `into_fsdp`; `c`, `o`: its checkpoint and optimizer sections),
+    or None (`validate` asks too: `pretrain.checkpoint.resume.preview_start`)."""
+    if not c.load_optimizer or "optimizer" not in common:
         return None
     source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
     sharding = (common.get("optimizer") or {}).get("param_state_sharding_type")
-    if sharding in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) and (into_fsdp or cfg.optimizer.distributed):
+    if sharding in (OPTIMIZER_SHARDING, fsdp_format.FORMAT) and (into_fsdp or o.distributed):
         return None
     return CheckpointError(
         f"{path}: optimizer state crosses between the distributed optimizer and Megatron-FSDP only; this "
@@ -304,28 +305,72 @@ def crossing_refusal(cfg, path: Path, common: dict, into_fsdp: bool) -> Checkpoi
         "the weights with a fresh optimizer")
 
 
-def load_across(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
-    """Load `path` (the other format than this run's) on every rank. Returns (step, consumed_samples)."""
-    from torch.distributed.checkpoint.api import CheckpointException
+class AcrossFormats:
+    """The backend (`backends.Backend`) that loads a checkpoint of the other format than this run's (`own`: the
+    run's backend, which saves and names this run's tensors)."""
 
-    cfg, model, optimizer, scheduler = ctx.parts()
-    into_fsdp = fsdp_format.is_fsdp(model)
-    source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
-    with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
-    agree(crossing_refusal(cfg, path, common, into_fsdp) if with_optimizer else None)
-    target = "Megatron-FSDP" if into_fsdp else "the distributed optimizer" if cfg.optimizer.distributed else "DDP"
-    if dist.get_rank() == 0:
-        print(f"[pretrain] {path} is in the {source} format: loading it into {target} (per-rank RNG states are "
-              "not carried across formats)", flush=True)
-    try:
-        if into_fsdp:
-            _into_fsdp(ctx, path, common, index, with_optimizer)
-        else:
-            _into_ddp(ctx, path, common, index, with_optimizer)
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}: loading the {source} checkpoint into {target} failed ({reason(exc)})") from exc
-    if weights_only:
-        return 0, 0
-    return int(common["iteration"]), int(common["consumed_samples"])
+    def __init__(self, own) -> None:
+        self.own = own
+        self.name = own.name
+
+    def save(self, ctx, path: Path, op: Io, *, async_save: bool):
+        return self.own.save(ctx, path, op, async_save=async_save)  # a run saves in its own format
+
+    def load(self, ctx, op: Io) -> tuple[int, int]:
+        """Load `op.path` on every rank. Returns (step, consumed_samples)."""
+        index = fsdp_format.inspected(op)
+        check_dropped(ctx, op, index, self.own.model_names)
+        return load_with_run_level(ctx, op, lambda: self._load_tensors(ctx, op, index))
+
+    def check_requested(self, ctx, op: Io, index, state: dict | None = None) -> None:
+        """What crosses: optimizer state only between the two sharded optimizers (`crossing_refusal`); each tensor
+        this rank reads is checked as it is read (`ChunkReader`)."""
+        if self._with_optimizer(ctx, op):
+            error = crossing_refusal(ctx.settings, ctx.plan.cfg.optimizer, op.path, op.common, self._fsdp_run(ctx))
+            if error is not None:
+                raise error
+
+    def model_names(self, model) -> set[str]:
+        return self.own.model_names(model)
+
+    def reload_main_params(self, ctx) -> None:
+        self.own.reload_main_params(ctx)
+
+    @staticmethod
+    def _fsdp_run(ctx) -> bool:
+        return fsdp_format.is_fsdp(ctx.model)
+
+    @staticmethod
+    def _with_optimizer(ctx, op: Io) -> bool:
+        return not op.weights_only and ctx.settings.load_optimizer and "optimizer" in op.common
+
+    def _load_tensors(self, ctx, op: Io, index) -> tuple[int, int]:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        path, common = op.path, op.common
+        into_fsdp, with_optimizer = self._fsdp_run(ctx), self._with_optimizer(ctx, op)
+        source = "torch_dist" if into_fsdp else fsdp_format.FORMAT
+        error = None
+        try:
+            self.check_requested(ctx, op, index)
+        except CheckpointError as exc:
+            error = exc
+        agree(error)
+        distributed = ctx.plan.cfg.optimizer.distributed
+        target = "Megatron-FSDP" if into_fsdp else "the distributed optimizer" if distributed else "DDP"
+        if dist.get_rank() == 0:
+            print(f"[pretrain] {path} is in the {source} format: loading it into {target} (per-rank RNG states are "
+                  "not carried across formats)", flush=True)
+        try:
+            if into_fsdp:
+                _into_fsdp(ctx, path, common, index, with_optimizer)
+            else:
+                _into_ddp(ctx, path, common, index, with_optimizer)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"{path}: loading the {source} checkpoint into {target} failed "
+                                  f"({reason(exc)})") from exc
+        if op.weights_only:
+            return 0, 0
+        return int(common["iteration"]), int(common["consumed_samples"])

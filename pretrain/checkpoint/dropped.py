@@ -10,8 +10,10 @@ format on disk, over the model chunks of every rank (one all-gather), for resume
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,59 +37,40 @@ def source_names(common: dict, index) -> set[str]:
             if isinstance(meta, TensorStorageMetadata) and "optimizer." not in key}
 
 
-def _local_names(model) -> set[str]:
-    """The model tensors this rank's chunks take, by torch_dist name."""
-    from pretrain.checkpoint import fsdp_format
-
-    if fsdp_format.is_fsdp(model):
-        from pretrain.checkpoint.parts import torch_dist_keys
-
-        names = fsdp_format.stored_names(fsdp_format.inner(model)[1])
-        return {key for entry in names.values() for key in torch_dist_keys(entry)}
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    from pretrain.checkpoint.state import model_state
-
-    # A factory is stored under the keys of the tensors it builds, which may differ from its own: Mamba's and Gated
-    # DeltaNet's fused in_proj / conv1d are stored as one tensor per part (`...in_proj.weight.z`, `.x`, `.B`, `.C`,
-    # `.dt`; `.query`, `.key`, ...).
-    state = model_state(model, is_loading=True)
-    apply_factories(state)  # views of the parameters, as the load itself builds them
-    return {item.key for item in nested_values(state) if isinstance(item, ShardedTensor)}
-
-
-def target_names(model) -> set[str]:
-    """The model tensors the chunks of every rank take (collective)."""
+def target_names(local_names: set[str]) -> set[str]:
+    """The model tensors the chunks of every rank take, from this rank's (`local_names`; collective)."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(_local_names(model)))
+    dist.all_gather_object(everyone, sorted(local_names))
     return {name for names in everyone for name in names}
 
 
-def check_dropped(ctx, path: Path, common: dict, index, *, weights_only: bool) -> list[str]:
-    """Refuse a load that would leave checkpoint tensors behind, unless `checkpoint.allow_dropped_weights`: then
-    one line (rank 0) and the record. Returns the dropped names (all ranks; collective)."""
-    dropped = sorted(source_names(common, index) - target_names(ctx.model))
+def check_dropped(ctx, op, index, model_names: Callable[[list], set[str]]) -> list[str]:
+    """Refuse a load (`op`: a `stateful.Io`, its checkpoint's common state read) that would leave checkpoint tensors
+    behind, unless `checkpoint.allow_dropped_weights`: then one line (rank 0) and the record. `model_names`: the
+    backend's torch_dist names of the tensors this rank's chunks take. Returns the dropped names (all ranks;
+    collective)."""
+    path, common, weights_only = op.path, op.common, op.weights_only
+    dropped = sorted(source_names(common, index) - target_names(model_names(ctx.model)))
     if not dropped:
         return []
     shown = ", ".join(dropped[:SHOWN]) + (f" (and {len(dropped) - SHOWN} more)" if len(dropped) > SHOWN else "")
     what = f"{len(dropped)} tensor{'s' if len(dropped) > 1 else ''} of the checkpoint"
-    if not ctx.cfg.checkpoint.allow_dropped_weights:
+    if not ctx.settings.allow_dropped_weights:
         raise CheckpointError(f"{path}: {what} {'have' if len(dropped) > 1 else 'has'} no place in this model and "
-                              f"would be dropped: {shown}{model_config_diff(ctx.cfg, common)}; set "
+                              f"would be dropped: {shown}{model_config_diff(ctx.plan.cfg.model, common)}; set "
                               "checkpoint.allow_dropped_weights=true to load without them")
     if dist.get_rank() == 0:
         print(f"[pretrain] {path}: {what} left out, this model has no place for "
               f"{'them' if len(dropped) > 1 else 'it'} "
               f"(checkpoint.allow_dropped_weights=true; listed in run.dir/{RECORD_FILE}): {shown}", flush=True)
-        _record(ctx.cfg.run.dir, path, dropped, weights_only)
+        _record(ctx.run_dir, path, dropped, weights_only)
     return dropped
 
 
-def model_config_diff(cfg, common: dict) -> str:
-    """'; model config differs from the checkpoint's: KEY OLD → NEW, ...' or ''."""
+def model_config_diff(m, common: dict) -> str:
+    """'; model config differs from the checkpoint's: KEY OLD → NEW, ...' or '' (`m`: this run's model section)."""
     saved = (common.get("config") or {}).get("model") or {}
-    ours = cfg.to_dict()["model"]
+    ours = dataclasses.asdict(m)
     diffs = [f"{k} {saved[k]!r} → {ours[k]!r}" for k in ours if k in saved and saved[k] != ours[k]]
     return f"; model config differs from the checkpoint's: {', '.join(diffs)}" if diffs else ""
 

@@ -1,4 +1,5 @@
-"""The checkpoint format, in one place: names, the tracker, the commit, and the safe readers.
+"""What every checkpoint format shares, in one place: names, the tracker, the commit, and the safe readers (the
+formats themselves: `backends.py`).
 
 Layout (Megatron's convention): `iter_0000010/` per checkpoint and `latest_checkpointed_iteration.txt`
 naming the newest complete one. A checkpoint directory holds the torch_dist files, their `.metadata` index,
@@ -32,8 +33,6 @@ INDEX_FILE = ".metadata"
 COMMON_OBJECT = "common_state/shard_0_1"  # megatron-core 0.19+: common state inside the torch_dist files
 FORMAT_FILE = "metadata.json"
 RUN_CONFIG_FILE = "run_config.yaml"  # written by the commit: its presence marks a complete checkpoint
-FORMAT_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}  # FORMAT_FILE as Megatron-Core writes it
 
 
 class CheckpointError(RuntimeError):
@@ -137,16 +136,6 @@ def commit_files(path: Path, run_config_yaml: str, root: Path | None = None, ste
     except OSError as exc:
         raise CheckpointError(f"{target}: committing the checkpoint failed ({exc.strerror or exc}); "
                               "the tracker was not moved") from None
-
-
-def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> None:
-    """The non-tensor files of a checkpoint written outside Megatron-Core (the HF import):
-    `metadata.json`, `common.pt` and, last, `run_config.yaml`."""
-    import torch
-
-    (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
-    torch.save(common, path / COMMON_FILE)
-    write_atomic(path / RUN_CONFIG_FILE, run_config_yaml)
 
 
 def agree(error: CheckpointError | None) -> None:

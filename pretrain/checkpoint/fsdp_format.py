@@ -32,7 +32,16 @@ import torch.distributed as dist
 
 from pretrain.checkpoint import state as checkpoint_state
 from pretrain.checkpoint import stateful
-from pretrain.checkpoint.format import COMMON_FILE, FORMAT_FILE, CheckpointError, agree, read_object_bytes, reason
+from pretrain.checkpoint.dropped import check_dropped
+from pretrain.checkpoint.format import (
+    COMMON_FILE,
+    FORMAT_FILE,
+    CheckpointError,
+    agree,
+    inspect_checkpoint,
+    read_object_bytes,
+    reason,
+)
 from pretrain.checkpoint.state import set_rng_state
 
 FORMAT = "fsdp_dtensor"
@@ -253,8 +262,8 @@ def save_request(ctx, path: Path, *, step: int, consumed_samples: int):
     )
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    cfg, model = ctx.cfg, ctx.model
-    with_optimizer = cfg.checkpoint.save_optimizer
+    model = ctx.model
+    with_optimizer = ctx.settings.save_optimizer
     state, _, _ = dcp_state(ctx, with_optimizer=with_optimizer, is_loading=False)
     state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     names = all_stored_names(model)  # collective
@@ -317,14 +326,15 @@ def _local_non_finite(state: dict) -> str | None:
     return None
 
 
-def load(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
-    """Load an fsdp_dtensor checkpoint into Megatron-FSDP model chunks (all ranks). (step, consumed_samples)."""
+def load_tensors(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[int, int]:
+    """Load an fsdp_dtensor checkpoint's tensors (model, optimizer, RNG) into Megatron-FSDP model chunks (all ranks).
+    (step, consumed_samples)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    cfg, model, optimizer, scheduler = ctx.parts()
-    with_optimizer = not weights_only and cfg.checkpoint.load_optimizer and "optimizer" in common
+    model, optimizer = ctx.model, ctx.optimizer
+    with_optimizer = not weights_only and ctx.settings.load_optimizer and "optimizer" in common
     same_layout = list(common.get("layout", [])) == list(ctx.plan.layout_key())
     error = None
     state, raw_model, raw_opt = dcp_state(ctx, with_optimizer=with_optimizer, is_loading=True)
@@ -354,3 +364,52 @@ def load(ctx, path: Path, common: dict, index, *, weights_only: bool) -> tuple[i
     if weights_only:
         return 0, 0
     return int(common["iteration"]), int(common["consumed_samples"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------------
+
+
+def inspected(op: stateful.Io):
+    """The checkpoint `op.path` checked (`format.inspect_checkpoint`, the same verdict on every rank): its common
+    state into `op.common`; returns its index."""
+    error, index = None, None
+    try:
+        op.common, index = inspect_checkpoint(op.path)
+    except CheckpointError as exc:
+        error = exc
+    agree(error)
+    return index
+
+
+class FsdpDtensor:
+    """The fsdp_dtensor backend (`backends.Backend`): Megatron-FSDP runs."""
+
+    name = FORMAT
+
+    def save(self, ctx, path: Path, op: stateful.Io, *, async_save: bool):
+        request = save_request(ctx, path, step=op.step, consumed_samples=op.consumed_samples)
+        if async_save:
+            return request
+        request.execute_sync()
+        return None
+
+    def load(self, ctx, op: stateful.Io) -> tuple[int, int]:
+        index = inspected(op)
+        check_dropped(ctx, op, index, self.model_names)
+        return stateful.load_with_run_level(
+            ctx, op, lambda: load_tensors(ctx, op.path, op.common, index, weights_only=op.weights_only))
+
+    def check_requested(self, ctx, op: stateful.Io, index, state: dict) -> None:
+        check_requested(op.path, index, state)
+
+    def model_names(self, model) -> set[str]:
+        """The model tensors this rank's chunks take, by torch_dist name."""
+        from pretrain.checkpoint.parts import torch_dist_keys
+
+        return {key for entry in stored_names(inner(model)[1]).values() for key in torch_dist_keys(entry)}
+
+    def reload_main_params(self, ctx) -> None:
+        """Nothing: Megatron-FSDP's main weights are the tensors the load wrote (megatron-core 0.19 raises on
+        reload_model_params)."""

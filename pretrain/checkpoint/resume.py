@@ -118,17 +118,19 @@ def _saved_elsewhere(run_dir: str | Path, root: Path, step: int | None,
     return best
 
 
-def decide_resume(cfg, tokenizer=None, *, finish_commit: bool = True) -> tuple[Path | None, list[str]]:
-    """In this process: `resume_step` decided and the resume contract checked: (checkpoint dir or None, lines to
-    log); raises CheckpointError where a run must not start. The newest complete checkpoint of the run is used
-    wherever this run dir saved it: with checkpoint.dir changed, one in the earlier root that is newer than any in
-    the new one is resumed from (and said so); saves go to the new root. `tokenizer`: the run's `TokenizerPlan`
-    (the contract compares it). `finish_commit=False`: read only (`preview_start`)."""
-    path, lines, _common = _decide(cfg, tokenizer, finish_commit)
+def decide_resume(plan, *, finish_commit: bool = True) -> tuple[Path | None, list[str]]:
+    """In this process: `resume_step` decided and the resume contract checked, for the run plan `plan` (its config:
+    every section, the contract compares the whole tree; its tokenizer): (checkpoint dir or None, lines to log);
+    raises CheckpointError where a run must not start. The newest complete checkpoint of the run is used wherever
+    this run dir saved it: with checkpoint.dir changed, one in the earlier root that is newer than any in the new
+    one is resumed from (and said so); saves go to the new root. `finish_commit=False`: read only
+    (`preview_start`)."""
+    path, lines, _common = _decide(plan, finish_commit)
     return path, lines
 
 
-def _decide(cfg, tokenizer, finish_commit: bool) -> tuple[Path | None, list[str], dict]:
+def _decide(plan, finish_commit: bool) -> tuple[Path | None, list[str], dict]:
+    cfg = plan.cfg
     root = checkpoint_root(cfg)
     step, note = resume_step(root, finish_commit)
     lines = [note] if note else []
@@ -142,24 +144,25 @@ def _decide(cfg, tokenizer, finish_commit: bool) -> tuple[Path | None, list[str]
     common: dict = {}
     if path is not None:  # the resume contract, before anything loads
         common = inspect_checkpoint(path)[0]
-        lines += check_resume(cfg, path, common, tokenizer)
+        lines += check_resume(cfg, path, common, plan.tokenizer)
     return path, lines, common
 
 
-def preview_start(cfg, tokenizer=None) -> list[str]:
-    """What `train` will start from, decided as `start_from_checkpoint` decides, reading only (`validate`): the
-    lines to print, the first one `resume from step N of DIR: what changes` or `start from the weights of PATH`;
-    [] for a fresh start. Raises CheckpointError where train would refuse to start (the resume contract, an
-    optimizer state that cannot cross formats, an unusable tracker or checkpoint). The tensors themselves are
-    compared with the model's only when train builds it (`load.py`)."""
-    path, lines, common = _decide(cfg, tokenizer, finish_commit=False)
-    pretrained = cfg.checkpoint.pretrained
+def preview_start(plan) -> list[str]:
+    """What `train` will start from, decided as `start_from_checkpoint` decides, reading only (`validate`; `plan`: the
+    run plan): the lines to print, the first one `resume from step N of DIR: what changes` or `start from the
+    weights of PATH`; [] for a fresh start. Raises CheckpointError where train would refuse to start (the resume
+    contract, an optimizer state that cannot cross formats, an unusable tracker or checkpoint). The tensors
+    themselves are compared with the model's only when train builds it (`load.py`)."""
+    path, lines, common = _decide(plan, finish_commit=False)
+    c, o = plan.cfg.checkpoint, plan.cfg.optimizer
+    pretrained = c.pretrained
     if path is not None:
-        into_fsdp = bool(cfg.optimizer.fsdp)
+        into_fsdp = bool(o.fsdp)
         if (checkpoint_backend(path) == fsdp_format.FORMAT) != into_fsdp:
             from pretrain.checkpoint.cross_format import crossing_refusal
 
-            error = crossing_refusal(cfg, path, common, into_fsdp)
+            error = crossing_refusal(c, o, path, common, into_fsdp)
             if error is not None:
                 raise error
         changes = [line.removeprefix("resume: ") for line in lines if line.startswith("resume: ")]
@@ -180,13 +183,14 @@ def preview_start(cfg, tokenizer=None) -> list[str]:
     return lines
 
 
-def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
-    """`decide_resume` on rank 0, shared (collective): (checkpoint dir or None, lines to log)."""
+def find_resume(plan) -> tuple[Path | None, list[str]]:
+    """`decide_resume` of the run plan `plan` on rank 0, shared (collective): (checkpoint dir or None, lines to
+    log)."""
     decision: list = [None]
     unexpected = None
     if dist.get_rank() == 0:
         try:
-            path, lines = decide_resume(cfg, tokenizer)
+            path, lines = decide_resume(plan)
             decision[0] = ("ok", str(path) if path is not None else None, lines)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc), None)
@@ -204,15 +208,15 @@ def find_resume(cfg, tokenizer=None) -> tuple[Path | None, list[str]]:
     return (Path(value) if value is not None else None), lines
 
 
-def resume_point(cfg) -> int | None:
-    """The step of the checkpoint this run dir resumes from, None for a fresh start (collective; decided on rank 0 as
-    `find_resume` decides it, before anything is built: a staged run builds the stage that step is in)."""
-    root = checkpoint_root(cfg)
+def resume_point(root: Path, run_dir: str | Path) -> int | None:
+    """The step of the checkpoint the run dir `run_dir` (saving to `root`) resumes from, None for a fresh start
+    (collective; decided on rank 0 as `find_resume` decides it, before anything is built: a staged run builds the
+    stage that step is in)."""
     decision: list = [None]
     if dist.get_rank() == 0:
         try:
             step, _note = resume_step(root)
-            elsewhere = _saved_elsewhere(cfg.run.dir, root, step)
+            elsewhere = _saved_elsewhere(run_dir, root, step)
             decision[0] = ("ok", elsewhere[1] if elsewhere is not None else step)
         except CheckpointError as exc:
             decision[0] = ("error", str(exc))
@@ -228,20 +232,15 @@ def start_from_checkpoint(ctx, log) -> tuple[int, int, bool]:
 
     Returns (step, consumed_samples, resumed). `log` prints on rank 0.
     """
-    cfg, model, optimizer = ctx.cfg, ctx.model, ctx.optimizer
-    latest, lines = find_resume(cfg, ctx.plan.tokenizer)  # the tracker's, else the newest complete checkpoint
+    latest, lines = find_resume(ctx.plan)  # the tracker's, else the newest complete checkpoint
     for line in lines:
         log(f"[pretrain] {line}")
     if latest is not None:
         step, consumed = load_checkpoint(ctx, latest)
         log(f"[pretrain] resumed from {latest} at step {step}")
         return step, consumed, True
-    if cfg.checkpoint.pretrained:
-        load_checkpoint(ctx, resolve_checkpoint(cfg.checkpoint.pretrained), weights_only=True)
-        # Distributed optimizer: main params are copies of the model params made at construction. Megatron-FSDP's
-        # main weights are the tensors the load wrote (megatron-core 0.19 raises on reload_model_params).
-        if not fsdp_format.is_fsdp(model):
-            optimizer.reload_model_params()
-        log(f"[pretrain] loaded pretrained weights from {cfg.checkpoint.pretrained}")
+    pretrained = ctx.settings.pretrained
+    if pretrained:
+        load_checkpoint(ctx, resolve_checkpoint(pretrained), weights_only=True)  # the optimizer's main params too
+        log(f"[pretrain] loaded pretrained weights from {pretrained}")
     return 0, 0, False
-

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain.checkpoint import fsdp_format
+from pretrain.checkpoint import backends
 from pretrain.checkpoint.format import (
     RUN_CONFIG_FILE,
     CheckpointError,
     agree,
-    checkpoint_root,
     commit_files,
     ends_a_stage,
     is_committed,
@@ -29,23 +28,7 @@ from pretrain.checkpoint.format import (
     latest_iteration,
     reason,
 )
-from pretrain.checkpoint.stateful import Io, sharded_state
-from pretrain.compat import mcore
-
-
-def _save_strategy(async_save: bool):
-    """torch_dist, with the writes of replicated tensors spread over the data-parallel ranks."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    strategy = get_default_save_sharded_strategy("torch_dist")
-    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, ps.get_data_parallel_group(with_context_parallel=True), do_cache_distribution=False)
-    return strategy
-
-
+from pretrain.checkpoint.stateful import Io
 
 HELPER_BLOCKED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _WRITER_MANAGER = None
@@ -82,17 +65,17 @@ def start_writer_helper() -> None:
 
 
 
-def _commit(cfg, root: Path, path: Path, step: int) -> None:
+def _commit(ctx, root: Path, path: Path, step: int) -> None:
     """Mark `path` complete and point the tracker at it once every rank has finished writing it (collective)."""
     dist.barrier()
     error = None
     if dist.get_rank() == 0:
         try:
-            commit_files(path, cfg.to_yaml(), root, step)
+            commit_files(path, ctx.run_config_yaml(), root, step)
         except CheckpointError as exc:
             error = exc
         else:
-            _prune(root, cfg.checkpoint.keep_last, current=step)
+            _prune(root, ctx.settings.keep_last, current=step)
     agree(error)
 
 
@@ -176,11 +159,10 @@ def save_checkpoint(ctx, *, step: int, consumed_samples: int, async_saves: Async
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    cfg, model = ctx.cfg, ctx.model
     if async_saves is not None and async_saves.pending is not None:
         async_saves.finalize(blocking=True)
     start_writer_helper()
-    root = checkpoint_root(cfg)
+    root = ctx.root
     path = iteration_dir(root, step)
     error = None
     if dist.get_rank() == 0:
@@ -189,20 +171,14 @@ def save_checkpoint(ctx, *, step: int, consumed_samples: int, async_saves: Async
         except CheckpointError as exc:
             error = exc
     agree(error)
-    fsdp = fsdp_format.is_fsdp(model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
-    state = None if fsdp else sharded_state(ctx, Io(is_loading=False, step=step, consumed_samples=consumed_samples))
+    backend = backends.for_run(ctx.model)  # Megatron-FSDP: the fsdp_dtensor format, else torch_dist
+    op = Io(is_loading=False, step=step, consumed_samples=consumed_samples)
     try:
-        request = fsdp_format.save_request(ctx, path, step=step, consumed_samples=consumed_samples) if fsdp else None
+        request = backend.save(ctx, path, op, async_save=async_saves is not None)
         if async_saves is None:
-            if fsdp:
-                request.execute_sync()
-            else:
-                mcore.save_sharded(state, str(path), _save_strategy(False), async_save=False)
-            _commit(cfg, root, path, step)
+            _commit(ctx, root, path, step)
         else:
-            if not fsdp:
-                request = mcore.save_sharded(state, str(path), _save_strategy(True), async_save=True)
-            request.add_finalize_fn(lambda: _commit(cfg, root, path, step))
+            request.add_finalize_fn(lambda: _commit(ctx, root, path, step))
             async_saves.schedule(request)
             async_saves.pending, async_saves.pending_path = step, path
     except CheckpointError:
@@ -253,13 +229,14 @@ def writer_died(path: Path | None, writer) -> CheckpointError | None:
                            f"{writer.pid}) {how} before it finished; nothing was committed{still}")
 
 
-def check_writable(cfg) -> None:
+def check_writable(ctx) -> None:
     """Fail before step 1, not at the first save, when the checkpoint directory cannot be written (collective:
-    every rank writes and removes a probe file there). Nothing is checked when the run never saves."""
-    c, t = cfg.checkpoint, cfg.train
+    every rank writes and removes a probe file there). Nothing is checked when the run never saves (periodically,
+    at the end, on a signal or at the time limit: the checkpoint and train sections)."""
+    c, t = ctx.settings, ctx.plan.cfg.train
     if not (c.interval or c.save_at_end or t.exit_signal_handler or t.exit_duration_in_mins):
         return
-    root = checkpoint_root(cfg)
+    root = ctx.root
     error = None
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ names): they share the common state (`common_fields`) and the schedule and recor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -76,7 +77,7 @@ class ModelState:
 
 class OptimizerState:
     def included(self, ctx, op: Io) -> bool:
-        c = ctx.cfg.checkpoint
+        c = ctx.settings
         if not op.is_loading:
             return c.save_optimizer
         return not op.weights_only and c.load_optimizer and "optimizer" in op.common
@@ -117,7 +118,7 @@ class ProgressState:
     def sharded_state_dict(self, ctx, state: dict, op: Io) -> dict:
         plan = ctx.plan
         return {"iteration": op.step, "consumed_samples": op.consumed_samples, "layout": list(plan.layout_key()),
-                "config": plan.cfg.to_dict()}
+                "config": ctx.run_config()}
 
     def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
         pass
@@ -196,3 +197,16 @@ def common_fields(ctx, *, step: int, consumed_samples: int) -> dict:
 def run_level(ctx, op: Io) -> list:
     """The run-level pieces a load of `op` applies (the fsdp_dtensor and cross-format loads: schedule, record)."""
     return [piece for piece in ctx.states if isinstance(piece, COMMON) and piece.included(ctx, op)]
+
+
+def load_with_run_level(ctx, op: Io, load_tensors: Callable[[], tuple[int, int]]) -> tuple[int, int]:
+    """A load whose tensors a format reads its own way (fsdp_dtensor, across formats): the run-level pieces
+    (`run_level`: this config's schedule at the checkpoint's step, the record) around `load_tensors()`, which returns
+    (step, consumed_samples)."""
+    pieces = run_level(ctx, op)
+    for piece in pieces:
+        piece.sharded_state_dict(ctx, {}, op)
+    step, consumed = load_tensors()
+    for piece in pieces:
+        piece.load_state_dict(ctx, {}, op)
+    return step, consumed

@@ -119,7 +119,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, config: str | None
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from pretrain.checkpoint.format import write_checkpoint_files
+    from pretrain.checkpoint.torch_dist import write_checkpoint_files
     started = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
     config_json = hf_dir / "config.json"

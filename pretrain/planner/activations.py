@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from model_providers.core import hybrid
 from model_providers.core.fusions import bias_activation_fusion
-from pretrain.config import Config, ModelConfig
+from model_providers.core.model_plan import ModelPlan, model_plan
+from pretrain.config import Config, ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.planner import linear_attention, mamba
 from pretrain.planner.census import is_moe_layer
@@ -71,9 +72,10 @@ def recomputed_modules(m: ModelConfig) -> frozenset[str]:
     return frozenset(m.recompute_modules if m.recompute_modules is not None else ("core_attn",))
 
 
-def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
+def layer_terms(mp: ModelPlan, lay: Layout, recompute_core_attention: bool = False,
                 modules: Collection[str] = (), index: int | None = None) -> dict[str, int]:
-    """Bytes one decoder layer keeps for one microbatch, by term (no full recompute).
+    """Bytes one decoder layer keeps for one microbatch, by term (no full recompute), of the model `mp` builds (its
+    model section, performance section, packed documents, CP communication).
 
     `modules`: selectively recomputed submodules (`recomputed_modules`); `core_attn` there is the same as
     `recompute_core_attention`. `mlp`: the checkpoint keeps only the MLP's input, already the fc1 GEMM input.
@@ -82,7 +84,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     None: MoE whenever the model has experts).
     """
     recompute_core_attention = recompute_core_attention or "core_attn" in modules
-    m = cfg.model
+    m = mp.config
     p = lay.bytes_per_value
     h, a = m.hidden_size, m.num_attention_heads
     g, d, f = lay.num_query_groups, lay.head_dim, lay.ffn_hidden_size
@@ -90,9 +92,9 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     hs = s * b * h // (t if lay.sp else 1)
     rows = hs // h
     rope = m.position_embedding_type in ("rope", "yarn")  # YaRN is RoPE with other frequencies
-    low = gemm_input_bytes(cfg, lay)
+    low = gemm_input_bytes(m, mp.performance, lay)
     sbd = s * b * d // t  # one head's worth of values on this rank, times t
-    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(cfg.model, lay, hs, rows, low)}
+    out: dict[str, int] = {"norms_and_gemm_inputs": 2 * _norm_terms(m, lay, hs, rows, low)}
     moe = bool(m.num_moe_experts) if index is None else is_moe_layer(m, index)
     if m.multi_latent_attention:
         out.update(mla_terms(m, lay, lambda n, r: _norm_terms(m, lay, n, r, low), recompute_core_attention,
@@ -108,9 +110,9 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
         # and the fp32 softmax statistics; TE's fused RoPE keeps only the shared frequencies.
         out["qkv"] = (a + 2 * g) * sbd * p
         out["softmax_stats"] = 4 * b * (a // t) * s
-    elif uses_cpu_cp_attention(cfg, lay):
+    elif uses_cpu_cp_attention(mp, lay):
         # The local spec's context-parallel / packed-sequence attention (pretrain.planner.context).
-        out.update(cpu_attention_terms(cfg, lay, sbd, _qkv_saved_units(a, g, rope, expanded=False),
+        out.update(cpu_attention_terms(mp, lay, sbd, _qkv_saved_units(a, g, rope, expanded=False),
                                        _qkv_saved_units(a, g, rope, expanded=True)))
         if rope:
             out["rope_cos_sin"] = 4 * s * d * p
@@ -128,7 +130,7 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     out = linear_attention.adjust_attention_terms(out, m, lay, index)  # Gated DeltaNet layers, the output gate
     fc2_in = low or p
     if moe:
-        out.update(moe_terms(cfg, lay, rows, modules))
+        out.update(moe_terms(m, mp.performance, lay, rows, modules))
     else:
         sbf = s * b * f // t
         if m.gated_linear_unit:
@@ -145,8 +147,10 @@ def layer_terms(cfg: Config, lay: Layout, recompute_core_attention: bool = False
     return out
 
 
-def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = ()) -> dict[str, int]:
-    """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank.
+def moe_terms(m: ModelConfig, perf: PerformanceConfig, lay: Layout, tokens: int,
+              modules: Collection[str] = ()) -> dict[str, int]:
+    """What an MoE layer's router, dispatcher and experts keep for one microbatch of `tokens` on this rank (`m`,
+    `perf`: the model and performance sections).
 
     Measured on CPU ranks (local spec, `SequentialMLP`, dropless, fp32 and bf16, varying h, f_e, E, k): the
     router keeps fp32 logits and index/mask tensors, 5·T·E + 24·T·k bytes, plus 4·T·E + 8·T·k + 8·E + 4 with
@@ -162,12 +166,11 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
     """
     if "moe" in modules:
         return {"moe_router": 0, "moe_experts": 0}
-    m = cfg.model
     p = lay.bytes_per_value
     experts, k = m.num_moe_experts, m.moe_router_topk
     sigmoid = m.moe_router_score_function == "sigmoid"
     if sigmoid:  # DeepSeek routing (pretrain.planner.mla)
-        router = sigmoid_router_terms(cfg.model, lay, tokens)
+        router = sigmoid_router_terms(m, lay, tokens)
     else:
         router = 5 * tokens * experts + 24 * tokens * k
         if m.moe_aux_loss_coeff > 0 and m.moe_router_load_balancing_type != "none":
@@ -176,7 +179,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
             router += 4 * tokens * experts + 4 * tokens + 4
     out = {"moe_router": router}
     if m.moe_shared_expert_intermediate_size and "shared_experts" not in modules:  # its checkpoint keeps its input
-        out["moe_shared_experts"] = shared_expert_terms(cfg, lay, bias_activation_fusion(m, lay.on_gpu, lay.use_te))
+        out["moe_shared_experts"] = shared_expert_terms(m, perf, lay, bias_activation_fusion(m, lay.on_gpu, lay.use_te))
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
@@ -184,7 +187,7 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
         # Under FP8 (TE) the two GEMM inputs are kept as their FP8 copies, as in the dense MLP.
-        gemm_in = gemm_input_bytes(cfg, lay) or p
+        gemm_in = gemm_input_bytes(m, perf, lay) or p
         per_copy = (m.hidden_size + (0 if "moe_act" in modules else width)) * gemm_in + 2 * width * p
         return {**out, "moe_experts": int(tokens * k * lay.etp * (per_copy + 4))}
     # Unfused: fc1's input and output, the activation's intermediates, fc2's input (6·f_e gated, 3·f_e not); with the
@@ -196,25 +199,33 @@ def moe_terms(cfg: Config, lay: Layout, tokens: int, modules: Collection[str] = 
 
 def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
                            modules: Collection[str] = (), index: int | None = None) -> int:
-    """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute)."""
-    return sum(layer_terms(cfg, lay, recompute_core_attention, modules, index).values())
+    """Bytes autograd keeps for one decoder layer and one microbatch (no full recompute; `cfg`: what `model_plan`
+    reads of it)."""
+    return sum(layer_terms(model_plan(cfg), lay, recompute_core_attention, modules, index).values())
 
 
 def stage_layers(cfg: Config, lay: Layout, pp_rank: int, vp_stage: int, modules: Collection[str] = ()) -> list[int]:
     """Bytes each transformer layer of one model chunk keeps per microbatch, in order: its decoder layers, then
-    (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last)."""
-    m = cfg.model
+    (last stage, last chunk) the MTP layers' transformer layers (like the decoder's last). `cfg`: what `model_plan`
+    reads of it."""
+    return chunk_layer_bytes(model_plan(cfg), lay, pp_rank, vp_stage, modules)
+
+
+def chunk_layer_bytes(mp: ModelPlan, lay: Layout, pp_rank: int, vp_stage: int,
+                      modules: Collection[str] = ()) -> list[int]:
+    """`stage_layers` of the model `mp` builds."""
+    m = mp.config
     offset, per_chunk = lay.chunk_layers(m.num_layers, pp_rank, vp_stage)
     if hybrid.is_hybrid(m):  # Mamba / attention / MLP / MoE layers (pretrain/planner/mamba.py); MTP depths last
         mtp = pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1
-        return mamba.stage_layers(cfg, lay, offset, per_chunk, modules, layer_terms, _norm_terms, mtp)
-    out = [layer_activation_bytes(cfg, lay, modules=modules, index=offset + i) for i in range(per_chunk)]
+        return mamba.stage_layers(mp, lay, offset, per_chunk, modules, layer_terms, _norm_terms, mtp)
+    out = [sum(layer_terms(mp, lay, modules=modules, index=offset + i).values()) for i in range(per_chunk)]
     if m.mtp_num_layers and pp_rank == lay.pp - 1 and vp_stage == lay.vp - 1:
-        out += [layer_activation_bytes(cfg, lay, modules=modules, index=m.num_layers - 1)] * m.mtp_num_layers
+        out += [sum(layer_terms(mp, lay, modules=modules, index=m.num_layers - 1).values())] * m.mtp_num_layers
     return out
 
 
-def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int, int]:
+def microbatch_extras(m: ModelConfig, perf: PerformanceConfig, lay: Layout, padded_vocab: int) -> tuple[int, int]:
     """(first stage, last stage) bytes outside the decoder layers, per microbatch.
 
     First: the token ids (and position ids) the embedding keeps (int64). Last: the final norm and output
@@ -222,12 +233,11 @@ def microbatch_extras(cfg: Config, lay: Layout, padded_vocab: int) -> tuple[int,
     cross entropy, `performance.cross_entropy_fusion_impl=te`: it writes the gradient into the logits) plus its
     target mask (bool) and masked targets (int64), and the loss mask the loss function multiplies by (fp32).
     """
-    m = cfg.model
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (t if lay.sp else 1)
     first = 8 * s * b * (2 if m.position_embedding_type == "learned_absolute" else 1)
-    last = _norm_terms(cfg.model, lay, hs, hs // m.hidden_size, gemm_bytes=None)  # the output layer is not FP8
-    te_loss = lay.on_gpu and lay.use_te and cfg.performance.cross_entropy_fusion_impl == "te"
+    last = _norm_terms(m, lay, hs, hs // m.hidden_size, gemm_bytes=None)  # the output layer is not FP8
+    te_loss = lay.on_gpu and lay.use_te and perf.cross_entropy_fusion_impl == "te"
     last += (0 if te_loss else 4 * s * b * (padded_vocab // t)) + 9 * s * b + 4 * s * b
     return first, last
 
@@ -243,7 +253,7 @@ def _full_recompute(m: ModelConfig, per_chunk: int, layer: int, hs_bytes: int) -
     return groups * hs_bytes, min(n, per_chunk) * layer, 0
 
 
-def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> tuple[int, int]:
+def _selective_recompute(mp: ModelPlan, lay: Layout, modules: Collection[str]) -> tuple[int, int]:
     """(recomputed working set, bytes freed before it) in the backward of the last layer.
 
     Without core_attn: the MLP (recomputed first in the layer's backward, nothing freed yet) or the norms'
@@ -252,25 +262,25 @@ def _selective_recompute(cfg: Config, lay: Layout, modules: Collection[str]) -> 
     rebuilds the expanded K/V (GQA), the causal mask and the scores; TE's fused attention a contiguous V and its
     softmax statistics.
     """
-    full = layer_terms(cfg, lay)
+    full = layer_terms(mp, lay)
     mlp = full["mlp"] if "mlp" in full else full["moe_router"] + full["moe_experts"] + full.get("moe_shared_experts", 0)
     up_proj = full.get("qkv", 0) + full.get("mla_latents", 0) if "mla_up_proj" in modules else 0
     if "core_attn" not in modules:
-        norms = full["norms_and_gemm_inputs"] - layer_terms(cfg, lay, modules=("layernorm",))[
+        norms = full["norms_and_gemm_inputs"] - layer_terms(mp, lay, modules=("layernorm",))[
             "norms_and_gemm_inputs"]
         shared = full.get("moe_shared_experts", 0) if "shared_experts" in modules else 0
         return max(mlp if {"mlp", "moe"} & set(modules) else 0, norms // 2 if "layernorm" in modules else 0,
                    up_proj, shared), 0
-    kept = layer_terms(cfg, lay, recompute_core_attention=True)
+    kept = layer_terms(mp, lay, recompute_core_attention=True)
     freed = full["norms_and_gemm_inputs"] // 2 + mlp + kept["attention_output"]
-    m = cfg.model
+    m = mp.config
     a = m.num_attention_heads
     g, d = lay.num_query_groups, lay.head_dim
     head = (m.seq_length // lay.cp) * lay.mbs * d // lay.tp * lay.bytes_per_value
     if lay.use_te:
         return g * head + full["softmax_stats"], freed
-    if uses_cpu_cp_attention(cfg, lay):
-        return cpu_recompute_working_set(cfg, lay, full, head), freed
+    if uses_cpu_cp_attention(mp, lay):
+        return cpu_recompute_working_set(mp, lay, full, head), freed
     expanded = 2 * a * head if g < a else 0
     return expanded + full["causal_mask"] + full["scores"], freed
 
@@ -319,15 +329,17 @@ class ActivationMemory:
 
 
 def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> ActivationMemory:
-    """Activations this pipeline stage holds at its peak, and the transient buffers then."""
-    m = cfg.model
+    """Activations this pipeline stage holds at its peak, and the transient buffers then (`cfg`: what `model_plan`
+    reads of it, the model the builder builds)."""
+    mp = model_plan(cfg)
+    m = mp.config
     p = lay.bytes_per_value
     h = m.hidden_size
     s, b, t = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * h // (t if lay.sp else 1)
     selective = m.recompute_granularity == "selective"
-    modules = recomputed_modules(cfg.model)
-    chunk_layers = {c: stage_layers(cfg, lay, pp_rank, c, modules) for c in range(lay.vp)}
+    modules = recomputed_modules(m)
+    chunk_layers = {c: chunk_layer_bytes(mp, lay, pp_rank, c, modules) for c in range(lay.vp)}
     per_mb = {c: sum(layers) for c, layers in chunk_layers.items()}
     working, freed_first, once = 0, 0, 0
     if m.recompute_granularity == "full":
@@ -336,15 +348,15 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         per_mb, work = {}, []
         for c, layers in chunk_layers.items():
             decoder = lay.chunk_layers(m.num_layers, pp_rank, c)[1]
-            stored, chunk_work, freed_first = _full_recompute(cfg.model, decoder, layer, hs * p)
+            stored, chunk_work, freed_first = _full_recompute(m, decoder, layer, hs * p)
             per_mb[c] = stored + (len(layers) - decoder) * 2 * hs * p  # MTP layers keep their two inputs
             work.append(chunk_work)
         working = max(work)
         if m.position_embedding_type in ("rope", "yarn"):  # checkpoints keep each chunk's (cached) RoPE frequencies
             once = lay.vp * s * lay.head_dim * 4
     elif selective:
-        working, freed_first = _selective_recompute(cfg, lay, modules)
-    offloaded = cfg.performance.cpu_offloading_num_layers
+        working, freed_first = _selective_recompute(mp, lay, modules)
+    offloaded = mp.performance.cpu_offloading_num_layers
     in_transit = 0
     if offloaded and lay.pp == 1 and m.recompute_granularity is None:
         # Megatron-Core's layer-wise offloading (Transformer Engine's get_cpu_offload_context): the first N layers'
@@ -356,8 +368,8 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         moved = chunk_layers[0][:offloaded]
         per_mb[0] -= sum(moved)
         in_transit = max(moved, default=0)
-    first, last = microbatch_extras(cfg, lay, padded_vocab)
-    last += mtp_extras(cfg.model, lay, padded_vocab, lambda n, r: _norm_terms(cfg.model, lay, n, r, gemm_bytes=None))
+    first, last = microbatch_extras(m, mp.performance, lay, padded_vocab)
+    last += mtp_extras(m, lay, padded_vocab, lambda n, r: _norm_terms(m, lay, n, r, gemm_bytes=None))
     loss_chunk = lay.vp - 1 if pp_rank == lay.pp - 1 else None
     if pp_rank == 0:
         per_mb[0] += first
@@ -383,10 +395,10 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         transient += mamba.scan_states(m, lay)
     # the sequence-parallel all-gather buffer; with TP communication overlap the gathered input is TE's userbuffer
     # (`planner.memory.userbuffer_bytes`), not a tensor of its own
-    overlap = cfg.parallel.tp_comm_overlap and lay.use_te and lay.tp > 1
+    overlap = mp.tp_comm_overlap and lay.use_te and lay.tp > 1
     gather = s * b * h * p if lay.sp and not overlap else 0
-    if uses_cpu_cp_attention(cfg, lay):
-        gather = max(gather, cpu_attention_working_set(cfg, lay))  # CPU only: its s²/CP scores while it runs
+    if uses_cpu_cp_attention(mp, lay):
+        gather = max(gather, cpu_attention_working_set(mp, lay))  # CPU only: its s²/CP scores while it runs
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather

@@ -10,7 +10,7 @@ inside TP × CP × DP for experts), PP slowest: a TP group spans `tp` consecutiv
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.planner.constants import value
 from pretrain.planner.hardware import GPUS, domains_spanned
@@ -37,13 +37,14 @@ def collective_bandwidth(gpu: str, span: int, members: int, domain: int) -> floa
     return min(nv, k * bandwidth(gpu, span, domain))
 
 
-def ep_all_to_all(cfg: Config, lay: Layout, gpu: str, domain: int, moe_layers: int) -> tuple[float, int]:
+def ep_all_to_all(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str, domain: int,
+                  moe_layers: int) -> tuple[float, int]:
     """(seconds, bytes sent) of one microbatch's token all-to-alls on this rank: dispatch and combine, forward and
     backward. An EP group inside one NVLink domain runs on NVLink. One that spans D domains sends the copies for
     experts in other domains over the network, concurrently with the rest on NVLink: k·(D − 1)/D copies per token
     (NCCL's all-to-all), or one per destination domain with DeepEP / HybridEP, which deduplicate and forward them
-    over the destination's NVLink (every copy then crosses NVLink once)."""
-    m = cfg.model
+    over the destination's NVLink (every copy then crosses NVLink once). `m`, `perf`: the model and performance
+    sections."""
     if not m.num_moe_experts or lay.ep == 1 and lay.etp == 1:
         return 0.0, 0
     rows = m.seq_length * lay.mbs / lay.cp / (lay.tp if lay.sp else 1)
@@ -55,7 +56,7 @@ def ep_all_to_all(cfg: Config, lay: Layout, gpu: str, domain: int, moe_layers: i
     if d == 1:
         return moe_layers * total / nv, int(moe_layers * total)
     share = (d - 1) / d  # of a token's copies, those for experts in other domains
-    if cfg.performance.moe_flex_dispatcher_backend:
+    if perf.moe_flex_dispatcher_backend:
         off, on = per_copy * (d - 1) * (1 - (1 - 1 / d) ** k), total
     else:
         off, on = per_copy * k * share, max(total - per_copy * k * share, 0.0)
@@ -73,18 +74,19 @@ def ep_unpaired_share(lay: Layout) -> float:
     return min(1.0, (2 * (lay.pp - 1) + (lay.vp - 1) * lay.pp + 1) / steps)
 
 
-def ep_exposed(cfg: Config, lay: Layout, gpu: str, ep_total: float, compute: float) -> float:
+def ep_exposed(perf: PerformanceConfig, lay: Layout, gpu: str, ep_total: float, compute: float) -> float:
     """What a step's all-to-all (`ep_total` seconds) leaves on the critical path. Without
     `performance.overlap_moe_expert_parallel_comm` all of it. With it, Megatron-Core pairs one microbatch's forward
     with another's backward and runs each one's all-to-all beside the other's compute: the unpaired share
     (`ep_unpaired_share`) stays exposed, the paired all-to-all beyond the paired compute too, and while the two run
     together the communication kernels hold their SMs (DeepEP, HybridEP or NCCL: the constants), so that compute runs
-    on the rest of the GPU: a slowdown of f / (1 − f) of the overlapped time, f = their SMs / the GPU's."""
-    if not cfg.performance.overlap_moe_expert_parallel_comm or ep_total <= 0:
+    on the rest of the GPU: a slowdown of f / (1 − f) of the overlapped time, f = their SMs / the GPU's (`perf`: the
+    performance section)."""
+    if not perf.overlap_moe_expert_parallel_comm or ep_total <= 0:
         return ep_total
     unpaired = ep_unpaired_share(lay)
     comm, comp = ep_total * (1 - unpaired), compute * (1 - unpaired)
-    backend = cfg.performance.moe_flex_dispatcher_backend
+    backend = perf.moe_flex_dispatcher_backend
     sms = value(f"{backend}_sms" if backend else "nccl_a2a_sms")
     f = min(sms / GPUS[gpu].sms, 0.9)
     return ep_total * unpaired + max(0.0, comm - comp) + min(comm, comp) * f / (1 - f)
@@ -110,7 +112,7 @@ def dp_exposed(cfg: Config, lay: Layout, params: int, expert: int, domain: int, 
     if lay.fsdp_sharding:
         from pretrain.planner.fsdp import fsdp_comm_bytes
 
-        per_microbatch = sum(fsdp_comm_bytes(cfg, lay, params, expert)) / bw / lay.num_microbatches
+        per_microbatch = sum(fsdp_comm_bytes(o, lay, params, expert)) / bw / lay.num_microbatches
         return lay.num_microbatches * max(0.0, per_microbatch - microbatch_s)
 
     def share(n: int) -> float:

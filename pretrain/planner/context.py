@@ -18,38 +18,41 @@ shrinks by CP (its `s` is seq/CP already). What attention itself keeps depends o
 Packed documents (THD) pack a microbatch into one sequence of b·s tokens (b = 1), padded by up to 2·CP − 1 tokens
 per document under CP (not counted): per-token terms are unchanged, the CPU attention's score terms are those of
 a b·s sequence (b times a bshd microbatch's). Transformer Engine's THD attention keeps per-token terms only.
+
+Each function reads the `ModelPlan` (`model_providers.core.model_plan`: the model section, packed documents, the CP
+communication type): what the model builder reads to build the attention these terms describe.
 """
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from model_providers.core.model_plan import ModelPlan
 from pretrain.layout import Layout
 
 
-def uses_cpu_cp_attention(cfg: Config, lay: Layout) -> bool:
+def uses_cpu_cp_attention(mp: ModelPlan, lay: Layout) -> bool:
     """The local spec's core attention is `ContextParallelAttention` (CP > 1 or packed documents)."""
-    return not lay.use_te and (lay.cp > 1 or bool(cfg.data.reset_attention_mask))
+    return not lay.use_te and (lay.cp > 1 or mp.packed_documents)
 
 
-def attention_shape(cfg: Config, lay: Layout) -> tuple[int, int, int]:
+def attention_shape(mp: ModelPlan, lay: Layout) -> tuple[int, int, int]:
     """(b, local queries, keys) of one attention call: THD packs the micro batch into one sequence."""
-    s, b = cfg.model.seq_length, lay.mbs
-    if cfg.data.reset_attention_mask:
+    s, b = mp.config.seq_length, lay.mbs
+    if mp.packed_documents:
         s, b = s * b, 1
     return b, s // lay.cp, s
 
 
-def cpu_attention_terms(cfg: Config, lay: Layout, sbd: int, qkv_units: int, expanded_units: int) -> dict[str, int]:
+def cpu_attention_terms(mp: ModelPlan, lay: Layout, sbd: int, qkv_units: int, expanded_units: int) -> dict[str, int]:
     """Bytes the CPU context-parallel attention keeps for backward (one layer, one microbatch).
 
     `sbd`: one head's values on this rank (s/CP·b·d/t); `qkv_units`: what the ring's inputs keep, in those units
     (Q, K and the fused QKV output V is a view of); `expanded_units`: Q plus K/V expanded to all heads (3·a).
     """
     p = lay.bytes_per_value
-    a = cfg.model.num_attention_heads
+    a = mp.config.num_attention_heads
     heads = a // lay.tp
-    b, sq, sk = attention_shape(cfg, lay)
-    comm, cp = cfg.parallel.cp_comm_type, lay.cp
+    b, sq, sk = attention_shape(mp, lay)
+    comm, cp = mp.cp_comm_type, lay.cp
     scores = (4 + (p if p != 4 else 0)) * b * heads * sq * sk  # fp32 softmax and its p-byte copy
     if cp > 1 and comm == "p2p":
         return {"qkv": qkv_units * sbd * p, "cp_ring_output": 4 * a * sbd + 4 * b * heads * sq}
@@ -60,11 +63,11 @@ def cpu_attention_terms(cfg: Config, lay: Layout, sbd: int, qkv_units: int, expa
     return {"qkv": expanded_units * sbd * p, "causal_mask": sq * sk, "scores": scores}
 
 
-def cpu_recompute_working_set(cfg: Config, lay: Layout, terms: dict[str, int], head: int) -> int:
+def cpu_recompute_working_set(mp: ModelPlan, lay: Layout, terms: dict[str, int], head: int) -> int:
     """What recomputing the CPU attention rebuilds beyond the checkpoint's Q, K, V (`terms`: the layer's terms
     without recompute; `head`: one head's bytes on this rank, s/CP·b·d/t·p)."""
-    a, g = cfg.model.num_attention_heads, lay.num_query_groups
-    comm, cp = cfg.parallel.cp_comm_type, lay.cp
+    a, g = mp.config.num_attention_heads, lay.num_query_groups
+    comm, cp = mp.cp_comm_type, lay.cp
     if cp > 1 and comm == "p2p":
         return terms["cp_ring_output"]
     if cp > 1 and comm == "all_gather":
@@ -76,20 +79,20 @@ def cpu_recompute_working_set(cfg: Config, lay: Layout, terms: dict[str, int], h
     return rebuilt + terms["causal_mask"] + terms["scores"]
 
 
-def cpu_attention_working_set(cfg: Config, lay: Layout) -> int:
+def cpu_attention_working_set(mp: ModelPlan, lay: Layout) -> int:
     """CPU only: the s²/CP score bytes the CPU attention materialises per layer while it runs (scores, fp32
     softmax, its copy; the p2p ring one K/V block at a time)."""
-    if not uses_cpu_cp_attention(cfg, lay):
+    if not uses_cpu_cp_attention(mp, lay):
         return 0
     p = lay.bytes_per_value
-    b, sq, sk = attention_shape(cfg, lay)
-    heads = cfg.model.num_attention_heads // lay.tp
-    if lay.cp > 1 and cfg.parallel.cp_comm_type == "p2p":
+    b, sq, sk = attention_shape(mp, lay)
+    heads = mp.config.num_attention_heads // lay.tp
+    if lay.cp > 1 and mp.cp_comm_type == "p2p":
         sk = sq  # one block of the ring: the rank's queries against one rank's keys
     return b * heads * sq * sk * (p + 4 + 4)
 
 
-def cp_comm_bytes(cfg: Config, lay: Layout) -> float:
+def cp_comm_bytes(mp: ModelPlan, lay: Layout) -> float:
     """Bytes one rank sends for context-parallel attention per layer and microbatch (forward + backward).
 
     p2p and all_gather move K and V: (CP−1)·2·(s/CP)·b·g·d/t·p in the forward (ring steps / the gather), twice
@@ -98,33 +101,33 @@ def cp_comm_bytes(cfg: Config, lay: Layout) -> float:
     """
     if lay.cp <= 1:
         return 0.0
-    m = cfg.model
+    m = mp.config
     p, cp = lay.bytes_per_value, lay.cp
     s, b, d = m.seq_length // cp, lay.mbs, lay.head_dim
     heads, groups = m.num_attention_heads / lay.tp, max(lay.num_query_groups / lay.tp, 1)
     again = m.recompute_granularity == "full" or (
         m.recompute_granularity == "selective" and "core_attn" in (m.recompute_modules or ("core_attn",)))
-    if cfg.parallel.cp_comm_type == "a2a":
+    if mp.cp_comm_type == "a2a":
         forward = (cp - 1) / cp * s * b * (2 * heads + 2 * groups) * d * p
         return forward * (3 if again else 2)
     forward = (cp - 1) * 2 * s * b * groups * d * p
     return forward * (4 if again else 3)
 
 
-def context_summary(cfg: Config, lay: Layout, layer_terms) -> dict | None:
+def context_summary(mp: ModelPlan, lay: Layout, layer_terms) -> dict | None:
     """The plan's `context_parallel` entry (None without CP or packed documents): the comm type, the bytes a
     rank sends per layer and microbatch, and — CPU only — what the local spec's CP attention would keep and work on
     per layer in a CPU dry run of this layout (Transformer Engine replaces it on GPUs). `layer_terms`:
     `pretrain.planner.activations.layer_terms`."""
     from dataclasses import replace
 
-    thd = bool(cfg.data.reset_attention_mask)
+    thd = mp.packed_documents
     if lay.cp <= 1 and not thd:
         return None
     cpu = replace(lay, use_te=False, on_gpu=False)
-    terms = layer_terms(cfg, cpu)
+    terms = layer_terms(mp, cpu)
     saved = sum(v for k, v in terms.items() if k in ("qkv", "causal_mask", "scores", "cp_ring_output"))
-    return {"context": lay.cp, "cp_comm_type": cfg.parallel.cp_comm_type if lay.cp > 1 else None,
-            "packed_documents": thd, "comm_bytes_per_layer_microbatch": cp_comm_bytes(cfg, lay),
+    return {"context": lay.cp, "cp_comm_type": mp.cp_comm_type if lay.cp > 1 else None,
+            "packed_documents": thd, "comm_bytes_per_layer_microbatch": cp_comm_bytes(mp, lay),
             "cpu_only": {"attention_saved_bytes_per_layer": saved,
-                         "attention_working_set_bytes_per_layer": cpu_attention_working_set(cfg, cpu)}}
+                         "attention_working_set_bytes_per_layer": cpu_attention_working_set(mp, cpu)}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_providers.core.model_plan import model_plan
 from pretrain.config import Config
 from pretrain.layout import Layout
 from pretrain.planner.activations import recomputed_modules
@@ -56,7 +57,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     p = lay.bytes_per_value
     mb = lay.num_microbatches
     domain = nvlink_domain(gpu, gpus_per_node)
-    works = [rank_work(cfg, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
+    works = [rank_work(m, cfg.performance, lay, padded_vocab, gpu, r) for r in range(lay.pp)]
     work = max(works, key=lambda w: w.busy_s)
     again = recompute_factor(cfg.model, work)
     modules = recomputed_modules(cfg.model)
@@ -67,7 +68,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     tp = mb * work.blocks * 4 * recompute_fwd * (lay.tp - 1) / lay.tp * s * b * h * p / bandwidth(gpu, lay.tp, domain)
     if cfg.parallel.tp_comm_overlap:
         tp *= value("tp_overlap_exposed")
-    cp = mb * work.layers * cp_comm_bytes(cfg, lay) / bandwidth(gpu, lay.tp * lay.cp, domain)
+    cp = mb * work.layers * cp_comm_bytes(model_plan(cfg), lay) / bandwidth(gpu, lay.tp * lay.cp, domain)
     if lay.cp > 1 and cfg.parallel.cp_comm_type == "p2p":  # the ring overlaps each step with attention
         cp = max(0.0, cp - mb * work.attention_s * again)
     hs = s * b * h // (lay.tp if lay.sp else 1)
@@ -77,10 +78,10 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
         if lay.vp > 1:
             pp *= value("p2p_exposed")
     dp = dp_exposed(cfg, lay, params_on_rank, expert_params_on_rank, domain, gpu, work.busy_s * again)
-    ep_s, ep_bytes_mb = ep_all_to_all(cfg, lay, gpu, domain, work.moe_layers)
+    ep_s, ep_bytes_mb = ep_all_to_all(m, cfg.performance, lay, gpu, domain, work.moe_layers)
     moe_again = 1.5 if "moe" in modules else recompute_fwd
     ep_total = mb * ep_s * moe_again
-    ep_hidden_behind = ep_exposed(cfg, lay, gpu, ep_total, compute)
+    ep_hidden_behind = ep_exposed(cfg.performance, lay, gpu, ep_total, compute)
     bubble = (lay.pp - 1) / (lay.vp * mb) if lay.pp > 1 else 0.0
     owned = _owned_elements(lay, params_on_rank, expert_params_on_rank)
     optimizer = owned * value("optimizer_bytes_per_element") / (HBM_TBPS[gpu].value * 1e12)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, OptimizerConfig
 from pretrain.layout import Layout
 from pretrain.planner.census import chunk_parameters
 from pretrain.planner.precision import FP8_BYTES, TENSOR_SCALED, fp8_params, fp8_transposes, weight_copy_bytes
@@ -79,8 +79,8 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
     dense = sum(p.numel for p in params if not p.expert)
     expert = sum(p.numel for p in params if p.expert)
     total = dense + expert
-    low = fp8_params(cfg, lay)
-    column = low and fp8_transposes(cfg, gpu) and cfg.model.fp8 not in TENSOR_SCALED  # MXFP8's column-wise buffer
+    low = fp8_params(cfg.model, lay)
+    column = low and fp8_transposes(cfg.model, gpu) and cfg.model.fp8 not in TENSOR_SCALED  # MXFP8's column-wise buffer
     fp8_linear = (FP8_BYTES * (2 if column else 1)) if low else None
 
     def weight_bytes(p) -> float:
@@ -98,7 +98,7 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
     main = owned * 4 if lay.precision in ("bf16", "fp16") else 0
     # Transformer Engine's copies beyond the buffers: of the gathered unit's GEMM weights (ZeRO-3), of every layer's
     # (ZeRO-2); MXFP8's column-wise data is in the buffers already.
-    copies = weight_copy_bytes(cfg, lay, gpu) - (FP8_BYTES if column else 0)
+    copies = weight_copy_bytes(cfg.model, cfg.performance, lay, gpu) - (FP8_BYTES if column else 0)
     linear = _units([p for p in params if p.linear])
     fp8 = int(copies * (max(linear, default=0) if zero3 else sum(linear)))
     static = StaticMemory(params=total, expert_params=expert, weights=int(weights),
@@ -110,10 +110,11 @@ def fsdp_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, gpu: 
                       unsharded_grads=2 * unit * gbytes, largest_unit=unit)
 
 
-def fsdp_comm_bytes(cfg: Config, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
-    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters."""
+def fsdp_comm_bytes(o: OptimizerConfig, lay: Layout, params: int, expert_params: int) -> tuple[float, float]:
+    """(dense, expert) bytes one rank sends per step in Megatron-FSDP's all-gathers and reduce-scatters (`o`: the
+    optimizer section)."""
     pbytes = lay.bytes_per_value
-    gbytes = 4 if cfg.optimizer.grad_reduce_in_fp32 else pbytes
+    gbytes = 4 if o.grad_reduce_in_fp32 else pbytes
     m = lay.num_microbatches
 
     def volume(p: int, n: int) -> float:

@@ -60,22 +60,23 @@ def scan_states(m: Any, lay: Layout) -> int:
     return 4 * b * -(-s // m.mamba_chunk_size) * heads * m.mamba_head_dim * m.mamba_state_dim
 
 
-def stage_layers(cfg: Any, lay: Layout, offset: int, per_chunk: int, modules, layer_terms, norm_terms,
+def stage_layers(mp: Any, lay: Layout, offset: int, per_chunk: int, modules, layer_terms, norm_terms,
                  mtp: bool = False) -> list[int]:
     """Bytes each layer of a hybrid model's chunk keeps per microbatch, by its pattern symbol (`mtp`: the chunk
     holding the MTP depths, whose layers follow, `model.mtp_layer_pattern` × `model.mtp_num_layers`): a Mamba layer
     (`mamba_layer_terms`), or the attention / MLP / MoE half of a decoder layer (`layer_terms` of the activations
     model: the attention's terms and one norm; the MLP's or the experts' terms and one norm). `layer_terms`,
-    `norm_terms`: `pretrain.planner.activations`' functions (passed in: that module calls this one)."""
+    `norm_terms`: `pretrain.planner.activations`' functions (passed in: that module calls this one); `mp`: the
+    model's `ModelPlan` (what `layer_terms` reads)."""
     import dataclasses
 
-    m = cfg.model
+    m = mp.config
     s, b, tp = m.seq_length // lay.cp, lay.mbs, lay.tp
     hs = s * b * m.hidden_size // (tp if lay.sp else 1)
     fp8 = bool(m.fp8) and lay.use_te
-    dense_cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, num_moe_experts=None))
-    dense = layer_terms(dense_cfg, lay, modules=modules)
-    moe = layer_terms(cfg, lay, modules=modules) if m.num_moe_experts else dense
+    dense_plan = dataclasses.replace(mp, config=dataclasses.replace(m, num_moe_experts=None))
+    dense = layer_terms(dense_plan, lay, modules=modules)
+    moe = layer_terms(mp, lay, modules=modules) if m.num_moe_experts else dense
     norm = dense["norms_and_gemm_inputs"] // 2
     ffn_keys = ("mlp", "moe_router", "moe_experts", "moe_shared_experts")
     attention = sum(v for k, v in dense.items() if k not in ffn_keys) - norm

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pretrain.config import Config, ModelConfig
+from pretrain.config import ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.planner.precision import gemm_input_bytes
 
@@ -85,13 +85,13 @@ def sigmoid_router_terms(m: ModelConfig, lay: Layout, tokens: int) -> int:
     return out
 
 
-def shared_expert_terms(cfg: Config, lay: Layout, fused_swiglu: bool) -> int:
-    """The shared experts, a dense MLP of width f_s split over TP (its input is the pre-MLP norm's output)."""
-    m = cfg.model
+def shared_expert_terms(m: ModelConfig, perf: PerformanceConfig, lay: Layout, fused_swiglu: bool) -> int:
+    """The shared experts, a dense MLP of width f_s split over TP (its input is the pre-MLP norm's output; `m`,
+    `perf`: the model and performance sections)."""
     p = lay.bytes_per_value
     fs = m.moe_shared_expert_intermediate_size or 0
     sbf = (m.seq_length // lay.cp) * lay.mbs * fs // lay.tp
-    fc2_in = gemm_input_bytes(cfg, lay) or p
+    fc2_in = gemm_input_bytes(m, perf, lay) or p
     if not m.gated_linear_unit:
         return int(sbf * (p + fc2_in))
     return int(sbf * ((2 if fused_swiglu else 4) * p + fc2_in))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pretrain.config import Config
+from pretrain.config import Config, ModelConfig, MuonConfig
 from pretrain.layout import Layout
 from pretrain.planner.census import Param, chunk_parameters
 
@@ -32,9 +32,8 @@ def is_muon_param(p: Param) -> bool:
     return "norm" not in module  # input_layernorm, q_layernorm, final_layernorm, enorm, hnorm: 1-D
 
 
-def _inner_dim(p: Param, cfg: Config) -> int:
+def _inner_dim(p: Param, m: ModelConfig) -> int:
     """The input width of a Muon matrix (its columns): the hidden size but for MLA's up-projections."""
-    m = cfg.model
     if p.name.endswith("linear_kv_up_proj.weight"):
         return m.kv_lora_rank
     if p.name.endswith("linear_q_up_proj.weight"):
@@ -49,15 +48,15 @@ def _ns_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def ns_flops(p: Param, cfg: Config, lay: Layout) -> int:
-    """Newton-Schulz FLOPs of one optimizer step on this rank's shard `p` (as optimizer.muon.tp_mode runs it)."""
-    mu = cfg.optimizer.muon
-    cols = _inner_dim(p, cfg)
+def ns_flops(p: Param, m: ModelConfig, mu: MuonConfig, lay: Layout) -> int:
+    """Newton-Schulz FLOPs of one optimizer step on this rank's shard `p` (as optimizer.muon.tp_mode runs it; `m`:
+    the model section, `mu`: optimizer.muon)."""
+    cols = _inner_dim(p, m)
     rows = p.numel // cols
     tp = lay.etp if p.expert else lay.tp
     parts = [rows]
     if mu.split_qkv and p.name.endswith("linear_qkv.weight"):
-        a, g = cfg.model.num_attention_heads, lay.num_query_groups
+        a, g = m.num_attention_heads, lay.num_query_groups
         parts = [rows * a // (a + 2 * g), rows * g // (a + 2 * g), rows * g // (a + 2 * g)]
     if mu.tp_mode == "blockwise" or tp == 1:
         return sum(_ns_flops(r, cols, mu.num_ns_steps) for r in parts)
@@ -97,7 +96,8 @@ def _deal(params: list[Param], ranks: int, rank: int | None) -> list[Param]:
 
 def muon_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, dp_rank: int | None = None,
                 edp_rank: int | None = None) -> MuonMemory:
-    """Optimizer state, all-gather buffers and Newton-Schulz FLOPs of one rank training with Muon."""
+    """Optimizer state, all-gather buffers and Newton-Schulz FLOPs of one rank training with Muon (`cfg`: the model
+    and optimizer sections)."""
     params = [p for v in range(lay.vp) for p in chunk_parameters(cfg.model, lay, padded_vocab, pp_rank, v)]
     layer_wise = cfg.optimizer.muon.layer_wise
     dense = [p for p in params if not p.expert]
@@ -112,8 +112,9 @@ def muon_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int, dp_ra
     adamw = [p for p in mine if not is_muon_param(p)]
     n_muon, n_adam = sum(p.numel for p in muon), sum(p.numel for p in adamw)
     main = 4 * (n_muon + n_adam) if lay.precision in ("bf16", "fp16") else 0
+    flops = sum(ns_flops(p, cfg.model, cfg.optimizer.muon, lay) for p in muon)
     return MuonMemory(muon_params=n_muon, adamw_params=n_adam, momentum=4 * n_muon, moments=8 * n_adam,
-                      main_params=main, gather_bytes=gather, ns_flops=sum(ns_flops(p, cfg, lay) for p in muon))
+                      main_params=main, gather_bytes=gather, ns_flops=flops)
 
 
 def muon_section(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int) -> dict | None:

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from model_providers.core import hybrid
+from model_providers.core.model_plan import model_plan
 from pretrain.config import Config
 from pretrain.observe.flops import PEAK_TFLOPS, flops_per_token
 from pretrain.planner import mamba
@@ -46,7 +47,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
     stages = [rank_memory(cfg, lay, vocab, r, fused_adam=fused_adam, gpu=gpu) for r in memory_candidates(lay)]
     f_tok = flops_per_token(m, vocab)
     f_step = f_tok * lay.gbs * m.seq_length
-    peak = PEAK_TFLOPS[gpu][run_precision(cfg, lay, gpu)]  # the GEMMs' precision: bf16, FP8, MXFP8 or NVFP4
+    precision = run_precision(m, cfg.performance, lay, gpu)  # the GEMMs': bf16, FP8, MXFP8 or NVFP4
+    peak = PEAK_TFLOPS[gpu][precision]
     tok_gpu = peak * 1e12 * mfu / f_tok
     cost = cost_model(cfg, lay, vocab, gpu, gpus_per_node, rm.params, rm.expert_params)
     capacity = GPU_MEMORY_GIB[gpu]
@@ -67,7 +69,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
                    "optimizer": cfg.optimizer.name,
                    "fsdp": lay.fsdp_sharding,
                    "recompute": m.recompute_granularity, "precision": lay.precision, "fp8": m.fp8,
-                   "gemm_precision": run_precision(cfg, lay, gpu),
+                   "gemm_precision": precision,
                    "transformer_engine": use_te},
         "num_parameters": count_parameters(cfg, vocab, lay=lay),
         "num_active_parameters": count_active_parameters(cfg, vocab, lay=lay),
@@ -88,7 +90,7 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "h100", mf
             "all_to_all_bytes_per_step": cost.ep_bytes_per_step},
         "fsdp": _fsdp_section(cfg, lay, vocab, rm, gpu),
         "muon": muon_section(cfg, lay, vocab, rm.pp_rank),
-        "context_parallel": context_summary(cfg, lay, layer_terms),
+        "context_parallel": context_summary(model_plan(cfg), lay, layer_terms),
         "memory_gib": rm.gib(),
         "most_loaded_rank": {"pipeline_stage": rm.pp_rank, "parameters": rm.params,
                              "microbatches_in_flight": sum(rm.in_flight.values())},
@@ -131,7 +133,7 @@ def _fsdp_section(cfg: Config, lay, vocab: int, rm, gpu: str) -> dict[str, Any] 
     from pretrain.planner.fsdp import fsdp_comm_bytes, fsdp_memory
 
     fm = fsdp_memory(cfg, lay, vocab, rm.pp_rank, gpu)
-    dense, expert = fsdp_comm_bytes(cfg, lay, rm.params, rm.expert_params)
+    dense, expert = fsdp_comm_bytes(cfg.optimizer, lay, rm.params, rm.expert_params)
     return {"sharding": lay.fsdp_sharding, "shard_group": lay.dp * lay.cp,
             "largest_unit_parameters": fm.largest_unit,
             "gathered_params_gib": round(fm.gathered_params / GIB, 3),

@@ -13,7 +13,7 @@ keeps no transpose (TE `Float8TensorStorage.update_usage` and the C++ `Float8Qua
 
 from __future__ import annotations
 
-from pretrain.config import Config
+from pretrain.config import ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.planner.hardware import GPUS
 
@@ -22,30 +22,31 @@ NVFP4_BYTES = 0.5625  # an NVFP4 copy: 4 bits per value and one FP8 (E4M3) scale
 TENSOR_SCALED = ("tensorwise", "delayed")  # one scale per tensor: Float8Tensor, whose column-wise use is a transpose
 
 
-def gemm_input_bytes(cfg: Config, lay: Layout) -> float | None:
+def gemm_input_bytes(m: ModelConfig, perf: PerformanceConfig, lay: Layout) -> float | None:
     """Bytes per value of the copy a low-precision GEMM keeps of its input under Transformer Engine: FP8 and MXFP8 1,
-    NVFP4 (performance.fp4_recipe) 0.5625; None: the GEMMs run in the activation dtype."""
+    NVFP4 (performance.fp4_recipe) 0.5625; None: the GEMMs run in the activation dtype (`m`, `perf`: the model and
+    performance sections)."""
     if not lay.use_te:
         return None
-    if cfg.performance.fp4_recipe:
+    if perf.fp4_recipe:
         return NVFP4_BYTES
-    return FP8_BYTES if cfg.model.fp8 else None
+    return FP8_BYTES if m.fp8 else None
 
 
-def fp8_transposes(cfg: Config, gpu: str | None) -> bool:
-    """Whether an FP8 tensor of this recipe keeps column-wise data beside its row-wise data on `gpu` (None: a GPU
-    whose FP8 GEMMs are TN-only, the conservative case)."""
-    if cfg.model.fp8 not in TENSOR_SCALED:
+def fp8_transposes(m: ModelConfig, gpu: str | None) -> bool:
+    """Whether an FP8 tensor of this recipe (model.fp8) keeps column-wise data beside its row-wise data on `gpu`
+    (None: a GPU whose FP8 GEMMs are TN-only, the conservative case)."""
+    if m.fp8 not in TENSOR_SCALED:
         return True
     return gpu is None or not GPUS[gpu].fp8_any_layout
 
 
-def fp8_params(cfg: Config, lay: Layout) -> bool:
+def fp8_params(m: ModelConfig, lay: Layout) -> bool:
     """The linear weights are FP8 parameters (`model.fp8_param_gather` under an FP8 recipe, with TE)."""
-    return bool(cfg.model.fp8) and cfg.model.fp8_param_gather and lay.use_te
+    return bool(m.fp8) and m.fp8_param_gather and lay.use_te
 
 
-def weight_copy_bytes(cfg: Config, lay: Layout, gpu: str | None) -> float:
+def weight_copy_bytes(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str | None) -> float:
     """Bytes per linear-weight element Transformer Engine keeps beside the parameter (the plan's fp8 column).
 
     FP8 parameters: the parameter is the row-wise data; the column-wise data on top (MXFP8, blockwise; tensor-scaled
@@ -53,9 +54,9 @@ def weight_copy_bytes(cfg: Config, lay: Layout, gpu: str | None) -> float:
     NVFP4 (`performance.fp4_recipe`): a row-wise and a column-wise copy of every weight."""
     if not lay.use_te:
         return 0.0
-    if cfg.model.fp8:
-        column = FP8_BYTES if fp8_transposes(cfg, gpu) else 0
-        return float(column if fp8_params(cfg, lay) else FP8_BYTES + column)
-    if cfg.performance.fp4_recipe:
+    if m.fp8:
+        column = FP8_BYTES if fp8_transposes(m, gpu) else 0
+        return float(column if fp8_params(m, lay) else FP8_BYTES + column)
+    if perf.fp4_recipe:
         return 2 * NVFP4_BYTES
     return 0.0

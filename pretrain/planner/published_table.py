@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from pretrain.config import CONFIG_DIR, Config, ConfigError, load_config
+from pretrain.config import CONFIG_DIR, ConfigError, load_config
 from pretrain.observe.flops import flops_per_token
 from pretrain.planner.common import PlanError
 
@@ -285,7 +285,7 @@ def plan_row(row: Row, harness: Harness) -> RowPlan:
     world = plan["world_size"]
     cost = plan["cost_model"]
     out.overrides = overrides
-    out.placement = _placement_text(cfg)
+    out.placement = _placement_text(cfg.parallel)
     out.predicted_tokens_per_s_per_gpu = plan["layout"]["global_batch_size"] * cfg.model.seq_length / (
         cost["step_s"] * world)
     out.fits = plan["fits"]
@@ -297,8 +297,8 @@ def plan_row(row: Row, harness: Harness) -> RowPlan:
     return out
 
 
-def _placement_text(cfg: Config) -> str | None:
-    p = cfg.parallel
+def _placement_text(p) -> str | None:
+    """The placement of the parallel section `p`, in words (None: even stages)."""
     if p.pipeline_layout:
         return p.pipeline_layout
     if p.account_for_embedding_in_pipeline_split:

@@ -135,8 +135,8 @@ def _static_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int,
     o = cfg.optimizer
     dp_cp = lay.dp * lay.cp
     pbytes = lay.bytes_per_value
-    fp8_params = has_fp8_params(cfg, lay)
-    copy_bytes = weight_copy_bytes(cfg, lay, gpu)  # TE's FP8 / NVFP4 copies beside each linear weight
+    fp8_params = has_fp8_params(cfg.model, lay)
+    copy_bytes = weight_copy_bytes(cfg.model, cfg.performance, lay, gpu)  # TE's FP8 / NVFP4 copies beside a weight
     params = expert_params = weights = grads = 0
     fp8 = largest = 0
     opt_per_rank = {False: [0] * dp_cp, True: [0] * lay.edp}  # dense / expert optimizer shards

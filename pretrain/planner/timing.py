@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from model_providers.core import hybrid
 from model_providers.core.fusions import bias_activation_fusion
 from model_providers.core.windows import window_size, windowed_layers
-from pretrain.config import Config, ModelConfig
+from pretrain.config import ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
 from pretrain.planner import mamba
@@ -92,32 +92,33 @@ def _gemm_s(m_rows: float, numel: int, gpu: str, precision: str, grouped: bool =
     return 3 * per + cast
 
 
-def run_precision(cfg: Config, lay: Layout, gpu: str) -> str:
-    """The GEMM precision of the run on `gpu` (`flops.gemm_precision`; FP8 and FP4 need Transformer Engine);
-    PlanError when the GPU has no tensor cores for it (MXFP8 and NVFP4 are Blackwell's)."""
-    precision = gemm_precision(cfg.model.fp8, cfg.performance.fp4_recipe) if lay.use_te else "bf16"
+def run_precision(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str) -> str:
+    """The GEMM precision of the run on `gpu` (`flops.gemm_precision` of model.fp8 and performance.fp4_recipe; FP8 and
+    FP4 need Transformer Engine); PlanError when the GPU has no tensor cores for it (MXFP8 and NVFP4 are
+    Blackwell's)."""
+    precision = gemm_precision(m.fp8, perf.fp4_recipe) if lay.use_te else "bf16"
     if precision not in PEAK_TFLOPS[gpu]:
         raise PlanError(f"{gpu} has no {precision.upper()} tensor cores (known on: "
                         f"{', '.join(g for g, p in PEAK_TFLOPS.items() if precision in p)})")
     return precision
 
 
-def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> RankWork:
-    """One microbatch of pipeline rank `pp_rank` (all its model chunks)."""
-    m = cfg.model
-    precision = run_precision(cfg, lay, gpu)
-    transposes = fp8_transposes(cfg, gpu)
+def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> RankWork:
+    """One microbatch of pipeline rank `pp_rank` (all its model chunks; `m`, `perf`: the model and performance
+    sections)."""
+    precision = run_precision(m, perf, lay, gpu)
+    transposes = fp8_transposes(m, gpu)
     tokens = m.seq_length * lay.mbs / lay.cp  # rows of every TP-sharded GEMM (SP gathers them first)
     hbm = HBM_TBPS[gpu].value * 1e12
     h, a = m.hidden_size, m.num_attention_heads
     w = RankWork()
     params: list[Param] = []
     for v in range(lay.vp):
-        params += chunk_parameters(cfg.model, lay, vocab, pp_rank, v)
+        params += chunk_parameters(m, lay, vocab, pp_rank, v)
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
-    kinds = layer_kinds(cfg, lay, pp_rank)  # hybrid models: this rank's layers by pattern symbol
+    kinds = layer_kinds(m, lay, pp_rank)  # hybrid models: this rank's layers by pattern symbol
     if pp_rank == lay.pp - 1 and m.mtp_num_layers:  # a transformer's MTP depth is a layer; a hybrid's, its pattern
         w.layers += m.mtp_num_layers if kinds is None else sum(hybrid.mtp_counts(m).values())
         w.moe_layers += m.mtp_num_layers * is_moe_layer(m, m.num_layers - 1)
@@ -180,14 +181,13 @@ def rank_work(cfg: Config, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> R
     w.norm_s = w.blocks * 2 * rows * h * p_bytes / hbm
     w.moe_act_s = w.moe_layers * 3 * copies * (m.moe_ffn_hidden_size or 0) * p_bytes / hbm
     local_experts = (m.num_moe_experts or 0) // lay.ep
-    w.host_s = host_seconds(cfg, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
+    w.host_s = host_seconds(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
     return w
 
 
-def layer_kinds(cfg: Config, lay: Layout, pp_rank: int) -> Counter | None:
+def layer_kinds(m: ModelConfig, lay: Layout, pp_rank: int) -> Counter | None:
     """A hybrid model's layers on pipeline rank `pp_rank`, by pattern symbol (`model_providers.core.hybrid`); None for
     a transformer."""
-    m = cfg.model
     if not hybrid.is_hybrid(m):
         return None
     kinds: Counter = Counter()
@@ -211,15 +211,14 @@ def computed_keys(m) -> float:
     return (windowed * min(full, size[0] + 1 + tile) + (m.num_layers - windowed) * full) / m.num_layers
 
 
-def host_seconds(cfg: Config, dense_layers: int, moe_layers: int, local_experts: int = 0,
+def host_seconds(perf: PerformanceConfig, dense_layers: int, moe_layers: int, local_experts: int = 0,
                  kinds: Counter | None = None) -> float:
     """The host's kernel launches of one microbatch: eager kernels at `launch_us`, those a CUDA graph captures at
     `launch_us_cuda_graphs`. Without a scope a graph captures every layer (Megatron-Bridge's full-iteration graph
     likewise); a scope captures its modules' kernels only (attn: the attention block of every
     layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every MoE layer;
     mamba: a hybrid model's Mamba layers). `kinds`: a hybrid model's layers by symbol (each one block: an attention
-    block, an MLP or MoE block without attention, a Mamba layer)."""
-    perf = cfg.performance
+    block, an MLP or MoE block without attention, a Mamba layer). `perf`: the performance section."""
     dense_k, attn_k = value("kernels_per_dense_layer"), value("kernels_attention")
     moe_k = value("kernels_per_moe_layer") + local_experts * value("kernels_per_local_expert")
     n_attn, n_mamba = dense_layers + moe_layers, 0

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from pretrain.checkpoint.format import checkpoint_root
 from pretrain.checkpoint.state import RUN_STATE
 from pretrain.observe.observers import Observer, StepResult
 from pretrain.resilience import results
@@ -49,13 +50,14 @@ class Resilience:
     """Skips, result validation, the watchdog and stragglers of one run on this rank."""
 
     def __init__(self, cfg, run, step: int, resumed: bool, log: Callable[[str], None]):
+        """`cfg`: the config tree (the testing, rerun, train, hang, logging and run sections)."""
         rt = run.rt
         self.cfg, self.log = cfg, log
         self.faults = Faults(cfg.testing, rt.rank)
         self.checks = ResultChecks(cfg.rerun, cfg.train.nan_policy, self.faults, run.model, rt.device)
         results._ACTIVE.append(self.checks)
         if resumed:
-            self.checks.load(_saved_rerun_state(cfg, step) or {})
+            self.checks.load(_saved_rerun_state(checkpoint_root(cfg), step) or {})
         skips, _ = parse_skip_steps(cfg.train.skip_steps)
         self.skips = skips.within(step + 1, cfg.train.steps)
         if self.skips:
@@ -141,10 +143,10 @@ class _Watch(Observer):
         self.res.close()
 
 
-def _saved_rerun_state(cfg, step: int) -> dict | None:
-    from pretrain.checkpoint.format import checkpoint_root, iteration_dir, read_common
+def _saved_rerun_state(root: Path, step: int) -> dict | None:
+    from pretrain.checkpoint.format import iteration_dir, read_common
 
     try:
-        return read_common(iteration_dir(checkpoint_root(cfg), step)).get(RERUN_STATE)
+        return read_common(iteration_dir(root, step)).get(RERUN_STATE)
     except Exception:  # noqa: BLE001 - a checkpoint without one (older, or written elsewhere): a fresh window
         return None

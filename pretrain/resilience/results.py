@@ -48,10 +48,11 @@ class ResultRejected(RuntimeError):
         self.record = record
 
 
-def first_step_cause(cfg) -> str:
+def first_step_cause(m, precision: str) -> str:
     """What a non-finite loss or gradient norm in the first step a run trains points at: the config (that step's
     result comes before any optimizer update, so the learning rate is not its cause), naming the model's float
-    settings that differ from its preset and the defaults (and fp16, which overflows where bf16 does not)."""
+    settings (`m`: the model section) that differ from its preset and the defaults (and fp16, train.precision
+    `precision`, which overflows where bf16 does not)."""
     import dataclasses
     import typing
 
@@ -59,14 +60,14 @@ def first_step_cause(cfg) -> str:
     from pretrain.config import ModelConfig
 
     base = dataclasses.asdict(ModelConfig())
-    preset = cfg.model.preset
+    preset = m.preset
     if preset:
         base.update(get_preset(preset))
     hints = typing.get_type_hints(ModelConfig)
-    suspects = [f"model.{f.name}={getattr(cfg.model, f.name)}" for f in dataclasses.fields(ModelConfig)
+    suspects = [f"model.{f.name}={getattr(m, f.name)}" for f in dataclasses.fields(ModelConfig)
                 if float in (typing.get_args(hints[f.name]) or (hints[f.name],))
-                and getattr(cfg.model, f.name) != base[f.name]]
-    if cfg.train.precision == "fp16":
+                and getattr(m, f.name) != base[f.name]]
+    if precision == "fp16":
         suspects.append("train.precision=fp16")
     against = f"model.preset={preset} and the defaults" if preset else "the defaults"
     named = f" (set away from {against}: {', '.join(suspects)})" if suspects else ""

@@ -54,19 +54,19 @@ class RunSaves:
     """Checkpoints during the loop: periodic and final saves (a step is saved once), asynchronous commits, and
     the stop decision all ranks agree on (signal or time limit), with the reason the run ends."""
 
-    def __init__(self, cfg, run, stops: StopRequests, last_saved: int | None, observers):
-        self.cfg, self.run, self.stops, self.last_saved, self.observers = cfg, run, stops, last_saved, observers
-        self.async_saves = checkpoint_save.AsyncSaves() if cfg.checkpoint.async_save else None
+    def __init__(self, ctx: CheckpointContext, device, stops: StopRequests, last_saved: int | None, observers):
+        """`ctx`: what a save writes (its `settings`: the checkpoint section); `device`: this rank's (the agreed stop
+        decision's all-reduce)."""
+        self.ctx, self.device, self.stops, self.last_saved, self.observers = ctx, device, stops, last_saved, observers
+        self.async_saves = checkpoint_save.AsyncSaves() if ctx.settings.async_save else None
         self.reason, self.signal_name = "completed", None
 
     def save(self, step: int, consumed: int) -> None:
         if self.last_saved == step:
             return
         t0 = time.perf_counter()
-        run = self.run
-        path = checkpoint_save.save_checkpoint(CheckpointContext(run.model, run.optimizer, run.scheduler, run.plan),
-                                               step=step,
-                                               consumed_samples=consumed, async_saves=self.async_saves)
+        path = checkpoint_save.save_checkpoint(self.ctx, step=step, consumed_samples=consumed,
+                                               async_saves=self.async_saves)
         self.last_saved = step
         how = "started async save of" if self.async_saves is not None else "saved"
         _log0(f"[pretrain] {how} {path} in {time.perf_counter() - t0:.2f} s")
@@ -76,9 +76,10 @@ class RunSaves:
         """Periodic checkpoint, async-save commits, and the agreed stop decision (True: stop now)."""
         if self.async_saves is not None:
             self.async_saves.finalize(blocking=False)
-        if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0:
+        interval = self.ctx.settings.interval
+        if interval and step % interval == 0:
             self.save(step, consumed)
-        why, self.signal_name = self.stops.agreed_reason(self.run.rt.device)
+        why, self.signal_name = self.stops.agreed_reason(self.device)
         if why is not None:
             self.reason = why
             _log0(f"[pretrain] {why}{f' ({self.signal_name})' if self.signal_name else ''} at step {step}: "

@@ -85,7 +85,7 @@ def start_rules(r: Report, plan, cache: bool = True) -> None:
     from pretrain.checkpoint.resume import preview_start
 
     try:
-        lines = preview_start(cfg, tokenizer)
+        lines = preview_start(plan)
     except (CheckpointError, OSError) as exc:
         _refused(r, cfg.checkpoint, str(exc))
         return

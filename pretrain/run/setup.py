@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from model_providers.core.knobs import DDP, OPT, mcore_kwargs
-from pretrain.config import Config, OptimizerConfig, RerunConfig
+from pretrain.config import OptimizerConfig, RerunConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
 from pretrain.run.run_dir import StorageError
@@ -150,15 +150,16 @@ def connect_schedule_hooks(transformer_config, model, optimizer, o: OptimizerCon
         transformer_config.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
-def initialize_tp_comm_overlap(cfg: Config) -> None:
+def initialize_tp_comm_overlap(m, layout: Layout) -> None:
     """Transformer Engine userbuffers for TP communication overlap (GPU + TE only; the validator checks).
 
-    Buffers are sized for one microbatch's sequence-parallel activations: [seq·mbs/CP, hidden].
+    Buffers are sized for one microbatch's sequence-parallel activations: [seq·mbs/CP, hidden] (`m`: the model
+    section).
     """
     from transformer_engine.pytorch import module as te_module
 
-    shape = [cfg.model.seq_length * cfg.train.micro_batch_size // cfg.parallel.context, cfg.model.hidden_size]
-    te_module.base.initialize_ub(shape=shape, tp_size=cfg.parallel.tensor, use_fp8=cfg.model.fp8 is not None)
+    shape = [m.seq_length * layout.mbs // layout.cp, m.hidden_size]
+    te_module.base.initialize_ub(shape=shape, tp_size=layout.tp, use_fp8=m.fp8 is not None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,16 +209,17 @@ def advance_batch(run: Run, consumed: int) -> int:
     return run.global_batch_size
 
 
-def build_training(cfg: Config, run: Run, log) -> None:
-    """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks and the step instruments."""
+def build_training(run: Run, log) -> None:
+    """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks and the step instruments, as the
+    run's plan says (its config: the parallel, optimizer, rerun, train, logging, run and model sections)."""
     from model_providers.core.builder import build_model
     from pretrain.observe.moe_metrics import MoEMetrics
     from pretrain.observe.profiling import StepProfiler
     from pretrain.observe.rank_timing import RankTiming
 
-    rt = run.rt
+    rt, cfg = run.rt, run.plan.cfg
     if cfg.parallel.tp_comm_overlap:
-        initialize_tp_comm_overlap(cfg)
+        initialize_tp_comm_overlap(cfg.model, run.layout)
     run.chunks = build_model(run.plan.model, run.layout)
     tconfig = run.chunks[0].config
     o = cfg.optimizer
@@ -233,19 +235,21 @@ def build_training(cfg: Config, run: Run, log) -> None:
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
 
 
-def build_data(cfg: Config, run: Run, step: int, writes_metrics: bool, consumed: int | None = None,
-               first_step: int = 0, log=None) -> None:
+def build_data(run: Run, step: int, writes_metrics: bool, consumed: int | None = None, first_step: int = 0,
+               log=None) -> None:
     """Train/validation datasets sized for the run and, on the rank that writes metrics, the metrics writer
     (its lines after `step`, written after the checkpoint a resumed run restarts from, dropped). A resumed run
     reads from `consumed` samples on, `train.global_batch_size` per remaining step (the batch size may have
     changed on resume); at least the samples of steps `first_step` + 1 … train.steps are built (a stage's data,
     read from its own first sample: the same dataset at every resume in the stage, and for the first stage a plain
-    run's). `log` (rank 0): how long Megatron's index caches took and where they are."""
+    run's). `log` (rank 0): how long Megatron's index caches took and where they are. The run's plan: its data plan,
+    and the train, run and logging sections."""
     from pretrain.data.datasets import build_datasets
     from pretrain.observe.metrics import MetricsWriter
     from pretrain.observe.wandb_logger import wandb_sinks
     from pretrain.run.run_dir import write_failure
 
+    cfg = run.plan.cfg
     t = cfg.train
     eval_steps = (t.steps // t.eval_interval) * t.eval_iters if t.eval_interval else 0
     from megatron.core import parallel_state as ps

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch.distributed as dist
 
 from pretrain.checkpoint.state import RUN_STATE
@@ -29,16 +31,18 @@ def resumed_stage(staged: StagedRun) -> Stage:
     """The stage the run continues in: that of its checkpoint's step (collective; the first without one)."""
     if not staged.staged:
         return staged.stages[0]
+    from pretrain.checkpoint.format import checkpoint_root
     from pretrain.checkpoint.resume import resume_point
 
-    return staged.at(resume_point(staged.plans[0].cfg) or 0)
+    cfg = staged.plans[0].cfg
+    return staged.at(resume_point(checkpoint_root(cfg), cfg.run.dir) or 0)
 
 
-def _recorded(cfg, step: int) -> dict | None:
-    from pretrain.checkpoint.format import checkpoint_root, iteration_dir, read_common
+def _recorded(root: Path, step: int) -> dict | None:
+    from pretrain.checkpoint.format import iteration_dir, read_common
 
     try:
-        return read_common(iteration_dir(checkpoint_root(cfg), step)).get(STAGE_STATE)
+        return read_common(iteration_dir(root, step)).get(STAGE_STATE)
     except Exception:  # noqa: BLE001 - a checkpoint without common state here (written elsewhere): the plan's count
         return None
 
@@ -46,17 +50,17 @@ def _recorded(cfg, step: int) -> dict | None:
 def enter(staged: StagedRun, stage: Stage, step: int, consumed: int, log) -> int:
     """Start training `stage` at `step` with `consumed` samples behind: name the boundary checkpoints up to `step`
     (those a killed run had not), keep the stage's record for the checkpoints, and return its first sample."""
-    from pretrain.checkpoint.format import CheckpointError
+    from pretrain.checkpoint.format import CheckpointError, checkpoint_root
 
     _RUNNING.clear()
     if not staged.staged:
         return 0
-    cfg = staged.plan(stage).cfg
+    root = checkpoint_root(staged.plan(stage).cfg)
     name_boundaries(staged, step)
     if step == stage.start_step:
         first = consumed
     else:
-        record = _recorded(cfg, step)
+        record = _recorded(root, step)
         if record is None:
             first = stage.first_sample
             log(f"[pretrain] stage '{stage.name}': the checkpoint of step {step} records no stage; its data began at "

@@ -47,6 +47,6 @@ def test_zero2_keeps_whole_weights_and_one_gather_per_step():
     n = zero2.static.params
     assert zero2.static.weights == n * 2 and zero3.static.weights == -(-n // 4) * 2
     assert zero2.gathered_params == 0 and zero3.gathered_params == 2 * zero3.largest_unit * 2
-    dense, _ = fsdp_comm_bytes(cfg, lay, n, 0)
+    dense, _ = fsdp_comm_bytes(cfg.optimizer, lay, n, 0)
     assert dense == 3 / 4 * n * (lay.num_microbatches * 4 + 2)
 
