@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from data_tools.shards import MAX_BLEND_LINE, Plan, ShardError, part_prefix, part_problem
-from pretrain.data.check import MAX_BLEND_DATASETS
+from pretrain.data.plan import MAX_BLEND_DATASETS
 
 BLEND_SUFFIX = ".blend"
 

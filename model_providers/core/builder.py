@@ -10,6 +10,7 @@ this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import math
 import re
 from typing import Any
@@ -20,13 +21,40 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from model_providers.core import fusions, hybrid, linear_attention, mamba_builder, windows
+from model_providers.core import fusions, hybrid, windows
 from model_providers.core.knobs import FP8, GPT, MLA, MOE, MTP, TC, YARN, mcore_kwargs
 from model_providers.core.linear_layers import has_linear_attention
 from model_providers.core.model_plan import ModelPlan
 from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import shapes_vary
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
+
+# The modules of features built on Megatron-Core's `megatron.core.ssm` (which imports triton in some releases),
+# imported only by models that have them: a dense or MoE model builds where triton is not installed.
+_FEATURE_MODULES = {"mamba_builder": (hybrid.is_hybrid, "Mamba-2 layers (model.hybrid_layer_pattern)"),
+                    "linear_attention": (has_linear_attention, "Gated DeltaNet layers (model.linear_attention_freq)")}
+
+
+def _feature(name: str):
+    """`model_providers.core.<name>` (see `_FEATURE_MODULES`), imported on first use."""
+    return importlib.import_module(f"model_providers.core.{name}")
+
+
+def missing_dependency(plan: ModelPlan) -> str | None:
+    """Why this model's layers cannot be built here: a module its feature needs is not installed (None when none)."""
+    m = plan.config
+    for name, (used, what) in _FEATURE_MODULES.items():
+        if not used(m):
+            continue
+        try:
+            _feature(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.startswith(("model_providers", "megatron")):
+                raise
+            hint = " (CUDA builds of torch bring it)" if exc.name == "triton" else ""
+            return (f"{what} are built from Megatron-Core's megatron.core.ssm, which imports `{exc.name}`: it is "
+                    f"not installed here; `pip install {exc.name}`{hint}")
+    return None
 
 
 def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
@@ -58,7 +86,7 @@ def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:
     if m.mtp_num_layers:
         kwargs.update(mcore_kwargs(m, MTP))
     if hybrid.is_hybrid(m):  # Megatron-Core's MambaModel (model_providers/core/mamba_builder.py)
-        kwargs.update(mamba_builder.hybrid_fields(m, layout))
+        kwargs.update(_feature("mamba_builder").hybrid_fields(m, layout))
     kwargs.update(plan.qk_clip)  # Megatron-Core's QK-clip (MuonClip) when optimizer.muon.qk_clip is on
     if m.multi_latent_attention:
         return MLATransformerConfig(**{**kwargs, **mla_config(m)})
@@ -212,7 +240,7 @@ def build_model(plan: ModelPlan, layout: Any) -> list[GPTModel]:
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         if hybrid.is_hybrid(m):  # MambaModel's arguments: the fields declared mcore=HYBRID_MODEL
-            model = mamba_builder.hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
+            model = _feature("mamba_builder").hybrid_model(config, plan, layout, stage, pre, post, _rotary_base(m))
             chunks.append(_finish(model, layout, vocab_size, padded))
             continue
         packed = plan.packed_documents
@@ -444,15 +472,15 @@ def _tp_parts(gname: str, m, full_rows: int) -> list[int] | None:
     if _is_glu_fc1(gname, m):
         return [full_rows // 2, full_rows // 2]
     if hybrid.is_hybrid(m):
-        return mamba_builder.tp_parts(gname, m)
-    return linear_attention.tp_parts(gname, m) if has_linear_attention(m) else None
+        return _feature("mamba_builder").tp_parts(gname, m)
+    return _feature("linear_attention").tp_parts(gname, m) if has_linear_attention(m) else None
 
 
 def _initial_value(gname: str, shape: list[int], gen: torch.Generator, m, device) -> torch.Tensor | None:
     """A mixer parameter's own initial value on its full shape (Mamba's, Gated DeltaNet's), None for the generic."""
     if hybrid.is_hybrid(m):
-        return mamba_builder.initial_value(gname, shape, gen, m, device)
-    return linear_attention.initial_value(gname, shape, gen, m, device) if has_linear_attention(m) else None
+        return _feature("mamba_builder").initial_value(gname, shape, gen, m, device)
+    return _feature("linear_attention").initial_value(gname, shape, gen, m, device) if has_linear_attention(m) else None
 
 
 @torch.no_grad()

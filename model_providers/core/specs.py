@@ -35,7 +35,6 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from model_providers.core import linear_attention
 from model_providers.core.cp_attention import ContextParallelAttention
 from model_providers.core.experts import ExpertRowParallelLinear
 from model_providers.core.linear_layers import has_linear_attention
@@ -171,7 +170,10 @@ def decoder_block_spec(config: TransformerConfig, use_te: bool, vp_stage: int | 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layers = [kinds[pattern[i]] for i in range(offset, offset + num_layers)]
-    layers = linear_attention.apply_pattern(config, layers, offset, use_te)  # Gated DeltaNet layers (Qwen3-Next)
+    if has_linear_attention(config):  # Gated DeltaNet layers (Qwen3-Next); imported only where used
+        from model_providers.core import linear_attention
+
+        layers = linear_attention.apply_pattern(config, layers, offset, use_te)
     submodules = TransformerBlockSubmodules(layer_specs=layers, layer_norm=norm)
     return ModuleSpec(module=TransformerBlock, submodules=submodules)
 

@@ -101,8 +101,12 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     from pretrain import compat
 
     compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
-    from model_providers.core.builder import transformer_config
+    from model_providers.core.builder import missing_dependency, transformer_config
 
+    missing = missing_dependency(model)
+    if missing:
+        r.error("model", missing, "install it in this environment (the cluster's too)")
+        return
     try:
         with warnings.catch_warnings():  # its notes (defaults it fills in) are the trainer's to print
             warnings.simplefilter("ignore")

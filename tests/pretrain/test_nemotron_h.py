@@ -207,6 +207,26 @@ def test_bad_pattern_is_one_line_at_the_cli():
     assert "Traceback" not in r.stdout + r.stderr
 
 
+def test_without_triton_a_hybrid_model_is_refused_in_one_line_and_a_dense_one_validates(tmp_path):
+    """Where triton is not installed (a CPU-only or offline install), Megatron-Core 0.16's Mamba mixer cannot be
+    imported: a hybrid model is refused naming it (exit 2, no traceback), a dense model still validates."""
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "triton"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'triton\'", name="triton")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    runs = {name: subprocess.run([sys.executable, "-m", "pretrain", "validate", name, "data.mock=true"], env=env,
+                                 capture_output=True, text=True, timeout=300) for name in (CONFIG, "tiny_llama")}
+    hybrid, dense = runs[CONFIG], runs["tiny_llama"]
+    assert hybrid.returncode == 2 and "Traceback" not in hybrid.stdout + hybrid.stderr, hybrid.stdout + hybrid.stderr
+    assert "Mamba-2 layers (model.hybrid_layer_pattern) are built from Megatron-Core's megatron.core.ssm, which " \
+           "imports `triton`: it is not installed here" in hybrid.stderr, hybrid.stderr
+    assert dense.returncode == 0 and "config OK" in dense.stdout, dense.stdout + dense.stderr
+
+
 # Megatron-Bridge's published Nemotron 3 Nano runs (performance summary, 26.04.01 container, sequence 8192): model
 # TFLOP/s per GPU and tokens/s per GPU on GB300, GB200, B300, B200 (8 GPUs, EP8) and H100 (16 GPUs).
 NANO_PUBLISHED = {"gb300": (845, 37888), "gb200": (725, 32768), "b300": (794, 35840), "b200": (726, 32768),
