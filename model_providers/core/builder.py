@@ -10,7 +10,6 @@ this rank's shard, so every TP/PP/VP/DP layout starts from identical weights.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 import re
 from typing import Any
@@ -25,36 +24,10 @@ from model_providers.core import fusions, hybrid, windows
 from model_providers.core.knobs import FP8, GPT, MLA, MOE, MTP, TC, YARN, mcore_kwargs
 from model_providers.core.linear_layers import has_linear_attention
 from model_providers.core.model_plan import ModelPlan
+from model_providers.core.optional_modules import feature as _feature
 from model_providers.core.performance import performance_kwargs
 from model_providers.core.sequences import shapes_vary
 from model_providers.core.specs import decoder_block_spec, mtp_block_spec
-
-# The modules of features built on Megatron-Core's `megatron.core.ssm` (which imports triton in some releases),
-# imported only by models that have them: a dense or MoE model builds where triton is not installed.
-_FEATURE_MODULES = {"mamba_builder": (hybrid.is_hybrid, "Mamba-2 layers (model.hybrid_layer_pattern)"),
-                    "linear_attention": (has_linear_attention, "Gated DeltaNet layers (model.linear_attention_freq)")}
-
-
-def _feature(name: str):
-    """`model_providers.core.<name>` (see `_FEATURE_MODULES`), imported on first use."""
-    return importlib.import_module(f"model_providers.core.{name}")
-
-
-def missing_dependency(plan: ModelPlan) -> str | None:
-    """Why this model's layers cannot be built here: a module its feature needs is not installed (None when none)."""
-    m = plan.config
-    for name, (used, what) in _FEATURE_MODULES.items():
-        if not used(m):
-            continue
-        try:
-            _feature(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or exc.name.startswith(("model_providers", "megatron")):
-                raise
-            hint = " (CUDA builds of torch bring it)" if exc.name == "triton" else ""
-            return (f"{what} are built from Megatron-Core's megatron.core.ssm, which imports `{exc.name}`: it is "
-                    f"not installed here; `pip install {exc.name}`{hint}")
-    return None
 
 
 def transformer_config(plan: ModelPlan, layout: Any) -> TransformerConfig:

@@ -101,7 +101,8 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     from pretrain import compat
 
     compat.import_megatron(lay.on_gpu)  # imported as the trainer imports it; nothing patched (torch stays as it is)
-    from model_providers.core.builder import missing_dependency, transformer_config
+    from model_providers.core.builder import transformer_config
+    from model_providers.core.optional_modules import missing_dependency
 
     missing = missing_dependency(model)
     if missing:
