@@ -94,6 +94,17 @@ def test_harness_plans_rows_of_the_published_table():
     assert hopper.refused.startswith("h100 has no MXFP8 tensor cores")
 
 
+LLAMA70B_GB200_FSDP = 3  # 26.04.01: FP8 Megatron-FSDP, 40 of 80 layers offloaded, micro batch 2: the fullest published run
+
+
+def test_the_fullest_published_run_fits():
+    """The published runs ran, so each fits in our plan: the one that leaves the least free (Llama-3-70B on 64 GB200,
+    175.3 of 184.4 GiB planned) fits under the fit limit (4 GiB + 2.5% kept free, `planner.common.fit_limit_gib`)."""
+    p = plan_row(read_table(TABLE)[LLAMA70B_GB200_FSDP], Harness.load())
+    assert p.fits and 0 <= p.margin_gib < 2, p
+    assert p.capacity_gib - p.memory_gib > 4  # what the GPU itself leaves: the run's CUDA context, NCCL, fragmentation
+
+
 TSV = """# a table in the published format: comment lines first, then the header
 container\tmodel\tvariant\tpreset\tsystem\tgpus\tprecision\tgbs\tmbs\tseq\tfsdp\ttp\tpp\tcp\tvp\tep\ttokens_per_s_per_gpu\tmodel_tflops_per_gpu
 25.11\tLLAMA3_8B\t-\tllama3_8b\tgb300\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t37556\t1933
