@@ -27,7 +27,7 @@ NETWORK_GBPS = {name: g.network_gbps for name, g in GPUS.items()}
 # any reserve (91, 93, 195, 189: 20 GiB and more over the GPU itself) do not bound it (docs/performance.md).
 RESERVE_GIB = 4.0
 FRAGMENTATION = 0.025
-HEADROOM = 0.925  # the share of an 80 GB H100 that fits (73.6 GiB; docs and tests quote it); `fit_limit_gib` is the rule
+HEADROOM = 0.925  # the share of an 80 GB H100 that fits (73.6 GiB; docs and tests quote it); `fit_limit_gib` rules
 
 
 def fit_limit_gib(capacity_gib: float) -> float:
