@@ -159,6 +159,7 @@ class Harness:
         if c["precision"] not in m["precisions"]:
             raise PlanError(f"precision {c['precision']!r} is not one of {', '.join(m['precisions'])}")
         out.update(_pairs(m["precisions"][c["precision"]]))
+        out.update(_pairs(m.get("system_precisions", {}).get(c["system"], {}).get(c["precision"], [])))
         if c["variant"] not in m["variants"]:
             raise PlanError(f"variant {c['variant']!r} is not one of {', '.join(m['variants'])}")
         out.update(_pairs(m["variants"][c["variant"]]))

@@ -63,7 +63,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
     kept = 100 * (1 - plan["fit_limit_gib"] / plan["gpu_memory_gib"])
     lines.append(f"    peak {mem['total']:.2f} GiB of {plan['gpu_memory_gib']} GiB: {verdict} "
-                 f"(keeping {kept:.0f}% headroom: {RESERVE_GIB:g} GiB + {FRAGMENTATION:.0%}; limit "
+                 f"(keeping {kept:.0f}% headroom: {RESERVE_GIB:g} GiB + {FRAGMENTATION:.1%}; limit "
                  f"{plan['fit_limit_gib']} GiB, margin {plan['margin_gib']:+.2f} GiB)")
     if plan.get("overflow"):
         lines.append(f"    overflow: {plan['overflow']}")

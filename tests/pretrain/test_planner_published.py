@@ -15,6 +15,7 @@ import pytest
 
 from pretrain.config import load_config
 from pretrain.observe.flops import PEAK_TFLOPS, gpu_key
+from pretrain.planner.common import PlanError
 from pretrain.planner.hardware import GPUS, nvlink_domain
 from pretrain.planner.plan import make_plan
 from pretrain.planner.published_table import TABLE, Harness, plan_row, read_table
@@ -74,7 +75,7 @@ def test_a_group_inside_the_nvlink_domain_talks_over_nvlink():
 LLAMA8B_GB300 = 160  # 25.11, 8 GPUs of a GB300 NVL72 rack: two 4-GPU trays, one NVLink domain
 LLAMA405B_GB300 = 7  # 26.04.01: 126 layers on PP8 x VP4: the planner places them (embedding and loss in the split)
 NEMOTRON_SUPER = 39  # a config this branch does not ship (Nemotron 3 Super trains with MTP, not wired here)
-DSV3_H100_MXFP8 = 217  # 25.09 lists MXFP8 on H100, which has no MX tensor cores
+DSV3_H100_MXFP8 = 217  # 25.09 lists MXFP8 on H100: its footnote says 128x128 / 1x128 blocks, FP8 blockwise
 
 
 def test_harness_plans_rows_of_the_published_table():
@@ -90,8 +91,23 @@ def test_harness_plans_rows_of_the_published_table():
     assert refused.refused == "model not supported yet: no shipped config pretrain/configs/nemotron3_super.yaml"
     assert refused.json() == {"row": NEMOTRON_SUPER, "predicted_tokens_per_s_per_gpu": None, "fits": None,
                               "flops_per_token": None, "refused": refused.refused}
-    hopper = plan_row(rows[DSV3_H100_MXFP8], harness)
-    assert hopper.refused.startswith("h100 has no MXFP8 tensor cores")
+    hopper = plan_row(rows[DSV3_H100_MXFP8], harness)  # planned as what ran (the archive's footnote), not refused
+    assert hopper.refused is None and "model.fp8=blockwise" in hopper.overrides, hopper
+    assert abs(hopper.flops_per_token / hopper.published_flops_per_token - 1) <= 0.03
+    mx = load_config("deepseek_v3", ["model.fp8=mxfp8"])
+    with pytest.raises(PlanError, match="h100 has no MXFP8 tensor cores"):
+        make_plan(mx, 128, 8, "h100", name="deepseek_v3")
+
+
+LLAMA70B_GB200_FSDP = 3  # 26.04.01: FP8 Megatron-FSDP, 40 of 80 layers offloaded, micro batch 2: the fullest run
+
+
+def test_the_fullest_published_run_fits():
+    """The published runs ran, so each fits in our plan: the one that leaves the least free (Llama-3-70B on 64 GB200,
+    175.3 of 184.4 GiB planned) fits under the fit limit (4 GiB + 2.5% kept free, `planner.common.fit_limit_gib`)."""
+    p = plan_row(read_table(TABLE)[LLAMA70B_GB200_FSDP], Harness.load())
+    assert p.fits and 0 <= p.margin_gib < 2, p
+    assert p.capacity_gib - p.memory_gib > 4  # what the GPU itself leaves: the run's CUDA context, NCCL, fragmentation
 
 
 TSV = """# a table in the published format: comment lines first, then the header
