@@ -154,6 +154,19 @@ def test_the_ramp_is_megatrons_calculator_step_by_step():
         assert walk(ramp, gbs, 0, 16, tokens=16 * sum(want[:9])).steps == 9
 
 
+def test_docs_stage_table_is_what_plan_prints(capsys):
+    """docs/training.md shows `plan llama3_8b_staged --nodes 32 --gpus-per-node 8`'s stage table: it is what the
+    command prints now (a planner change updates the docs)."""
+    from pathlib import Path
+
+    assert cli(["plan", "llama3_8b_staged", "--nodes", "32", "--gpus-per-node", "8"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    start = docs.index("plan: llama3_8b_staged on 32 node(s)")
+    shown = docs[start:docs.index("```", start)].rstrip("\n").splitlines()
+    assert shown == printed[:len(shown)], "\n".join(printed[:len(shown)])
+
+
 def test_plan_shows_the_ramp(capsys):
     """[2, 2, 40] to 8: 2 while consumed < 40/3 (7 steps), 4 to 26 (4 more), 6 to 42 (2 more), then 8 (by hand)."""
     assert cli(["plan", "tiny_llama", "train.rampup_batch_size=[2,2,40]", "--nodes", "1", "--gpus-per-node", "2"]) == 0
