@@ -138,7 +138,7 @@ def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
         if summary["reason"] != "stage_end":
             return summary
         following = staged.at(summary["step"])
-        why = boundaries.new_process(staged, stage, following)
+        why = staged.new_process[staged.stages.index(stage)]
         if why is not None:  # its checkpoint is saved: the same command continues in the next stage
             summary["reason"] = "stage"
             message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "
