@@ -29,7 +29,9 @@ class Report:
     megatron_verdicts: list = field(default_factory=list)  # Megatron-Core's checks passed: rules/megatron_verdicts
     start_verdicts: list = field(default_factory=list)  # what train starts from, accepted: rules/start
 
-    def error(self, keys: tuple[str, ...] | str, message: str, fix: str) -> None:
+    def error(self, keys: tuple[str, ...] | str, message: str, fix: str, label: str | None = None) -> None:
+        """One problem; `label` (a stage's, say) heads its message."""
+        message = f"{label}: {message}" if label is not None else message
         self.errors.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), message, fix))
 
     @property

@@ -88,13 +88,15 @@ class _Start:
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
     as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Resolve
-    (every stage's plan, once) → start the process → for each stage: `_set_up`, then `_loop`."""
+    (every stage's plan, once) → start the process → the checkpoint's stage → from it, for each stage: `_set_up`,
+    then `_loop`."""
     from pretrain.run.runtime import env_world_size
 
     staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
     process = _start_process(staged.plans[0].cfg if staged.plans else cfg, staged)
     try:
-        summary = _train_stages(staged, process)
+        stage = boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
+        summary = _train_stages(staged, stage, process)
     finally:
         boundaries.leave()
     process.outputs.release()
@@ -124,19 +126,19 @@ def _start_process(first: Config, staged: StagedRun) -> _Process:
     return _Process(rt=rt, stops=stops, problems=problems, outputs=outputs)
 
 
-def _train_stages(staged: StagedRun, process: _Process) -> dict:
-    """Every stage from the one the run's checkpoint is in, in this process while the layout allows (else exit 76
-    names the next)."""
+def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
+    """Every stage from `stage`, the one the run's checkpoint is in, in this process while the layout allows (else
+    exit 76 names the next)."""
     from pretrain.run.runtime import reset_for_next_stage
 
-    rt, stage = process.rt, boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
+    rt = process.rt
     while True:
         start = _set_up(staged, stage, process)
         summary = _loop(staged, stage, start, process)
         if summary["reason"] != "stage_end":
             return summary
         following = staged.at(summary["step"])
-        why = boundaries.new_process(staged, stage, following)
+        why = staged.new_process[staged.stages.index(stage)]
         if why is not None:  # its checkpoint is saved: the same command continues in the next stage
             summary["reason"] = "stage"
             message = (f"stage '{stage.name}' ended at step {summary['step']}; stage '{following.name}' {why}: "

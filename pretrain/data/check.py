@@ -249,14 +249,6 @@ def _empty_split(prefix: str, facts, rng: tuple[float, float] | None) -> tuple[i
     return end - beg, tokens_between(facts.info, beg, end)
 
 
-def _full_read_note(full: list[tuple[str, str]]) -> str:
-    """One note for the datasets whose metadata could not stand for their index (read in full)."""
-    names = ", ".join(f"{p} ({why})" for p, why in full[:3]) + (f" and {len(full) - 3} more" if len(full) > 3 else "")
-    return (f"{len(full)} dataset(s) were checked by reading their whole .idx because their .meta.json has no "
-            f"index facts (written by an older data_tools) or facts that do not match: {names}; `python -m "
-            "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
-
-
 def check_data_files(data: DataPlan, tokenizer: TokenizerPlan, m: ModelConfig, r: Report,
                      header_only: bool = False) -> None:
     """Tokenizer, every prefix of every blend, and the documents of each split the run reads (`data`, `tokenizer`:
@@ -264,6 +256,8 @@ def check_data_files(data: DataPlan, tokenizer: TokenizerPlan, m: ModelConfig, r
     dataset whose metadata cannot stand for its index, and that has no verdict of an earlier full read, is checked
     from its .idx header and sizes (a few reads at any size), not read in full: the trainer's one-rank check reads
     it in full before training reads it."""
+    from pretrain.dataset_format.check import full_read_note
+
     d, eval_on = data.config, data.eval_on
     ident = check_tokenizer(tokenizer, d, m, r)
     vocab = (m.vocab_size or ident.vocab_size) if ident is not None else m.vocab_size
@@ -300,9 +294,9 @@ def check_data_files(data: DataPlan, tokenizer: TokenizerPlan, m: ModelConfig, r
                             "split", "add documents, change data.split, or use per-split blends (data.train_blend, "
                             "data.valid_blend)" + (" or set train.eval_interval=null" if i == 1 else ""))
     checked = [f for f in seen.values() if f is not None]
-    full = [(f.prefix, f.why_full) for f in checked if f.checked == "full" and f.meta is not None]
-    if full:
-        r.notes.append(_full_read_note(full))
+    full_read = full_read_note(checked)
+    if full_read:
+        r.notes.append(full_read)
     r.data_verdicts += [e for f in checked if (e := verdict_entry(f)) is not None]
     if seen:
         fast, cached, header = (sum(f.checked == how for f in checked) for how in ("metadata", "cache", "header"))

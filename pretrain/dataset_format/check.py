@@ -55,6 +55,18 @@ class DatasetFacts:
     stamps: dict[str, list[int]] | None = None  # a full check with a verdict cache: the files as they were read
 
 
+def full_read_note(checked: list[DatasetFacts]) -> str | None:
+    """One note for the datasets of `checked` whose metadata could not stand for their index (read in full), None
+    when there is none."""
+    full = [(f.prefix, f.why_full) for f in checked if f.checked == "full" and f.meta is not None]
+    if not full:
+        return None
+    names = ", ".join(f"{p} ({why})" for p, why in full[:3]) + (f" and {len(full) - 3} more" if len(full) > 3 else "")
+    return (f"{len(full)} dataset(s) were checked by reading their whole .idx because their .meta.json has no "
+            f"index facts (written by an older data_tools) or facts that do not match: {names}; `python -m "
+            "data_tools verify PREFIX --update-meta` records them, so later starts read only the header")
+
+
 def _metadata_check(prefix: str) -> tuple[IndexHeader | None, dict[str, Any] | None, str]:
     """(header, metadata, "") when the metadata's index facts match the pair (one open and 128 KiB of the .idx,
     two stats, the metadata), else (None, metadata, why not). Raises for an unreadable header or metadata."""

@@ -32,7 +32,7 @@ def muon_optimizer_config(o: OptimizerConfig, config):
 
 def build_muon_optimizer(o: OptimizerConfig, model: list, layout: Layout, config, log=None):
     """Muon + AdamW over the DDP-wrapped model chunks from Megatron-Core's OptimizerConfig `config`
-    (`pretrain.run.setup.optimizer_config`) and the optimizer section `o`; prints one line with what each optimizer
+    (`model_providers.core.optimizer_config`) and the optimizer section `o`; prints one line with what each optimizer
     got."""
     from pretrain.compat.muon import build_muon
 

@@ -115,7 +115,7 @@ def megatron_config_rules(r: Report, cfg: Config, lay: Layout | None, te_on_gpu:
     except _REFUSALS as exc:
         r.error("model", f"Megatron-Core's TransformerConfig refuses this model and layout {_words(exc, cfg.model)}",
                 "change the model.* / parallel.* keys it names (validate cannot name them more precisely)")
-    from pretrain.run.setup import optimizer_config
+    from model_providers.core.optimizer_config import optimizer_config
 
     try:
         optimizer_config(cfg.optimizer, lay)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from model_providers.core.knobs import DDP, OPT, mcore_kwargs
+from model_providers.core.knobs import DDP, mcore_kwargs
+from model_providers.core.optimizer_config import optimizer_config
 from pretrain.config import OptimizerConfig, RerunConfig
 from pretrain.layout import Layout
 from pretrain.problems import Report
@@ -87,18 +88,6 @@ def wrap_with_ddp(o: OptimizerConfig, rerun: RerunConfig, chunks, transformer_co
     device = None if torch.cuda.is_available() else torch.device("cpu")  # its default is cuda:current
     return [FullyShardedDataParallel(config=transformer_config, ddp_config=config, module=chunk,
                                      disable_bucketing=i > 0, device=device) for i, chunk in enumerate(chunks)]
-
-
-def optimizer_config(o: OptimizerConfig, layout: Layout):
-    """Megatron-Core's `OptimizerConfig`: Adam(W), the distributed optimizer when optimizer.distributed or FSDP
-    (validation builds it too: `pretrain.rules.megatron`)."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(
-        optimizer="adam", **mcore_kwargs(o, OPT),  # the optimizer section's fields declared mcore=OPT
-        bf16=layout.precision == "bf16", fp16=layout.precision == "fp16", params_dtype=layout.params_dtype,
-        use_distributed_optimizer=o.distributed or o.fsdp, overlap_param_gather_with_optimizer_step=False,
-    )
 
 
 def build_optimizer(o: OptimizerConfig, model, layout: Layout, log=None):

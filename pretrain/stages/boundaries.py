@@ -7,7 +7,8 @@
   resume mid-stage continues the stage's order exactly.
 - End: the checkpoint of the stage's last step is saved and named for it (`stage_NAME` in the checkpoint root,
   kept whatever checkpoint.keep_last says); the next stage then runs in this process, rebuilt from that checkpoint
-  as a restart would, or, where it changes the process groups (`new_process`), the trainer exits with
+  as a restart would, or, where it changes the process groups (`StagedRun.new_process`, decided when the run is
+  resolved: `pretrain/stages/plan.py`), the trainer exits with
   `EXIT_NEXT_STAGE` (76) and the same command (or the Slurm requeue) continues in it.
 """
 
@@ -107,17 +108,3 @@ def name_boundaries(staged: StagedRun, step: int) -> None:
                     error = CheckpointError(f"{path}: naming it for stage '{stage.name}' failed "
                                             f"({exc.strerror or exc})")
     agree(error)
-
-
-def new_process(staged: StagedRun, stage: Stage, following: Stage) -> str | None:
-    """Why `following` cannot start in this process after `stage` (None: it can): its process groups differ (the
-    layout), or Transformer Engine's TP-overlap buffers, sized once per process, would."""
-    a, b = staged.plan(stage), staged.plan(following)
-    if a.layout_key() != b.layout_key():
-        return f"changes the layout ({a.layout.describe()} → {b.layout.describe()})"
-    pa, pb, ma, mb = a.cfg.parallel, b.cfg.parallel, a.cfg, b.cfg
-    if (pa.tp_comm_overlap or pb.tp_comm_overlap) and (
-            pa.tp_comm_overlap != pb.tp_comm_overlap or ma.model.seq_length != mb.model.seq_length
-            or ma.train.micro_batch_size != mb.train.micro_batch_size):
-        return "changes Transformer Engine's TP-overlap buffers (parallel.tp_comm_overlap)"
-    return None

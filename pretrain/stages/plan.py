@@ -22,11 +22,14 @@ from pretrain.stages.spec import Stage, StagedConfig, derive
 
 @dataclass(frozen=True)
 class StagedRun:
-    """The run's stages (`spec`), each one's `RunPlan` (in stage order) and the problems of the stages."""
+    """The run's stages (`spec`), each one's `RunPlan` (in stage order) and the problems of the stages.
+    `new_process`: for each stage, why the stage after it cannot start in this process (None: it can, or none
+    follows)."""
 
     spec: StagedConfig
     plans: tuple[RunPlan, ...]
     world_size: int
+    new_process: tuple[str | None, ...] = ()
 
     @property
     def staged(self) -> bool:
@@ -101,5 +104,22 @@ def resolve_run(cfg: Config, world_size: int, **kwargs) -> StagedRun:
             world_size // model_parallel if model_parallel > 0 and world_size % model_parallel == 0 else None)
         ramp_fits(plan.problems, stage, dp)
         plans.append(plan)
-    return StagedRun(spec, tuple(plans), world_size)
+    handovers = [_new_process(a, b) for a, b in zip(plans, plans[1:])]
+    return StagedRun(spec, tuple(plans), world_size, (*handovers, None) if plans else ())
+
+
+def _new_process(a: RunPlan, b: RunPlan) -> str | None:
+    """Why the stage planned by `b` cannot start in the process of the one before it (planned by `a`; None: it can):
+    its process groups differ (the layout), or Transformer Engine's TP-overlap buffers, sized once per process,
+    would. None where either has no layout (its problems stop the run first)."""
+    if a.layout is None or b.layout is None:
+        return None
+    if a.layout_key() != b.layout_key():
+        return f"changes the layout ({a.layout.describe()} → {b.layout.describe()})"
+    pa, pb, ma, mb = a.cfg.parallel, b.cfg.parallel, a.cfg, b.cfg
+    if (pa.tp_comm_overlap or pb.tp_comm_overlap) and (
+            pa.tp_comm_overlap != pb.tp_comm_overlap or ma.model.seq_length != mb.model.seq_length
+            or ma.train.micro_batch_size != mb.train.micro_batch_size):
+        return "changes Transformer Engine's TP-overlap buffers (parallel.tp_comm_overlap)"
+    return None
 

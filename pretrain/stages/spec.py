@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pretrain.config import Config, ConfigError, config_from_dict
 from pretrain.config_parse import set_dotted
-from pretrain.problems import Problem
+from pretrain.problems import Problem, Report
 from pretrain.stages.samples import StageSamples, TokensNotExact, walk
 
 STAGE_FIELDS = ("name", "steps", "tokens", "set", "keep")
@@ -126,15 +126,7 @@ def plain(cfg: Config) -> StagedConfig:
     return StagedConfig((stage,), t.steps, staged=False)
 
 
-class _Problems:
-    def __init__(self) -> None:
-        self.items: list[Problem] = []
-
-    def add(self, label: str, keys, message: str, fix: str) -> None:
-        self.items.append(Problem((keys,) if isinstance(keys, str) else tuple(keys), f"{label}: {message}", fix))
-
-
-def _check_key(p: _Problems, label: str, key, tree: dict, later: bool) -> bool:
+def _check_key(p: Report, label: str, key, tree: dict, later: bool) -> bool:
     """Whether a stage may set `key` (else the problem, did-you-mean as overrides say it). `later`: a stage after
     the first, which starts from the checkpoint of the one before (a key not used on resume would do nothing)."""
     if not isinstance(key, str) or key not in _leaves():
@@ -145,40 +137,40 @@ def _check_key(p: _Problems, label: str, key, tree: dict, later: bool) -> bool:
             why = f"'{key}' is a section, not a key: set its keys one by one (e.g. {key}.NAME: VALUE)"
         except ConfigError as exc:
             why = str(exc)
-        p.add(label, f"stages.set.{key}", why, "use the dotted keys of command-line overrides (section.key)")
+        p.error(f"stages.set.{key}", why, "use the dotted keys of command-line overrides (section.key)", label=label)
         return False
     if key in FRAME:
-        p.add(label, key, f"a stage cannot set {key}: {FRAME[key]}", f"remove {key} from the stage's set")
+        p.error(key, f"a stage cannot set {key}: {FRAME[key]}", f"remove {key} from the stage's set", label=label)
         return False
     if key in _must_match():
-        p.add(label, key, f"a stage cannot set {key}: {_must_match()[key]} (the resume contract: must match; "
-              "docs/checkpoints.md, Resuming)", f"set {key} before the stages, for the whole run")
+        p.error(key, f"a stage cannot set {key}: {_must_match()[key]} (the resume contract: must match; "
+                "docs/checkpoints.md, Resuming)", f"set {key} before the stages, for the whole run", label=label)
         return False
     if later and key in _unused_on_resume():
-        p.add(label, key, f"a stage after the first cannot set {key}: it starts from the previous stage's "
-              f"checkpoint, and {key} is not used on resume ({_unused_on_resume()[key]})",
-              f"set {key} before the stages (or in the first stage's set)")
+        p.error(key, f"a stage after the first cannot set {key}: it starts from the previous stage's "
+                f"checkpoint, and {key} is not used on resume ({_unused_on_resume()[key]})",
+                f"set {key} before the stages (or in the first stage's set)", label=label)
         return False
     return True
 
 
-def _length(p: _Problems, label: str, raw: dict) -> tuple[int | None, int | None]:
+def _length(p: Report, label: str, raw: dict) -> tuple[int | None, int | None]:
     """(steps, tokens) of a stage: exactly one given, a positive whole number."""
     has_steps, has_tokens = "steps" in raw, "tokens" in raw
     if has_steps == has_tokens:
-        p.add(label, ("stages.steps", "stages.tokens"), "a stage needs its length: steps or tokens (one of them)",
-              "give steps: N or tokens: N")
+        p.error(("stages.steps", "stages.tokens"), "a stage needs its length: steps or tokens (one of them)",
+                "give steps: N or tokens: N", label=label)
         return None, None
     key = "steps" if has_steps else "tokens"
     value = _whole(raw[key])
     if value is None:
-        p.add(label, f"stages.{key}", f"{key}={raw[key]!r} must be a positive whole number",
-              f"give {key}: N with N >= 1")
+        p.error(f"stages.{key}", f"{key}={raw[key]!r} must be a positive whole number",
+                f"give {key}: N with N >= 1", label=label)
         return None, None
     return (value, None) if has_steps else (None, value)
 
 
-def _keep(p: _Problems, label: str, raw: dict, sets: dict, before: Config | None, tree: dict) -> None:
+def _keep(p: Report, label: str, raw: dict, sets: dict, before: Config | None, tree: dict) -> None:
     """`keep`: a changed model.seq_length keeps the batch's tokens (train.global_batch_size rescaled) or samples."""
     keep = raw.get("keep")
     seq_before = before.model.seq_length if before is not None else None
@@ -187,56 +179,59 @@ def _keep(p: _Problems, label: str, raw: dict, sets: dict, before: Config | None
         return  # not a length: the config's own check names it
     changed = before is not None and seq != seq_before
     if keep is not None and keep not in ("tokens", "samples"):
-        p.add(label, "stages.keep", f"keep={keep!r} is not one of tokens, samples", "keep: tokens or keep: samples")
+        p.error("stages.keep", f"keep={keep!r} is not one of tokens, samples", "keep: tokens or keep: samples",
+                label=label)
     elif keep is not None and not changed:
-        p.add(label, "stages.keep", "keep applies where a stage changes model.seq_length; this one does not",
-              "remove keep")
+        p.error("stages.keep", "keep applies where a stage changes model.seq_length; this one does not",
+                "remove keep", label=label)
     elif keep is not None and "train.global_batch_size" in sets:
-        p.add(label, ("stages.keep", "train.global_batch_size"), "keep and train.global_batch_size both size the "
-              "batch", "give one of them")
+        p.error(("stages.keep", "train.global_batch_size"), "keep and train.global_batch_size both size the "
+                "batch", "give one of them", label=label)
     elif changed and keep is None and "train.global_batch_size" not in sets:
         gbs = before.train.global_batch_size
-        p.add(label, ("stages.keep", "model.seq_length"), f"model.seq_length changes {seq_before} → {seq}: say "
-              f"whether the batch keeps its {gbs * seq_before:,} tokens (keep: tokens) or its {gbs} samples, "
-              f"{gbs * seq:,} tokens (keep: samples)", "add keep: tokens or keep: samples (or set "
-              "train.global_batch_size)")
+        p.error(("stages.keep", "model.seq_length"), f"model.seq_length changes {seq_before} → {seq}: say "
+                f"whether the batch keeps its {gbs * seq_before:,} tokens (keep: tokens) or its {gbs} samples, "
+                f"{gbs * seq:,} tokens (keep: samples)", "add keep: tokens or keep: samples (or set "
+                "train.global_batch_size)", label=label)
     elif keep == "tokens":
         gbs = before.train.global_batch_size
         if (gbs * seq_before) % seq:
-            p.add(label, ("stages.keep", "model.seq_length"), f"keep: tokens: {gbs * seq_before:,} tokens per batch "
-                  f"is no whole number of sequences of {seq}", "keep: samples, or set train.global_batch_size")
+            p.error(("stages.keep", "model.seq_length"), f"keep: tokens: {gbs * seq_before:,} tokens per batch "
+                    f"is no whole number of sequences of {seq}", "keep: samples, or set train.global_batch_size",
+                    label=label)
         else:
             sets["train.global_batch_size"] = gbs * seq_before // seq
             set_dotted(tree, "train.global_batch_size", sets["train.global_batch_size"])
 
 
-def _one(p: _Problems, i: int, raw, tree: dict, before: Config | None, names: set) -> tuple:
+def _one(p: Report, i: int, raw, tree: dict, before: Config | None, names: set) -> tuple:
     """(label, config, sets, steps, tokens) of stage `i`; config None when it cannot be resolved."""
     name = raw.get("name") if isinstance(raw, dict) else None
     label = f"stage '{name}'" if isinstance(name, str) and name else f"stages[{i}]"
     if not isinstance(raw, dict):
-        p.add(label, "stages", f"a stage is a mapping {{name, steps | tokens, set}}, got {raw!r}",
-              "write each stage as {name: NAME, steps: N, set: {...}}")
+        p.error("stages", f"a stage is a mapping {{name, steps | tokens, set}}, got {raw!r}",
+                "write each stage as {name: NAME, steps: N, set: {...}}", label=label)
         return label, None, {}, None, None
     for key in raw:
         if key not in STAGE_FIELDS:
             close = difflib.get_close_matches(str(key), STAGE_FIELDS, n=1)
-            p.add(label, f"stages.{key}", f"unknown stage key '{key}'" + (f" (did you mean '{close[0]}'?)"
+            p.error(f"stages.{key}", f"unknown stage key '{key}'" + (f" (did you mean '{close[0]}'?)"
                                                                             if close else ""),
-                  f"a stage has {', '.join(STAGE_FIELDS)}")
+                    f"a stage has {', '.join(STAGE_FIELDS)}", label=label)
     if not isinstance(name, str) or not name.strip():
-        p.add(label, "stages.name", "a stage needs a name", "give name: NAME (letters, digits, _ . -)")
+        p.error("stages.name", "a stage needs a name", "give name: NAME (letters, digits, _ . -)", label=label)
     elif not NAME.match(name):
-        p.add(label, "stages.name", f"name {name!r} must be letters, digits, _ . - (it names the stage's "
-              "checkpoint and metrics)", "rename it")
+        p.error("stages.name", f"name {name!r} must be letters, digits, _ . - (it names the stage's "
+                "checkpoint and metrics)", "rename it", label=label)
     elif name in names:
-        p.add(label, "stages.name", f"the name '{name}' is used by an earlier stage", "give each stage its own name")
+        p.error("stages.name", f"the name '{name}' is used by an earlier stage", "give each stage its own name",
+                label=label)
     names.add(name)
     steps, tokens = _length(p, label, raw)
     sets = raw.get("set") or {}
     if not isinstance(sets, dict):
-        p.add(label, "stages.set", f"set must be a mapping of dotted keys, got {sets!r}",
-              "set: {data.blend: [...], optimizer.lr: ...}")
+        p.error("stages.set", f"set must be a mapping of dotted keys, got {sets!r}",
+                "set: {data.blend: [...], optimizer.lr: ...}", label=label)
         return label, None, {}, steps, tokens
     ok = [_check_key(p, label, key, tree, later=i > 0) for key in sets]
     staged_tree = copy.deepcopy(tree)
@@ -250,7 +245,7 @@ def _one(p: _Problems, i: int, raw, tree: dict, before: Config | None, names: se
     try:
         return label, config_from_dict(staged_tree), sets, steps, tokens
     except ConfigError as exc:
-        p.add(label, "stages.set", str(exc), "correct the stage's set")
+        p.error("stages.set", str(exc), "correct the stage's set", label=label)
         return label, None, sets, steps, tokens
 
 
@@ -258,7 +253,7 @@ def derive(cfg: Config) -> StagedConfig:
     """The stages of `cfg` (a config without `stages`: `plain`), each config resolved, with every problem."""
     if not cfg.stages:
         return plain(cfg)
-    p = _Problems()
+    p = Report(0)  # the stages' problems (their label first); no world size yet
     tree = cfg.to_dict()
     tree.pop("stages")
     tree["train"]["steps"] = 1  # each stage's is the run's length, set below
@@ -282,14 +277,15 @@ def derive(cfg: Config) -> StagedConfig:
                         tokens=tokens)
         except TokensNotExact as exc:
             (lo, lo_tokens), (hi, hi_tokens) = exc.below, exc.above
-            p.add(label, "stages.tokens", f"tokens={tokens:,} is no whole number of steps (global batch "
-                  f"{t.global_batch_size} × sequence {stage_cfg.model.seq_length}): it falls between {lo:,} step(s) "
-                  f"({lo_tokens:,} tokens) and {hi:,} step(s) ({hi_tokens:,} tokens)",
-                  f"give tokens: {hi_tokens} or steps: {hi}" + (f" (or tokens: {lo_tokens})" if lo else ""))
+            p.error("stages.tokens", f"tokens={tokens:,} is no whole number of steps (global batch "
+                    f"{t.global_batch_size} × sequence {stage_cfg.model.seq_length}): it falls between {lo:,} step(s) "
+                    f"({lo_tokens:,} tokens) and {hi:,} step(s) ({hi_tokens:,} tokens)",
+                    f"give tokens: {hi_tokens} or steps: {hi}" + (f" (or tokens: {lo_tokens})" if lo else ""),
+                    label=label)
             continue
         except Exception as exc:  # noqa: BLE001 - a ramp Megatron's calculator refuses: validation names it
-            p.add(label, "train.rampup_batch_size", f"Megatron-Core's calculator refuses the ramp ({exc})",
-                  "see the train.rampup_batch_size problem")
+            p.error("train.rampup_batch_size", f"Megatron-Core's calculator refuses the ramp ({exc})",
+                    "see the train.rampup_batch_size problem", label=label)
             continue
         stages.append(Stage(i, raw["name"], start, done.steps, sample, done.samples, done.tokens, done.batch_sizes,
                             stage_cfg, sets))
@@ -297,10 +293,9 @@ def derive(cfg: Config) -> StagedConfig:
         tree.pop("stages")
         before, start, sample = stage_cfg, start + done.steps, sample + done.samples
     if cfg.train.steps and cfg.train.steps != start and len(stages) == len(cfg.stages):
-        p.items.append(Problem(("train.steps",), f"train.steps={cfg.train.steps} conflicts with the stages, whose "
-                               f"steps add up to {start:,}", f"leave train.steps out (the stages set the run's length) "
-                               f"or make it {start}"))
+        p.error("train.steps", f"train.steps={cfg.train.steps} conflicts with the stages, whose steps add up to "
+                f"{start:,}", f"leave train.steps out (the stages set the run's length) or make it {start}")
     for stage in stages:
         stage.cfg.train.steps = start
         stage.cfg.stages = None
-    return StagedConfig(tuple(stages), start, tuple(p.items))
+    return StagedConfig(tuple(stages), start, tuple(p.errors))
