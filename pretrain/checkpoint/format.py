@@ -240,6 +240,14 @@ def read_index(path: Path):
 SHARDED_BACKENDS = ("torch_dist", "fsdp_dtensor")  # fsdp_dtensor: Megatron-FSDP runs (`fsdp_format.py`)
 
 
+def write_format_file(path: Path, backend: str) -> None:
+    """`metadata.json` as Megatron-Core writes it for a checkpoint of `backend` (one of SHARDED_BACKENDS)."""
+    import json
+
+    (path / FORMAT_FILE).write_text(json.dumps({"sharded_backend": backend, "sharded_backend_version": 1,
+                                                "common_backend": "torch", "common_backend_version": 1}))
+
+
 def checkpoint_backend(path: Path) -> str:
     """The sharded backend `metadata.json` names: "torch_dist" or "fsdp_dtensor" (checked)."""
     return _check_format(Path(path))

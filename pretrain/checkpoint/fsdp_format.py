@@ -23,7 +23,6 @@ MegatronFSDP module and one `module.` stripped from the optimizer's `module.modu
 from __future__ import annotations
 
 import io
-import json
 import re
 from pathlib import Path
 
@@ -35,18 +34,16 @@ from pretrain.checkpoint import stateful
 from pretrain.checkpoint.dropped import check_dropped
 from pretrain.checkpoint.format import (
     COMMON_FILE,
-    FORMAT_FILE,
     CheckpointError,
     agree,
     inspect_checkpoint,
     read_object_bytes,
     reason,
+    write_format_file,
 )
 from pretrain.checkpoint.state import set_rng_state
 
 FORMAT = "fsdp_dtensor"
-FORMAT_METADATA = {"sharded_backend": FORMAT, "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}
 OPTIMIZER_PREFIX = "module.module."  # the optimizer's names: adapter → MegatronFSDP → GPTModel
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -268,7 +265,7 @@ def save_request(ctx, path: Path, *, step: int, consumed_samples: int):
     state["rng_state"] = {str(dist.get_rank()): checkpoint_state._rng_state()}
     names = all_stored_names(model)  # collective
     if dist.get_rank() == 0:
-        (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
+        write_format_file(path, FORMAT)
         torch.save(common_state(ctx, names, step=step, consumed_samples=consumed_samples,
                                 with_optimizer=with_optimizer), path / COMMON_FILE)
     writer = FileSystemWriterAsync(str(path), thread_count=1)

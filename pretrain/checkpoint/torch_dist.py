@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 from pathlib import Path
 
 import torch
@@ -21,7 +20,6 @@ from pretrain.checkpoint import optimizer_forms
 from pretrain.checkpoint.dropped import check_dropped, model_config_diff
 from pretrain.checkpoint.format import (
     COMMON_FILE,
-    FORMAT_FILE,
     RUN_CONFIG_FILE,
     CheckpointError,
     agree,
@@ -29,6 +27,7 @@ from pretrain.checkpoint.format import (
     read_common,
     read_object_bytes,
     reason,
+    write_format_file,
 )
 from pretrain.checkpoint.state import VOCAB_PADDED_KEYS, model_state
 from pretrain.checkpoint.stateful import Io, sharded_state
@@ -36,14 +35,12 @@ from pretrain.compat import mcore
 from pretrain.files import write_atomic
 
 FORMAT = "torch_dist"
-FORMAT_METADATA = {"sharded_backend": FORMAT, "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}  # metadata.json as Megatron-Core writes it
 
 
 def write_checkpoint_files(path: Path, common: dict, run_config_yaml: str) -> None:
     """The non-tensor files of a torch_dist checkpoint written outside Megatron-Core (the HF import):
     `metadata.json`, `common.pt` and, last, `run_config.yaml`."""
-    (path / FORMAT_FILE).write_text(json.dumps(FORMAT_METADATA))
+    write_format_file(path, FORMAT)
     torch.save(common, path / COMMON_FILE)
     write_atomic(path / RUN_CONFIG_FILE, run_config_yaml)
 

@@ -16,17 +16,17 @@ import pytest
 from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
-from tests.pretrain.ckpt_helpers import by_step, layout_case, max_rel, rel_diff, run_worker_cases, step_values
-from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+from tests.pretrain.ckpt_helpers import by_step, rel_diff
+from tests.pretrain.doc_helpers import first_loss, weighted_mean
+from tests.pretrain.family_helpers import (
+    STEPS,
+    TP2_SP,
+    assert_layout_matches_one_rank,
+    family_runs,
+)
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
-TOLERANCE = 1e-5
-BASE = ["data.mock=true", f"train.steps={STEPS}", "train.precision=fp32", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "checkpoint.save_at_end=false", "checkpoint.interval=null",
-        "logging.tensorboard=false", "optimizer.warmup_steps=1"]
-TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
 EP2 = ["parallel.expert=2"]
 CP2 = ["parallel.context=2"]
 # name: (overrides, copy_from source or None); all on 2 ranks (EP folds into TP / DP).
@@ -46,44 +46,17 @@ FULL = set(LAYOUTS) - {"tp2_sp_ep2"}
 DOC_LAYOUTS = {"docs_cp1": [], "docs_cp2_a2a": CP2 + ["parallel.cp_comm_type=a2a"]}
 
 
-def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
-    return {**case(run_dir, data_prefix, seq_length, ["train.precision=fp32", *extra]), "config": "tiny_gpt_oss"}
-
-
 @pytest.fixture(scope="module")
 def gpt_oss_runs(tmp_path_factory):
     """The reference and the packed-document cases on world 1, the layouts on world 2. Returns (root, the documents'
     prediction counts)."""
-    root = tmp_path_factory.mktemp("gpt_oss")
-    by_world = {1: [layout_case(root, "tiny_gpt_oss", BASE, "ref", [], None)],
-                2: [layout_case(root, "tiny_gpt_oss", BASE, name, extra, source)
-                    for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
-    singles = {}
-    if tiers.everything():
-        packed, seq, singles = documents(root)
-        for name, (path, n) in singles.items():
-            by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
-        for name, extra in DOC_LAYOUTS.items():
-            by_world[2 if extra else 1].append(_doc_case(root / name, packed, seq, FLAGS + extra))
-    for world, cases in by_world.items():
-        (root / f"w{world}").mkdir()
-        run_worker_cases(root / f"w{world}", world, cases, timeout=1200)
-    return root, {name: n for name, (_, n) in singles.items()}
+    return family_runs(tmp_path_factory.mktemp("gpt_oss"), "tiny_gpt_oss", LAYOUTS, FULL, DOC_LAYOUTS, timeout=1200)
 
 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n != "ep2_to_ep1"], FULL))
 def test_gpt_oss_layout_matches_one_rank(gpt_oss_runs, name):
-    root, _ = gpt_oss_runs
-    ref, got = by_step(root / "ref"), by_step(root / name)
-    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
-    norm = max_rel(step_values(root / name, "grad_norm"), step_values(root / "ref", "grad_norm"))
-    aux = max(rel_diff(got[s]["moe_load_balancing_loss"], ref[s]["moe_load_balancing_loss"]) for s in ref)
-    print(f"| tiny_gpt_oss | {name} | loss {loss:.1e} | grad norm {norm:.1e} | aux loss {aux:.1e} |")
-    assert loss <= TOLERANCE and norm <= TOLERANCE and aux <= TOLERANCE, (name, loss, norm, aux)
-    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
-    assert got[STEPS]["loss"] != got[1]["loss"]
+    assert_layout_matches_one_rank(gpt_oss_runs[0], "tiny_gpt_oss", name, "moe_load_balancing_loss")
 
 
 @pytest.mark.full

@@ -24,24 +24,22 @@ from tests.pretrain.ckpt_helpers import (
     by_step,
     command,
     kill9_and_resume,
-    layout_case,
-    max_rel,
     metrics,
     rel_diff,
-    run_worker_cases,
-    step_values,
 )
-from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+from tests.pretrain.doc_helpers import first_loss, weighted_mean
+from tests.pretrain.family_helpers import (
+    BASE,
+    STEPS,
+    TOLERANCE,
+    TP2_SP,
+    assert_layout_matches_one_rank,
+    family_runs,
+)
 
 pytestmark = pytest.mark.slow
 
 CONFIG = "tiny_qwen3_next"
-STEPS = 4
-TOLERANCE = 1e-5
-BASE = ["data.mock=true", f"train.steps={STEPS}", "train.precision=fp32", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "checkpoint.save_at_end=false", "checkpoint.interval=null",
-        "logging.tensorboard=false", "optimizer.warmup_steps=1"]
-TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true"]
 # name: (overrides, copy_from source or None); all on 2 ranks (EP folds into TP / DP).
 LAYOUTS = {
     "tp2_sp": (TP2_SP + ["checkpoint.interval=2"], None),
@@ -58,44 +56,18 @@ RESUMED = {"tp2_to_tp1", "fsdp_from_tp2"}
 FULL = {"tp2_sp_ep2", "pp2"}
 
 
-def _doc_case(run_dir, data_prefix: str, seq_length: int, extra: list[str] = ()) -> dict:
-    return {**case(run_dir, data_prefix, seq_length, ["train.precision=fp32", *extra]), "config": CONFIG}
-
-
 @pytest.fixture(scope="module")
 def qwen3_next_runs(tmp_path_factory):
     """The reference (and, in `make test-all`, the packed-document cases) on world 1, the layouts on world 2.
     Returns (root, the documents' prediction counts)."""
-    root = tmp_path_factory.mktemp("qwen3_next")
-    by_world = {1: [layout_case(root, CONFIG, BASE, "ref", [], None)],
-                2: [layout_case(root, CONFIG, BASE, name, extra, source)
-                    for name, (extra, source) in tiers.pick(LAYOUTS, FULL).items()]}
-    singles = {}
-    if tiers.everything():
-        packed, seq, singles = documents(root)
-        for name, (path, n) in singles.items():
-            by_world[1].append(_doc_case(root / f"doc_{name}", path, n))
-        by_world[1].append(_doc_case(root / "docs_packed", packed, seq, FLAGS))
-        by_world[2].append(_doc_case(root / "docs_tp2_sp", packed, seq, FLAGS + TP2_SP))
-    for world, cases in by_world.items():
-        (root / f"w{world}").mkdir()
-        run_worker_cases(root / f"w{world}", world, cases, timeout=1800)
-    return root, {name: n for name, (_, n) in singles.items()}
+    return family_runs(tmp_path_factory.mktemp("qwen3_next"), CONFIG, LAYOUTS, FULL,
+                       {"docs_packed": [], "docs_tp2_sp": TP2_SP})
 
 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", tiers.params([n for n in LAYOUTS if n not in RESUMED], FULL))
 def test_qwen3_next_layout_matches_one_rank(qwen3_next_runs, name):
-    root, _ = qwen3_next_runs
-    ref, got = by_step(root / "ref"), by_step(root / name)
-    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
-    loss = max_rel(step_values(root / name, "loss"), step_values(root / "ref", "loss"))
-    norm = max_rel(step_values(root / name, "grad_norm"), step_values(root / "ref", "grad_norm"))
-    aux = max(rel_diff(got[s]["moe_load_balancing_loss"], ref[s]["moe_load_balancing_loss"]) for s in ref)
-    print(f"| tiny_qwen3_next | {name} | loss {loss:.1e} | grad norm {norm:.1e} | aux loss {aux:.1e} |")
-    assert loss <= TOLERANCE and norm <= TOLERANCE and aux <= TOLERANCE, (name, loss, norm, aux)
-    assert got[1]["moe_tokens_per_expert"] == ref[1]["moe_tokens_per_expert"]
-    assert got[STEPS]["loss"] != got[1]["loss"]
+    assert_layout_matches_one_rank(qwen3_next_runs[0], CONFIG, name, "moe_load_balancing_loss")
 
 
 @pytest.mark.mcore
