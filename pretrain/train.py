@@ -91,7 +91,7 @@ def train(cfg: Config) -> dict:
     """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
     as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Start the
     process (every stage's plan resolved once, then its pre-flight) → the checkpoint's stage → from it, for each
-    stage: `_set_up`, then `_loop`."""
+    stage: `_run_stage` (`_set_up`, then the loop)."""
     process = _start_process(cfg)
     staged = process.staged
     try:
@@ -135,8 +135,7 @@ def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
 
     rt = process.rt
     while True:
-        start = _set_up(staged, stage, process)
-        summary = _loop(staged, stage, start, process)
+        summary = _run_stage(staged, stage, process)
         if summary["reason"] != "stage_end":
             return summary
         following = staged.at(summary["step"])
@@ -197,10 +196,11 @@ def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
                   done_note=done_note, res=res, observers=observers, saves=saves)
 
 
-def _loop(staged: StagedRun, stage: Stage, start: _Start, process: _Process) -> dict:
-    """The stage's steps, to its end (the run's without stages), and its last checkpoint. Reason "stage_end": it
-    ended at its boundary checkpoint and another stage follows. The global batch of each step is Megatron's
-    calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+def _run_stage(staged: StagedRun, stage: Stage, process: _Process) -> dict:
+    """One stage: set up (`_set_up`), then its steps, to its end (the run's without stages), and its last checkpoint.
+    Reason "stage_end": it ended at its boundary checkpoint and another stage follows. The global batch of each step
+    is Megatron's calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+    start = _set_up(staged, stage, process)
     run, rt, res, observers, saves = start.run, process.rt, start.res, start.observers, start.saves
     model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
     cfg, step, consumed, first_sample = run.plan.cfg, start.step, start.consumed, start.first_sample
