@@ -62,8 +62,10 @@ def printed_here(exc: BaseException) -> bool:
 
 @dataclass
 class _Process:
-    """Set up once per process, before any stage: runtime, signal handlers, pre-flight report, output lock."""
+    """Set up once per process, before any stage: every stage resolved, runtime, signal handlers, pre-flight report,
+    output lock."""
 
+    staged: StagedRun
     rt: Any  # pretrain.run.runtime.Runtime
     stops: StopRequests
     problems: Any  # pretrain.problems.Report
@@ -87,13 +89,11 @@ class _Start:
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured: every stage of `stages:` (docs/training.md "Stages"), or the config
-    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Resolve
-    (every stage's plan, once) → start the process → the checkpoint's stage → from it, for each stage: `_set_up`,
-    then `_loop`."""
-    from pretrain.run.runtime import env_world_size
-
-    staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
-    process = _start_process(staged.plans[0].cfg if staged.plans else cfg, staged)
+    as one. Returns a summary on every rank (reason "stage": the next stage needs a new process, exit 76). Start the
+    process (every stage's plan resolved once, then its pre-flight) → the checkpoint's stage → from it, for each
+    stage: `_run_stage` (`_set_up`, then the loop)."""
+    process = _start_process(cfg)
+    staged = process.staged
     try:
         stage = boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
         summary = _train_stages(staged, stage, process)
@@ -103,13 +103,15 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def _start_process(first: Config, staged: StagedRun) -> _Process:
-    """Pre-flight in this process: every layout rule of every stage on every rank was checked by `resolve_run`,
-    before any model-parallel group exists; the dataset files of every stage on rank 0 only, its verdict shared (all
-    problems are reported together); then one writer per run directory. `first`: the first stage's config."""
+def _start_process(cfg: Config) -> _Process:
+    """Pre-flight in this process: every stage resolved once (`resolve_run`: layout, tokenizer), every layout rule of
+    every stage checked on every rank before any model-parallel group exists; the dataset files of every stage on
+    rank 0 only, its verdict shared (all problems are reported together); then one writer per run directory."""
     from pretrain.data.datasets import check_data_files_once
-    from pretrain.run.runtime import any_rank_error, init_distributed
+    from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
 
+    staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
+    first = staged.plans[0].cfg if staged.plans else cfg  # the first stage's config
     # Signal handlers first: Slurm's warning can arrive while the model and data are still being built.
     stops = StopRequests(first.train.exit_signal_handler, first.train.exit_duration_in_mins)
     timeout = resilience.pg_timeout_minutes(first.hang)  # the process groups' (the hang watchdog's bound)
@@ -123,7 +125,7 @@ def _start_process(first: Config, staged: StagedRun) -> _Process:
         raise ValidationFailed(problems)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
-    return _Process(rt=rt, stops=stops, problems=problems, outputs=outputs)
+    return _Process(staged=staged, rt=rt, stops=stops, problems=problems, outputs=outputs)
 
 
 def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
@@ -133,8 +135,7 @@ def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
 
     rt = process.rt
     while True:
-        start = _set_up(staged, stage, process)
-        summary = _loop(staged, stage, start, process)
+        summary = _run_stage(staged, stage, process)
         if summary["reason"] != "stage_end":
             return summary
         following = staged.at(summary["step"])
@@ -195,10 +196,11 @@ def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
                   done_note=done_note, res=res, observers=observers, saves=saves)
 
 
-def _loop(staged: StagedRun, stage: Stage, start: _Start, process: _Process) -> dict:
-    """The stage's steps, to its end (the run's without stages), and its last checkpoint. Reason "stage_end": it
-    ended at its boundary checkpoint and another stage follows. The global batch of each step is Megatron's
-    calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+def _run_stage(staged: StagedRun, stage: Stage, process: _Process) -> dict:
+    """One stage: set up (`_set_up`), then its steps, to its end (the run's without stages), and its last checkpoint.
+    Reason "stage_end": it ended at its boundary checkpoint and another stage follows. The global batch of each step
+    is Megatron's calculator's at the samples consumed (train.rampup_batch_size: a ramp)."""
+    start = _set_up(staged, stage, process)
     run, rt, res, observers, saves = start.run, process.rt, start.res, start.observers, start.saves
     model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
     cfg, step, consumed, first_sample = run.plan.cfg, start.step, start.consumed, start.first_sample

@@ -26,7 +26,7 @@ def _layout(lay: dict[str, Any]) -> str:
 def stage_table(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: float,
                 name: str | None = None) -> dict[str, Any]:
     """The stage table of `cfg` on nodes × gpus_per_node GPUs, JSON-ready (`PlanError` naming a stage's problem)."""
-    from pretrain.stages.plan import ramp_fits
+    from pretrain.rules.run import ramp_fits
     from pretrain.stages.spec import derive
 
     spec = derive(cfg)
@@ -41,7 +41,7 @@ def stage_table(cfg: Config, nodes: int, gpus_per_node: int, gpu: str, mfu: floa
             raise PlanError(f"stage '{stage.name}': {exc}") from None
         lay, t = plan["layout"], stage.cfg.train
         ramp = Report(world)
-        ramp_fits(ramp, stage, lay["data"])
+        ramp_fits(ramp, t, stage.batch_sizes, (stage.start_step + 1, stage.end_step), lay["data"])
         if ramp.errors:
             raise PlanError(f"stage '{stage.name}': {ramp.errors[0].message}")
         seconds = plan["cost_model"]["step_s"] * stage.samples / t.global_batch_size

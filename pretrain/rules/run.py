@@ -57,6 +57,21 @@ def ramp_rules(r: Report, t: TrainConfig) -> None:
                 f"an increment that divides {t.global_batch_size - start}")
 
 
+def ramp_fits(r: Report, t: TrainConfig, batch_sizes: tuple[int, ...], steps: tuple[int, int], dp: int | None) -> None:
+    """Each global batch the ramp takes in a stage (`batch_sizes`, in its `steps`: first and last) divides into its
+    micro batch × `dp` (Megatron's consistency check, before the step that would fail it; `t`: the stage's train
+    section; the stages walk the ramp: `pretrain.stages.plan`)."""
+    if t.rampup_batch_size is None or dp is None:
+        return
+    unit = t.micro_batch_size * dp
+    bad = [b for b in batch_sizes if b % unit]
+    if bad:
+        r.error("train.rampup_batch_size", f"the ramp's global batch of {bad[0]} samples (of "
+                f"{', '.join(map(str, batch_sizes))} in steps {steps[0]}-{steps[1]}) "
+                f"does not divide into micro batch {t.micro_batch_size} × DP {dp}",
+                f"a ramp whose start and increment are multiples of {unit}")
+
+
 def data_rules(r: Report, *, model: ModelConfig, data: DataConfig, train: TrainConfig, checkpoint: CheckpointConfig,
                tokenizer=None, data_plan=None) -> None:
     """Data sources, tokenizer and dataset files (pretrain/data/check.py), and the pretrained checkpoint.

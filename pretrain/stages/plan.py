@@ -7,7 +7,7 @@
 A config without `stages` is one unnamed stage: its plan and report are `resolve`'s own (one layout and one
 tokenizer resolution, as before). With a ramp (`train.rampup_batch_size`), every global batch it passes through
 in a stage must divide into that stage's micro batch × DP (the stage's layout: checked here, where both are
-known).
+known, by `pretrain.rules.run.ramp_fits`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pretrain.config import Config
 from pretrain.problems import Problem, Report
+from pretrain.rules.run import ramp_fits
 from pretrain.run_plan import RunPlan, resolve
 from pretrain.stages.spec import Stage, StagedConfig, derive
 
@@ -76,21 +77,6 @@ def _label(names: list[str], everyone: int) -> str:
     return f"stage '{names[0]}'" if len(names) == 1 else "stages " + ", ".join(f"'{n}'" for n in names)
 
 
-def ramp_fits(report: Report, stage: Stage, dp: int | None) -> None:
-    """Each global batch the ramp takes in `stage` divides into its micro batch × `dp` (Megatron's consistency
-    check, before the step that would fail it)."""
-    t = stage.cfg.train
-    if t.rampup_batch_size is None or dp is None:
-        return
-    unit = t.micro_batch_size * dp
-    bad = [b for b in stage.batch_sizes if b % unit]
-    if bad:
-        report.error("train.rampup_batch_size", f"the ramp's global batch of {bad[0]} samples (of "
-                     f"{', '.join(map(str, stage.batch_sizes))} in steps {stage.start_step + 1}-{stage.end_step}) "
-                     f"does not divide into micro batch {t.micro_batch_size} × DP {dp}",
-                     f"a ramp whose start and increment are multiples of {unit}")
-
-
 def resolve_run(cfg: Config, world_size: int, **kwargs) -> StagedRun:
     """Resolve every stage of `cfg` for `world_size` ranks (`kwargs`: `pretrain.run_plan.resolve`'s). Never raises for
     config problems: `report()` holds them."""
@@ -102,7 +88,7 @@ def resolve_run(cfg: Config, world_size: int, **kwargs) -> StagedRun:
         model_parallel = p.tensor * p.pipeline * p.context
         dp = plan.layout.dp if plan.layout is not None else (  # a GPU dry run derives none: the sizes tell it
             world_size // model_parallel if model_parallel > 0 and world_size % model_parallel == 0 else None)
-        ramp_fits(plan.problems, stage, dp)
+        ramp_fits(plan.problems, stage.cfg.train, stage.batch_sizes, (stage.start_step + 1, stage.end_step), dp)
         plans.append(plan)
     handovers = [_new_process(a, b) for a, b in zip(plans, plans[1:])]
     return StagedRun(spec, tuple(plans), world_size, (*handovers, None) if plans else ())

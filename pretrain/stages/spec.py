@@ -170,13 +170,16 @@ def _length(p: Report, label: str, raw: dict) -> tuple[int | None, int | None]:
     return (value, None) if has_steps else (None, value)
 
 
-def _keep(p: Report, label: str, raw: dict, sets: dict, before: Config | None, tree: dict) -> None:
-    """`keep`: a changed model.seq_length keeps the batch's tokens (train.global_batch_size rescaled) or samples."""
+def _keep(p: Report, label: str, raw: dict, sets: dict, before: Config | None, tree: dict) -> int | None:
+    """`keep`: a changed model.seq_length keeps the batch's tokens or samples. Returns train.global_batch_size
+    rescaled (keep: tokens), for the stage to set; None when the batch stays as it is. `tree`: the config before
+    the stage's `set`."""
     keep = raw.get("keep")
     seq_before = before.model.seq_length if before is not None else None
-    seq = tree.get("model", {}).get("seq_length", seq_before)
+    seq = sets["model.seq_length"] if "model.seq_length" in sets else tree.get("model", {}).get("seq_length",
+                                                                                              seq_before)
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
-        return  # not a length: the config's own check names it
+        return None  # not a length: the config's own check names it
     changed = before is not None and seq != seq_before
     if keep is not None and keep not in ("tokens", "samples"):
         p.error("stages.keep", f"keep={keep!r} is not one of tokens, samples", "keep: tokens or keep: samples",
@@ -200,8 +203,8 @@ def _keep(p: Report, label: str, raw: dict, sets: dict, before: Config | None, t
                     f"is no whole number of sequences of {seq}", "keep: samples, or set train.global_batch_size",
                     label=label)
         else:
-            sets["train.global_batch_size"] = gbs * seq_before // seq
-            set_dotted(tree, "train.global_batch_size", sets["train.global_batch_size"])
+            return gbs * seq_before // seq
+    return None
 
 
 def _one(p: Report, i: int, raw, tree: dict, before: Config | None, names: set) -> tuple:
@@ -233,13 +236,15 @@ def _one(p: Report, i: int, raw, tree: dict, before: Config | None, names: set) 
         p.error("stages.set", f"set must be a mapping of dotted keys, got {sets!r}",
                 "set: {data.blend: [...], optimizer.lr: ...}", label=label)
         return label, None, {}, steps, tokens
+    kept = Report(0)  # keep's problems follow those of the keys
+    batch = _keep(kept, label, raw, sets, before, tree)
     ok = [_check_key(p, label, key, tree, later=i > 0) for key in sets]
+    p.errors.extend(kept.errors)
+    sets = dict(sets, **({"train.global_batch_size": batch} if batch is not None else {}))
     staged_tree = copy.deepcopy(tree)
     for key, value in sets.items():
         if key in _leaves():
             set_dotted(staged_tree, key, value)
-    sets = dict(sets)
-    _keep(p, label, raw, sets, before, staged_tree)
     if not all(ok):
         return label, None, sets, steps, tokens
     try:
