@@ -144,3 +144,25 @@ def test_context_parallel_part_is_wired():
     lines, bad = cp_check.table([ref, te, off])
     assert "reference" in lines[1] and f"{0.1 / 8:.2e}" in lines[2]
     assert [label for label, _ in bad] == [off.label]
+
+
+def test_every_name_the_gpu_files_import_exists_here():
+    """tests/gpu runs only where a GPU is, so a name it imports inside a function (a helper moved or renamed on the
+    CPU side) would fail there first: each `from M import a, b` in tests/gpu/*.py resolves here, Transformer
+    Engine's modules aside (not installed on CPU)."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted((REPO / "tests" / "gpu").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module.startswith("transformer_engine"):
+                continue
+            if node.module in {"cp_check", "preflight"}:  # tests/gpu's own modules, imported by path
+                module = importlib.import_module(f"tests.gpu.{node.module}")
+            else:
+                module = importlib.import_module(node.module)
+            missing += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                        if a.name != "*" and not hasattr(module, a.name)
+                        and not (hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{a.name}"))]
+    assert not missing, missing

@@ -101,20 +101,19 @@ def test_megatron_fsdp_matches_distributed_optimizer(tmp_path):
 
 def test_document_mask_local_spec_on_gpu(tmp_path):
     """The per-document mask on GPU (local spec, fused causal softmax off): packed loss = weighted document mean."""
-    from tests.pretrain.test_documents import DOCS, FLAGS, _case, _prefix
+    from tests.pretrain.doc_helpers import FLAGS, case, documents, weighted_mean
 
-    def overrides(prefix: str, seq: int, extra: list[str]) -> list[str]:
-        case = _case(tmp_path, prefix, seq, extra + ["train.precision=fp32", "model.transformer_impl=local"])
-        return [o for o in case["overrides"] if not o.startswith("run.dir=")]  # _train sets run.dir
+    def overrides(data_prefix: str, seq: int, extra: list[str]) -> list[str]:
+        one = case(tmp_path / "unused", data_prefix, seq,
+                   [*extra, "train.precision=fp32", "model.transformer_impl=local"])
+        return [o for o in one["overrides"] if not o.startswith("run.dir=")]  # _train sets run.dir
 
-    packed, lengths = _prefix(tmp_path, "packed", list(DOCS.values()))
-    total, weighted = 0, 0.0
-    for (name, text), n in zip(DOCS.items(), lengths):
-        prefix, _ = _prefix(tmp_path, name, [text])
-        weighted, total = weighted + _train(tmp_path, f"doc_{name}", overrides(prefix, n - 1, []))[0] * (n - 1), \
-            total + n - 1
-    got = _train(tmp_path, "packed", overrides(packed, sum(lengths) - 1, FLAGS))[0]
-    assert abs(got - weighted / total) / got < 1e-5, (got, weighted / total)
+    packed, seq, singles = documents(tmp_path)
+    per_doc = {name: (_train(tmp_path, f"doc_{name}", overrides(path, n, []))[0], n)
+               for name, (path, n) in singles.items()}
+    got = _train(tmp_path, "packed", overrides(packed, seq, FLAGS))[0]
+    expected = weighted_mean(per_doc)
+    assert abs(got - expected) / got < 1e-5, (got, expected)
 
 
 def test_profile_window_on_gpu_has_cuda_kernels(tmp_path):
