@@ -61,3 +61,15 @@ def documents(tmp) -> tuple[str, int, dict]:
 def weighted_mean(losses: dict[str, tuple[float, int]]) -> float:
     """Token-weighted mean of per-document (loss, predictions)."""
     return sum(loss * n for loss, n in losses.values()) / sum(n for _, n in losses.values())
+
+
+def documents_alone(root, predictions: dict[str, int]) -> float:
+    """The token-weighted mean of the step-1 losses of the documents trained alone (`root / doc_NAME`)."""
+    return weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
+
+
+def assert_packed_equals_alone(root, predictions: dict[str, int], name: str, label: str = "") -> None:
+    """The packed run `root / name`'s step-1 loss equals its documents trained alone (relative 1e-6)."""
+    expected, got = documents_alone(root, predictions), first_loss(root / name)
+    print(f"{label}{name}: packed {got:.7f}, documents alone {expected:.7f} (rel {abs(got - expected) / expected:.1e})")
+    assert abs(got - expected) / expected < 1e-6

@@ -17,7 +17,7 @@ from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
 from tests.pretrain.ckpt_helpers import by_step, rel_diff
-from tests.pretrain.doc_helpers import first_loss, weighted_mean
+from tests.pretrain.doc_helpers import assert_packed_equals_alone
 from tests.pretrain.family_helpers import (
     STEPS,
     TP2_SP,
@@ -75,11 +75,7 @@ def test_gpt_oss_ep2_checkpoint_resumes_at_ep1(gpt_oss_runs):
 def test_gpt_oss_packed_documents_equal_documents_alone(gpt_oss_runs, name):
     """THD with sinks and a window of 8 (our attention) = each document alone (Megatron-Core's SoftmaxOne)."""
     root, predictions = gpt_oss_runs
-    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
-    got = first_loss(root / name)
-    print(f"tiny_gpt_oss {name}: packed {got:.7f}, documents alone {expected:.7f} "
-          f"(rel {abs(got - expected) / expected:.1e})")
-    assert abs(got - expected) / expected < 1e-6
+    assert_packed_equals_alone(root, predictions, name, "tiny_gpt_oss ")
 
 
 REFUSED = {

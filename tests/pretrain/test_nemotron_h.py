@@ -26,7 +26,7 @@ from tests.pretrain.ckpt_helpers import (
     metrics,
     rel_diff,
 )
-from tests.pretrain.doc_helpers import first_loss, weighted_mean
+from tests.pretrain.doc_helpers import assert_packed_equals_alone
 from tests.pretrain.family_helpers import (
     BASE,
     STEPS,
@@ -129,11 +129,7 @@ def test_nemotron_h_packed_documents_equal_documents_alone(nemotron_runs, name):
     """THD: the Mamba state and convolution restart at each document, attention stays inside it = each document
     alone."""
     root, predictions = nemotron_runs
-    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
-    got = first_loss(root / name)
-    print(f"tiny_nemotron_h {name}: packed {got:.7f}, documents alone {expected:.7f} "
-          f"(rel {abs(got - expected) / expected:.1e})")
-    assert abs(got - expected) / expected < 1e-6
+    assert_packed_equals_alone(root, predictions, name, "tiny_nemotron_h ")
 
 
 _PATTERN = "[model.hybrid_layer_pattern, model.num_layers] model.hybrid_layer_pattern="

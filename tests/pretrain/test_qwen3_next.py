@@ -27,7 +27,7 @@ from tests.pretrain.ckpt_helpers import (
     metrics,
     rel_diff,
 )
-from tests.pretrain.doc_helpers import first_loss, weighted_mean
+from tests.pretrain.doc_helpers import assert_packed_equals_alone
 from tests.pretrain.family_helpers import (
     BASE,
     STEPS,
@@ -114,11 +114,7 @@ def test_qwen3_next_kill9_and_resume_reproduce_every_number(qwen3_next_runs, tmp
 def test_qwen3_next_packed_documents_equal_documents_alone(qwen3_next_runs, name):
     """THD: Gated DeltaNet resets its convolution and state at each document, full attention masks by document."""
     root, predictions = qwen3_next_runs
-    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
-    got = first_loss(root / name)
-    print(f"tiny_qwen3_next {name}: packed {got:.7f}, documents alone {expected:.7f} "
-          f"(rel {abs(got - expected) / expected:.1e})")
-    assert abs(got - expected) / expected < 1e-6
+    assert_packed_equals_alone(root, predictions, name, "tiny_qwen3_next ")
 
 
 REFUSED = {

@@ -19,7 +19,7 @@ from pretrain.config import load_config
 from pretrain.validate import validate
 from tests import tiers
 from tests.pretrain.ckpt_helpers import max_rel, run_worker_cases, step_values
-from tests.pretrain.doc_helpers import FLAGS, case, documents, first_loss, weighted_mean
+from tests.pretrain.doc_helpers import FLAGS, assert_packed_equals_alone, case, documents
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +88,7 @@ def test_windowed_layout_matches_one_rank(swa_runs, name):
 def test_windowed_packed_documents_equal_documents_alone(swa_runs, name):
     """THD with a window of 8 (our attention's window mask) = each document alone (Megatron's window mask)."""
     root, predictions = swa_runs
-    expected = weighted_mean({d: (first_loss(root / f"doc_{d}"), n) for d, n in predictions.items()})
-    got = first_loss(root / name)
-    print(f"{name}: packed {got:.7f}, documents alone {expected:.7f} (rel {abs(got - expected) / expected:.1e})")
-    assert abs(got - expected) / expected < 1e-6
+    assert_packed_equals_alone(root, predictions, name)
 
 
 REFUSED = {
