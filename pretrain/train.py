@@ -31,7 +31,6 @@ from pretrain.checkpoint import save as checkpoint_save
 from pretrain.checkpoint.context import CheckpointContext
 from pretrain.config import Config
 from pretrain.observe.observers import StepResult, build_observers
-from pretrain.optim import muon
 from pretrain.resilience import hooks as resilience
 from pretrain.resilience.results import first_step_cause
 from pretrain.resilience.stops import RunSaves, StopRequests
@@ -62,13 +61,12 @@ def printed_here(exc: BaseException) -> bool:
 
 @dataclass
 class _Process:
-    """Set up once per process, before any stage: every stage resolved, runtime, signal handlers, pre-flight report,
-    output lock."""
+    """Set up once per process, before any stage: every stage resolved, runtime, signal handlers, output lock (the
+    pre-flight report has passed and its verdicts are stored)."""
 
     staged: StagedRun
     rt: Any  # pretrain.run.runtime.Runtime
     stops: StopRequests
-    problems: Any  # pretrain.problems.Report
     outputs: Any  # pretrain.run.output_lock.RunOutputs
 
 
@@ -95,8 +93,7 @@ def train(cfg: Config) -> dict:
     process = _start_process(cfg)
     staged = process.staged
     try:
-        stage = boundaries.resumed_stage(staged)  # the checkpoint's stage, before anything is built
-        summary = _train_stages(staged, stage, process)
+        summary = _train_stages(staged, process)
     finally:
         boundaries.leave()
     process.outputs.release()
@@ -109,6 +106,7 @@ def _start_process(cfg: Config) -> _Process:
     rank 0 only, its verdict shared (all problems are reported together); then one writer per run directory."""
     from pretrain.data.datasets import check_data_files_once
     from pretrain.run.runtime import any_rank_error, env_world_size, init_distributed
+    from pretrain.validate import store_verdicts
 
     staged = resolve_run(cfg, env_world_size(), data_files=False)  # each stage resolved once: layout, tokenizer
     first = staged.plans[0].cfg if staged.plans else cfg  # the first stage's config
@@ -123,17 +121,21 @@ def _start_process(cfg: Config) -> _Process:
     problems = staged.report()
     if problems.errors:
         raise ValidationFailed(problems)
+    if rt.rank == 0:  # validation passed: its full reads and Megatron-Core's checks are not repeated by later starts
+        for plan in staged.plans:
+            store_verdicts(problems, plan.data.cache_dir)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
-    return _Process(staged=staged, rt=rt, stops=stops, problems=problems, outputs=outputs)
+    return _Process(staged=staged, rt=rt, stops=stops, outputs=outputs)
 
 
-def _train_stages(staged: StagedRun, stage: Stage, process: _Process) -> dict:
-    """Every stage from `stage`, the one the run's checkpoint is in, in this process while the layout allows (else
-    exit 76 names the next)."""
+def _train_stages(staged: StagedRun, process: _Process) -> dict:
+    """Every stage from the one the run's checkpoint is in (decided before anything is built), in this process
+    while the layout allows (else exit 76 names the next)."""
     from pretrain.run.runtime import reset_for_next_stage
 
     rt = process.rt
+    stage = boundaries.resumed_stage(staged)
     while True:
         summary = _run_stage(staged, stage, process)
         if summary["reason"] != "stage_end":
@@ -159,13 +161,10 @@ def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
     """One stage (the whole run without stages) up to its first step: tokenizer and process groups, model,
     optimizer and schedule, the checkpoint it starts from, its data, and the loop's instruments."""
     from pretrain.run.run_dir import write_config
-    from pretrain.validate import store_verdicts
 
     rt, plan = process.rt, staged.plan(stage)
     cfg = plan.cfg
     run = setup.start_run(plan, rt, log0)  # tokenizer, process groups of plan.layout, run dir
-    if rt.rank == 0:  # validation passed: the data check's full reads are not repeated by later starts
-        store_verdicts(process.problems, plan.data.cache_dir)
     setup.build_training(run, log0)  # model, optimizer, schedule
 
     # Resume from run.dir's own checkpoint, else start from pretrained weights, else from scratch. A checkpoint
@@ -183,11 +182,12 @@ def _set_up(staged: StagedRun, stage: Stage, process: _Process) -> _Start:
                      f"{cfg.train.steps}; raise train.steps to train further")
         log0(f"[pretrain] {done_note}")
     # The stage's data starts at its own first sample: the loop reads sample `consumed - first_sample` of it.
-    first_sample = boundaries.enter(staged, stage, step, consumed, log0)
+    saved = ctx.run_state if resumed else None  # the checkpoint's run-level state, read once by the resume
+    first_sample = boundaries.enter(staged, stage, step, consumed, saved, log0)
     run.stage = stage if staged.staged else None
     setup.build_data(run, step, writes_metrics=holds_the_loss(), consumed=consumed - first_sample,
                      first_step=stage.start_step, log=log0)
-    res = resilience.Resilience(cfg, run, step, resumed, log0)  # skips, result checks, watchdog, stragglers
+    res = resilience.Resilience(cfg, run, step, saved, log0)  # skips, result checks, watchdog, stragglers
     # The profiler window, rank timing, MoE routing, the watchdog and stragglers, the step record and its sinks.
     observers = build_observers(cfg, run, res.observer())
     saves = RunSaves(ctx, rt.device, process.stops, last_saved=step if resumed else None, observers=observers)
@@ -205,7 +205,6 @@ def _run_stage(staged: StagedRun, stage: Stage, process: _Process) -> dict:
     model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
     cfg, step, consumed, first_sample = run.plan.cfg, start.step, start.consumed, start.first_sample
     run_microbatches = microbatch_runner(run)
-    step_optimizer = run.profiler.wrap("optimizer", optimizer.step)
     t, m = cfg.train, cfg.model
 
     def forward_backward() -> float:  # one run of the step (the rerun state machine may ask for two)
@@ -245,10 +244,7 @@ def _run_stage(staged: StagedRun, stage: Stage, process: _Process) -> dict:
                     break
                 continue
             res.mark(resilience.OPTIMIZER)
-            ok, grad_norm, _ = step_optimizer()
-            if ok:
-                scheduler.step(increment=1)
-                muon.after_step(cfg.optimizer, model)  # QK-clip (optimizer.muon.qk_clip); nothing otherwise
+            ok, grad_norm, _ = run.update()  # the optimizer step, then the LR schedule's and QK-clip
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             if not math.isfinite(grad_norm) and t.nan_policy == "stop":
                 cause = f" Note: {first_step_cause(m, t.precision)}." if step == 0 else ""

@@ -27,6 +27,9 @@ class CheckpointContext:
     scheduler: Any
     plan: Any  # pretrain.run_plan.RunPlan
     states: list = field(default_factory=_default_states)
+    # What the checkpoint resumed from recorded of `state.RUN_STATE` (read once by the load, each entry for its
+    # owner: the result checks' window, the stage); empty without a resume.
+    run_state: dict = field(default_factory=dict)
 
     @property
     def settings(self):

@@ -17,8 +17,9 @@ import torch
 
 OPTIMIZER_SHARDING = "fully_reshardable"
 # Run-level state other parts of the run keep in every checkpoint's common state: name -> a callable returning it
-# (None: nothing to save). Registered by their owners, read back by them on resume (`pretrain.resilience.hooks`:
-# the result checks' spike window and maximum).
+# (None: nothing to save). Registered by their owners; a resume reads the checkpoint's common state once and hands
+# each entry back (`CheckpointContext.run_state`: `pretrain.resilience.hooks`, the result checks' spike window and
+# maximum; `pretrain.stages.boundaries`, the stage the checkpoint was written in).
 RUN_STATE: dict[str, Callable[[], dict | None]] = {}
 
 

@@ -165,6 +165,8 @@ class RecordState:
         return record
 
     def load_state_dict(self, ctx, loaded: dict, op: Io) -> None:
+        if not op.weights_only:  # the run-level state the checkpoint resumed from recorded, for its owners
+            ctx.run_state = {name: op.common[name] for name in checkpoint_state.RUN_STATE if name in op.common}
         written_by = op.common.get("megatron_core")
         if written_by and written_by != str(mcore.MCORE) and dist.get_rank() == 0:
             print(f"[pretrain] {op.path} was written by megatron-core {written_by}, continuing with {mcore.MCORE}",

@@ -1,6 +1,6 @@
 """What the training loop calls: one `Resilience` object per `train()`, built after the data, closed at the end.
 
-    res = Resilience(cfg, run, step, resumed, log)
+    res = Resilience(cfg, run, step, saved, log)    # saved: the checkpoint's run-level state (None: no resume)
     if res.skipped(step + 1): ...                     # train.skip_steps
     res.step_begin(step + 1)                          # arms the watchdog, injected hangs
     loss, fields = res.run_step(step + 1, forward_backward)   # the rerun state machine (may raise ResultRejected)
@@ -13,7 +13,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from pretrain.checkpoint.format import checkpoint_root
 from pretrain.checkpoint.state import RUN_STATE
 from pretrain.observe.observers import Observer, StepResult
 from pretrain.resilience import results
@@ -49,15 +48,16 @@ def write_status(run_dir: str | Path, reason: str, step: int, message: str, extr
 class Resilience:
     """Skips, result validation, the watchdog and stragglers of one run on this rank."""
 
-    def __init__(self, cfg, run, step: int, resumed: bool, log: Callable[[str], None]):
-        """`cfg`: the config tree (the testing, rerun, train, hang, logging and run sections)."""
+    def __init__(self, cfg, run, step: int, saved: dict | None, log: Callable[[str], None]):
+        """`cfg`: the config tree (the testing, rerun, train, hang, logging and run sections); `saved`: the run-level
+        state of the checkpoint resumed from (`CheckpointContext.run_state`), None without a resume."""
         rt = run.rt
         self.cfg, self.log = cfg, log
         self.faults = Faults(cfg.testing, rt.rank)
         self.checks = ResultChecks(cfg.rerun, cfg.train.nan_policy, self.faults, run.model, rt.device)
         results._ACTIVE.append(self.checks)
-        if resumed:
-            self.checks.load(_saved_rerun_state(checkpoint_root(cfg), step) or {})
+        if saved is not None:  # a checkpoint without one (older, or written elsewhere): a fresh window
+            self.checks.load(saved.get(RERUN_STATE) or {})
         skips, _ = parse_skip_steps(cfg.train.skip_steps)
         self.skips = skips.within(step + 1, cfg.train.steps)
         if self.skips:
@@ -142,11 +142,3 @@ class _Watch(Observer):
     def close(self, step: int) -> None:
         self.res.close()
 
-
-def _saved_rerun_state(root: Path, step: int) -> dict | None:
-    from pretrain.checkpoint.format import iteration_dir, read_common
-
-    try:
-        return read_common(iteration_dir(root, step)).get(RERUN_STATE)
-    except Exception:  # noqa: BLE001 - a checkpoint without one (older, or written elsewhere): a fresh window
-        return None

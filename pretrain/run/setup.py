@@ -47,6 +47,7 @@ class Run:
     evaluates: bool = False  # there is a validation split (valid_ds is None on the ranks that do not read data)
     global_batch_size: int = 0  # this step's (`advance_batch`: Megatron's calculator, ramp-up included)
     stage: Any = None  # pretrain.stages.spec.Stage of a run in stages, else None
+    update: Any = None  # the step's update (`optimizer_update`): () -> (ok, grad norm, zeros)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,8 +200,9 @@ def advance_batch(run: Run, consumed: int) -> int:
 
 
 def build_training(run: Run, log) -> None:
-    """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks and the step instruments, as the
-    run's plan says (its config: the parallel, optimizer, rerun, train, logging, run and model sections)."""
+    """Model chunks, DDP (or Megatron-FSDP), optimizer, LR schedule, schedule hooks, the step's update and the step
+    instruments, as the run's plan says (its config: the parallel, optimizer, rerun, train, logging, run and model
+    sections)."""
     from model_providers.core.builder import build_model
     from pretrain.observe.moe_metrics import MoEMetrics
     from pretrain.observe.profiling import StepProfiler
@@ -220,8 +222,28 @@ def build_training(run: Run, log) -> None:
     run.timing = RankTiming(cfg.logging.timing_interval, rt.rank, rt.world_size, rt.device)  # slowest ranks
     run.timing.install(tconfig, run.optimizer)
     run.moe = MoEMetrics.attach(run.chunks)  # None for a dense model
+    run.update = optimizer_update(run)  # optimizer step, LR schedule step, QK-clip
     n_params = sum(p.numel() for c in run.chunks for p in c.parameters())
     log(f"[pretrain] model {cfg.model.preset or cfg.model.family}: {n_params:,} parameters on rank 0")
+
+
+def optimizer_update(run: Run):
+    """The step's update as the loop calls it: Megatron-Core's optimizer step (profiled as "optimizer"); where it
+    succeeded, the LR schedule's step and Muon's QK-clip (optimizer.muon.qk_clip; nothing otherwise). Returns the
+    optimizer's (ok, grad norm, zeros)."""
+    from pretrain.optim import muon
+
+    step = run.profiler.wrap("optimizer", run.optimizer.step)
+    o, model, scheduler = run.plan.cfg.optimizer, run.model, run.scheduler
+
+    def update():
+        ok, grad_norm, zeros = step()
+        if ok:
+            scheduler.step(increment=1)
+            muon.after_step(o, model)
+        return ok, grad_norm, zeros
+
+    return update
 
 
 def build_data(run: Run, step: int, writes_metrics: bool, consumed: int | None = None, first_step: int = 0,

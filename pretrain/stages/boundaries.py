@@ -3,18 +3,17 @@
 - Start: the stage is the one the checkpoint's step is in (`resumed_stage`, before anything is built); its data
   begins at the first sample of its own blend: the loop reads sample `consumed - first_sample` of the stage's
   dataset. `first_sample` is the consumed-sample count where the stage began: the checkpoint's at the stage's first
-  step, else the one the checkpoint records (`stage` in its common state: name, start step, first sample), so a
-  resume mid-stage continues the stage's order exactly.
+  step, else the one the checkpoint records (`stage` in its common state: name, start step, first sample; read by
+  the resume, `CheckpointContext.run_state`), so a resume mid-stage continues the stage's order exactly.
 - End: the checkpoint of the stage's last step is saved and named for it (`stage_NAME` in the checkpoint root,
-  kept whatever checkpoint.keep_last says); the next stage then runs in this process, rebuilt from that checkpoint
+  kept whatever checkpoint.keep_last says; one a killed run saved but had not named is named when the run restarts,
+  by `resumed_stage`); the next stage then runs in this process, rebuilt from that checkpoint
   as a restart would, or, where it changes the process groups (`StagedRun.new_process`, decided when the run is
   resolved: `pretrain/stages/plan.py`), the trainer exits with
   `EXIT_NEXT_STAGE` (76) and the same command (or the Slurm requeue) continues in it.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch.distributed as dist
 
@@ -29,39 +28,33 @@ RUN_STATE[STAGE_STATE] = lambda: dict(_RUNNING) or None
 
 
 def resumed_stage(staged: StagedRun) -> Stage:
-    """The stage the run continues in: that of its checkpoint's step (collective; the first without one)."""
+    """The stage the run continues in: that of its checkpoint's step (collective; the first without one). The
+    stage-ending checkpoints up to that step are named for their stages first (those a killed run saved but had not
+    named)."""
     if not staged.staged:
         return staged.stages[0]
     from pretrain.checkpoint.format import checkpoint_root
     from pretrain.checkpoint.resume import resume_point
 
     cfg = staged.plans[0].cfg
-    return staged.at(resume_point(checkpoint_root(cfg), cfg.run.dir) or 0)
+    step = resume_point(checkpoint_root(cfg), cfg.run.dir) or 0
+    name_boundaries(staged, step)
+    return staged.at(step)
 
 
-def _recorded(root: Path, step: int) -> dict | None:
-    from pretrain.checkpoint.format import iteration_dir, read_common
-
-    try:
-        return read_common(iteration_dir(root, step)).get(STAGE_STATE)
-    except Exception:  # noqa: BLE001 - a checkpoint without common state here (written elsewhere): the plan's count
-        return None
-
-
-def enter(staged: StagedRun, stage: Stage, step: int, consumed: int, log) -> int:
-    """Start training `stage` at `step` with `consumed` samples behind: name the boundary checkpoints up to `step`
-    (those a killed run had not), keep the stage's record for the checkpoints, and return its first sample."""
-    from pretrain.checkpoint.format import CheckpointError, checkpoint_root
+def enter(staged: StagedRun, stage: Stage, step: int, consumed: int, saved: dict | None, log) -> int:
+    """Start training `stage` at `step` with `consumed` samples behind (`saved`: the run-level state of the
+    checkpoint resumed from, None without one): keep the stage's record for the checkpoints and return its first
+    sample."""
+    from pretrain.checkpoint.format import CheckpointError
 
     _RUNNING.clear()
     if not staged.staged:
         return 0
-    root = checkpoint_root(staged.plan(stage).cfg)
-    name_boundaries(staged, step)
     if step == stage.start_step:
         first = consumed
     else:
-        record = _recorded(root, step)
+        record = (saved or {}).get(STAGE_STATE)
         if record is None:
             first = stage.first_sample
             log(f"[pretrain] stage '{stage.name}': the checkpoint of step {step} records no stage; its data began at "

@@ -208,13 +208,11 @@ def test_a_stage_that_started_cannot_move(tmp_path, monkeypatch):
     from pretrain.stages.plan import resolve_run
 
     staged = resolve_run(load_config(write(tmp_path, GOOD)), 1, files=False)
-    monkeypatch.setattr(boundaries, "name_boundaries", lambda staged, step: None)
-    monkeypatch.setattr(boundaries, "_recorded", lambda cfg, step: {"name": "pretrain", "start_step": 0,
-                                                                    "first_sample": 0})
+    saved = {boundaries.STAGE_STATE: {"name": "pretrain", "start_step": 0, "first_sample": 0}}
     anneal = staged.stages[1]
-    assert boundaries.enter(staged, anneal, 4, 16, print) == 16  # its first step: the checkpoint's count
+    assert boundaries.enter(staged, anneal, 4, 16, saved, print) == 16  # its first step: the checkpoint's count
     with pytest.raises(CheckpointError, match="written in stage 'pretrain' .* puts step 6 in stage 'anneal'"):
-        boundaries.enter(staged, anneal, 5, 20, print)
+        boundaries.enter(staged, anneal, 5, 20, saved, print)
     boundaries.leave()
 
 
