@@ -10,7 +10,7 @@ from typing import Any
 from pretrain.dataset_format.check import DatasetFacts, check_dataset
 from pretrain.dataset_format.fingerprint import INDEX_KEY, index_facts, recorded_facts
 from pretrain.dataset_format.indexed import IndexedFormatError, bin_path, find_token_outside, idx_path
-from pretrain.dataset_format.metadata import MetadataError, commit_meta, record_tokenizer, write_meta_tmp
+from pretrain.dataset_format.metadata import MetadataError, commit_meta, write_meta_tmp
 
 __all__ = ["DatasetFacts", "check_dataset", "verify"]
 
@@ -31,7 +31,7 @@ def verify(prefix: str | os.PathLike, tokenizer: Any = None, update_meta: bool =
     )
     if facts.meta is not None:
         report += f", metadata {os.path.basename(os.fspath(prefix))}.meta.json consistent"
-    made_with = record_tokenizer(facts.meta) if facts.meta is not None else None
+    made_with = facts.tokenizer
     theirs = getattr(tokenizer, "sha256", None)
     if made_with is not None and theirs is not None and theirs != made_with.sha256:
         raise MetadataError(f"{prefix} was made with {made_with.describe()}, not with {tokenizer.describe()}")

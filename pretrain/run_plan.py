@@ -46,7 +46,7 @@ def resolve_tokenizer(cfg: Config, data: DataPlan | None = None) -> TokenizerPla
     """Decide the run's tokenizer (`pretrain.tokenizer.choice.decide`, the one owner of that decision; `data`: the
     plan's data, for whether it is mock). Counted in `RESOLUTIONS`."""
     RESOLUTIONS["tokenizer"] += 1
-    return decide(cfg.data, cfg.model.vocab_size, (data or data_plan(cfg)).mock)
+    return decide(cfg.data, cfg.model.vocab_size, (data or data_plan(cfg)).mock, cfg.model.preset)
 
 
 def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate_kwargs) -> RunPlan:
@@ -57,7 +57,7 @@ def resolve(cfg: Config, world_size: int, *, data_files: bool = True, **validate
 
     data = data_plan(cfg)
     RESOLUTIONS["tokenizer"] += 1
-    tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
+    tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock, cfg.model.preset)
     model = model_plan(cfg)
     problems, layout = check_planned(cfg, world_size, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, data=data,
                                      model=model, data_files=data_files, **validate_kwargs)

@@ -55,7 +55,7 @@ def check(cfg: Config, world_size: int, *, tokenizer=None, data=None, model=None
 
     data, model = data or data_plan(cfg), model or model_plan(cfg)
     if tokenizer is None and kwargs.get("files", True):
-        tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock)
+        tokenizer = decide(cfg.data, cfg.model.vocab_size, data.mock, cfg.model.preset)
     return check_planned(cfg, world_size, tokenizer=tokenizer, data=data, model=model, **kwargs)
 
 

@@ -123,7 +123,7 @@ def check_resume(cfg, path: Path, common: dict, tokenizer=None) -> list[str]:
         from pretrain.data.plan import uses_mock
         from pretrain.tokenizer.choice import decide
 
-        tokenizer = decide(cfg.data, cfg.model.vocab_size, uses_mock(cfg.data))
+        tokenizer = decide(cfg.data, cfg.model.vocab_size, uses_mock(cfg.data), cfg.model.preset)
     new_tok = tokenizer.identity
     if note:
         lines.append(f"resume: note: {note}")

@@ -107,7 +107,7 @@ def check_tokenizer(tokenizer: TokenizerPlan, d: DataConfig, m: ModelConfig, r: 
     if _tokenizer_problem_reported(r):
         return None
     if tokenizer.null:
-        return _null_tokenizer(d, m, r)
+        return _null_tokenizer(tokenizer, d, m, r)
     ident, embedded = tokenizer.identity, tokenizer.embedded
     if ident is None:
         r.error(("data.tokenizer_type", "data.tokenizer_model"), f"tokenizer: {tokenizer.error}",
@@ -137,29 +137,12 @@ def check_tokenizer(tokenizer: TokenizerPlan, d: DataConfig, m: ModelConfig, r: 
     return ident
 
 
-def _preset_vocab(preset: str | None) -> str:
-    """What the preset says about model.vocab_size, for a message about it being null."""
-    if not preset:
-        return ""
-    from model_providers import get_preset
-
-    try:
-        size = get_preset(preset).get("vocab_size")
-    except KeyError:
-        size = None
-    if size is None:
-        return f" (model.preset={preset} sets none)"
-    return f" (model.vocab_size=null overrides the {size:,} that model.preset={preset} sets)"
-
-
-def _null_tokenizer(d: DataConfig, m: ModelConfig, r: Report):
-    """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with an
-    error when the model's vocabulary size is unknown."""
-    preset = _preset_vocab(m.preset)
-    if m.vocab_size is None:
-        r.error(("data.tokenizer_model", "model.vocab_size"), f"data.mock=true with data.tokenizer_type="
-                f"{d.tokenizer_type} and no tokenizer file uses a null tokenizer, which needs model.vocab_size"
-                f"{preset}", "set model.vocab_size, or data.tokenizer_model to the model's tokenizer")
+def _null_tokenizer(tokenizer: TokenizerPlan, d: DataConfig, m: ModelConfig, r: Report):
+    """The identity of the null tokenizer a mock run without tokenizer files uses (one note), or None with the
+    plan's error when the model's vocabulary size is unknown."""
+    if tokenizer.identity is None:
+        r.error(("data.tokenizer_model", "model.vocab_size"), tokenizer.error,
+                "set model.vocab_size, or data.tokenizer_model to the model's tokenizer")
         return None
     source = f"model.preset={m.preset}'s model.vocab_size" if m.preset else "model.vocab_size"
     r.notes.append(f"data.mock=true and no tokenizer file for data.tokenizer_type={d.tokenizer_type}: training uses "
@@ -195,7 +178,7 @@ def _check_prefix(d: DataConfig, r: Report, key: str, prefix: str, ident, vocab:
     """One dataset prefix: files, format, metadata, tokenizer and largest id (`checked`: its `_checked`; `d`: the
     data section). Returns its facts or None."""
     from pretrain.dataset_format.indexed import bin_path, idx_path, prefix_hint
-    from pretrain.dataset_format.metadata import meta_path, record_tokenizer
+    from pretrain.dataset_format.metadata import meta_path
 
     missing = [str(p) for p in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(p)]
     if missing:
@@ -216,7 +199,7 @@ def _check_prefix(d: DataConfig, r: Report, key: str, prefix: str, ident, vocab:
         r.warnings.append(f"{prefix} has no {meta_path(prefix).name} (made by another tool?): its tokenizer cannot "
                           "be checked against the run's")
     elif ident is not None:
-        made = record_tokenizer(facts.meta)
+        made = facts.tokenizer
         if made.sha256 != ident.sha256:
             msg = f"{prefix} was made with {made.describe()} but this run uses {ident.describe()}"
             if d.allow_tokenizer_mismatch:

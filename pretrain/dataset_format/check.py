@@ -36,7 +36,7 @@ from pretrain.dataset_format.indexed import (
     max_token_id,
     parse_header,
 )
-from pretrain.dataset_format.metadata import check_meta_matches, read_meta
+from pretrain.dataset_format.metadata import check_meta_matches, read_meta, record_tokenizer
 
 
 @dataclass
@@ -53,6 +53,11 @@ class DatasetFacts:
     # "cache": header + sizes + the verdict an earlier full read left in the verdict cache (``verdicts``)
     why_full: str = ""  # with a full check under trust_metadata: why the metadata could not stand for the index
     stamps: dict[str, list[int]] | None = None  # a full check with a verdict cache: the files as they were read
+
+    @property
+    def tokenizer(self):
+        """The `TokenizerIdentity` the metadata records as the dataset's tokenizer; None without metadata."""
+        return record_tokenizer(self.meta) if self.meta is not None else None
 
 
 def full_read_note(checked: list[DatasetFacts]) -> str | None:

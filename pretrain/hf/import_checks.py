@@ -141,7 +141,7 @@ def check_run_config(cfg, config_json: Path, *, tokenizer: str, hf_dir: Path):
             check = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **_relocated(cfg.data, hf_dir)))
         tok_report = Report(world)
         d = check.data
-        check_tokenizer(decide(d, check.model.vocab_size, uses_mock(d)), d, check.model, tok_report)
+        check_tokenizer(decide(d, check.model.vocab_size, uses_mock(d), check.model.preset), d, check.model, tok_report)
         errors += tok_report.errors
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

@@ -1,6 +1,7 @@
 """Which tokenizer a run uses, decided once: `decide` → `TokenizerPlan` (`pretrain.run_plan.RunPlan.tokenizer`).
 
-    plan = decide(cfg.data, cfg.model.vocab_size, mock)   # the run plan's; `load(plan, ...)` builds it as planned
+    plan = decide(cfg.data, cfg.model.vocab_size, mock, cfg.model.preset)   # the run plan's;
+    # `load(plan, ...)` builds it as planned
 
 The rules (the one owner of each):
 - the embedded fallbacks (Mistral SentencePiece, GPT-2 BPE; `pretrain.tokenizer.embedded`) apply only to the
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretrain.tokenizer.embedded import with_embedded
-from pretrain.tokenizer.null import falls_back_to_null, null_identity
+from pretrain.tokenizer.null import falls_back_to_null, needs_vocab_size, null_identity
 
 
 @dataclass(frozen=True)
@@ -67,23 +68,23 @@ def identity_of(tokenizer_type: str | None, model: str | None, vocab: str | None
     return describe_tokenizer(ttype, model, vocab, merges)
 
 
-def decide(d: Any, vocab_size: int | None, mock: bool) -> TokenizerPlan:
-    """The tokenizer of a run with data section `d`, model.vocab_size `vocab_size` and (`mock`) synthetic data:
-    the null tokenizer of a mock run without files (its identity None when `vocab_size` is unknown), else the
-    named or embedded files (identity None and `error` when they are unusable: validation reports why)."""
+def decide(d: Any, vocab_size: int | None, mock: bool, preset: str | None = None) -> TokenizerPlan:
+    """The tokenizer of a run with data section `d`, model.vocab_size `vocab_size` (model.preset `preset`, for the
+    message) and (`mock`) synthetic data: the named or embedded files (identity None and `error` when they are
+    unusable: validation reports why), else the null tokenizer of a mock run without files (its identity None and
+    `error` when `vocab_size` is unknown)."""
     from pretrain.tokenizer.identity import describe_tokenizer
 
-    null = uses_null_tokenizer(d, mock)
-    if null:
-        identity = null_identity(vocab_size) if vocab_size else None
-        why = "the null tokenizer of mock data needs model.vocab_size" if identity is None else None
-        return TokenizerPlan(null=True, identity=identity, error=why)
-    ttype, model, vocab, merges, embedded = tokenizer_args(d)
-    try:
-        identity = describe_tokenizer(ttype, model, vocab, merges)
-    except Exception as exc:  # noqa: BLE001 - unusable tokenizer settings or files: validation reports why, in one line
-        return TokenizerPlan(null=False, identity=None, error=str(exc), embedded=embedded)
-    return TokenizerPlan(null=False, identity=identity, embedded=embedded)
+    if not uses_null_tokenizer(d, mock):
+        ttype, model, vocab, merges, embedded = tokenizer_args(d)
+        try:
+            identity = describe_tokenizer(ttype, model, vocab, merges)
+        except Exception as exc:  # noqa: BLE001 - unusable settings or files: validation reports why, in one line
+            return TokenizerPlan(null=False, identity=None, error=str(exc), embedded=embedded)
+        return TokenizerPlan(null=False, identity=identity, embedded=embedded)
+    if vocab_size:
+        return TokenizerPlan(null=True, identity=null_identity(vocab_size))
+    return TokenizerPlan(null=True, identity=None, error=needs_vocab_size(d.tokenizer_type, preset))
 
 
 def load(plan: TokenizerPlan, d: Any, vocab_size: int | None) -> Any:

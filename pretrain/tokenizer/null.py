@@ -36,6 +36,27 @@ def null_identity(vocab_size: int) -> TokenizerIdentity:
     return TokenizerIdentity(NULL_KIND, (), digest.hexdigest(), int(vocab_size), int(vocab_size) - 1)
 
 
+def needs_vocab_size(tokenizer_type: str, preset: str | None) -> str:
+    """Why a mock run's null tokenizer has no size: model.vocab_size is null (and what `preset` says about it)."""
+    return (f"data.mock=true with data.tokenizer_type={tokenizer_type} and no tokenizer file uses a null tokenizer, "
+            f"which needs model.vocab_size{_preset_vocab(preset)}")
+
+
+def _preset_vocab(preset: str | None) -> str:
+    """What model.preset says about model.vocab_size, for the message about it being null."""
+    if not preset:
+        return ""
+    from model_providers import get_preset
+
+    try:
+        size = get_preset(preset).get("vocab_size")
+    except KeyError:
+        size = None
+    if size is None:
+        return f" (model.preset={preset} sets none)"
+    return f" (model.vocab_size=null overrides the {size:,} that model.preset={preset} sets)"
+
+
 def describe_null(vocab_size: int) -> str:
     return f"a null tokenizer of {vocab_size:,} ids (EOD = {vocab_size - 1:,}, the last id; no files)"
 

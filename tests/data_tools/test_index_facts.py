@@ -121,7 +121,7 @@ def _trainer_check(cfg, store: bool = False):
     from pretrain.validate import store_verdicts
 
     r, data = Report(1), data_plan(cfg)
-    check_data_files(data, decide(cfg.data, cfg.model.vocab_size, data.mock), cfg.model, r)
+    check_data_files(data, decide(cfg.data, cfg.model.vocab_size, data.mock, cfg.model.preset), cfg.model, r)
     if store:
         store_verdicts(r, data.cache_dir)
     return r
