@@ -52,6 +52,28 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def kill_run(run_dir: Path) -> int:
+    """SIGKILL every process whose command line names `run_dir`, and their children: the ranks a launcher left
+    behind (a SIGSTOPped rank ignores its launcher's SIGTERM and, once the launcher is gone, is in no process group
+    of the test's). Returns how many were killed."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and str(run_dir) in " ".join(p.info["cmdline"] or ()):
+                found += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+    for p in found:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(found, timeout=30)
+    return len(found)
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     """Start in a new session (so the whole tree — ranks, checkpoint writers — can be ended at once)."""
     log.parent.mkdir(parents=True, exist_ok=True)

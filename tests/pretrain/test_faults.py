@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,7 +23,16 @@ import pytest
 
 from tests import tiers
 from tests.pool import run_case
-from tests.pretrain.ckpt_helpers import DETERMINISTIC, by_step, command, kill_group, log_text, start, wait_until
+from tests.pretrain.ckpt_helpers import (
+    DETERMINISTIC,
+    by_step,
+    command,
+    kill_group,
+    kill_run,
+    log_text,
+    start,
+    wait_until,
+)
 
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
         "model.vocab_size=4096", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -161,6 +173,7 @@ def _hang_run(root: Path, name: str, how: str, monkeypatch) -> tuple[float, dict
     finally:
         kill_group(proc)  # a stopped rank is ended by its launcher's kill (srun --kill-on-bad-exit)
         proc.wait()
+        kill_run(run_dir)  # here torchrun's SIGTERM does not end it: no stopped rank outlives the test
     return waited, _status(run_dir), log_text(root / f"{name}.log")
 
 
@@ -213,6 +226,10 @@ def test_a_stopped_checkpoint_writer_is_named(tmp_path):
     finally:
         kill_group(proc)
         proc.wait()
+        kill_run(tmp_path)  # the ranks left behind and their children
+        for pid in (pids.read_text().split() if pids.exists() else ()):  # the stopped writers, wherever they are
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
     status, log = _status(run_dir), log_text(tmp_path / "log")
     stopped = [int(line) for line in pids.read_text().split()]
     checkpoint = str(run_dir / "checkpoints" / "iter_0000004")
