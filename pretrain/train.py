@@ -122,8 +122,8 @@ def _start_process(cfg: Config) -> _Process:
     if problems.errors:
         raise ValidationFailed(problems)
     if rt.rank == 0:  # validation passed: its full reads and Megatron-Core's checks are not repeated by later starts
-        for plan in staged.plans:
-            store_verdicts(problems, plan.data.cache_dir)
+        for cache_dir in dict.fromkeys(plan.data.cache_dir for plan in staged.plans):  # stages may share one
+            store_verdicts(problems, cache_dir)
     # One writer per run directory: rank 0 locks run.dir before any file is written, every rank learns the verdict.
     outputs = output_lock.hold_run_outputs(first, rt.rank, any_rank_error, log0)
     return _Process(staged=staged, rt=rt, stops=stops, outputs=outputs)

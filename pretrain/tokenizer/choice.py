@@ -95,8 +95,7 @@ def load(plan: TokenizerPlan, d: Any, vocab_size: int | None) -> Any:
         from pretrain.tokenizer.types import TokenizerError
 
         if vocab_size is None:
-            raise TokenizerError(f"mock data with data.tokenizer_type={d.tokenizer_type} and no tokenizer "
-                                 "file uses a null tokenizer, which needs model.vocab_size")
+            raise TokenizerError(plan.error or needs_vocab_size(d.tokenizer_type, None))
         return null_tokenizer(vocab_size)
     from pretrain.tokenizer.load import run_tokenizer
 
