@@ -249,6 +249,8 @@ class ProfileConfig:
     start_step: int | None = knob(None, range=">= 1")  # None: no profiling
     end_step: int | None = knob(None, range=">= 1")
     ranks: list[int] = field(default_factory=lambda: [0])  # global ranks that write a trace
+    # record tensor allocations in the trace and print the window's peak (torch.profiler's profile_memory)
+    memory: bool = False
 
 
 @dataclass

@@ -8,6 +8,9 @@ ranges, so Nsight Systems captures exactly that window:
 
     nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx,osrt \\
         -o prof_rank%q{RANK} torchrun ... -m pretrain train CONFIG logging.profile.start_step=10 ...
+
+`logging.profile.memory=true` also records every tensor allocation and free in the trace and prints the window's
+peak per device (`window_peaks`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class StepProfiler:
         self.enabled = self.start is not None and rank in profile_cfg.ranks
         self.dir = Path(run_dir) / "profile"
         self.rank, self.on_gpu = rank, on_gpu
+        self.memory = profile_cfg.memory
         self._prof = None
         self._first: int | None = None
         self._step_range = None
@@ -49,7 +53,7 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.on_gpu:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities)
+            self._prof = torch.profiler.profile(activities=activities, profile_memory=self.memory)
             self._prof.start()
             self._first = step
             if self.on_gpu:
@@ -109,3 +113,28 @@ class StepProfiler:
         with atomic_path(path) as tmp:
             prof.export_chrome_trace(str(tmp))
         print(f"[pretrain] rank {self.rank}: profile of steps {self._first}-{last} written to {path}", flush=True)
+        if self.memory:
+            peaks = ", ".join(f"{device} {n / 2**30:.3f} GiB" for device, n in window_peaks(path).items())
+            print(f"[pretrain] rank {self.rank}: peak tensor memory in steps {self._first}-{last}: {peaks or 'none'} "
+                  "(CPU: allocated in the window above what it held at its start; CUDA: the allocator's total)",
+                  flush=True)
+
+
+def window_peaks(trace: str | os.PathLike) -> dict[str, int]:
+    """The largest "Total Allocated" of a Chrome trace's `[memory]` events, per device ("cpu", "cuda:N").
+
+    torch.profiler's CPU count starts at the window (blocks allocated before it, weights and optimizer state,
+    are not in it); CUDA's is the caching allocator's allocated total.
+    """
+    import json
+
+    with open(trace) as f:
+        events = json.load(f).get("traceEvents", [])
+    peaks: dict[str, int] = {}
+    for e in events:
+        if e.get("name") != "[memory]":
+            continue
+        args = e.get("args", {})
+        device = "cpu" if args.get("Device Type") == 0 else f"cuda:{args.get('Device Id', 0)}"
+        peaks[device] = max(peaks.get(device, 0), int(args.get("Total Allocated", 0)))
+    return peaks

@@ -16,8 +16,8 @@ Memory per rank is computed from the shapes Megatron-Core allocates, not from ru
   context parallelism and recomputation applied; plus the embedding/loss extras of first/last stages.
 - fp8: Transformer Engine's FP8 copy and transposed copy of every linear weight.
 - buffers: transient working memory at the backward peak (sequence-parallel all-gather buffer, local
-  attention's score buffer, pipeline send/receive buffers, the bf16 logits, one weight gradient before it is
-  accumulated into the fp32 buffer, one recomputed group).
+  attention's score buffer and its softmax backward, pipeline send/receive buffers, the bf16 logits, one weight
+  gradient before it is accumulated into the fp32 buffer, one recomputed group).
 
 Not modelled: the CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation (the planner keeps
 `fit_limit_gib`: a reserve and a fragmentation share of the GPU free for them).

@@ -285,6 +285,32 @@ def _selective_recompute(mp: ModelPlan, lay: Layout, modules: Collection[str]) -
     return expanded + full["causal_mask"] + full["scores"], freed
 
 
+def _local_attention_backward(mp: ModelPlan, lay: Layout, modules: Collection[str]) -> tuple[int, int]:
+    """(working set, bytes freed before it) of the local spec's attention backward in a stage's first backwarded
+    layer: Megatron-Core's `FusedScaleMaskSoftmax` torch path saves the fp32 probabilities and their p-byte copy
+    ("scores"); its backward holds the fp32 gradient of the probabilities and the fp32 gradient of the scores
+    (8 bytes per score) once the p-byte copy's matmul has released it. Before it, the layer's MLP (or experts)
+    and the output projection's input are released (hybrid models: nothing, conservatively). Measured on CPU with
+    `torch.profiler` (profile_memory) at 64 heads, sequence 2048: the peak is this softmax backward.
+    """
+    m = mp.config
+    if lay.use_te or uses_cpu_cp_attention(mp, lay):
+        return 0, 0
+    last = layer_terms(mp, lay, modules=modules, index=None if hybrid.is_hybrid(m) else m.num_layers - 1)
+    scores = last.get("scores", 0)
+    if not scores:  # core attention recomputed (its recompute working set holds them), TE, or no attention
+        scores = layer_terms(mp, lay, index=None if hybrid.is_hybrid(m) else m.num_layers - 1).get("scores", 0)
+        if not scores or "core_attn" not in modules:
+            return 0, 0
+    p = lay.bytes_per_value
+    copy = p if p != 4 else 0
+    per_score = scores // (4 + copy)
+    freed = 0 if hybrid.is_hybrid(m) else (
+        last.get("mlp", 0) + last.get("moe_router", 0) + last.get("moe_experts", 0)
+        + last.get("moe_shared_experts", 0) + last.get("attention_output", 0))
+    return (8 - copy) * per_score, freed
+
+
 def schedule(lay: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
     """Megatron-Core's order of (forward "F" | backward "B", model chunk, microbatch) on one stage.
 
@@ -375,9 +401,14 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         per_mb[0] += first
     if loss_chunk is not None:
         per_mb[loss_chunk] += last
+    attn_working, attn_freed = _local_attention_backward(mp, lay, modules)
+    if selective and "core_attn" in modules:  # recomputed scores, then their backward; nothing more freed
+        attn_working, attn_freed = working + attn_working, freed_first
+    elif m.recompute_granularity == "full":
+        attn_working, attn_freed = working + attn_working, freed_first + attn_freed
     live: dict[int, int] = {}
     current = saved = once
-    extra = 0
+    extra = attn = 0
     peak_flight: dict[int, int] = {}
     for op, chunk, _ in schedule(lay, pp_rank):
         if op == "F":
@@ -388,9 +419,16 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
         else:
             freed = freed_first + (last if chunk == loss_chunk else 0)
             extra = max(extra, current - freed + working - saved)
+            if attn_working:
+                attn = max(attn, current - attn_freed - (freed - freed_first) + attn_working - saved)
             live[chunk] -= 1
             current -= per_mb[chunk]
-    transient = max(0, extra) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
+    after_loss = max(0, extra)
+    if pp_rank == lay.pp - 1:
+        logits = s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
+        after_loss += max(logits, in_transit)  # (TE < 2.10's offloaded layer in transit comes before them)
+    # the local attention's backward comes after the loss (its logits freed)
+    transient = max(after_loss, attn) + 2 * hs * p  # pipeline send/receive (or the stage input/output)
     if hybrid.is_hybrid(m):  # a Mamba scan's chunk states while it runs
         transient += mamba.scan_states(m, lay)
     # the sequence-parallel all-gather buffer; with TP communication overlap the gathered input is TE's userbuffer
@@ -402,9 +440,6 @@ def activation_memory(cfg: Config, lay: Layout, padded_vocab: int, pp_rank: int)
     elif not lay.use_te and "core_attn" not in modules:
         gather = max(gather, b * (m.num_attention_heads // t) * s * s * p)  # shared with the score buffer
     transient += gather
-    if pp_rank == lay.pp - 1:
-        logits = s * b * (padded_vocab // t) * p  # the logits themselves, alive through the loss
-        transient += max(logits, in_transit)  # (TE < 2.10's offloaded layer in transit comes before them)
     return ActivationMemory(saved=saved, transient=transient, recompute=max(0, extra),
                             in_flight={c: n for c, n in sorted(peak_flight.items()) if n})
 
