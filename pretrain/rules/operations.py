@@ -117,6 +117,10 @@ def logging_rules(r: Report, *, train: TrainConfig, logging: LoggingConfig) -> N
             r.error(("logging.profile.end_step", "logging.profile.start_step"),
                     "logging.profile.end_step is set without logging.profile.start_step",
                     "set logging.profile.start_step (the first profiled step)")
+        if p.memory:
+            r.error(("logging.profile.memory", "logging.profile.start_step"),
+                    "logging.profile.memory=true records allocations inside a profile window, and "
+                    "logging.profile.start_step is null (no window)", "set logging.profile.start_step")
     else:
         end = p.end_step if p.end_step is not None else p.start_step
         if 1 <= end < p.start_step:  # a step below 1: the range rule's

@@ -112,6 +112,9 @@ FSDP_OVERLAP_NOTE = ("optimizer.fsdp_sharding=optim_grads_params: Megatron-FSDP 
       "(train.steps=30). Fix: end the window by step 30",
       "[logging.profile.ranks] logging.profile.ranks=[0, 2] must name ranks of the job (0..0). Fix: e.g. "
       "logging.profile.ranks=[0]"]),
+    (["logging.profile.memory=true"], False, False,
+     ["[logging.profile.memory, logging.profile.start_step] logging.profile.memory=true records allocations inside a "
+      "profile window, and logging.profile.start_step is null (no window). Fix: set logging.profile.start_step"]),
     (["logging.profile.start_step=3"], False, False, []),  # one step: end_step defaults to start_step
     (["logging.timing_interval=0"], False, False,
      ["[logging.timing_interval] logging.timing_interval=0 must be at least 1. Fix: set "
