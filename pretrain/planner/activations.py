@@ -289,9 +289,9 @@ def _local_attention_backward(mp: ModelPlan, lay: Layout, modules: Collection[st
     """(working set, bytes freed before it) of the local spec's attention backward in a stage's first backwarded
     layer: Megatron-Core's `FusedScaleMaskSoftmax` torch path saves the fp32 probabilities and their p-byte copy
     ("scores"); its backward holds the fp32 gradient of the probabilities and the fp32 gradient of the scores
-    (8 bytes per score) once the p-byte copy's matmul has released it. Before it, the layer's MLP (or experts)
-    and the output projection's input are released (hybrid models: nothing, conservatively). Measured on CPU with
-    `torch.profiler` (profile_memory) at 64 heads, sequence 2048: the peak is this softmax backward.
+    (8 bytes per score; 12 in fp32) once the p-byte copy's matmul has released it. Before it, the layer's MLP (or
+    experts) and the output projection's input are released (hybrid models: nothing, conservatively). Checked on CPU
+    with `logging.profile.memory` (tests/pretrain/test_plan.py): at 64 heads the peak is this backward's.
     """
     m = mp.config
     if lay.use_te or uses_cpu_cp_attention(mp, lay):
@@ -308,7 +308,9 @@ def _local_attention_backward(mp: ModelPlan, lay: Layout, modules: Collection[st
     freed = 0 if hybrid.is_hybrid(m) else (
         last.get("mlp", 0) + last.get("moe_router", 0) + last.get("moe_experts", 0)
         + last.get("moe_shared_experts", 0) + last.get("attention_output", 0))
-    return (8 - copy) * per_score, freed
+    # fp32: no upcast copy, so the mask is written in place into a view of the scores; that view's backward
+    # (CopySlices) clones the gradient of the whole scores tensor: one fp32 score tensor more
+    return (12 if p == 4 else 8 - copy) * per_score, freed
 
 
 def schedule(lay: Layout, pp_rank: int) -> list[tuple[str, int, int]]:
