@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 from pathlib import Path
 
@@ -126,8 +127,6 @@ def window_peaks(trace: str | os.PathLike) -> dict[str, int]:
     torch.profiler's CPU count starts at the window (blocks allocated before it, weights and optimizer state,
     are not in it); CUDA's is the caching allocator's allocated total.
     """
-    import json
-
     with open(trace) as f:
         events = json.load(f).get("traceEvents", [])
     peaks: dict[str, int] = {}

@@ -296,12 +296,11 @@ def _local_attention_backward(mp: ModelPlan, lay: Layout, modules: Collection[st
     m = mp.config
     if lay.use_te or uses_cpu_cp_attention(mp, lay):
         return 0, 0
-    last = layer_terms(mp, lay, modules=modules, index=None if hybrid.is_hybrid(m) else m.num_layers - 1)
-    scores = last.get("scores", 0)
-    if not scores:  # core attention recomputed (its recompute working set holds them), TE, or no attention
-        scores = layer_terms(mp, lay, index=None if hybrid.is_hybrid(m) else m.num_layers - 1).get("scores", 0)
-        if not scores or "core_attn" not in modules:
-            return 0, 0
+    index = None if hybrid.is_hybrid(m) else m.num_layers - 1
+    scores = layer_terms(mp, lay, index=index).get("scores", 0)  # as saved without recompute
+    if not scores:  # no softmax attention in that layer
+        return 0, 0
+    last = layer_terms(mp, lay, modules=modules, index=index)
     p = lay.bytes_per_value
     copy = p if p != 4 else 0
     per_score = scores // (4 + copy)
