@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pretrain.config import HangConfig
+from pretrain.run.run_dir import HANG_DIR
 
 # The regions of a step in the order a rank enters them (each but the first ends in collectives).
 PHASES = ("step start", "forward/backward (pipeline send/recv, TP/CP/DP collectives)", "loss all-reduce",
@@ -36,7 +37,7 @@ class Watchdog:
 
     def __init__(self, h: HangConfig, run_dir: str, rank: int, world: int):
         self.h, self.rank, self.world = h, rank, world
-        self.dir = Path(run_dir) / "hang"
+        self.dir = Path(run_dir) / HANG_DIR
         self.times: deque[float] = deque(maxlen=20)
         self.step, self.phase, self.deadline, self.bound = 0, PHASES[0], None, 0.0
         self.started = self.armed_at = time.time()  # records of an earlier attempt in run.dir/hang/: older

@@ -20,6 +20,7 @@ from pathlib import Path
 from pretrain.files import write_atomic
 
 EXIT_STATUS_FILE = "exit_status.json"
+HANG_DIR = "hang"  # the hang watchdog's records (pretrain/resilience/watchdog.py)
 # Every checkpoint root (checkpoint.dir) this run dir has used, one a line (relative to run.dir when inside it,
 # else absolute): a resume finds the run's newest complete checkpoint even after checkpoint.dir changed
 # (pretrain.checkpoint.resume).
@@ -120,10 +121,18 @@ def record_failure(run_dir: str | Path, message: str, step: int | None = None) -
     if int(os.environ.get("RANK", "0")) != 0:
         return
     try:
-        if json.loads((Path(run_dir) / EXIT_STATUS_FILE).read_text()).get("reason") == "running":
+        status = Path(run_dir) / EXIT_STATUS_FILE
+        if json.loads(status.read_text()).get("reason") == "running" and not _hang_reported(run_dir, status):
             write_exit_status(run_dir, "failed", step, None, message)
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def _hang_reported(run_dir: str | Path, running: Path) -> bool:
+    """A hang watchdog of this run has fired (a rank's record newer than the `running` status): its `hang` status,
+    written after a grace period, is why the run stopped, not the failed collective this rank then sees."""
+    since = running.stat().st_mtime
+    return any(p.stat().st_mtime >= since for p in (Path(run_dir) / HANG_DIR).glob("rank*.json"))
 
 
 def exception_summary(exc: BaseException) -> str:

@@ -271,3 +271,24 @@ def test_fault_injection_is_refused_outside_tests(monkeypatch):
     assert validate(load_config("tiny_llama", ["testing.nan_step=3", "train.skip_steps=[2, \"4-5\"]"]), 1,
                     files=False).ok
 
+
+
+def test_a_failed_collective_after_a_hang_leaves_the_hang_status(tmp_path):
+    """Rank 0's main thread sees its collective fail once a hung peer is gone, while its watchdog is still in the
+    grace period before writing the `hang` status: the failure is not recorded over it (CI saw `failed` win that race
+    once). A hang record older than this run's `running` mark (an earlier hang, resumed since) does not count."""
+    import os
+
+    from pretrain.run.run_dir import EXIT_STATUS_FILE, HANG_DIR, prepare_run_dir, record_failure
+
+    stale = tmp_path / HANG_DIR / "rank1.json"
+    stale.parent.mkdir()
+    stale.write_text("{}\n")
+    os.utime(stale, (1, 1))  # an earlier run's
+    assert prepare_run_dir(tmp_path) is None  # `running`
+    record_failure(tmp_path, "RuntimeError: connection reset by peer", step=2)
+    assert _status(tmp_path)["reason"] == "failed"
+    assert prepare_run_dir(tmp_path) is None
+    (tmp_path / HANG_DIR / "rank0.json").write_text("{}\n")  # this run's watchdog fired
+    record_failure(tmp_path, "RuntimeError: connection reset by peer", step=2)
+    assert json.loads((tmp_path / EXIT_STATUS_FILE).read_text())["reason"] == "running"
