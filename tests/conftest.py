@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["pytester"]  # tests/test_tmp_dirs.py runs an inner session
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 os.environ.setdefault("NO_VCS_VERSION", "1")  # megatron-core's plain version in tests and their workers
@@ -37,6 +40,37 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not left_out(item)]
 
 
+SESSION_DIR_PREFIX = "session-"  # tmp_path_factory dirs of session-scoped fixtures: kept to the session's end
+_FAILED_FILES: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        _FAILED_FILES.add(item.nodeid.split("::")[0])
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_dirs_removed(request, tmp_path_factory):
+    """What a test file's module-scoped fixtures wrote under the session's temp dir is removed when the file ends
+    and none of its tests failed (a whole `make test` kept up to 15 GB, which filled a CI machine's disk). Per-test
+    `tmp_path` dirs go at each passing test's end (`tmp_path_retention_policy` in pyproject.toml)."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.nodeid in _FAILED_FILES:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.name.startswith(SESSION_DIR_PREFIX):
+            continue
+        if path.is_symlink():  # pytest's `<name>current` link to the newest dir of a name
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def pytest_unconfigure(config):
     from tests import launch_ledger
 
@@ -59,7 +93,7 @@ def embedded_dataset(tmp_path_factory) -> str:
     from data_tools.preprocess import preprocess
     from pretrain.tokenizer.embedded import MISTRAL_TOKENIZER
 
-    out = Path(tmp_path_factory.mktemp("embedded")) / "python_docs"
+    out = Path(tmp_path_factory.mktemp(SESSION_DIR_PREFIX + "embedded")) / "python_docs"
     preprocess([str(DEFAULT_CORPUS)], str(out), "sentencepiece", str(MISTRAL_TOKENIZER), append_eod=True,
                workers=1)
     return f"{out}_text_document"
@@ -76,7 +110,7 @@ def small_datasets(tmp_path_factory) -> dict[str, str]:
     from data_tools.preprocess import preprocess
     from pretrain.tokenizer.embedded import GPT2_MERGES, GPT2_VOCAB, MISTRAL_TOKENIZER
 
-    root = Path(tmp_path_factory.mktemp("small_datasets"))
+    root = Path(tmp_path_factory.mktemp(SESSION_DIR_PREFIX + "small_datasets"))
     with open(DEFAULT_CORPUS, encoding="utf-8") as f:
         texts = [json.loads(line)["text"][:6000] for line, _ in zip(f, range(80))]
     sp = {"tokenizer_type": "sentencepiece", "tokenizer_model": str(MISTRAL_TOKENIZER)}

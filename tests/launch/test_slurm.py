@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SESSION_DIR_PREFIX
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +75,7 @@ def _ensure_slurm_installed() -> None:
 def slurm_cluster(tmp_path_factory):
     """A running two-node cluster; SLURM_CONF points at it for the whole session."""
     _ensure_slurm_installed()
-    cluster_dir = tmp_path_factory.mktemp("slurm")
+    cluster_dir = tmp_path_factory.mktemp(SESSION_DIR_PREFIX + "slurm")
     started = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster_dir)], capture_output=True,
                              text=True, timeout=120)
     previous = os.environ.get("SLURM_CONF")

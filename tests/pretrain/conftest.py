@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.conftest import SESSION_DIR_PREFIX
+
 
 @pytest.fixture(scope="session")
 def fsdp_runs(tmp_path_factory) -> dict:
@@ -16,7 +18,7 @@ def fsdp_runs(tmp_path_factory) -> dict:
     from tests import tiers
     from tests.pretrain import fsdp_cases as fc
 
-    root = tmp_path_factory.mktemp("fsdp")
+    root = tmp_path_factory.mktemp(SESSION_DIR_PREFIX + "fsdp")
     seconds = {}
     t0 = time.monotonic()
     killed_rc, _ = fc.launch(root, 2, fc.world2_killed(root), timeout=300, tag="_killed")
