@@ -127,6 +127,13 @@ def hybrid_layer_parameters(m: Any, lay: Layout, index: int, global_index: int, 
     return [p for p in layer_parameters(model, lay, index, global_index=0, pre=pre) if any(k in p.name for k in keep)]
 
 
+def routed_width(m: Any) -> int:
+    """The width of one routed token copy: what the dispatcher moves and an expert's fc1 reads. LatentMoE projects
+    the tokens to `moe_latent_size` before the dispatch and back after the combine (Megatron-Core's
+    `MoELayer.preprocess` runs `fc1_latent_proj` before `dispatch_preprocess`); else the hidden size."""
+    return m.moe_latent_size or m.hidden_size
+
+
 def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     """An MoE layer's router (replicated) and this rank's experts (E / EP of them, split over expert TP), in
     the registration order of Megatron-Core's `SequentialMLP` (TE's grouped GEMM holds the same elements)."""
@@ -138,7 +145,7 @@ def moe_parameters(m: Any, lay: Layout, pre: str) -> list[Param]:
     if m.moe_latent_size:  # LatentMoE: h → latent before the experts, latent → h after (duplicated over TP)
         out += [Param(f"{pre}.mlp.fc1_latent_proj.weight", m.moe_latent_size * h, linear=True),
                 Param(f"{pre}.mlp.fc2_latent_proj.weight", h * m.moe_latent_size, linear=True)]
-        h = m.moe_latent_size  # the experts' input and output width
+        h = routed_width(m)  # the experts' input and output width
     fc1 = (2 if m.gated_linear_unit else 1) * fe // etp
     for j in range(m.num_moe_experts // lay.ep):
         e = f"{pre}.mlp.experts.local_experts.{j}"

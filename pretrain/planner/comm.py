@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pretrain.config import Config, ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
+from pretrain.planner.census import routed_width
 from pretrain.planner.constants import value
 from pretrain.planner.hardware import GPUS, domains_spanned
 
@@ -49,7 +50,7 @@ def ep_all_to_all(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str
         return 0.0, 0
     rows = m.seq_length * lay.mbs / lay.cp / (lay.tp if lay.sp else 1)
     k = m.moe_router_topk
-    per_copy = 4 * rows * m.hidden_size * lay.bytes_per_value  # dispatch + combine, forward + backward
+    per_copy = 4 * rows * routed_width(m) * lay.bytes_per_value  # dispatch + combine, forward + backward
     total = per_copy * k * ((lay.ep - 1) / lay.ep + (lay.etp - 1))
     d = domains_spanned(lay.ep * lay.etp, domain)
     nv = bandwidth(gpu, 1, domain, "nvlink_a2a_efficiency")

@@ -158,6 +158,7 @@ class Harness:
             out.update(_pairs(common[key]))
         if c["precision"] not in m["precisions"]:
             raise PlanError(f"precision {c['precision']!r} is not one of {', '.join(m['precisions'])}")
+        out.update(_pairs((m["models"].get(c["model"]) or {}).get("overrides", [])))
         out.update(_pairs(m["precisions"][c["precision"]]))
         out.update(_pairs(m.get("system_precisions", {}).get(c["system"], {}).get(c["precision"], [])))
         if c["variant"] not in m["variants"]:
@@ -188,6 +189,13 @@ def _pairs(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _reads_back(text: str) -> bool:
+    try:
+        return yaml.safe_load(text) == text
+    except yaml.YAMLError:
+        return False
+
+
 def _as_overrides(values: dict[str, Any]) -> list[str]:
     def show(v: Any) -> str:
         if v is None:
@@ -196,6 +204,8 @@ def _as_overrides(values: dict[str, Any]) -> list[str]:
             return str(v).lower()
         if isinstance(v, list):
             return "[" + ",".join(str(x) for x in v) + "]"
+        if isinstance(v, str) and not _reads_back(v):  # a pattern such as *E reads back as itself quoted
+            return "'" + v.replace("'", "''") + "'"
         return str(v)
 
     return [f"{k}={show(v)}" for k, v in values.items()]

@@ -33,7 +33,7 @@ from pretrain.layout import Layout
 from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
 from pretrain.planner import mamba
 from pretrain.planner.activations import recomputed_modules
-from pretrain.planner.census import Param, chunk_parameters, is_moe_layer
+from pretrain.planner.census import Param, chunk_parameters, is_moe_layer, routed_width
 from pretrain.planner.common import PlanError
 from pretrain.planner.constants import ATTENTION_EFFICIENCY, HBM_TBPS, SUSTAINED, value
 from pretrain.planner.mla import recompute_shares
@@ -171,7 +171,7 @@ def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, 
         (w.layers - kinds[hybrid.MAMBA]) * value("elementwise_passes") / 2 + kinds[hybrid.MAMBA] * 7
     w.elementwise_s += passes * rows * h * p_bytes / hbm
     copies = rows * (m.moe_router_topk or 0)
-    w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * h * p_bytes / hbm
+    w.elementwise_s += w.moe_layers * value("moe_permute_passes") * copies * routed_width(m) * p_bytes / hbm
     # the experts' activation on every routed copy (fused SwiGLU, or an unfused GLU: clamped or not SiLU)
     fused = bias_activation_fusion(m, lay.on_gpu, lay.use_te)
     act_passes = value("moe_act_passes" if fused else "moe_act_passes_unfused")

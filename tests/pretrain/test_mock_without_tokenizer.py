@@ -72,7 +72,7 @@ def test_documented_world_sizes():
 def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatch):
     """`--world-size N` on a machine without CUDA checks the job as on GPUs with Transformer Engine: every shipped
     config passes; what needs TE (deepseek_v3's MLA under CP, kimi_k2's QK-clip, gpt_oss_120b's moe_act recompute) is a
-    note there, and refused for a job on this machine."""
+    note there, and refused for a job on this machine; nemotron3_super's LatentMoE likewise."""
     import torch
 
     from pretrain.validate import validate
@@ -97,7 +97,10 @@ def test_shipped_config_validates_with_mock_data_only(config, capsys, monkeypatc
     # records no max logit). The dry run says each as a note; a job on this machine is refused.
     te_only = {"deepseek_v3": [("model.multi_latent_attention", "parallel.context")],
                "kimi_k2": [("optimizer.muon.qk_clip", "model.transformer_impl")],
-               "gpt_oss_120b": [("model.recompute_modules", "model.moe_grouped_gemm")]}  # moe_act: grouped GEMM
+               "gpt_oss_120b": [("model.recompute_modules", "model.moe_grouped_gemm")],  # moe_act: grouped GEMM
+               "nemotron3_super": [("performance.moe_flex_dispatcher_backend",),  # HybridEP: DeepEP's build
+                                   ("model.recompute_modules", "model.moe_grouped_gemm"),
+                                   ("model.moe_latent_size", "model.transformer_impl")]}  # LatentMoE: TELinear
     if config in te_only:
         assert [e.keys for e in here.errors] == te_only[config], here.text()
         for keys in te_only[config]:

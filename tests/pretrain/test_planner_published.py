@@ -1,7 +1,8 @@
 """The planner on 2026 hardware and Megatron-Bridge's published table (`benchmarks/planner_vs_published.py --table`):
 the GPU table (datasheet peaks per precision, the NVLink domain), a collective's link by whether its group stays inside
 one NVLink domain, the harness on rows of the published table (an NVL72 row, a placement the planner picks, a model we
-do not support), its `--json` format, and the shipped DeepSeek-V3 B200 launch script against its published run."""
+do not support, Nemotron 3 Super), LatentMoE's all-to-all, its `--json` format, and the shipped DeepSeek-V3 B200
+launch script against its published run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.compat import hybrid as hybrid_compat
 from pretrain.config import load_config
 from pretrain.observe.flops import PEAK_TFLOPS, gpu_key
 from pretrain.planner.common import PlanError
@@ -71,10 +73,20 @@ def test_a_group_inside_the_nvlink_domain_talks_over_nvlink():
     assert dgx["ep_comm_s"] == pytest.approx(layers * microbatches * max(on / nv, off / net), rel=1e-6)
 
 
+def test_latent_moe_dispatches_latent_width_tokens():
+    """LatentMoE (Nemotron 3 Super) projects the tokens to the latent width before the dispatch (Megatron-Core's
+    `MoELayer.preprocess`): per MoE layer and microbatch 4 · 8192 tokens · top-22 · latent 1024 · 2 bytes, 7/8 of them
+    sent at EP8 (the hidden size, 4096, was counted before: 4× the bytes)."""
+    cfg = load_config("nemotron3_super", ["data.mock=true", "parallel.expert=8", "train.global_batch_size=64"])
+    cost = make_plan(cfg, 1, 8, "b200")["cost_model"]
+    moe_layers, microbatches = 40, 64 // 8
+    assert cost["ep_bytes_per_step"] == int(moe_layers * 4 * 8192 * 1024 * 2 * 22 * 7 / 8) * microbatches
+
+
 # Rows of the published table (benchmarks/megatron_bridge_pretraining.tsv, 0-based among its data rows).
 LLAMA8B_GB300 = 160  # 25.11, 8 GPUs of a GB300 NVL72 rack: two 4-GPU trays, one NVLink domain
 LLAMA405B_GB300 = 7  # 26.04.01: 126 layers on PP8 x VP4: the planner places them (embedding and loss in the split)
-NEMOTRON_SUPER = 39  # a config this branch does not ship (Nemotron 3 Super trains with MTP, not wired here)
+NEMOTRON_SUPER = 39  # 26.04.01 GB300 MXFP8: LatentMoE, planned with its recipe's two MTP depths (0.19+)
 DSV3_H100_MXFP8 = 217  # 25.09 lists MXFP8 on H100: its footnote says 128x128 / 1x128 blocks, FP8 blockwise
 
 
@@ -87,10 +99,14 @@ def test_harness_plans_rows_of_the_published_table():
     assert abs(nvl72.flops_per_token / nvl72.published_flops_per_token - 1) <= 0.03
     placed = plan_row(rows[LLAMA405B_GB300], harness)
     assert placed.placement == "embedding and loss in the split" and placed.fits and abs(placed.ratio - 1) <= 0.15
-    refused = plan_row(rows[NEMOTRON_SUPER], harness)
-    assert refused.refused == "model not supported yet: no shipped config pretrain/configs/nemotron3_super.yaml"
-    assert refused.json() == {"row": NEMOTRON_SUPER, "predicted_tokens_per_s_per_gpu": None, "fits": None,
-                              "flops_per_token": None, "refused": refused.refused}
+    super_ = plan_row(rows[NEMOTRON_SUPER], harness)
+    if hybrid_compat.MTP_REASON is None:  # 0.19+: planned, its FLOPs (MTP depths counted) as published
+        assert super_.refused is None and super_.fits, super_
+        assert abs(super_.flops_per_token / super_.published_flops_per_token - 1) <= 0.03
+    else:  # the recipe's MTP needs a release with hybrid MTP: refused with the release's reason, no figures
+        assert "Multi-Token Prediction in a hybrid model" in super_.refused, super_
+        assert super_.json() == {"row": NEMOTRON_SUPER, "predicted_tokens_per_s_per_gpu": None, "fits": None,
+                                 "flops_per_token": None, "refused": super_.refused}
     hopper = plan_row(rows[DSV3_H100_MXFP8], harness)  # planned as what ran (the archive's footnote), not refused
     assert hopper.refused is None and "model.fp8=blockwise" in hopper.overrides, hopper
     assert abs(hopper.flops_per_token / hopper.published_flops_per_token - 1) <= 0.03
@@ -113,7 +129,7 @@ def test_the_fullest_published_run_fits():
 TSV = """# a table in the published format: comment lines first, then the header
 container\tmodel\tvariant\tpreset\tsystem\tgpus\tprecision\tgbs\tmbs\tseq\tfsdp\ttp\tpp\tcp\tvp\tep\ttokens_per_s_per_gpu\tmodel_tflops_per_gpu
 25.11\tLLAMA3_8B\t-\tllama3_8b\tgb300\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t37556\t1933
-26.04\tNemotron_3_Super\t-\tnemotron3_super\tgb300\t64\tnvfp4\t512\t1\t8192\t0\t1\t1\t1\t-\t64\t9623\t815
+26.04\tMixtral_8x22B\t-\tmixtral_8x22b\tgb300\t64\tbf16\t512\t1\t8192\t0\t1\t1\t1\t-\t8\t9623\t815
 26.04\tGPT OSS 120B\t-\tgpt_oss_120b\th100\t64\tbf16\t1280\t1\t4096\t0\t1\t4\t1\t-\t8\t5810\t158
 """
 
@@ -128,12 +144,13 @@ def test_json_prints_one_object_per_data_row(tmp_path, capsys):
     objs = [json.loads(line) for line in lines]
     assert [o["row"] for o in objs] == [0, 1, 2]
     assert all(set(o) == {"row", "predicted_tokens_per_s_per_gpu", "fits", "flops_per_token", "refused"} for o in objs)
-    llama, nemotron, gpt_oss = objs
+    llama, unsupported, gpt_oss = objs
     assert llama["refused"] is None and llama["fits"] is True
     assert llama["flops_per_token"] == pytest.approx(1933e12 / 37556, rel=0.03)
     assert gpt_oss["flops_per_token"] == pytest.approx(158e12 / 5810, rel=0.03)  # Megatron-Bridge's GPT-OSS count
-    assert nemotron["refused"].startswith("model not supported yet")
-    assert nemotron["predicted_tokens_per_s_per_gpu"] is None
+    # a model with no mapping and no shipped config of its preset column's name
+    assert unsupported["refused"] == "model not supported yet: no shipped config pretrain/configs/mixtral_8x22b.yaml"
+    assert unsupported["predicted_tokens_per_s_per_gpu"] is None and unsupported["fits"] is None
     table.write_text("container\tmodel\n26.04\tLLAMA3_8B\n")
     assert _benchmark().main(["--table", str(table)]) == 2
     assert "the header lacks" in capsys.readouterr().err
