@@ -183,35 +183,29 @@ def moe_terms(m: ModelConfig, perf: PerformanceConfig, lay: Layout, tokens: int,
     width = lay.moe_ffn_hidden_size // lay.etp
     grouped = lay.use_te if m.moe_grouped_gemm is None else m.moe_grouped_gemm
     probs = 4 * tokens * k if sigmoid else 0  # the renormalised sigmoid weights the experts multiply by (fp32)
+    gemm_in = gemm_input_bytes(m, perf, lay) or p  # a GEMM input as kept: its FP8 copy under FP8 (TE)
+    routed = routed_width(m)
+    if m.moe_latent_size:
+        # LatentMoE (Megatron-Core's `MoELayer`, TE only, not measured): `fc2_latent_proj` keeps its input, every
+        # token's combined latent-width output; `fc1_latent_proj`'s input is the pre-MLP norm's output (counted with
+        # the norms) and its output is what the dispatcher copies (below).
+        out["moe_latent"] = int(tokens * m.moe_latent_size * gemm_in)
     if grouped and m.gated_linear_unit and bias_activation_fusion(m, lay.on_gpu, lay.use_te):
         # TE grouped GEMM (from the source, not measured): fc1 keeps its input (h), the fused weighted SwiGLU its
         # input (2·f_e) and the fp32 probability, fc2 its input (f_e).
         # Under FP8 (TE) the two GEMM inputs are kept as their FP8 copies, as in the dense MLP.
-        gemm_in = gemm_input_bytes(m, perf, lay) or p
-        per_copy = (routed_width(m) + (0 if "moe_act" in modules else width)) * gemm_in + 2 * width * p
-        return {**out, **_latent(m, perf, lay, tokens), "moe_experts": int(tokens * k * lay.etp * (per_copy + 4))}
+        per_copy = (routed + (0 if "moe_act" in modules else width)) * gemm_in + 2 * width * p
+        return {**out, "moe_experts": int(tokens * k * lay.etp * (per_copy + 4))}
     if grouped and lay.use_te and not m.gated_linear_unit:
         # TE grouped GEMM with a plain activation (Nemotron 3's squared ReLU; from the source, not measured): fc1 keeps
         # its input, the activation its input (fc1's output), fc2 its input (the activation's output, which `moe_act`
-        # recompute discards); the GEMM inputs as their FP8 copies under FP8.
-        gemm_in = gemm_input_bytes(m, perf, lay) or p
-        per_copy = routed_width(m) * gemm_in + width * p + (0 if "moe_act" in modules else width * gemm_in)
-        return {**out, **_latent(m, perf, lay, tokens), "moe_experts": int(tokens * k * lay.etp * per_copy)}
+        # recompute discards).
+        per_copy = routed * gemm_in + width * p + (0 if "moe_act" in modules else width * gemm_in)
+        return {**out, "moe_experts": int(tokens * k * lay.etp * per_copy)}
     # Unfused: fc1's input and output, the activation's intermediates, fc2's input (6·f_e gated, 3·f_e not); with the
     # activation recomputed (moe_act) only its input, fc1's output, stays (2·f_e gated, f_e not).
     act = (2 if m.gated_linear_unit else 1) if "moe_act" in modules else (6 if m.gated_linear_unit else 3)
-    per_copy = routed_width(m) + act * width
-    experts = tokens * k * lay.etp * per_copy * p + probs * lay.etp
-    return {**out, **_latent(m, perf, lay, tokens), "moe_experts": experts}
-
-
-def _latent(m: ModelConfig, perf: PerformanceConfig, lay: Layout, tokens: int) -> dict[str, int]:
-    """LatentMoE (from Megatron-Core's `MoELayer`, not measured: TE only): `fc2_latent_proj` keeps its input, the
-    combined latent-width output of every token (a GEMM input: FP8 under FP8); `fc1_latent_proj`'s input is the
-    pre-MLP norm's output, counted with the norms, and its output is what the dispatcher copies (`moe_experts`)."""
-    if not m.moe_latent_size:
-        return {}
-    return {"moe_latent": tokens * m.moe_latent_size * (gemm_input_bytes(m, perf, lay) or lay.bytes_per_value)}
+    return {**out, "moe_experts": tokens * k * lay.etp * (routed + act * width) * p + probs * lay.etp}
 
 
 def layer_activation_bytes(cfg: Config, lay: Layout, recompute_core_attention: bool = False,
