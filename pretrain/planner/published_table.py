@@ -55,17 +55,25 @@ def _recipe_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     if settings.get("recompute_num_layers"):
         out.update({"model.recompute_granularity": "full", "model.recompute_method": "block",
                     "model.recompute_num_layers": settings["recompute_num_layers"], "model.recompute_modules": None})
-    if settings.get("moe_flex_dispatcher_backend"):
+    # Megatron-Core reads the backend only under the flex dispatcher: a script that sets the backend and then the
+    # alltoall dispatcher type (Megatron-Bridge v0.3.1's Qwen3-235B B200/B300/H100 configs) runs NCCL's all-to-all.
+    if settings.get("moe_flex_dispatcher_backend") and settings.get("moe_token_dispatcher_type", "flex") == "flex":
         out["performance.moe_flex_dispatcher_backend"] = settings["moe_flex_dispatcher_backend"]
     if settings.get("moe_a2a_overlap"):
         out["performance.overlap_moe_expert_parallel_comm"] = True
     if settings.get("cpu_offloading_num_layers"):
         out["performance.cpu_offloading_num_layers"] = settings["cpu_offloading_num_layers"]
+    # What a script turns off that every other recipe turns on (published_models.yaml `common`).
+    if "tp_comm_overlap" in settings:
+        out["parallel.tp_comm_overlap"] = bool(settings["tp_comm_overlap"])
+    if "overlap_grad_reduce" in settings:
+        out["optimizer.overlap_grad_reduce"] = bool(settings["overlap_grad_reduce"])
     return out
 
 
 RECIPE_KEYS = ("cuda_graph_impl", "cuda_graph_scope", "recompute_modules", "recompute_num_layers",
-               "moe_flex_dispatcher_backend", "moe_a2a_overlap", "cpu_offloading_num_layers")
+               "moe_flex_dispatcher_backend", "moe_token_dispatcher_type", "moe_a2a_overlap",
+               "cpu_offloading_num_layers", "tp_comm_overlap", "overlap_grad_reduce")
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,15 @@ class Harness:
 
     @classmethod
     def load(cls, models: Path = MODELS, recipes: Path = RECIPES) -> Harness:
-        data = yaml.safe_load(models.read_text())
-        recipe_list = yaml.safe_load(recipes.read_text())["recipes"] if recipes.exists() else []
+        """Read the model mapping and the recipes; a malformed file or an unknown recipe setting is a ValueError
+        naming it."""
+        data = _read_yaml(models)
+        recipe_list = _read_yaml(recipes)["recipes"] if recipes.exists() else []
+        for r in recipe_list:
+            unknown = sorted(set(r.get("settings") or {}) - set(RECIPE_KEYS))
+            if unknown:
+                raise ValueError(f"{recipes}: recipe {r.get('container')} {r.get('model')} {r.get('system')} sets "
+                                 f"{', '.join(unknown)}, not one of the recipe keys ({', '.join(RECIPE_KEYS)})")
         return cls(data, recipe_list)
 
     def config_name(self, row: Row) -> str | None:
@@ -179,6 +194,15 @@ class Harness:
         if tp == 1:
             out["parallel.tp_comm_overlap"] = False
         return out
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ValueError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
 
 
 def _pairs(items: list[str]) -> dict[str, Any]:

@@ -12,10 +12,6 @@ def optimizer_rules(r: Report, *, optimizer: OptimizerConfig, train: TrainConfig
     if o.overlap_param_gather and not (o.distributed or o.fsdp):  # Megatron-FSDP wraps the distributed optimizer
         r.error(("optimizer.overlap_param_gather", "optimizer.distributed"),
                 "optimizer.overlap_param_gather needs the distributed optimizer", "set optimizer.distributed=true")
-    if o.overlap_param_gather and not o.overlap_grad_reduce:
-        r.error(("optimizer.overlap_param_gather", "optimizer.overlap_grad_reduce"),
-                "optimizer.overlap_param_gather needs optimizer.overlap_grad_reduce",
-                "set optimizer.overlap_grad_reduce=true")
     if o.lr == 0:
         r.notes.append("optimizer.lr=0: the weights never change (an evaluation-only run)")
     if o.min_lr > o.lr:

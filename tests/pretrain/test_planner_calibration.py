@@ -8,8 +8,8 @@ used to choose one; they are asserted here as well as the calibration rows, at t
 - tier 1: one row per GPU kind, held-out where the kind has one (B300's: a Nemotron 3 Nano row), each planned,
   fitting and within ±15% of its published tokens/s/GPU, FLOPs per token within ±3%;
 - full tier: the whole table (every model supported; Nemotron 3 Super's 16 rows need Megatron-Core 0.19+ for its
-  recipe's MTP and are refused with that reason before it). Of the 176 calibration rows 139 fit and are within ±15%
-  on 0.16.1, 145 on 0.19.2; of the 44 held-out rows 34 and 38; every planned held-out row is within ×0.75–×1.75 (its
+  recipe's MTP and are refused with that reason before it). Of the 176 calibration rows 140 fit and are within ±15%
+  on 0.16.1, 146 on 0.19.2; of the 44 held-out rows 34 and 38; every planned held-out row is within ×0.75–×1.75 (its
   worst: 1.68, a 26.02 H100 run published at 0.56× the same layout's 26.02.01 figure); the held-out rows' mean
   absolute log residual per GPU kind within what was met (B200 0.104, B300 0.053, GB200 0.060, GB300 0.066, H100
   0.142, the larger of the two releases: asserted with 10% slack); FLOPs per token within ±3% on every planned row.
@@ -72,7 +72,7 @@ def test_whole_table_calibration_and_held_out_rows():
     worst = max(abs(math.log(p.ratio)) for p in held if p.ratio)
     print(f"calibration {ok_calibration}/{len(calibration)}, held out {ok_held}/{len(held)}, worst held-out "
           f"×{math.exp(worst):.2f}")
-    assert len(calibration) == 176 and ok_calibration >= (145 if mtp else 139)
+    assert len(calibration) == 176 and ok_calibration >= (146 if mtp else 140)
     assert len(held) == 44 and ok_held >= (38 if mtp else 34)
     assert all(0.75 <= p.ratio <= 1.75 for p in held if p.ratio)
     for gpu, met in HELD_OUT_RESIDUAL.items():

@@ -115,6 +115,30 @@ def test_harness_plans_rows_of_the_published_table():
         make_plan(mx, 128, 8, "h100", name="deepseek_v3")
 
 
+QWEN235B_H100 = {"26.02.01": 121, "26.02": 159}  # the same layout, both published within 1.4% (1,611 / 1,633)
+
+
+def test_a_backend_under_the_alltoall_dispatcher_is_not_used(tmp_path, capsys):
+    """Megatron-Bridge v0.3.1's Qwen3-235B H100 script sets the workload's DeepEP backend and then
+    moe_token_dispatcher_type = "alltoall"; Megatron-Core reads the backend only under the flex dispatcher, so that run
+    (26.02.01) used NCCL's all-to-all, as the 26.02 run of the same layout (no backend) did: the two plan the same. With
+    the backend credited, 26.02.01 planned 1.66x its published figure. A recipe setting the harness does not know is
+    refused with the keys it knows."""
+    rows, harness = read_table(TABLE), Harness.load()
+    v031, v030 = (plan_row(rows[QWEN235B_H100[c]], harness) for c in ("26.02.01", "26.02"))
+    assert harness.recipe(rows[QWEN235B_H100["26.02.01"]])["settings"]["moe_flex_dispatcher_backend"] == "deepep"
+    assert not any("moe_flex_dispatcher_backend" in o for o in v031.overrides), v031.overrides
+    assert v031.predicted_tokens_per_s_per_gpu == pytest.approx(v030.predicted_tokens_per_s_per_gpu, rel=1e-9)
+    assert "parallel.tp_comm_overlap=false" in v031.overrides  # its CommOverlapConfig(tp_comm_overlap=False)
+    recipes = tmp_path / "recipes.yaml"
+    recipes.write_text('recipes:\n  - {container: "26.04", model: "Qwen3_235B_a22B", system: h100, settings: '
+                       '{moe_dispatcher: flex}}\n')
+    assert _benchmark().main(["--table", str(TABLE), "--recipes", str(recipes)]) == 2
+    err = capsys.readouterr().err
+    assert "recipe 26.04 Qwen3_235B_a22B h100 sets moe_dispatcher, not one of the recipe keys" in err, err
+    assert "Traceback" not in err
+
+
 LLAMA70B_GB200_FSDP = 3  # 26.04.01: FP8 Megatron-FSDP, 40 of 80 layers offloaded, micro batch 2: the fullest run
 
 
