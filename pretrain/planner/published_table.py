@@ -68,12 +68,14 @@ def _recipe_overrides(settings: dict[str, Any]) -> dict[str, Any]:
         out["parallel.tp_comm_overlap"] = bool(settings["tp_comm_overlap"])
     if "overlap_grad_reduce" in settings:
         out["optimizer.overlap_grad_reduce"] = bool(settings["overlap_grad_reduce"])
+    if "overlap_param_gather" in settings:
+        out["optimizer.overlap_param_gather"] = bool(settings["overlap_param_gather"])
     return out
 
 
 RECIPE_KEYS = ("cuda_graph_impl", "cuda_graph_scope", "recompute_modules", "recompute_num_layers",
                "moe_flex_dispatcher_backend", "moe_token_dispatcher_type", "moe_a2a_overlap",
-               "cpu_offloading_num_layers", "tp_comm_overlap", "overlap_grad_reduce")
+               "cpu_offloading_num_layers", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 
 @dataclass(frozen=True)
