@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from pretrain.config import CONFIG_DIR, ConfigError, load_config
+from pretrain.config_parse import yaml_error_line
 from pretrain.observe.flops import flops_per_token
 from pretrain.planner.common import PlanError
 
@@ -63,19 +64,16 @@ def _recipe_overrides(settings: dict[str, Any]) -> dict[str, Any]:
         out["performance.overlap_moe_expert_parallel_comm"] = True
     if settings.get("cpu_offloading_num_layers"):
         out["performance.cpu_offloading_num_layers"] = settings["cpu_offloading_num_layers"]
-    # What a script turns off that every other recipe turns on (published_models.yaml `common`).
-    if "tp_comm_overlap" in settings:
-        out["parallel.tp_comm_overlap"] = bool(settings["tp_comm_overlap"])
-    if "overlap_grad_reduce" in settings:
-        out["optimizer.overlap_grad_reduce"] = bool(settings["overlap_grad_reduce"])
-    if "overlap_param_gather" in settings:
-        out["optimizer.overlap_param_gather"] = bool(settings["overlap_param_gather"])
+    out.update({_SWITCHES[k]: bool(v) for k, v in settings.items() if k in _SWITCHES})
     return out
 
 
+# What a script turns off that every other recipe turns on (published_models.yaml `common`): recipe key → ours.
+_SWITCHES = {"tp_comm_overlap": "parallel.tp_comm_overlap", "overlap_grad_reduce": "optimizer.overlap_grad_reduce",
+             "overlap_param_gather": "optimizer.overlap_param_gather"}
 RECIPE_KEYS = ("cuda_graph_impl", "cuda_graph_scope", "recompute_modules", "recompute_num_layers",
                "moe_flex_dispatcher_backend", "moe_token_dispatcher_type", "moe_a2a_overlap",
-               "cpu_offloading_num_layers", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
+               "cpu_offloading_num_layers", *_SWITCHES)
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,13 @@ class Harness:
         """Read the model mapping and the recipes; a malformed file or an unknown recipe setting is a ValueError
         naming it."""
         data = _read_yaml(models)
-        recipe_list = _read_yaml(recipes)["recipes"] if recipes.exists() else []
+        lacking = [k for k in ("models", "common", "precisions", "variants", "systems")
+                   if not isinstance(data, dict) or not isinstance(data.get(k), dict)]
+        if lacking:
+            raise ValueError(f"{models}: needs the mappings {', '.join(lacking)} (as benchmarks/published_models.yaml)")
+        recipe_list = (_read_yaml(recipes) or {}).get("recipes") if recipes.exists() else []
+        if not isinstance(recipe_list, list) or not all(isinstance(r, dict) for r in recipe_list):
+            raise ValueError(f"{recipes}: needs a `recipes:` list of entries")
         for r in recipe_list:
             unknown = sorted(set(r.get("settings") or {}) - set(RECIPE_KEYS))
             if unknown:
@@ -202,9 +206,7 @@ def _read_yaml(path: Path) -> Any:
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ValueError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        raise ValueError(f"{path}: not valid YAML: {yaml_error_line(exc)}") from None
 
 
 def _pairs(items: list[str]) -> dict[str, Any]:

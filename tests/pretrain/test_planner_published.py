@@ -137,6 +137,12 @@ def test_a_backend_under_the_alltoall_dispatcher_is_not_used(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "recipe 26.04 Qwen3_235B_a22B h100 sets moe_dispatcher, not one of the recipe keys" in err, err
     assert "Traceback" not in err
+    recipes.write_text("")  # an empty file, then YAML that does not parse: one line each, exit 2
+    assert _benchmark().main(["--table", str(TABLE), "--recipes", str(recipes)]) == 2
+    assert capsys.readouterr().err.strip() == f"planner_vs_published: {recipes}: needs a `recipes:` list of entries"
+    recipes.write_text('recipes:\n  - {container: "x" "y"}\n')
+    assert _benchmark().main(["--table", str(TABLE), "--recipes", str(recipes)]) == 2
+    assert "not valid YAML: expected ',' or '}', but got '<scalar>' at line 2" in capsys.readouterr().err
 
 
 LLAMA70B_GB200_FSDP = 3  # 26.04.01: FP8 Megatron-FSDP, 40 of 80 layers offloaded, micro batch 2: the fullest run
