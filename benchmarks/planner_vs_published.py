@@ -7,7 +7,9 @@
 25.09 .. 26.04.01) plans every data row with our shipped config for its model (benchmarks/published_models.yaml), the
 row's layout, precision and batch, and the settings of its recipe (benchmarks/published_recipes.yaml); see
 `pretrain/planner/published_table.py`. Without `--json`: a Markdown table (one line per row) and a summary line;
-`--by-model` adds the per-(model, GPU) ratios and the held-out rows' residuals per GPU kind. With `--json`: one JSON
+`--by-model` adds the per-(model, GPU) ratios and the held-out rows' residuals per GPU kind; `--twins` the rows
+planned from equal inputs (one prediction each group, whatever the container: how many rows no model can meet) and
+those equal but for the GPU kind (the published ratio between the GPUs against the predicted). With `--json`: one JSON
 object per data row, one per line: `row` (0-based among the data rows), `predicted_tokens_per_s_per_gpu`, `fits`,
 `flops_per_token`, `refused` (the reason, or null).
 
@@ -33,12 +35,15 @@ from pretrain.planner.published_table import (  # noqa: E402
     MODELS,
     RECIPES,
     TABLE,
+    TOLERANCE,
     Harness,
     RowPlan,
     geometric_mean,
+    must_miss,
     plan_row,
     read_table,
     summary,
+    twins,
 )
 
 
@@ -67,6 +72,44 @@ def summary_line(plans: list[RowPlan]) -> str:
     return (f"{s['rows']} rows, {s['supported']} of supported models: {s['planned']} planned, {s['fit']} fit, "
             f"{s['within']} fit and within ±15% ({s['within'] / max(s['supported'], 1):.0%} of the supported), "
             f"FLOPs per token within ±3% on {s['flops_within']} of {s['planned']} planned")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _figures(values) -> str:
+    return "; ".join("-" if v is None else f"{v:,.0f}" for v in values)
+
+
+def twins_report(rows: list, plans: list[RowPlan], harness: Harness) -> str:
+    """Rows planned from equal inputs (the published spread; how many no prediction meets) and rows equal but for
+    the GPU kind in one container (the published ratio between the GPUs against the predicted)."""
+    lines = ["| rows | run | published tok/s/GPU | predicted | published max / min | no model meets |",
+             "|---|---|---:|---:|---:|---:|"]
+    groups = twins(rows, harness)
+    for g in groups:
+        pub = [r.published for r in g]
+        lines.append(f"| {', '.join(str(r.index) for r in g)} | {g[0].name.rsplit(' (', 1)[0]} | {_figures(pub)} | "
+                     f"{_figures([plans[g[0].index].predicted_tokens_per_s_per_gpu])} | {max(pub) / min(pub):.2f} | "
+                     f"{must_miss(g)} |")
+    lines += ["", "| rows | run | GPUs | published tok/s/GPU | predicted | published ratio | predicted ratio |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    across = twins(rows, harness, system=False)
+    for g in across:
+        pred = [plans[r.index].predicted_tokens_per_s_per_gpu for r in g]
+        ratio = f"{pred[0] / pred[1]:.2f}" if len(g) == 2 and None not in pred else "-"
+        published = f"{g[0].published / g[1].published:.2f}" if len(g) == 2 else "-"
+        lines.append(f"| {', '.join(str(r.index) for r in g)} | {g[0].cells['model']} x{g[0].cells['gpus']} "
+                     f"{g[0].cells['precision'].upper()} ({g[0].cells['container']}) | "
+                     f"{', '.join(r.cells['system'] for r in g)} | {_figures(r.published for r in g)} | "
+                     f"{_figures(pred)} | {published} | {ratio} |")
+    missed = sum(must_miss(g) for g in groups)
+    lines += ["", f"{_count(len(groups), 'group')} of rows planned from equal inputs ({sum(len(g) for g in groups)} "
+                  f"rows): {_count(missed, 'row')} no model can meet (published more than "
+                  f"{(1 + TOLERANCE) / (1 - TOLERANCE):.2f}x from its twins); {_count(len(across), 'group')} equal but "
+                  "for the GPU kind"]
+    return "\n".join(lines)
 
 
 def by_model(plans: list[RowPlan]) -> str:
@@ -100,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", type=Path, default=None, help="a table in the published format (default: ours)")
     ap.add_argument("--json", action="store_true", help="one JSON object per data row")
     ap.add_argument("--by-model", action="store_true", help="per-(model, GPU) ratios and held-out residuals")
+    ap.add_argument("--twins", action="store_true",
+                    help="rows planned from equal inputs, and those equal but for the GPU kind")
     ap.add_argument("--models", type=Path, default=MODELS, help=argparse.SUPPRESS)
     ap.add_argument("--recipes", type=Path, default=RECIPES, help=argparse.SUPPRESS)
     ap.add_argument("--runs", type=Path, nargs="?", const=RUNS, default=None,
@@ -126,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.by_model:
         print()
         print(by_model(plans))
+    if args.twins:
+        print()
+        print(twins_report(rows, plans, harness))
     if args.constants:
         _print_constants()
     return 0

@@ -13,6 +13,7 @@ refuses, is refused with the reason.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,3 +395,38 @@ def summary(plans: list[RowPlan]) -> dict[str, Any]:
 
 def geometric_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def planning_inputs(row: Row, harness: Harness, system: bool = True) -> str | None:
+    """What the harness plans `row` from, as one comparable string: our config, the system (unless `system` is
+    False), the GPUs and every override. Two rows with equal inputs get one prediction, whatever their container;
+    None where the row cannot be planned."""
+    try:
+        values = harness.overrides(row)
+    except (PlanError, KeyError):
+        return None
+    where = [row.cells["system"]] if system else []
+    values = {k: sorted(v) if isinstance(v, list) else v for k, v in values.items()}  # a graph scope is a set
+    return json.dumps([harness.config_name(row), *where, row.cells["gpus"], values], sort_keys=True, default=str)
+
+
+def twins(rows: list[Row], harness: Harness, system: bool = True) -> list[list[Row]]:
+    """Groups of two or more rows planned from equal inputs (`planning_inputs`), in table order; with `system` False,
+    those equal but for the GPU kind, within one container (two or more systems)."""
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        key = planning_inputs(row, harness, system)
+        if key is not None:
+            groups.setdefault(key if system else f"{row.cells['container']}|{key}", []).append(row)
+    out = [g for g in groups.values() if len(g) > 1]
+    return out if system else [g for g in out if len({r.cells["system"] for r in g}) > 1]
+
+
+def must_miss(group: list[Row]) -> int:
+    """Rows of a twin group that no prediction meets: one prediction is within ±TOLERANCE of rows whose published
+    figures span at most (1 + TOLERANCE) / (1 - TOLERANCE); the rest of the group, outside the largest such span,
+    misses whatever the model."""
+    figures = sorted(r.published for r in group)
+    span = (1 + TOLERANCE) / (1 - TOLERANCE)
+    best = max(sum(1 for f in figures if low <= f <= low * span) for low in figures)
+    return len(group) - best

@@ -20,7 +20,7 @@ from pretrain.observe.flops import PEAK_TFLOPS, gpu_key
 from pretrain.planner.common import PlanError
 from pretrain.planner.hardware import GPUS, nvlink_domain
 from pretrain.planner.plan import make_plan
-from pretrain.planner.published_table import TABLE, Harness, plan_row, read_table
+from pretrain.planner.published_table import TABLE, Harness, must_miss, plan_row, read_table, twins
 from tests.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,6 +184,34 @@ def test_json_prints_one_object_per_data_row(tmp_path, capsys):
     table.write_text("container\tmodel\n26.04\tLLAMA3_8B\n")
     assert _benchmark().main(["--table", str(table)]) == 2
     assert "the header lacks" in capsys.readouterr().err
+
+
+QWEN30B_H100 = {"26.02.01": 117, "26.02": 154}  # both planned with v0.3.0's QWEN3_30B_A3B H100 FP8 config (read)
+NANO_MXFP8_2604_01 = {"gb200": 35, "b200": 37}  # the same recipe (v0.4.1), micro batch 2, EP8: 32,768 both
+
+
+def test_twins_count_the_rows_no_model_can_meet(tmp_path, capsys):
+    """Rows the harness plans from equal inputs get one prediction whatever their container: where their published
+    figures are more than 1.15 / 0.85 apart, all of them cannot be within ±15% (the table's 26.02 / 26.02.01 Qwen3-30B
+    H100 runs: 5,113 and 9,058). `--twins` counts them and pairs rows equal but for the GPU kind (Nemotron 3 Nano on
+    GB200 and B200 in 26.04.01, published at the same speed)."""
+    rows, harness = read_table(TABLE), Harness.load()
+    groups = {tuple(r.index for r in g): g for g in twins(rows, harness)}
+    assert must_miss(groups[tuple(sorted(QWEN30B_H100.values()))]) == 1
+    across = [tuple(r.index for r in g) for g in twins(rows, harness, system=False)]
+    assert tuple(sorted(NANO_MXFP8_2604_01.values())) in across
+    assert not any(QWEN30B_H100["26.02"] in g for g in across)  # one GPU kind: not a pair across GPUs
+    line = "27.01\tLLAMA3_8B\t-\tllama3_8b\t{}\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t{}\t1500\n"
+    table = tmp_path / "twins.tsv"
+    table.write_text(TSV.splitlines(keepends=True)[0] + TSV.splitlines(keepends=True)[1]
+                     + "".join(line.format(s, f) for s, f in (("b200", 30000), ("b200", 29000), ("b200", 18000),
+                                                              ("gb200", 31000))))
+    assert _benchmark().main(["--table", str(table), "--twins"]) == 0
+    out = capsys.readouterr().out
+    # 30,000 / 29,000 fit one ±15% window (1.034 < 1.353); 18,000 is 1.61x below 29,000: one row no model meets
+    assert ("1 group of rows planned from equal inputs (3 rows): 1 row no model can meet (published more than 1.35x "
+            "from its twins); 1 group equal but for the GPU kind") in out, out
+    assert "| 0, 1, 2, 3 | LLAMA3_8B x8 FP8 (27.01) | b200, b200, b200, gb200 |" in out, out
 
 
 def _launch_overrides(script: str, **env: str) -> list[str]:
