@@ -265,3 +265,7 @@ megatron_fsdp_sources: tuple[str, str] = _pick(_FSDP_SOURCES)
 megatron_fsdp_limits: dict[str, str] = _pick(_FSDP_LIMITS)
 moe_router_loss_scale: Callable[[int, int], int] = _pick({"0.16.1": _router_loss_scale_0_16,
                                                           "0.19.0": _router_loss_scale_0_19})
+# A Multi-Token Prediction depth's transformer layer as `named_parameters()` names it (the planner's census): 0.16
+# `mtp.layers.{d}.transformer_layer`, 0.17+ `mtp.layers.{d}.mtp_model_layer` (its `sharded_state_dict` maps the name
+# back to `transformer_layer.`, so checkpoints and the HF bridge keep the 0.16 keys).
+mtp_layer_name: str = _pick({"0.16.1": "transformer_layer", "0.17.0": "mtp_model_layer"})

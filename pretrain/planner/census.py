@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_providers.core import hybrid
+from pretrain.compat.mcore import mtp_layer_name
 from pretrain.config import Config, ModelConfig
 from pretrain.layout import Layout, expert_tensor_size
 from pretrain.planner import linear_attention, mamba
@@ -68,7 +69,7 @@ def layer_parameters(m: Any, lay: Layout, index: int, global_index: int | None =
     """One decoder layer's parameters on one TP rank, in Megatron's local-spec registration order.
 
     `global_index` decides dense or MoE (dense-first models); `pre` the name prefix (an MTP layer's
-    `mtp.layers.{j}.transformer_layer`)."""
+    `mtp.layers.{j}.transformer_layer`, `mtp_model_layer` from 0.17: `compat.mcore.mtp_layer_name`)."""
     h, a, tp = m.hidden_size, m.num_attention_heads, lay.tp
     g, d = lay.num_query_groups, lay.head_dim
     pre = pre or f"decoder.layers.{index}"
@@ -178,7 +179,7 @@ def mtp_parameters(m: Any, lay: Layout) -> list[Param]:
             out += [p for i, kind in enumerate(hybrid.mtp_pattern(m)) for p in hybrid_layer_parameters(
                 m, lay, i, 0, kind=kind, pre=f"{pre}.mtp_model_layer.layers.{i}")]
         else:
-            out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.transformer_layer")
+            out += layer_parameters(m, lay, 0, global_index=m.num_layers - 1, pre=f"{pre}.{mtp_layer_name}")
         out += _norm_params(f"{pre}.final_layernorm", m)
     return out
 
