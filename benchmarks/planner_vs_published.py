@@ -11,7 +11,8 @@ row's layout, precision and batch, and the settings of its recipe (benchmarks/pu
 planned from equal inputs (one prediction each group, whatever the container: how many rows no model can meet) and
 those equal but for the GPU kind (the published ratio between the GPUs against the predicted). With `--json`: one JSON
 object per data row, one per line: `row` (0-based among the data rows), `predicted_tokens_per_s_per_gpu`, `fits`,
-`flops_per_token`, `refused` (the reason, or null).
+`flops_per_token`, `refused` (the reason, or null). A row planned with its release recipe's layout because the table's
+cannot run or fit (benchmarks/published_recipes.yaml `errata`) says so on its table line and in the summary line.
 
 `--runs FILE`: the older data file of hand-written runs (config + overrides per run); exit 1 when a `calibration: true`
 row is off by more than 15% or a measured run does not fit. `--constants` prints the cost model's constants with
@@ -56,7 +57,7 @@ def _row_line(p: RowPlan) -> str:
     return (f"| {p.row} | {p.name} | {p.published:,.0f} | {p.predicted_tokens_per_s_per_gpu:,.0f} | {p.ratio:.2f} | "
             f"{'yes' if p.within else 'NO'} | {flops} | {memory} | {'yes' if p.fits else 'NO'} | "
             f"{'held out' if p.held_out else 'calibration'} | {p.placement or ''}"
-            f"{'; does not fit: ' + p.overflow if p.overflow else ''} |")
+            f"{'; does not fit: ' + p.overflow if p.overflow else ''}{'; ' + p.erratum if p.erratum else ''} |")
 
 
 def row_table(plans: list[RowPlan]) -> str:
@@ -69,9 +70,12 @@ def row_table(plans: list[RowPlan]) -> str:
 
 def summary_line(plans: list[RowPlan]) -> str:
     s = summary(plans)
+    fixed = [str(p.row) for p in plans if p.erratum and p.erratum.startswith("planned as")]
+    errata = (f"; {_count(len(fixed), 'row')} ({', '.join(fixed)}) planned with the layout of the release's recipe "
+              "where the table's cannot run or fit (benchmarks/published_recipes.yaml errata)") if fixed else ""
     return (f"{s['rows']} rows, {s['supported']} of supported models: {s['planned']} planned, {s['fit']} fit, "
             f"{s['within']} fit and within ±15% ({s['within'] / max(s['supported'], 1):.0%} of the supported), "
-            f"FLOPs per token within ±3% on {s['flops_within']} of {s['planned']} planned")
+            f"FLOPs per token within ±3% on {s['flops_within']} of {s['planned']} planned{errata}")
 
 
 def _count(n: int, noun: str) -> str:

@@ -24,6 +24,7 @@ import yaml
 from pretrain.config import CONFIG_DIR, ConfigError, load_config
 from pretrain.config_parse import yaml_error_line
 from pretrain.observe.flops import flops_per_token
+from pretrain.planner import published_errata as errata
 from pretrain.planner.common import PlanError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,10 +131,12 @@ def read_table(path: Path = TABLE) -> list[Row]:
 
 @dataclass
 class Harness:
-    """The mapping (`published_models.yaml`) and the recipes (`published_recipes.yaml`) the rows are planned with."""
+    """The mapping (`published_models.yaml`), the recipes and the errata (`published_recipes.yaml`) the rows are
+    planned with."""
 
     models: dict[str, Any]
     recipes: list[dict[str, Any]] = field(default_factory=list)
+    errata: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, models: Path = MODELS, recipes: Path = RECIPES) -> Harness:
@@ -144,15 +147,18 @@ class Harness:
                    if not isinstance(data, dict) or not isinstance(data.get(k), dict)]
         if lacking:
             raise ValueError(f"{models}: needs the mappings {', '.join(lacking)} (as benchmarks/published_models.yaml)")
-        recipe_list = (_read_yaml(recipes) or {}).get("recipes") if recipes.exists() else []
+        data_r = (_read_yaml(recipes) or {}) if recipes.exists() else {"recipes": []}
+        recipe_list = data_r.get("recipes") if isinstance(data_r, dict) else None
+        fixes = data_r.get("errata") or [] if isinstance(data_r, dict) else []
         if not isinstance(recipe_list, list) or not all(isinstance(r, dict) for r in recipe_list):
             raise ValueError(f"{recipes}: needs a `recipes:` list of entries")
+        errata.check(recipes, fixes)
         for r in recipe_list:
             unknown = sorted(set(r.get("settings") or {}) - set(RECIPE_KEYS))
             if unknown:
                 raise ValueError(f"{recipes}: recipe {r.get('container')} {r.get('model')} {r.get('system')} sets "
                                  f"{', '.join(unknown)}, not one of the recipe keys ({', '.join(RECIPE_KEYS)})")
-        return cls(data, recipe_list)
+        return cls(data, recipe_list, fixes)
 
     def config_name(self, row: Row) -> str | None:
         """Our config for the row's model (the mapping, else the row's preset column); None when none is named."""
@@ -166,6 +172,10 @@ class Harness:
                "tp": row.num("tp"), "pp": row.num("pp"), "cp": row.num("cp"), "vp": row.num("vp"),
                "ep": row.num("ep"), "mbs": row.num("mbs")}
         return next((r for r in self.recipes if all(r.get(k) == v for k, v in key.items())), None)
+
+    def erratum(self, row: Row) -> dict[str, Any] | None:
+        """The erratum whose container, model, system, precision and `table` cells are the row's, if any."""
+        return next((e for e in self.errata if errata.matches(e, row.cells)), None)
 
     def overrides(self, row: Row) -> dict[str, Any]:
         """The row as config overrides (later entries win): common settings, precision, variant, the recipe's
@@ -262,7 +272,7 @@ class RowPlan:
     overflow: str | None = None
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
-
+    erratum: str | None = None  # planned with its release's recipe layout: why, and where from
     @property
     def ratio(self) -> float | None:
         predicted = self.predicted_tokens_per_s_per_gpu
@@ -298,7 +308,23 @@ def published_convention_flops(m: Any, padded_vocab: int) -> float:
 
 
 def plan_row(row: Row, harness: Harness) -> RowPlan:
-    """Plan one row (refused with the reason where it cannot be planned)."""
+    """Plan one row (refused with the reason where it cannot be planned). A row with an erratum whose tabulated layout
+    is refused or over the GPU's whole memory is planned with its release's recipe layout, and says so."""
+    out = _plan_cells(row, harness)
+    fix = harness.erratum(row)
+    if fix is None:
+        return out
+    why = errata.cannot(out.refused, out.memory_gib, out.capacity_gib)
+    if why is None:
+        out.erratum = f"erratum not applied: the table's {errata.layout_text(fix['table'])} runs and fits"
+        return out
+    fixed = _plan_cells(Row(row.index, errata.corrected(fix, row.cells)), harness)
+    fixed.erratum = (f"planned as {errata.layout_text(fix['recipe'])} ({fix['source']}): the table's "
+                     f"{errata.layout_text(fix['table'])} {why}")
+    return fixed
+
+
+def _plan_cells(row: Row, harness: Harness) -> RowPlan:
     out = RowPlan(row.index, row.name, row.cells["model"], row.cells["system"], row.published,
                   row.published_flops_per_token, held_out(row.index))
     name = harness.config_name(row)

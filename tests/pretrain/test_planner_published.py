@@ -186,6 +186,48 @@ def test_json_prints_one_object_per_data_row(tmp_path, capsys):
     assert "the header lacks" in capsys.readouterr().err
 
 
+LLAMA70B_GB300_NVFP4 = {"26.02.01": 91, "26.04.01": 2}  # the archive's 26.02.01 cells: TP1 PP1 micro batch 2
+DSV3_GB200_MXFP8_2509 = 199  # the archive's PP8 VP2 EP64 on 256 GPUs; v0.1.0rc4's run script: PP4 VP4 on GB200
+
+
+def test_an_erratum_plans_the_release_layout_only_where_the_table_cannot_run(tmp_path, capsys):
+    """The archive lists 26.02.01's Llama-3-70B GB300 NVFP4 run at TP1 PP1, micro batch 2, no FSDP: 70B parameters'
+    weights, gradients and activations on one GPU, over its whole memory; that release's recipe (v0.3.1
+    LLAMA3_70B_PRETRAIN_CONFIG_GB300_NVFP4_V2) is PP4 VP5 at micro batch 1, the layout 26.04.01 publishes: the row is
+    planned as that, equal to 26.04.01's row, and says so. An erratum whose tabulated layout runs and fits is not
+    applied; one that cannot run (PP8 x EP64 on 256 GPUs) is planned as its release's script sets; a malformed erratum
+    is one line, exit 2."""
+    import dataclasses
+
+    rows, harness = read_table(TABLE), Harness.load()
+    row = rows[LLAMA70B_GB300_NVFP4["26.02.01"]]
+    as_tabulated = plan_row(row, dataclasses.replace(harness, errata=[]))
+    assert as_tabulated.memory_gib > as_tabulated.capacity_gib and not as_tabulated.fits
+    fixed, twin = plan_row(row, harness), plan_row(rows[LLAMA70B_GB300_NVFP4["26.04.01"]], harness)
+    assert fixed.erratum.startswith("planned as MBS1 PP4 VP5 (v0.3.1 ") and "cannot fit (" in fixed.erratum
+    assert fixed.fits and fixed.predicted_tokens_per_s_per_gpu == pytest.approx(twin.predicted_tokens_per_s_per_gpu)
+    needless = {"container": "26.04.01", "model": "LLAMA3_70B", "system": "gb300", "precision": "nvfp4",
+                "table": {"mbs": 1, "pp": 4}, "recipe": {"mbs": 2, "pp": 1}, "source": "a test"}
+    kept = plan_row(rows[2], dataclasses.replace(harness, errata=[needless]))
+    assert kept.erratum == "erratum not applied: the table's MBS1 PP4 runs and fits"
+    assert kept.predicted_tokens_per_s_per_gpu == twin.predicted_tokens_per_s_per_gpu
+    table = tmp_path / "dsv3.tsv"
+    lines = TABLE.read_text().splitlines(keepends=True)
+    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    table.write_text(lines[header] + lines[header + 1 + DSV3_GB200_MXFP8_2509])
+    assert _benchmark().main(["--table", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert "planned as PP4 VP4 (v0.1.0rc4 " in out and "the table's PP8 VP2 cannot run (" in out, out
+    assert out.rstrip().endswith("1 row (0) planned with the layout of the release's recipe where the table's "
+                                 "cannot run or fit (benchmarks/published_recipes.yaml errata)"), out
+    recipes = tmp_path / "recipes.yaml"
+    recipes.write_text('recipes: []\nerrata:\n  - {container: "26.04", model: X, system: b200, precision: fp8, '
+                       'table: {layers: 2}, recipe: {pp: 1}, source: s}\n')
+    assert _benchmark().main(["--table", str(table), "--recipes", str(recipes)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "needs container, model, system, precision, source" in err, err
+
+
 QWEN30B_H100 = {"26.02.01": 117, "26.02": 154}  # both planned with v0.3.0's QWEN3_30B_A3B H100 FP8 config (read)
 NANO_MXFP8_2604_01 = {"gb200": 35, "b200": 37}  # the same recipe (v0.4.1), micro batch 2, EP8: 32,768 both
 
