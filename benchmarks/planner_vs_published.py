@@ -11,8 +11,9 @@ row's layout, precision and batch, and the settings of its recipe (benchmarks/pu
 planned from equal inputs (one prediction each group, whatever the container: how many rows no model can meet) and
 those equal but for the GPU kind (the published ratio between the GPUs against the predicted). With `--json`: one JSON
 object per data row, one per line: `row` (0-based among the data rows), `predicted_tokens_per_s_per_gpu`, `fits`,
-`flops_per_token`, `refused` (the reason, or null). A row planned with its release recipe's layout because the table's
-cannot run or fit (benchmarks/published_recipes.yaml `errata`) says so on its table line and in the summary line.
+`flops_per_token`, `refused` (the reason, or null), and `erratum`: null, or where the row was planned with its release
+recipe's layout because the table's cannot run or fit (benchmarks/published_recipes.yaml `errata`), that layout, its
+source and why (also on its table line and in the summary line).
 
 `--runs FILE`: the older data file of hand-written runs (config + overrides per run); exit 1 when a `calibration: true`
 row is off by more than 15% or a measured run does not fit. `--constants` prints the cost model's constants with

@@ -293,7 +293,8 @@ class RowPlan:
 
     def json(self) -> dict[str, Any]:
         return {"row": self.row, "predicted_tokens_per_s_per_gpu": self.predicted_tokens_per_s_per_gpu,
-                "fits": self.fits, "flops_per_token": self.flops_per_token, "refused": self.refused}
+                "fits": self.fits, "flops_per_token": self.flops_per_token, "refused": self.refused,
+                "erratum": self.erratum}
 
 
 def published_convention_flops(m: Any, padded_vocab: int) -> float:

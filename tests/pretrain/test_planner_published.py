@@ -106,7 +106,7 @@ def test_harness_plans_rows_of_the_published_table():
     else:  # the recipe's MTP needs a release with hybrid MTP: refused with the release's reason, no figures
         assert "Multi-Token Prediction in a hybrid model" in super_.refused, super_
         assert super_.json() == {"row": NEMOTRON_SUPER, "predicted_tokens_per_s_per_gpu": None, "fits": None,
-                                 "flops_per_token": None, "refused": super_.refused}
+                                 "flops_per_token": None, "refused": super_.refused, "erratum": None}
     hopper = plan_row(rows[DSV3_H100_MXFP8], harness)  # planned as what ran (the archive's footnote), not refused
     assert hopper.refused is None and "model.fp8=blockwise" in hopper.overrides, hopper
     assert abs(hopper.flops_per_token / hopper.published_flops_per_token - 1) <= 0.03
@@ -166,14 +166,16 @@ container\tmodel\tvariant\tpreset\tsystem\tgpus\tprecision\tgbs\tmbs\tseq\tfsdp\
 
 def test_json_prints_one_object_per_data_row(tmp_path, capsys):
     """`--table FILE --json`: one object per data row, exactly row / predicted_tokens_per_s_per_gpu / fits /
-    flops_per_token / refused; FLOPs per token as Megatron-Bridge publishes them (its TFLOP/s over tokens/s)."""
+    flops_per_token / refused (the issue's) and erratum (null: no row here has one); FLOPs per token as
+    Megatron-Bridge publishes them (its TFLOP/s over tokens/s)."""
     table = tmp_path / "runs.tsv"
     table.write_text(TSV)
     assert _benchmark().main(["--table", str(table), "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
     objs = [json.loads(line) for line in lines]
     assert [o["row"] for o in objs] == [0, 1, 2]
-    assert all(set(o) == {"row", "predicted_tokens_per_s_per_gpu", "fits", "flops_per_token", "refused"} for o in objs)
+    keys = {"row", "predicted_tokens_per_s_per_gpu", "fits", "flops_per_token", "refused", "erratum"}
+    assert all(set(o) == keys and o["erratum"] is None for o in objs)  # the issue's five keys, and the erratum
     llama, unsupported, gpt_oss = objs
     assert llama["refused"] is None and llama["fits"] is True
     assert llama["flops_per_token"] == pytest.approx(1933e12 / 37556, rel=0.03)
@@ -215,6 +217,8 @@ def test_an_erratum_plans_the_release_layout_only_where_the_table_cannot_run(tmp
     lines = TABLE.read_text().splitlines(keepends=True)
     header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
     table.write_text(lines[header] + lines[header + 1 + DSV3_GB200_MXFP8_2509])
+    assert _benchmark().main(["--table", str(table), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["erratum"].startswith("planned as PP4 VP4 (v0.1.0rc4 ")
     assert _benchmark().main(["--table", str(table)]) == 0
     out = capsys.readouterr().out
     assert "planned as PP4 VP4 (v0.1.0rc4 " in out and "the table's PP8 VP2 cannot run (" in out, out
