@@ -57,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        import os
+        from pretrain.run.once import let_rank0_say_it, rank
 
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a launch reads the same config: said once
-            print(f"config error: {exc}", file=sys.stderr)
+        if rank() == 0:  # every rank of a launch reads the same config: said once
+            print(f"config error: {exc}", file=sys.stderr, flush=True)
+        else:
+            let_rank0_say_it()
         return 2
 
     if args.command == "validate":

@@ -35,6 +35,7 @@ from pretrain.resilience import hooks as resilience
 from pretrain.resilience.results import first_step_cause
 from pretrain.resilience.stops import RunSaves, StopRequests
 from pretrain.run import output_lock, setup
+from pretrain.run.once import let_rank0_say_it
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.run.steps import (  # noqa: F401 (forward_step: tests build the schedule with it)
     TrainingStopped,
@@ -306,9 +307,11 @@ def main(cfg: Config) -> int:
     try:
         summary = train(cfg)
         return boundaries.EXIT_NEXT_STAGE if summary["reason"] == "stage" else 0
-    except ValidationFailed as exc:
+    except ValidationFailed as exc:  # every rank's: a silent rank waits for rank 0 to say it
         if printed_here(exc):
             print(exc.report(), file=sys.stderr, flush=True)
+        else:
+            let_rank0_say_it()
         return 2
     except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
         if int(os.environ.get("RANK", "0")) == 0:

@@ -47,3 +47,27 @@ def test_a_launch_prints_a_refused_config_once():
     assert "exitcode: 2" in err and "pretrain/train.py" not in err, err  # torchrun's own traceback only
     out, err = launch("parallel.tensr=2")
     assert (out + err).count("config error: unknown config key 'parallel.tensr'") == 1, out + err
+
+
+def test_a_silent_rank_leaves_after_rank_0_has_said_it():
+    """The config error of a launch, as rank 1 of 2 meets it: it says nothing and waits (torchrun stops the launch
+    when any rank exits, and a rank 1 gone at once had stopped rank 0 before it printed the error: the launch then
+    failed without a word), until SIGTERM — what torchrun sends once rank 0 has said it and exited — ends it at once.
+    As rank 0: the line, exit 2, no wait."""
+    import os
+    import signal
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "pretrain", "train", "tiny_llama", "parallel.tensr=2"]
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    silent = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = subprocess.run(cmd, cwd=REPO, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=120)
+    assert said.returncode == 2 and said.stderr.count("config error: unknown config key 'parallel.tensr'") == 1
+    time.sleep(3)  # rank 1 has done rank 0's work by now (it started first)
+    assert silent.poll() is None  # still waiting after rank 0 has printed and exited
+    os.kill(silent.pid, signal.SIGTERM)
+    started = time.monotonic()
+    out, err = silent.communicate(timeout=30)
+    assert silent.returncode == -signal.SIGTERM and time.monotonic() - started < 5
+    assert "config error" not in out + err, out + err
