@@ -85,6 +85,9 @@ def case_scope(module: str, argv: list[str], env: dict[str, str]) -> Iterator[No
         real_destroy(group)
 
     os.environ.update({k: str(v) for k, v in env.items()})
+    # A case returns to the pool instead of ending its process: no torchrun agent stops the other ranks when one
+    # returns, so no rank waits for rank 0 to say a failure (pretrain.run.once).
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
     sys.argv = [module, *argv]
     dist.destroy_process_group = destroy_process_group
     try:

@@ -60,7 +60,7 @@ def test_a_silent_rank_leaves_after_rank_0_has_said_it():
     import time
 
     cmd = [sys.executable, "-m", "pretrain", "train", "tiny_llama", "parallel.tensr=2"]
-    env = {**_env(), "WORLD_SIZE": "2", "RANK": "1"}
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RUN_ID": "test"}  # as torchrun's agent sets
     silent = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     said = subprocess.run(cmd, cwd=REPO, env={**env, "RANK": "0"}, capture_output=True, text=True, timeout=120)
     assert said.returncode == 2 and said.stderr.count("config error: unknown config key 'parallel.tensr'") == 1
@@ -71,3 +71,6 @@ def test_a_silent_rank_leaves_after_rank_0_has_said_it():
     out, err = silent.communicate(timeout=30)
     assert silent.returncode == -signal.SIGTERM and time.monotonic() - started < 5
     assert "config error" not in out + err, out + err
+    elsewhere = {k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"}  # srun's tasks, a pool: no one to wait for
+    done = subprocess.run(cmd, cwd=REPO, env=elsewhere, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "config error" not in done.stderr, done.stderr
