@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from pretrain.resilience import hooks as resilience
 from pretrain.resilience.results import first_step_cause
 from pretrain.resilience.stops import RunSaves, StopRequests
 from pretrain.run import output_lock, setup
-from pretrain.run.once import let_rank0_say_it
+from pretrain.run.once import let_rank0_say_it, rank
 from pretrain.run.run_dir import EXIT_STATUS_FILE, StorageError, write_exit_status  # noqa: F401 (EXIT_STATUS_FILE)
 from pretrain.run.steps import (  # noqa: F401 (forward_step: tests build the schedule with it)
     TrainingStopped,
@@ -57,7 +56,7 @@ from pretrain.validate import ValidationFailed
 def printed_here(exc: BaseException) -> bool:
     """Whether this rank prints `exc`: a failure every rank meets with the same words (`every_rank`) is printed
     once, by rank 0, as `validate` prints it; any other by each rank that meets it."""
-    return not getattr(exc, "every_rank", False) or int(os.environ.get("RANK", "0")) == 0
+    return not getattr(exc, "every_rank", False) or rank() == 0
 
 
 @dataclass
@@ -314,7 +313,7 @@ def main(cfg: Config) -> int:
             let_rank0_say_it()
         return 2
     except output_lock.OutputLocked as exc:  # another writer's directory: none of its files is touched
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank() == 0:
             print(f"[pretrain] error: {exc}", file=sys.stderr, flush=True)
         return 1
     except TrainingStopped as exc:

@@ -147,9 +147,10 @@ class Harness:
                    if not isinstance(data, dict) or not isinstance(data.get(k), dict)]
         if lacking:
             raise ValueError(f"{models}: needs the mappings {', '.join(lacking)} (as benchmarks/published_models.yaml)")
-        data_r = (_read_yaml(recipes) or {}) if recipes.exists() else {"recipes": []}
-        recipe_list = data_r.get("recipes") if isinstance(data_r, dict) else None
-        fixes = data_r.get("errata") or [] if isinstance(data_r, dict) else []
+        listed = (_read_yaml(recipes) or {}) if recipes.exists() else {"recipes": []}
+        if not isinstance(listed, dict):
+            listed = {}
+        recipe_list, fixes = listed.get("recipes"), listed.get("errata") or []
         if not isinstance(recipe_list, list) or not all(isinstance(r, dict) for r in recipe_list):
             raise ValueError(f"{recipes}: needs a `recipes:` list of entries")
         errata.check(recipes, fixes)
@@ -273,6 +274,7 @@ class RowPlan:
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     erratum: str | None = None  # planned with its release's recipe layout: why, and where from
+
     @property
     def ratio(self) -> float | None:
         predicted = self.predicted_tokens_per_s_per_gpu
