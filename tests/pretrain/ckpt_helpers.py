@@ -193,6 +193,15 @@ def run_worker_cases(root: Path, world: int, cases: list[dict], timeout: float) 
     return results
 
 
+def linger_in_next_step(proc: subprocess.Popen, run_dir: str | Path, step: int, rng, most: float) -> None:
+    """Once step `step`'s metrics line is written: wait a random time up to `most` seconds, but never past the line
+    of step `step + 1` (nor the process's end). A line is written before its step's save, so a blow struck now lands
+    in the save after step `step` or in step `step + 1`, however fast the steps run, never after a later save."""
+    deadline = time.monotonic() + rng.uniform(0.0, most)
+    while proc.poll() is None and time.monotonic() < deadline and len(metrics(run_dir)) <= step:
+        time.sleep(0.01)
+
+
 def kill9_and_resume(cmd: list[str], work: Path, steps: int, timeout: float = 600) -> int:
     """Run `cmd` (a training launch writing metrics to `work`), SIGKILL its process group at a random point after
     a random step before the last (in the step or the save after it), then run it again to completion (the resume).
@@ -203,8 +212,8 @@ def kill9_and_resume(cmd: list[str], work: Path, steps: int, timeout: float = 60
     kill_at = rng.randrange(1, steps)
     proc = start(cmd, work / "log")
     wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=timeout)
+    linger_in_next_step(proc, work, kill_at, rng, 0.5)
     if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.5))  # anywhere in the next step or the save after it
         kill_group(proc)
     finish(proc, timeout=60)
     rc = run(cmd, work / "log", timeout=timeout)

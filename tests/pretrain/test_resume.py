@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -26,6 +25,7 @@ from tests.pretrain.ckpt_helpers import (
     deterministic,
     finish,
     kill_group,
+    linger_in_next_step,
     log_text,
     metrics,
     run,
@@ -67,11 +67,12 @@ def one_rank_reference():
 
 
 def _kill_at(cmd: list[str], run_dir: Path, step: int, rng: random.Random, log: Path) -> int | None:
-    """Start `cmd`, SIGKILL its process group anywhere in step `step` or the save after it; the tracker then."""
+    """Start `cmd`, SIGKILL its process group in the save after step `step` or in step `step + 1`; the tracker
+    then."""
     proc = start(cmd, log)
     reached = wait_until(lambda: len(metrics(run_dir)) >= step, proc, timeout=240)
+    linger_in_next_step(proc, run_dir, step, rng, 0.6)
     if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.6))
         kill_group(proc)
     finish(proc, timeout=60)
     assert reached, log_text(log)[-3000:]
@@ -79,10 +80,11 @@ def _kill_at(cmd: list[str], run_dir: Path, step: int, rng: random.Random, log: 
 
 
 def test_kill9_at_random_steps_and_crash_while_saving_resume_identically(one_rank_reference, tmp_path):
-    """One run directory, restarted with the same command after each blow: kill -9 at a random step before the
-    first periodic save is done (1-3), a SIGKILL of the process in the middle of writing step 4's checkpoint (the
-    previous checkpoint, step 2, stays the one to resume from), kill -9 at a random later step (5-7), then run to
-    the end: the metrics are the uninterrupted run's, exactly."""
+    """One run directory, restarted with the same command after each blow: kill -9 at a random moment after step
+    1, 2 or 3 and before step 4's save (CI once killed a run past that save, which left none to crash in), a SIGKILL
+    of the process in the middle of writing step 4's checkpoint (the previous checkpoint, step 2, stays the one to
+    resume from), kill -9 at a random later step (5-7), then run to the end: the metrics are the uninterrupted
+    run's, exactly."""
     rng = random.Random(SEED)
     early, late = rng.randrange(1, 4), rng.randrange(5, STEPS)
     run_dir = tmp_path / "run"
@@ -143,8 +145,8 @@ def test_signal_to_one_rank_then_kill9_two_ranks(tmp_path):
     proc = start(cmd, work / "log")
     wait_until(lambda: len(metrics(work)) >= kill_at, proc, timeout=300)
     helpers: list[psutil.Process] = []
+    linger_in_next_step(proc, work, kill_at, rng, 0.4)
     if proc.poll() is None:
-        time.sleep(rng.uniform(0.0, 0.4))
         ranks = worker_ranks(proc)
         # torchrun starts each rank in its own session: ending the launcher's group does not reach these.
         for pid in ranks.values():

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from tests.pretrain.ckpt_helpers import (
     command,
     finish,
     kill_group,
+    linger_in_next_step,
     log_text,
     metrics,
     run,
@@ -143,7 +143,7 @@ def test_staged_run_killed_and_restarted_equals_the_uninterrupted_run(reference,
     kill_after = rng.randrange(3, 5)  # mid-ramp: the checkpoint of step 2 (or 4) is resumed, with 2 samples per step
     proc = start(cmd, tmp_path / "1.log")
     wait_until(lambda: len(metrics(run_dir)) >= kill_after, proc, timeout=600)
-    time.sleep(rng.uniform(0.0, 0.6))
+    linger_in_next_step(proc, run_dir, kill_after, rng, 0.6)
     kill9(proc)
 
     link = run_dir / "checkpoints" / "stage_pretrain"
