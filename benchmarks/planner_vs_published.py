@@ -40,6 +40,7 @@ from pretrain.planner.published_table import (  # noqa: E402
     TOLERANCE,
     Harness,
     RowPlan,
+    as_planned,
     geometric_mean,
     must_miss,
     plan_row,
@@ -89,7 +90,9 @@ def _figures(values) -> str:
 
 def twins_report(rows: list, plans: list[RowPlan], harness: Harness) -> str:
     """Rows planned from equal inputs (the published spread; how many no prediction meets) and rows equal but for
-    the GPU kind in one container (the published ratio between the GPUs against the predicted)."""
+    the GPU kind in one container (the published ratio between the GPUs against the predicted). A row planned with
+    its erratum's layout is grouped by that layout."""
+    rows = [as_planned(r, plans[r.index], harness) for r in rows]
     lines = ["| rows | run | published tok/s/GPU | predicted | published max / min | no model meets |",
              "|---|---|---:|---:|---:|---:|"]
     groups = twins(rows, harness)

@@ -439,6 +439,14 @@ def planning_inputs(row: Row, harness: Harness, system: bool = True) -> str | No
     return json.dumps([harness.config_name(row), *where, row.cells["gpus"], values], sort_keys=True, default=str)
 
 
+def as_planned(row: Row, plan: RowPlan, harness: Harness) -> Row:
+    """The row with the cells it was planned with: its erratum's layout where `plan` applied one, else itself."""
+    fix = harness.erratum(row)
+    if fix is None or not (plan.erratum or "").startswith("planned as"):
+        return row
+    return Row(row.index, errata.corrected(fix, row.cells))
+
+
 def twins(rows: list[Row], harness: Harness, system: bool = True) -> list[list[Row]]:
     """Groups of two or more rows planned from equal inputs (`planning_inputs`), in table order; with `system` False,
     those equal but for the GPU kind, within one container (two or more systems)."""
