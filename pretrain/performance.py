@@ -20,6 +20,9 @@ CudaGraphScope = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "
 OffloadModule = Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 
 
+_NUMERICS = Resume(CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not")
+
+
 @dataclass
 class PerformanceConfig:
     """Speed settings that do not change the model's math (GPU only; each refused on CPU by validate). Passed to
@@ -46,8 +49,15 @@ class PerformanceConfig:
     # softmax over the vocabulary for backward; Transformer Engine's ("te") writes the gradient into the logits.
     cross_entropy_fusion_impl: Literal["native", "te"] | None = None
     # NVFP4 GEMMs (Transformer Engine on Blackwell); instead of model.fp8.
-    fp4_recipe: Literal["nvfp4"] | None = knob(None, resume=Resume(
-        CHANGE, "from the resumed step: the GEMMs' numerics change, the state does not"))
+    fp4_recipe: Literal["nvfp4"] | None = knob(None, resume=_NUMERICS)
+    # Under an FP8 or NVFP4 recipe: the first / the last this many decoder layers keep BF16 GEMMs (Megatron-Core's
+    # first_last_layers_bf16 with num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16); 0 and 0: none.
+    num_layers_at_start_in_bf16: int = knob(0, range=">= 0", resume=_NUMERICS)
+    num_layers_at_end_in_bf16: int = knob(0, range=">= 0", resume=_NUMERICS)
+    # Megatron-Core's per-module quantization recipe (`quant_recipe`): a YAML file of TEQuantizationParams `configs`
+    # and ordered glob `matchers` over module paths (`model_providers/core/quant_recipe.py` reads it), e.g. an NVFP4
+    # run's attention projections kept in BF16; null: every GEMM takes the run's recipe.
+    quant_recipe: str | None = knob(None, resume=_NUMERICS)
 
 
 def settings_in_use(perf: PerformanceConfig) -> list[str]:

@@ -28,4 +28,11 @@ def performance_kwargs(perf: Any, moe: bool, mcore_fields: set[str]) -> dict[str
         out["cross_entropy_fusion_impl"] = perf.cross_entropy_fusion_impl
     if perf.fp4_recipe:
         out.update(fp4="e2m1", fp4_recipe=perf.fp4_recipe)
+    if perf.num_layers_at_start_in_bf16 or perf.num_layers_at_end_in_bf16:
+        out.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=perf.num_layers_at_start_in_bf16,
+                   num_layers_at_end_in_bf16=perf.num_layers_at_end_in_bf16)
+    if perf.quant_recipe:  # checked before launch (model_providers/core/quant_recipe.py); Megatron-Core's reader here
+        from megatron.core.quantization.utils import load_quantization_recipe
+
+        out["quant_recipe"] = load_quantization_recipe(perf.quant_recipe)
     return out

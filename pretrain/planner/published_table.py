@@ -66,6 +66,11 @@ def _recipe_overrides(settings: dict[str, Any]) -> dict[str, Any]:
         out["performance.overlap_moe_expert_parallel_comm"] = True
     if settings.get("cpu_offloading_num_layers"):
         out["performance.cpu_offloading_num_layers"] = settings["cpu_offloading_num_layers"]
+    for key in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if settings.get(key):
+            out[f"performance.{key}"] = settings[key]
+    if settings.get("quant_recipe"):  # a file under the repository (benchmarks/quant_recipes/)
+        out["performance.quant_recipe"] = str(ROOT / settings["quant_recipe"])
     out.update({_SWITCHES[k]: bool(v) for k, v in settings.items() if k in _SWITCHES})
     return out
 
@@ -75,7 +80,8 @@ _SWITCHES = {"tp_comm_overlap": "parallel.tp_comm_overlap", "overlap_grad_reduce
              "overlap_param_gather": "optimizer.overlap_param_gather"}
 RECIPE_KEYS = ("cuda_graph_impl", "cuda_graph_scope", "recompute_modules", "recompute_num_layers",
                "moe_flex_dispatcher_backend", "moe_token_dispatcher_type", "moe_a2a_overlap",
-               "cpu_offloading_num_layers", *_SWITCHES)
+               "cpu_offloading_num_layers", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16", "quant_recipe",
+               *_SWITCHES)
 
 
 @dataclass(frozen=True)

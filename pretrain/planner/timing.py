@@ -22,10 +22,12 @@ optimizer step (memory-bound over the elements this rank owns).
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from model_providers.core import hybrid
+from model_providers.core import hybrid, quant_recipe
 from model_providers.core.fusions import bias_activation_fusion
 from model_providers.core.windows import window_size, windowed_layers
 from pretrain.config import ModelConfig, PerformanceConfig
@@ -41,6 +43,7 @@ from pretrain.planner.precision import fp8_transposes
 
 # Bytes per GEMM input element, and the casts Transformer Engine adds around a low-precision GEMM (constants).
 _ELEMENT_BYTES = {"bf16": 2.0, "fp8": 1.0, "mxfp8": 1.0, "nvfp4": 0.5}
+_DECODER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _CAST = {"fp8": "fp8_cast_bytes_per_element", "mxfp8": "fp8_cast_bytes_per_element",
          "nvfp4": "fp4_cast_bytes_per_element"}
 
@@ -103,6 +106,30 @@ def run_precision(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str
     return precision
 
 
+def gemm_precisions(m: ModelConfig, perf: PerformanceConfig, run: str, gpu: str) -> Callable[[str, int], str]:
+    """(parameter name, its chunk's first global layer) -> its GEMM's precision: the run's, but BF16 in the first /
+    last `performance.num_layers_at_{start,end}_in_bf16` decoder layers, and as `performance.quant_recipe`'s
+    matchers say (`model_providers.core.quant_recipe`, matched on the parameter's module path)."""
+    start, end = perf.num_layers_at_start_in_bf16, perf.num_layers_at_end_in_bf16
+    try:
+        rules = quant_recipe.read(perf.quant_recipe) if perf.quant_recipe else []
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if run == "bf16" or not (start or end or rules):
+        return lambda name, offset: run
+    for r in rules:
+        if r.precision not in PEAK_TFLOPS[gpu]:
+            raise PlanError(f"performance.quant_recipe matcher {r.name!r} asks for {r.precision.upper()} GEMMs; {gpu} "
+                            "has no such tensor cores")
+
+    def of(name: str, offset: int) -> str:
+        hit = _DECODER_LAYER.match(name)
+        layer = offset + int(hit.group(1)) if hit else None
+        quantized = layer is None or start <= layer < m.num_layers - end
+        return quant_recipe.gemm_precision(rules, name.rsplit(".", 1)[0], run, quantized)
+    return of
+
+
 def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, gpu: str, pp_rank: int) -> RankWork:
     """One microbatch of pipeline rank `pp_rank` (all its model chunks; `m`, `perf`: the model and performance
     sections)."""
@@ -112,10 +139,10 @@ def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, 
     hbm = HBM_TBPS[gpu].value * 1e12
     h, a = m.hidden_size, m.num_attention_heads
     w = RankWork()
-    params: list[Param] = []
+    params: list[tuple[Param, int]] = []  # each with its chunk's first layer (global index)
     for v in range(lay.vp):
-        params += chunk_parameters(m, lay, vocab, pp_rank, v)
         offset, n = lay.chunk_layers(m.num_layers, pp_rank, v)
+        params += [(p, offset) for p in chunk_parameters(m, lay, vocab, pp_rank, v)]
         w.layers += n
         w.moe_layers += sum(is_moe_layer(m, offset + i) for i in range(n))
     kinds = layer_kinds(m, lay, pp_rank)  # hybrid models: this rank's layers by pattern symbol
@@ -131,13 +158,15 @@ def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, 
     expert_rows = tokens * (m.moe_router_topk or 0) * lay.ep * lay.etp / (m.num_moe_experts or 1)
     if lay.sp and lay.etp == 1:
         expert_rows /= lay.tp  # each TP rank routes its sequence-parallel slice
-    for p in params:
+    precision_of = gemm_precisions(m, perf, precision, gpu)
+    for p, offset in params:
         narrow = min(h, p.numel / h)  # one side of every decoder GEMM is the hidden size (MLA's LoRA: close)
         if p.expert and p.name.endswith(".weight"):
-            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, precision, grouped=True, narrow_dim=narrow,
-                                transposes=transposes)
+            w.gemm_s += _gemm_s(expert_rows, p.numel, gpu, precision_of(p.name, offset), grouped=True,
+                                narrow_dim=narrow, transposes=transposes)
         elif p.linear:
-            w.gemm_s += _gemm_s(tokens, p.numel, gpu, precision, narrow_dim=narrow, transposes=transposes)
+            w.gemm_s += _gemm_s(tokens, p.numel, gpu, precision_of(p.name, offset), narrow_dim=narrow,
+                                transposes=transposes)
         elif p.name == "output_layer.weight":
             w.gemm_s += _gemm_s(tokens, p.numel, gpu, "bf16")  # the logits stay bf16
             w.elementwise_s += 3 * tokens * vocab / lay.tp * 4 / hbm  # fp32 softmax cross-entropy fwd+bwd

@@ -22,6 +22,9 @@ _NEEDS = {
     "performance.moe_shared_expert_overlap": "a GPU (overlaps on CUDA streams)",
     "performance.cross_entropy_fusion_impl": "a GPU (the fused cross entropy; te: Transformer Engine's)",
     "performance.fp4_recipe": "Transformer Engine on a Blackwell GPU (NVFP4 GEMMs)",
+    "performance.num_layers_at_start_in_bf16": "Transformer Engine on a GPU (FP8 / NVFP4 GEMMs)",
+    "performance.num_layers_at_end_in_bf16": "Transformer Engine on a GPU (FP8 / NVFP4 GEMMs)",
+    "performance.quant_recipe": "Transformer Engine on a GPU (per-module FP8 / NVFP4 GEMMs)",
 }
 
 
@@ -76,6 +79,32 @@ def performance_rules(r: Report, *, model: ModelConfig, performance: Performance
     if perf.fp4_recipe and m.fp8:
         r.error(("performance.fp4_recipe", "model.fp8"), "performance.fp4_recipe and model.fp8 both choose the GEMM "
                 "precision", "set one of them")
+    _quantization_rules(r, m, perf, lay)
+
+
+def _quantization_rules(r: Report, m: ModelConfig, perf: PerformanceConfig, lay: Layout | None) -> None:
+    """The BF16 first / last layers and the per-module recipe: only under an FP8 or NVFP4 recipe, within one
+    pipeline stage's layers (Megatron-Core's bound), the recipe file readable and well-formed."""
+    bf16_layers = [k for k in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16") if getattr(perf, k)]
+    keys = [f"performance.{k}" for k in bf16_layers] + (["performance.quant_recipe"] if perf.quant_recipe else [])
+    if keys and not (m.fp8 or perf.fp4_recipe):
+        r.error(tuple(keys), f"{keys[0]} chooses GEMMs to keep out of an FP8 or NVFP4 recipe, and this run has none",
+                "set model.fp8 or performance.fp4_recipe, or drop it")
+    if bf16_layers and m.fp8 == "delayed":
+        r.error((f"performance.{bf16_layers[0]}", "model.fp8"), "Megatron-Core keeps no layer in BF16 under delayed "
+                "scaling", "use model.fp8=tensorwise or mxfp8, or drop it")
+    per_stage = m.num_layers // (lay.pp if lay is not None else 1)
+    for k in bf16_layers:
+        if getattr(perf, k) > per_stage:
+            r.error(f"performance.{k}", f"performance.{k}={getattr(perf, k)} is more than one pipeline stage's "
+                    f"{per_stage} layers (Megatron-Core's bound)", f"set it to at most {per_stage}")
+    if perf.quant_recipe:
+        from model_providers.core.quant_recipe import read
+
+        try:
+            read(perf.quant_recipe)
+        except ValueError as exc:
+            r.error("performance.quant_recipe", str(exc), "fix the file (Megatron-Core's quantization recipe format)")
 
 
 def _cuda_here() -> bool:

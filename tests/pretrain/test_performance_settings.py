@@ -18,6 +18,7 @@ ALL = ["performance.moe_flex_dispatcher_backend=deepep", "performance.cuda_graph
        "performance.cuda_graph_scope=[attn,moe_router]", "performance.fine_grained_activation_offloading=true",
        "performance.offload_modules=[core_attn,expert_fc1]", "performance.overlap_moe_expert_parallel_comm=true",
        "performance.fp4_recipe=nvfp4", "performance.cross_entropy_fusion_impl=te"]
+SUPER_NVFP4 = REPO / "benchmarks" / "quant_recipes" / "nemotron_3_super_nvfp4.yaml"
 MOE = ["tiny_moe", "data.mock=true", "parallel.expert=2", "train.precision=bf16", "train.global_batch_size=16"]
 
 
@@ -64,6 +65,15 @@ def test_passed_to_megatron_core_transformer_config():
     assert tc.fine_grained_activation_offloading and list(tc.offload_modules) == ["core_attn", "expert_fc1"]
     assert (tc.fp4, tc.fp4_recipe) == ("e2m1", "nvfp4")
     assert tc.cross_entropy_fusion_impl == "te"
+    assert not tc.first_last_layers_bf16 and tc.quant_recipe is None
+    kept = load_config("tiny_moe", ["data.mock=true", "performance.fp4_recipe=nvfp4", f"performance.quant_recipe="
+                                    f"{SUPER_NVFP4}", "performance.num_layers_at_end_in_bf16=1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tc = transformer_config(model_plan(kept), derive_layout(kept, 1, on_gpu=False, te=False))
+    assert (tc.first_last_layers_bf16, tc.num_layers_at_start_in_bf16, tc.num_layers_at_end_in_bf16) == (True, 0, 1)
+    assert [m.pattern for m in tc.quant_recipe.matchers] == ["*.linear_qkv", "*.linear_proj", "*mlp.fc[12]_latent_proj",
+                                                             "mtp.*", "*mixer.out_proj"]
     offload = load_config("tiny_moe", ["data.mock=true", "performance.cpu_offloading_num_layers=1"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -103,3 +113,49 @@ def test_the_planner_counts_them():
     assert graphs["host_s"] == pytest.approx(plain["host_s"] * value("launch_us_cuda_graphs") / value("launch_us"))
     print(f"step s: plain {plain['step_s']:.1f}, DeepEP {deepep['step_s']:.1f}, A2A overlap {overlap['step_s']:.1f}, "
           f"CUDA graphs {graphs['step_s']:.1f}")
+
+
+def test_bf16_layers_and_a_quantization_recipe_checked_and_planned(tmp_path):
+    """performance.num_layers_at_{start,end}_in_bf16 and performance.quant_recipe: refused without an FP8 / NVFP4
+    recipe, past one pipeline stage's layers, or with a malformed recipe file (one line naming it, exit 2, no
+    traceback); planned per GEMM: k of L identical layers in BF16 move the GEMM time k/L of the way from the NVFP4 run
+    to the BF16 run; a recipe sending every module to BF16 (or MXFP8) plans the BF16 (MXFP8) run's GEMMs; a matcher that
+    does not override the quantized context changes nothing."""
+    gpu = ["--world-size", "2"]
+    bad = tmp_path / "recipe.yaml"
+    bad.write_text("configs: {q: {transformer_engine_config_type: TEQuantizationParams, training_recipe: "
+                   "{fp8_quantization_recipe: delayed}}}\nmatchers: {all: {config: q, type: glob, pattern: '*', "
+                   "enabled: true}}\n")
+    out = run_cli("pretrain", ["validate", "tiny_llama", "data.mock=true", "performance.num_layers_at_end_in_bf16=9",
+                               "parallel.pipeline=2", "model.fp8=tensorwise", f"performance.quant_recipe={bad}", *gpu],
+                  cwd=REPO)
+    assert out.rc == 2 and out.traceback is None, out.stdout + out.stderr
+    assert "performance.num_layers_at_end_in_bf16=9 is more than one pipeline stage's" in out.stderr, out.stderr
+    assert f"performance.quant_recipe: {bad}: config 'q': fp8_quantization_recipe 'delayed' is not one of" in out.stderr
+    none = run_cli("pretrain", ["validate", "tiny_llama", "data.mock=true", "performance.num_layers_at_start_in_bf16=1",
+                                *gpu], cwd=REPO)
+    assert none.rc == 2 and "chooses GEMMs to keep out of an FP8 or NVFP4 recipe, and this run has none" in none.stderr
+
+    def gemm_s(*extra: str) -> float:
+        cfg = load_config("llama3_8b", ["parallel.pipeline=1", "parallel.tensor=1", "train.global_batch_size=64",
+                                        *extra])
+        return plan.make_plan(cfg, 1, 8, "b200")["cost_model"]["gemm_s"]
+
+    nvfp4, bf16 = gemm_s("performance.fp4_recipe=nvfp4"), gemm_s()
+    kept = gemm_s("performance.fp4_recipe=nvfp4", "performance.num_layers_at_start_in_bf16=2",
+                  "performance.num_layers_at_end_in_bf16=6")
+    assert kept == pytest.approx(nvfp4 + 8 / 32 * (bf16 - nvfp4), rel=1e-9)
+    assert bf16 > kept > nvfp4
+
+    def recipe(name: str, training: str) -> str:
+        f = tmp_path / f"{name}.yaml"
+        f.write_text(f"configs: {{c: {{transformer_engine_config_type: TEQuantizationParams, training_recipe: "
+                     f"{training}}}}}\nmatchers: {{all: {{config: c, type: glob, pattern: '*', enabled: true}}}}\n")
+        return f"performance.quant_recipe={f}"
+
+    assert gemm_s("performance.fp4_recipe=nvfp4", recipe("bf16", "{}")) == pytest.approx(bf16, rel=1e-12)
+    mxfp8 = gemm_s("model.fp8=mxfp8")
+    assert gemm_s("performance.fp4_recipe=nvfp4", recipe("mx", "{fp8_quantization_recipe: mxfp8}")) == \
+        pytest.approx(mxfp8, rel=1e-12)
+    assert gemm_s("performance.fp4_recipe=nvfp4", recipe("keep", "{override_quantized_autocast: false}")) == \
+        pytest.approx(nvfp4, rel=1e-12)

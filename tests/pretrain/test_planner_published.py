@@ -248,7 +248,8 @@ def test_twins_count_the_rows_no_model_can_meet(tmp_path, capsys):
     assert tuple(sorted(NANO_MXFP8_2604_01.values())) in across
     assert not any(QWEN30B_H100["26.02"] in g for g in across)  # one GPU kind: not a pair across GPUs
     # An erratum row is grouped by the layout it was planned with: 26.02.01's Llama-3-70B GB300 NVFP4 row (91, as
-    # tabulated TP1 PP1 micro batch 2) with the recipe layout's rows of 26.02, 26.04, 26.04.01 (7,002 against 6,798-7,397).
+    # tabulated TP1 PP1 micro batch 2) with the recipe layout's rows of 26.02, 26.04, 26.04.01 (7,002 against
+    # 6,798-7,397).
     planned = [as_planned(r, plan_row(r, harness), harness) if r.index == 91 else r for r in rows]
     assert (2, 47, 91, 127) in {tuple(r.index for r in g) for g in twins(planned, harness)}
     line = "27.01\tLLAMA3_8B\t-\tllama3_8b\t{}\t8\tfp8\t128\t2\t8192\t0\t1\t1\t1\t-\t1\t{}\t1500\n"
