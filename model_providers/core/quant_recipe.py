@@ -12,6 +12,7 @@ recipe (`override_quantized_autocast`, default true); inside a BF16 layer it sta
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ def read(path: str | Path) -> list[Rule]:
         raise ValueError(f"performance.quant_recipe: {path}: {exc}") from None
 
 
-def gemm_precision(rules: list[Rule], module_path: str, run: str, layer_quantized: bool) -> str:
+def gemm_precision(rules: Sequence[Rule], module_path: str, run: str, layer_quantized: bool) -> str:
     """The precision of the GEMM of module `module_path`: `run` is the run's recipe (bf16, fp8, mxfp8, nvfp4),
     `layer_quantized` whether its layer runs under it (not one of the BF16 first / last layers)."""
     quantized = layer_quantized and run != "bf16"

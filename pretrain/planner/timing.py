@@ -21,6 +21,7 @@ optimizer step (memory-bound over the elements this rank owns).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -106,13 +107,19 @@ def run_precision(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str
     return precision
 
 
+@functools.lru_cache(maxsize=8)
+def _recipe_rules(path: str) -> tuple[quant_recipe.Rule, ...]:
+    """The recipe file's rules, read once per planning process (rank_work runs per pipeline rank and placement)."""
+    return tuple(quant_recipe.read(path))
+
+
 def gemm_precisions(m: ModelConfig, perf: PerformanceConfig, run: str, gpu: str) -> Callable[[str, int], str]:
     """(parameter name, its chunk's first global layer) -> its GEMM's precision: the run's, but BF16 in the first /
     last `performance.num_layers_at_{start,end}_in_bf16` decoder layers, and as `performance.quant_recipe`'s
     matchers say (`model_providers.core.quant_recipe`, matched on the parameter's module path)."""
     start, end = perf.num_layers_at_start_in_bf16, perf.num_layers_at_end_in_bf16
     try:
-        rules = quant_recipe.read(perf.quant_recipe) if perf.quant_recipe else []
+        rules = _recipe_rules(perf.quant_recipe) if perf.quant_recipe else ()
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     if run == "bf16" or not (start or end or rules):
