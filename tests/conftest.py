@@ -78,6 +78,24 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def children_tmpdir(request, tmp_path_factory):
+    """The temp dir of every process the tests start (TMPDIR): a session dir under the session's temp dir, removed at
+    the session's end unless a test failed. Processes that die by a signal (the kill tests, torchrun's workers) never
+    remove what they made in it: wandb's import-time `tmp*wandb-media` / `tmp*wandb-artifacts`, torchrun's
+    `torchelastic_*` dirs piled up in /tmp by the hundred. Defined before `rank_pools`: it outlives the pools."""
+    path = tmp_path_factory.mktemp(SESSION_DIR_PREFIX + "tmpdir", numbered=False)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    if not request.session.testsfailed:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def rank_pools():
     """The case runner's rank pools (`tests/pool`) end with the session."""
     yield

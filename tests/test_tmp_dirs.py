@@ -3,7 +3,9 @@ and filled a CI machine's disk), what failing ones wrote stays for a look, sessi
 
 from __future__ import annotations
 
+import os
 import textwrap
+from pathlib import Path
 
 INNER_CONFTEST = """
 import pytest
@@ -54,3 +56,36 @@ def test_passing_tests_dirs_go_failing_ones_stay(pytester):
     left = next(line for line in result.outlines if "LEFT" in line).split("LEFT ", 1)[1]
     # test_a's tmp_path and its module dir are gone; test_b's (failed) stay; the session dir stays
     assert left == "['per_file1', 'session-shared0', 'test_fails0']", left
+
+
+CHILD_CONFTEST = """
+from tests.conftest import SESSION_DIR_PREFIX, children_tmpdir, pytest_runtest_makereport  # noqa: F401
+"""
+
+KILLED_CHILD = """
+import os, signal, subprocess, sys
+
+def test_child_killed_after_mkdtemp(tmp_path_factory):
+    code = "import os, signal, tempfile; print(tempfile.mkdtemp(suffix='wandb-media'), flush=True); " \\
+           "os.kill(os.getpid(), signal.SIGKILL)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL
+    made = out.stdout.strip()
+    assert os.path.isdir(made)
+    print("MADE", made, "BASE", tmp_path_factory.getbasetemp())
+"""
+
+
+def test_what_killed_children_leave_in_their_tmpdir_goes_with_the_session(pytester, monkeypatch):
+    """A process a test starts makes its temp dirs under the session's dir (TMPDIR), which a passing session
+    removes: a child killed by a signal (which never cleans up, as wandb's import-time dirs) leaves nothing in /tmp."""
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    pytester.makeconftest(CHILD_CONFTEST)
+    pytester.makepyfile(test_child=KILLED_CHILD)
+    result = pytester.runpytest("-s", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.outlines if "MADE " in line)
+    made, _, base = line.split("MADE ", 1)[1].split()
+    assert made.startswith(base + "/session-tmpdir/"), line
+    assert not Path(made).exists() and not (Path(base) / "session-tmpdir").exists()
+    assert os.environ["TMPDIR"] == "/tmp"
