@@ -17,10 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_FP8 = {"tensorwise": "fp8", "blockwise": "fp8", "mxfp8": "mxfp8"}
-_FP4 = {"nvfp4": "nvfp4"}
+_FP8 = ("tensorwise", "blockwise", "mxfp8")  # the FP8 recipes a per-module config may name
 _RECIPE_KEYS = {"fp8_quantization_recipe", "fp4_quantization_recipe", "fp8_format", "override_quantized_autocast",
                 "override_nonquantized_autocast", "tp_only_amax_red", "fp8_param", "fp4_param"}
+
+
+def precision_of(fp8: str | None, fp4: str | None) -> str:
+    """The GEMM precision (the key of the peak table) of an FP8 / FP4 recipe name: nvfp4 (an FP4 recipe), mxfp8,
+    fp8 (any other FP8 recipe: tensorwise, delayed, blockwise) or bf16 (neither); the planner prices a run's GEMMs
+    and each module's under a recipe file by it."""
+    if fp4:
+        return "nvfp4"
+    if fp8:
+        return "mxfp8" if fp8 == "mxfp8" else "fp8"
+    return "bf16"
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,9 @@ def _precision(name: str, recipe: Any) -> tuple[str, bool, bool]:
     if fp8 is not None and fp8 not in _FP8:
         raise ValueError(f"config {name!r}: fp8_quantization_recipe {fp8!r} is not one of {', '.join(_FP8)} "
                          "(delayed scaling is not per-module in Megatron-Core; custom recipes are not supported here)")
-    if fp4 is not None and fp4 not in _FP4:
+    if fp4 is not None and fp4 != "nvfp4":
         raise ValueError(f"config {name!r}: fp4_quantization_recipe {fp4!r} is not nvfp4")
-    precision = _FP8[fp8] if fp8 else _FP4[fp4] if fp4 else "bf16"
-    return (precision, bool(recipe.get("override_quantized_autocast", True)),
+    return (precision_of(fp8, fp4), bool(recipe.get("override_quantized_autocast", True)),
             bool(recipe.get("override_nonquantized_autocast", False)))
 
 

@@ -62,15 +62,6 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def gemm_precision(fp8: str | None, fp4_recipe: str | None) -> str:
-    """The key of PEAK_TFLOPS the GEMMs of a run use: nvfp4, mxfp8, fp8 (any other FP8 recipe) or bf16."""
-    if fp4_recipe:
-        return "nvfp4"
-    if fp8:
-        return "mxfp8" if fp8 == "mxfp8" else "fp8"
-    return "bf16"
-
-
 def _mla_attention(m: Any) -> float:
     """MLA's attention term (projections and causal scores), in units of 12·h² FLOPs per token."""
     h, a, s = m.hidden_size, m.num_attention_heads, m.seq_length

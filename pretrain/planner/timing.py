@@ -33,7 +33,7 @@ from model_providers.core.fusions import bias_activation_fusion
 from model_providers.core.windows import window_size, windowed_layers
 from pretrain.config import ModelConfig, PerformanceConfig
 from pretrain.layout import Layout
-from pretrain.observe.flops import PEAK_TFLOPS, gemm_precision
+from pretrain.observe.flops import PEAK_TFLOPS
 from pretrain.planner import mamba
 from pretrain.planner.activations import recomputed_modules
 from pretrain.planner.census import Param, chunk_parameters, is_moe_layer, routed_width
@@ -97,10 +97,10 @@ def _gemm_s(m_rows: float, numel: int, gpu: str, precision: str, grouped: bool =
 
 
 def run_precision(m: ModelConfig, perf: PerformanceConfig, lay: Layout, gpu: str) -> str:
-    """The GEMM precision of the run on `gpu` (`flops.gemm_precision` of model.fp8 and performance.fp4_recipe; FP8 and
-    FP4 need Transformer Engine); PlanError when the GPU has no tensor cores for it (MXFP8 and NVFP4 are
+    """The GEMM precision of the run on `gpu` (`quant_recipe.precision_of` of model.fp8 and performance.fp4_recipe;
+    FP8 and FP4 need Transformer Engine); PlanError when the GPU has no tensor cores for it (MXFP8 and NVFP4 are
     Blackwell's)."""
-    precision = gemm_precision(m.fp8, perf.fp4_recipe) if lay.use_te else "bf16"
+    precision = quant_recipe.precision_of(m.fp8, perf.fp4_recipe) if lay.use_te else "bf16"
     if precision not in PEAK_TFLOPS[gpu]:
         raise PlanError(f"{gpu} has no {precision.upper()} tensor cores (known on: "
                         f"{', '.join(g for g, p in PEAK_TFLOPS.items() if precision in p)})")
