@@ -156,6 +156,11 @@ def reset_state() -> None:
 
         destroy_rerun_state_machine()
     unset_num_microbatches_calculator()
+    # The auxiliary losses' backward scales are class attributes: a case that ran a MoE backward outside Megatron's
+    # schedules (a scalar scale made on first use) broke the next case's copy of its [1]-shaped scale into it.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     tensor_parallel.random.get_cuda_rng_tracker().reset()
     moe_metrics._forget_earlier_runs()
     # A case's `without_fixes` / `without_shims` / `without_cpu_shims` blocks re-apply on exit; a case stopped
