@@ -42,6 +42,7 @@ class Cost:
     elementwise_s: float = 0.0
     host_s: float = 0.0
     offload_s: float = 0.0  # activation offloading's host transfers beyond the compute they overlap
+    kernel_s: float = 0.0  # of compute_s: the GPU's fixed time per kernel (`kernel_gpu_us`)
 
     @property
     def step_s(self) -> float:
@@ -88,7 +89,7 @@ def cost_model(cfg: Config, lay: Layout, padded_vocab: int, gpu: str, gpus_per_n
     return Cost(compute, bubble, tp, cp, pp, dp, ep_total, int(ep_bytes_mb * mb * moe_again), ep_hidden_behind,
                 optimizer, mb * work.gemm_s * again, mb * work.attention_s * again,
                 mb * work.elementwise_s * again, mb * work.host_s * again,
-                mb * _offload_exposed(cfg, lay, gpu, work.busy_s * again, work.layers))
+                mb * _offload_exposed(cfg, lay, gpu, work.busy_s * again, work.layers), mb * work.kernel_s * again)
 
 
 def _offload_exposed(cfg: Config, lay: Layout, gpu: str, microbatch_s: float, layers: int) -> float:

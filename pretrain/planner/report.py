@@ -76,8 +76,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"{cm['dp_comm_s']:.2f} + optimizer {cm['optimizer_s']:.2f} s = {cm['step_s']:.2f} s/step, "
                  f"{cm['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {cm['mfu']:.0%}")
     lines.append(f"             compute per rank: GEMMs {cm['gemm_s']:.2f} + attention {cm['attention_s']:.2f} + "
-                 f"memory-bound {cm['elementwise_s']:.2f} s (host launches {cm['host_s']:.2f} s; the larger bounds "
-                 f"it); constants: pretrain/planner/constants.py")
+                 f"memory-bound {cm['elementwise_s']:.2f} + per-kernel {cm['kernel_s']:.2f} s (host launches "
+                 f"{cm['host_s']:.2f} s; the larger bounds it); constants: pretrain/planner/constants.py")
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@ Per microbatch, the busiest pipeline rank spends (each term from this rank's own
   (T·k·EP / E per local expert, balanced routing), plus TE's FP8 casts (memory-bound) under FP8 recipes;
 - attention: causal flash attention in bf16 at `attention_efficiency` (MLA: its qk and v widths);
 - memory-bound work: norms, residuals, RoPE, SwiGLU (`elementwise_passes` h-wide passes per token), MoE permutes;
+- per kernel, a fixed GPU time beside its work (`kernel_gpu_us`: the gap to its neighbour, its ramp and last partial
+  wave), CUDA graph or not;
 - the host: when kernels are small the CPU's launches bound the layer (max of GPU time and kernels × launch time;
   CUDA graphs shrink the launch time);
 - TP all-gather/reduce-scatter (exposed `tp_overlap_exposed` with tp_comm_overlap), CP (`planner.context`),
@@ -57,6 +59,7 @@ class RankWork:
     attention_s: float = 0.0
     elementwise_s: float = 0.0
     host_s: float = 0.0  # what the kernel launches cost the host
+    kernel_s: float = 0.0  # the GPU's fixed time per kernel beside its work (`kernel_gpu_us`)
     norm_s: float = 0.0  # of elementwise_s: the norms' forward (what `layernorm` recompute runs again)
     moe_act_s: float = 0.0  # the experts' activation forward (what `moe_act` recompute runs again)
     layers: int = 0
@@ -65,7 +68,7 @@ class RankWork:
 
     @property
     def gpu_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.elementwise_s
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.kernel_s
 
     @property
     def busy_s(self) -> float:
@@ -218,6 +221,8 @@ def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, 
     w.moe_act_s = w.moe_layers * 3 * copies * (m.moe_ffn_hidden_size or 0) * p_bytes / hbm
     local_experts = (m.num_moe_experts or 0) // lay.ep
     w.host_s = host_seconds(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
+    kernels, _ = kernel_counts(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
+    w.kernel_s = kernels * value("kernel_gpu_us") * 1e-6  # captured in a graph or not: the GPU still runs each
     return w
 
 
@@ -250,11 +255,18 @@ def computed_keys(m) -> float:
 def host_seconds(perf: PerformanceConfig, dense_layers: int, moe_layers: int, local_experts: int = 0,
                  kinds: Counter | None = None) -> float:
     """The host's kernel launches of one microbatch: eager kernels at `launch_us`, those a CUDA graph captures at
-    `launch_us_cuda_graphs`. Without a scope a graph captures every layer (Megatron-Bridge's full-iteration graph
-    likewise); a scope captures its modules' kernels only (attn: the attention block of every
-    layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every MoE layer;
-    mamba: a hybrid model's Mamba layers). `kinds`: a hybrid model's layers by symbol (each one block: an attention
-    block, an MLP or MoE block without attention, a Mamba layer). `perf`: the performance section."""
+    `launch_us_cuda_graphs` (`kernel_counts`)."""
+    total, captured = kernel_counts(perf, dense_layers, moe_layers, local_experts, kinds)
+    return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
+
+
+def kernel_counts(perf: PerformanceConfig, dense_layers: int, moe_layers: int, local_experts: int = 0,
+                  kinds: Counter | None = None) -> tuple[float, float]:
+    """(kernels of one microbatch, those a CUDA graph captures). Without a scope a graph captures every layer
+    (Megatron-Bridge's full-iteration graph likewise); a scope captures its modules' kernels only (attn: the attention
+    block of every layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every
+    MoE layer; mamba: a hybrid model's Mamba layers). `kinds`: a hybrid model's layers by symbol (each one block: an
+    attention block, an MLP or MoE block without attention, a Mamba layer). `perf`: the performance section."""
     dense_k, attn_k = value("kernels_per_dense_layer"), value("kernels_attention")
     moe_k = value("kernels_per_moe_layer") + local_experts * value("kernels_per_local_expert")
     n_attn, n_mamba = dense_layers + moe_layers, 0
@@ -276,7 +288,7 @@ def host_seconds(perf: PerformanceConfig, dense_layers: int, moe_layers: int, lo
             captured += moe_layers * (moe_k - attn_k)
         else:
             captured += moe_layers * sum(value(f"kernels_{s}") for s in ("moe_router", "moe_preprocess") if s in scope)
-    return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
+    return total, captured
 
 
 def recompute_factor(m: ModelConfig, work: RankWork | None = None) -> float:

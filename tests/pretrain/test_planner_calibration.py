@@ -10,10 +10,10 @@ used to choose one; they are asserted here as well as the calibration rows, at t
 - full tier: the whole table (every model supported; Nemotron 3 Super's 16 rows need Megatron-Core 0.19+ for its
   recipe's MTP and are refused with that reason before it). Every planned row fits (the five whose tabulated layout
   cannot run or fit are planned with their release recipe's layout: `published_recipes.yaml` errata). Of the 176
-  calibration rows 144 fit and are within ±15% on 0.16.1, 152 on 0.19.2; of the 44 held-out rows 37 and 41; every
+  calibration rows 148 fit and are within ±15% on 0.16.1, 158 on 0.19.2; of the 44 held-out rows 37 and 41; every
   planned held-out row is within ×0.75–×1.75 (its worst: 1.69, a 26.02 H100 run published at 0.56× the same layout's
-  26.02.01 figure); the held-out rows' mean absolute log residual per GPU kind within what was met (B200 0.105, B300
-  0.032, GB200 0.070, GB300 0.054, H100 0.113, the larger of the two releases: asserted with 10% slack); FLOPs per
+  26.02.01 figure); the held-out rows' mean absolute log residual per GPU kind within what was met (B200 0.090, B300
+  0.032, GB200 0.069, GB300 0.064, H100 0.118, the larger of the two releases: asserted with 10% slack); FLOPs per
   token within ±3% on every planned row.
 """
 
@@ -31,7 +31,7 @@ ROWS = read_table()
 # (row, GPU kind): held out but for the GB200 NVL72 DeepSeek-V3 row (calibration)
 SAMPLE = [(214, "h100"), (144, "b200"), (124, "b300"), (19, "gb200"), (15, "gb200"), (9, "gb300")]
 # The held-out rows' mean absolute log residual per GPU kind, as met (docs/performance.md), with 10% slack.
-HELD_OUT_RESIDUAL = {"b200": 0.105, "b300": 0.032, "gb200": 0.070, "gb300": 0.054, "h100": 0.113}
+HELD_OUT_RESIDUAL = {"b200": 0.090, "b300": 0.032, "gb200": 0.069, "gb300": 0.064, "h100": 0.118}
 
 
 def test_constants_have_sources_and_the_held_out_rule_is_fixed():
@@ -76,7 +76,7 @@ def test_whole_table_calibration_and_held_out_rows():
     worst = max(abs(math.log(p.ratio)) for p in held if p.ratio)
     print(f"calibration {ok_calibration}/{len(calibration)}, held out {ok_held}/{len(held)}, worst held-out "
           f"×{math.exp(worst):.2f}")
-    assert len(calibration) == 176 and ok_calibration >= (152 if mtp else 144)
+    assert len(calibration) == 176 and ok_calibration >= (158 if mtp else 148)
     assert len(held) == 44 and ok_held >= (41 if mtp else 37)
     assert all(0.75 <= p.ratio <= 1.75 for p in held if p.ratio)
     for gpu, met in HELD_OUT_RESIDUAL.items():

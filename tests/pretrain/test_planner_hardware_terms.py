@@ -75,3 +75,23 @@ def test_nemotron3_nano_costs_its_mamba_layers():
     p = plan_row(row, Harness.load())
     print(f"{p.name}: ×{p.ratio:.2f}, FLOPs ×{p.flops_ratio:.3f}, {p.memory_gib:.1f} GiB (margin {p.margin_gib:+.1f})")
     assert p.fits and abs(p.ratio - 1) <= 0.15 and abs(p.flops_ratio - 1) <= 0.03
+
+
+def test_each_kernel_costs_the_gpu_its_fixed_time_graph_or_not():
+    """`kernel_gpu_us`: every kernel holds the GPU a fixed time beside its work (its gap to the one before, ramp, last
+    partial wave), whether the host launched it or a CUDA graph replayed it. A graph shrinks the host's launches, not
+    that time; both terms count the same kernels, so in eager mode they stand in the ratio of their per-kernel costs;
+    per microbatch, so twice the batch is twice the time."""
+    def cost(*extra: str) -> dict:
+        overrides = ["data.mock=true", "parallel.pipeline=1", "parallel.virtual_pipeline=null", "parallel.expert=8",
+                     "train.micro_batch_size=1", *extra]
+        return make_plan(load_config("qwen3_30b_a3b", overrides), 1, 8, "b200")["cost_model"]
+
+    eager = cost("train.global_batch_size=64")
+    graphed = cost("train.global_batch_size=64", "performance.cuda_graph_impl=local")
+    double = cost("train.global_batch_size=128")
+    assert eager["kernel_s"] > 0 and graphed["kernel_s"] == pytest.approx(eager["kernel_s"])
+    assert graphed["host_s"] == pytest.approx(eager["host_s"] * value("launch_us_cuda_graphs") / value("launch_us"))
+    assert eager["kernel_s"] / eager["host_s"] == pytest.approx(value("kernel_gpu_us") / value("launch_us"))
+    assert double["kernel_s"] == pytest.approx(2 * eager["kernel_s"])
+    assert graphed["compute_s"] < eager["compute_s"]  # eager, this layout is host-bound
