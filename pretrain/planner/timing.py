@@ -220,9 +220,11 @@ def rank_work(m: ModelConfig, perf: PerformanceConfig, lay: Layout, vocab: int, 
     w.norm_s = w.blocks * 2 * rows * h * p_bytes / hbm
     w.moe_act_s = w.moe_layers * 3 * copies * (m.moe_ffn_hidden_size or 0) * p_bytes / hbm
     local_experts = (m.num_moe_experts or 0) // lay.ep
-    w.host_s = host_seconds(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
-    kernels, _ = kernel_counts(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
-    w.kernel_s = kernels * value("kernel_gpu_us") * 1e-6  # captured in a graph or not: the GPU still runs each
+    kernels, captured = kernel_counts(perf, w.layers - w.moe_layers, w.moe_layers, local_experts, kinds)
+    # the host launches eager kernels at `launch_us`, those a CUDA graph captures at `launch_us_cuda_graphs`; the GPU
+    # spends `kernel_gpu_us` on each, captured or not
+    w.host_s = ((kernels - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
+    w.kernel_s = kernels * value("kernel_gpu_us") * 1e-6
     return w
 
 
@@ -252,21 +254,14 @@ def computed_keys(m) -> float:
     return (windowed * min(full, size[0] + 1 + tile) + (m.num_layers - windowed) * full) / m.num_layers
 
 
-def host_seconds(perf: PerformanceConfig, dense_layers: int, moe_layers: int, local_experts: int = 0,
-                 kinds: Counter | None = None) -> float:
-    """The host's kernel launches of one microbatch: eager kernels at `launch_us`, those a CUDA graph captures at
-    `launch_us_cuda_graphs` (`kernel_counts`)."""
-    total, captured = kernel_counts(perf, dense_layers, moe_layers, local_experts, kinds)
-    return ((total - captured) * value("launch_us") + captured * value("launch_us_cuda_graphs")) * 1e-6
-
-
 def kernel_counts(perf: PerformanceConfig, dense_layers: int, moe_layers: int, local_experts: int = 0,
                   kinds: Counter | None = None) -> tuple[float, float]:
-    """(kernels of one microbatch, those a CUDA graph captures). Without a scope a graph captures every layer
-    (Megatron-Bridge's full-iteration graph likewise); a scope captures its modules' kernels only (attn: the attention
-    block of every layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP; moe_router, moe_preprocess: those of every
-    MoE layer; mamba: a hybrid model's Mamba layers). `kinds`: a hybrid model's layers by symbol (each one block: an
-    attention block, an MLP or MoE block without attention, a Mamba layer). `perf`: the performance section."""
+    """(kernels of one microbatch, those a CUDA graph captures): what the host launches and the GPU runs. Without a
+    scope a graph captures every layer (Megatron-Bridge's full-iteration graph likewise); a scope captures its modules'
+    kernels only (attn: the attention block of every layer; mlp: a dense layer's MLP; moe: a MoE layer's MLP;
+    moe_router, moe_preprocess: those of every MoE layer; mamba: a hybrid model's Mamba layers). `kinds`: a hybrid
+    model's layers by symbol (each one block: an attention block, an MLP or MoE block without attention, a Mamba
+    layer). `perf`: the performance section."""
     dense_k, attn_k = value("kernels_per_dense_layer"), value("kernels_attention")
     moe_k = value("kernels_per_moe_layer") + local_experts * value("kernels_per_local_expert")
     n_attn, n_mamba = dense_layers + moe_layers, 0

@@ -161,6 +161,10 @@ def reset_state() -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    with contextlib.suppress(ImportError):  # the same class state for DeepSeek sparse attention's indexer loss (0.17+)
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = None
     tensor_parallel.random.get_cuda_rng_tracker().reset()
     moe_metrics._forget_earlier_runs()
     # A case's `without_fixes` / `without_shims` / `without_cpu_shims` blocks re-apply on exit; a case stopped
