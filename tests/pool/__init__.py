@@ -11,6 +11,7 @@ timeout or ends a case with a non-zero status is ended (its whole process group)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import shutil
@@ -98,6 +99,29 @@ def stop_all() -> None:
         stop_pool(world)
 
 
+def _server_log_size(pool: Pool) -> int:
+    path = pool.dir / "server.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def _report_pool_end(pool: Pool, log: Path, offset: int) -> None:
+    """What the pool's launcher printed since `offset` (torchrun's report of a rank killed by a signal, "Signal 11
+    (SIGSEGV) received by PID ...", which the rank itself cannot print), appended to the case's log before the
+    pool and its log are removed. A rank that is gone gets its launcher a moment to notice and say so."""
+    if pool.alive():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pool.proc.wait(timeout=GRACE_S)
+    path = pool.dir / "server.log"
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace").strip()
+    if text:
+        with log.open("a") as out:
+            out.write(f"\n[pool] the rank pool's launcher printed during this case:\n{text}\n")
+
+
 def _ranks_done(pool: Pool, n: int) -> dict[int, dict]:
     done = {}
     for r in range(pool.world):
@@ -122,6 +146,7 @@ def run_case(world: int, module: str, argv: list[str], log: str | Path, timeout:
         _wait_ready(pool)
     n = pool.next_case
     pool.next_case += 1
+    offset = _server_log_size(pool)
     write_json(pool.dir / f"case-{n}.json",
                {"module": module, "argv": [str(a) for a in argv], "env": env or {}, "log": str(log), "name": name})
     end, failed_at = started + timeout, None
@@ -135,12 +160,16 @@ def run_case(world: int, module: str, argv: list[str], log: str | Path, timeout:
             break  # the other ranks wait in a collective for the failed one
         if not pool.alive() or time.monotonic() > end:
             why = f"timed out after {timeout:.0f} s" if pool.alive() else f"pool exited ({pool.proc.poll()})"
+            if not pool.alive():  # (a hang gets no launcher report)
+                _report_pool_end(pool, log, offset)
             stop_pool(world)
             launch_ledger.record_case(name, world, time.monotonic() - started)
             raise AssertionError(f"pool case {name!r} on {world} rank(s): {why}\n{log_text(log)[-4000:]}")
         time.sleep(POLL_S)
     rc = max([d["rc"] for d in done.values()] + ([1] if len(done) < world else []))
     retired = sorted({d["retire"] for d in done.values() if d.get("retire")})
+    if len(done) < world:
+        _report_pool_end(pool, log, offset)  # a rank did not report: it died, and the launcher says how
     if rc != 0 or retired:
         stop_pool(world)  # its state may be poisoned (or worn out); the next case starts a fresh pool
     # The ledger names why a pool ended after this case: each restart costs the next case a pool start.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import importlib
 import json
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain import compat
 
     pool = Path((sys.argv[1:] if argv is None else argv)[0])
+    # A native crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to fd 2: the running case's log.
+    faulthandler.enable(all_threads=True)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     compat.apply()  # as every trainer does at start-up; the CPU shims must precede Megatron's first use
     if world > 1:

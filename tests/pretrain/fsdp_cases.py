@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -113,8 +114,18 @@ def fsdp_on_one_rank() -> bool:
 
 
 # Native crashes of a rank seen on megatron-core 0.19.2 with Megatron-FSDP on CPU (not in our Python): glibc's abort
-# on a corrupted heap, or a SIGSEGV in the step after a save (1 of 4 fresh-clone CI runs on 2026-12-04).
-NATIVE_FLAKES = ("malloc(): unaligned tcache chunk detected", "Signal 11 (SIGSEGV) received by PID")
+# on a corrupted heap, or a SIGSEGV (in the step after a save, 1 of 4 fresh-clone CI runs on 2026-12-04; on loading
+# a distributed-optimizer checkpoint into Megatron-FSDP, 1 of 6 on 2026-12-05). The class: a rank killed by SIGSEGV,
+# SIGBUS or SIGABRT (torchrun's report, which the pool appends to the case's log) or glibc's heap-check messages.
+# A Python error is never one of them: it ends the rank with a traceback and an exit status.
+NATIVE_FLAKES = re.compile(r"Signal (?:6|7|11) \(SIG(?:ABRT|BUS|SEGV)\) received by PID \d+|"
+                           r"(?:malloc|free|realloc)\(\): [a-z ]+|double free or corruption[^\n]*|"
+                           r"corrupted (?:size vs\. prev_size|double-linked list)[^\n]*")
+
+
+def _run_dirs(cases: list[dict]) -> list[Path]:
+    return [Path(item.split("=", 1)[1]) for case in cases for item in case.get("overrides", [])
+            if item.startswith("run.dir=")]
 
 
 def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str = "") -> tuple[int, dict]:
@@ -135,19 +146,26 @@ def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str =
     results = root / f"results{world}{tag}.json"
     plan.write_text(json.dumps({"results": str(results), "cases": cases}))
     log = root / f"world{world}{tag}.log"
+    # Run dirs an earlier launch wrote that this one continues in place ("resumed" saves into "killed"): kept as they
+    # were, so that a rerun starts from what the first try started from.
+    before = {d: d.with_name(d.name + ".before-launch") for d in _run_dirs(cases) if d.exists()}
+    for d, copy in before.items():
+        shutil.copytree(d, copy, dirs_exist_ok=True)
     rc = once()
-    flake = next((f for f in NATIVE_FLAKES if f in log_text(log)), None) if rc != 0 else None
+    flake = NATIVE_FLAKES.search(log_text(log)) if rc != 0 else None
     if flake:
-        # A native crash (NATIVE_FLAKES), not our Python: the launch is rerun once from clean run dirs, and said; a
-        # second crash fails the test.
-        print(f"world {world}{tag}: {flake!r} in a rank: launching again once")
-        for case in cases:
-            for item in case.get("overrides", []):
-                if item.startswith("run.dir="):
-                    shutil.rmtree(item.split("=", 1)[1], ignore_errors=True)
+        # A native crash (NATIVE_FLAKES), not our Python: the launch is rerun once from the run dirs as they were
+        # before it, and said; a second crash fails the test.
+        print(f"world {world}{tag}: {flake.group(0)!r} in a rank: launching again once")
+        for d in _run_dirs(cases):
+            shutil.rmtree(d, ignore_errors=True)
+            if d in before:
+                shutil.copytree(before[d], d)
         results.unlink(missing_ok=True)
         log.rename(log.with_suffix(".flake.log"))
         rc = once()
+    for copy in before.values():
+        shutil.rmtree(copy, ignore_errors=True)
     found = json.loads(results.read_text()) if results.exists() else {}
     if rc != 0 and not tag:
         raise AssertionError(log_text(log)[-4000:])
