@@ -114,10 +114,10 @@ def fsdp_on_one_rank() -> bool:
 
 
 # Native crashes of a rank seen on megatron-core 0.19.2 with Megatron-FSDP on CPU (not in our Python): glibc's abort
-# on a corrupted heap, or a SIGSEGV (in the step after a save, 1 of 4 fresh-clone CI runs on 2026-12-04; on loading
-# a distributed-optimizer checkpoint into Megatron-FSDP, 1 of 6 on 2026-12-05). The class: a rank killed by SIGSEGV,
-# SIGBUS or SIGABRT (torchrun's report, which the pool appends to the case's log) or glibc's heap-check messages.
-# A Python error is never one of them: it ends the rank with a traceback and an exit status.
+# on a corrupted heap, or a SIGSEGV (in the step after a save, 1 of 4 fresh-clone CI runs on 2026-12-04; in the first
+# step after loading a distributed-optimizer checkpoint into Megatron-FSDP, one CI run on 2026-12-05). The class: a
+# rank killed by SIGSEGV, SIGBUS or SIGABRT (torchrun's report, which the pool appends to the case's log) or glibc's
+# heap-check messages. A Python error is never one of them: it ends the rank with a traceback and an exit status.
 NATIVE_FLAKES = re.compile(r"Signal (?:6|7|11) \(SIG(?:ABRT|BUS|SEGV)\) received by PID \d+|"
                            r"(?:malloc|free|realloc)\(\): [a-z ]+|double free or corruption[^\n]*|"
                            r"corrupted (?:size vs\. prev_size|double-linked list)[^\n]*")
