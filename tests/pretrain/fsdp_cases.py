@@ -148,7 +148,8 @@ def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str =
     log = root / f"world{world}{tag}.log"
     # Run dirs an earlier launch wrote that this one continues in place ("resumed" saves into "killed"): kept as they
     # were, so that a rerun starts from what the first try started from.
-    before = {d: d.with_name(d.name + ".before-launch") for d in _run_dirs(cases) if d.exists()}
+    run_dirs = _run_dirs(cases)
+    before = {d: d.with_name(d.name + ".before-launch") for d in run_dirs if d.exists()}
     for d, copy in before.items():
         shutil.copytree(d, copy, dirs_exist_ok=True)
     rc = once()
@@ -157,7 +158,7 @@ def launch(root: Path, world: int, cases: list[dict], timeout: float, tag: str =
         # A native crash (NATIVE_FLAKES), not our Python: the launch is rerun once from the run dirs as they were
         # before it, and said; a second crash fails the test.
         print(f"world {world}{tag}: {flake.group(0)!r} in a rank: launching again once")
-        for d in _run_dirs(cases):
+        for d in run_dirs:
             shutil.rmtree(d, ignore_errors=True)
             if d in before:
                 shutil.copytree(before[d], d)
